@@ -1,0 +1,1 @@
+#include "optimized/rope_table.h"

@@ -1,0 +1,66 @@
+#include "reference/policy.h"
+
+#include <algorithm>
+
+namespace kvcheck::reference {
+
+std::int64_t evicted_count(const Policy& policy, std::int64_t t) {
+  if (policy.kind != PolicyKind::sink) return 0;
+  const std::int64_t over = std::max<std::int64_t>(0, t + 1 - policy.window);
+  const std::int64_t k = policy.evict;
+  return k * ((over + k - 1) / k);
+}
+
+QueryView streaming_view(const Policy& policy, std::int64_t t) {
+  QueryView view;
+  switch (policy.kind) {
+    case PolicyKind::full:
+      view.query_position = t;
+      for (std::int64_t j = 0; j <= t; ++j) view.keys.push_back({j, j});
+      break;
+    case PolicyKind::sliding:
+      view.query_position = t;
+      for (std::int64_t j = std::max<std::int64_t>(0, t - policy.window + 1); j <= t; ++j)
+        view.keys.push_back({j, j});
+      break;
+    case PolicyKind::sink: {
+      const std::int64_t s = policy.sinks;
+      const std::int64_t e = evicted_count(policy, t);
+      const bool shifted = policy.positions == SinkPositions::cache;
+      view.query_position = shifted ? t - e : t;
+      for (std::int64_t j = 0; j < std::min(s, t + 1); ++j) view.keys.push_back({j, j});
+      for (std::int64_t j = s + e; j <= t; ++j) view.keys.push_back({j, shifted ? j - e : j});
+      break;
+    }
+  }
+  return view;
+}
+
+QueryView chunk_view(const Policy& policy, std::int64_t chunk_start, std::int64_t t) {
+  if (policy.prefill == Prefill::streaming || t == chunk_start) return streaming_view(policy, t);
+
+  // Dense: the whole chunk is one forward over what the cache held before it.
+  QueryView view;
+  for (const VisibleKey& key : streaming_view(policy, chunk_start).keys)
+    if (key.index != chunk_start) view.keys.push_back(key);
+  for (std::int64_t j = chunk_start; j <= t; ++j) view.keys.push_back({j, j});
+
+  const bool absolute = policy.kind != PolicyKind::sink || policy.positions == SinkPositions::original;
+  if (absolute) {
+    for (VisibleKey& key : view.keys) key.position = key.index;
+    view.query_position = t;
+  } else {
+    // A key's position is its place in the list.
+    for (std::size_t place = 0; place < view.keys.size(); ++place)
+      view.keys[place].position = static_cast<std::int64_t>(place);
+    view.query_position = static_cast<std::int64_t>(view.keys.size()) - 1;
+  }
+  return view;
+}
+
+QueryView retained_view(const Policy& policy, std::int64_t length) {
+  if (length == 0) return {};
+  return streaming_view(policy, length - 1);
+}
+
+}  // namespace kvcheck::reference

@@ -1,0 +1,37 @@
+// Which keys a token sees and at which positions: the policy table of SPEC section 3,
+// written as directly as the table reads. Tokens are named by their index t in the row.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "reference/model.h"
+
+namespace kvcheck::reference {
+
+struct VisibleKey {
+  std::int64_t index;     // token index j in the row
+  std::int64_t position;  // Pk(t, j)
+};
+
+struct QueryView {
+  std::int64_t query_position = 0;  // Pq(t)
+  std::vector<VisibleKey> keys;     // V(t), in index order
+};
+
+// E(t) = k * ceil(max(0, t + 1 - W) / k): tokens evicted when t is the newest (sink only).
+std::int64_t evicted_count(const Policy& policy, std::int64_t t);
+
+// V(t), Pk, Pq under the streaming rule: token t fed as the newest token.
+QueryView streaming_view(const Policy& policy, std::int64_t t);
+
+// The view of token t inside a chunk that starts at chunk_start, honouring
+// `prefill: dense` (the base is V(chunk_start) without chunk_start, then the chunk
+// causally). Under streaming prefill this is streaming_view(t).
+QueryView chunk_view(const Policy& policy, std::int64_t chunk_start, std::int64_t t);
+
+// The retained set of a row of `length` tokens: what its last token attends to under the
+// streaming rule, with the positions that token sees. Empty for length 0.
+QueryView retained_view(const Policy& policy, std::int64_t length);
+
+}  // namespace kvcheck::reference

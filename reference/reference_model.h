@@ -1,0 +1,78 @@
+// The naive reference: every row keeps its whole history, and every appended token's
+// attention is recomputed from scratch with V(t), Pq and Pk from the policy table.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "reference/model.h"
+#include "reference/policy.h"
+
+namespace kvcheck::reference {
+
+// A step that a cache of this policy must refuse (SPEC 4, crop). `code` is the name a
+// scenario uses in `expect_error`.
+struct StepRefused : std::runtime_error {
+  std::string code;
+  StepRefused(std::string code_, const std::string& message)
+      : std::runtime_error(message), code(std::move(code_)) {}
+};
+
+struct AppendedToken {
+  std::uint64_t uid;
+  std::int64_t index;  // token index t in its row
+  QueryView view;      // what it attended to
+};
+
+struct AppendResult {
+  std::int64_t chunk = 0;                         // n, the longest chunk of the step
+  std::vector<std::vector<AppendedToken>> rows;   // real tokens only, per row
+  std::vector<double> out;                        // [L, B, n, H, D], NaN where padded
+};
+
+struct RetainedKey {
+  std::uint64_t uid;
+  std::int64_t index;
+  std::int64_t position;  // Pk as seen by the row's last token
+};
+
+struct RowRetained {
+  std::vector<RetainedKey> keys;
+  std::int64_t query_position = 0;  // Pq of the row's last token (0 for an empty row)
+};
+
+class ReferenceModel {
+ public:
+  // `scale` is the softmax scale; `inputs` must hold every uid the run will create.
+  ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
+                 const InputTable& inputs);
+
+  // counts[b] new tokens for row b (left-padded to the longest); size must equal batch().
+  AppendResult append(const std::vector<std::int64_t>& counts);
+  void reorder(const std::vector<int>& rows);
+  void reset(int batch);
+  // Every row keeps its first `length` tokens. Throws StepRefused("crop_evicted") when
+  // the retained set of the cropped row holds a token this policy has already evicted.
+  void crop(std::int64_t length);
+
+  int batch() const { return static_cast<int>(histories_.size()); }
+  std::uint64_t next_uid() const { return next_uid_; }
+  const std::vector<std::uint64_t>& history(int row) const { return histories_.at(row); }
+  RowRetained retained(int row) const;
+
+ private:
+  std::vector<double> head_output(int layer, int head, const std::vector<std::uint64_t>& row,
+                                  std::int64_t t, const QueryView& view) const;
+
+  Dims dims_;
+  Rope rope_;
+  Policy policy_;
+  double scale_;
+  const InputTable& inputs_;
+  std::vector<std::vector<std::uint64_t>> histories_;  // per row, uid of token index t
+  std::uint64_t next_uid_ = 0;
+};
+
+}  // namespace kvcheck::reference

@@ -1,0 +1,102 @@
+// V(t), Pk and Pq of the reference against tables written by hand from SPEC 3.
+#include <gtest/gtest.h>
+
+#include <utility>
+#include <vector>
+
+#include "reference/policy.h"
+
+using namespace kvcheck;
+using namespace kvcheck::reference;
+
+namespace {
+
+// (index, position) pairs, then Pq.
+using Table = std::vector<std::pair<std::int64_t, std::int64_t>>;
+
+void expect_view(const QueryView& view, const Table& keys, std::int64_t pq) {
+  Table got;
+  for (const VisibleKey& k : view.keys) got.push_back({k.index, k.position});
+  EXPECT_EQ(got, keys);
+  EXPECT_EQ(view.query_position, pq);
+}
+
+Policy sink(std::int64_t s, std::int64_t w, std::int64_t k = 1) {
+  Policy p;
+  p.kind = PolicyKind::sink;
+  p.sinks = s;
+  p.window = w;
+  p.evict = k;
+  return p;
+}
+
+}  // namespace
+
+TEST(Policy, Full) {
+  Policy p;
+  expect_view(streaming_view(p, 0), {{0, 0}}, 0);
+  expect_view(streaming_view(p, 3), {{0, 0}, {1, 1}, {2, 2}, {3, 3}}, 3);
+}
+
+TEST(Policy, SlidingCountsTheQueryItself) {
+  Policy p;
+  p.kind = PolicyKind::sliding;
+  p.window = 3;
+  expect_view(streaming_view(p, 1), {{0, 0}, {1, 1}}, 1);
+  expect_view(streaming_view(p, 2), {{0, 0}, {1, 1}, {2, 2}}, 2);  // t = W - 1
+  expect_view(streaming_view(p, 3), {{1, 1}, {2, 2}, {3, 3}}, 3);  // t = W
+  expect_view(streaming_view(p, 4), {{2, 2}, {3, 3}, {4, 4}}, 4);
+}
+
+TEST(Policy, SinkShiftsPositionsAfterEviction) {
+  const Policy p = sink(2, 5);
+  expect_view(streaming_view(p, 0), {{0, 0}}, 0);                                   // t < S
+  expect_view(streaming_view(p, 1), {{0, 0}, {1, 1}}, 1);                           // t = S - 1
+  expect_view(streaming_view(p, 4), {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}}, 4);   // t = W - 1
+  expect_view(streaming_view(p, 5), {{0, 0}, {1, 1}, {3, 2}, {4, 3}, {5, 4}}, 4);   // t = W
+  expect_view(streaming_view(p, 7), {{0, 0}, {1, 1}, {5, 2}, {6, 3}, {7, 4}}, 4);
+}
+
+TEST(Policy, SinkOriginalPositionsKeepIndices) {
+  Policy p = sink(2, 5);
+  p.positions = SinkPositions::original;
+  expect_view(streaming_view(p, 5), {{0, 0}, {1, 1}, {3, 3}, {4, 4}, {5, 5}}, 5);
+}
+
+TEST(Policy, SinkEvictsInBlocks) {
+  // llama.cpp context shift: S = 1, W = 5, k = 2.
+  const Policy p = sink(1, 5, 2);
+  EXPECT_EQ(evicted_count(p, 4), 0);
+  EXPECT_EQ(evicted_count(p, 5), 2);
+  EXPECT_EQ(evicted_count(p, 6), 2);
+  EXPECT_EQ(evicted_count(p, 7), 4);
+  expect_view(streaming_view(p, 5), {{0, 0}, {3, 1}, {4, 2}, {5, 3}}, 3);
+  expect_view(streaming_view(p, 6), {{0, 0}, {3, 1}, {4, 2}, {5, 3}, {6, 4}}, 4);
+  expect_view(streaming_view(p, 7), {{0, 0}, {5, 1}, {6, 2}, {7, 3}}, 3);
+}
+
+TEST(Policy, SinkWithoutSinksHasSlidingDistances) {
+  const Policy p = sink(0, 3);
+  expect_view(streaming_view(p, 4), {{2, 0}, {3, 1}, {4, 2}}, 2);
+}
+
+TEST(Policy, DensePrefillSeesTheWholeChunkAtListPositions) {
+  Policy p = sink(1, 4);
+  p.prefill = Prefill::dense;
+  // A first chunk of 6 tokens: one dense forward, no eviction inside it.
+  expect_view(chunk_view(p, 0, 5), {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}}, 5);
+  // A later chunk from t0 = 6: base = V(6) without 6 = {0, 4, 5}.
+  expect_view(chunk_view(p, 6, 7), {{0, 0}, {4, 1}, {5, 2}, {6, 3}, {7, 4}}, 4);
+  expect_view(chunk_view(p, 6, 8), {{0, 0}, {4, 1}, {5, 2}, {6, 3}, {7, 4}, {8, 5}}, 5);
+  // The chunk's first token is the same as streaming.
+  expect_view(chunk_view(p, 6, 6), {{0, 0}, {4, 1}, {5, 2}, {6, 3}}, 3);
+  p.positions = SinkPositions::original;
+  expect_view(chunk_view(p, 6, 7), {{0, 0}, {4, 4}, {5, 5}, {6, 6}, {7, 7}}, 7);
+}
+
+TEST(Policy, RetainedSetIsWhatTheLastTokenSees) {
+  const Policy p = sink(2, 5);
+  expect_view(retained_view(p, 8), {{0, 0}, {1, 1}, {5, 2}, {6, 3}, {7, 4}}, 4);
+  EXPECT_TRUE(retained_view(p, 0).keys.empty());
+  expect_view(retained_view(p, 1), {{0, 0}}, 0);
+}

@@ -1,0 +1,123 @@
+// Scenario validation: every error names the file, the JSON path and what was expected.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tools/harness/scenario.h"
+
+using kvcheck::InputError;
+using kvcheck::parse_scenario;
+
+namespace {
+
+// A valid scenario with one field replaced by `patch` (a raw JSON fragment per key).
+std::string scenario(const std::string& dims = R"({"layers": 1, "batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 8})",
+                     const std::string& policy = R"({"type": "sink", "sinks": 2, "window": 8})",
+                     const std::string& steps = R"([{"op": "append", "tokens": 5}])",
+                     const std::string& extra = "") {
+  return R"({"name": "t", "dimensions": )" + dims + R"(, "policy": )" + policy + R"(, "steps": )" + steps + extra +
+         "}";
+}
+
+std::string error_of(const std::string& text) {
+  try {
+    parse_scenario(text, "s.json");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST(ScenarioValidation, AcceptsAValidScenario) {
+  const auto s = parse_scenario(scenario(), "s.json");
+  EXPECT_EQ(s.dims.heads, 4);
+  EXPECT_EQ(s.policy.sinks, 2);
+  EXPECT_EQ(s.steps.size(), 1u);
+}
+
+TEST(ScenarioValidation, UnknownKeyIsATypo) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})",
+                              R"({"type": "sink", "sinks": 2, "widow": 8})")),
+            "s.json: /policy/widow: unknown key \"widow\" (expected one of: type, sinks, window, evict, positions, "
+            "prefill)");
+}
+
+TEST(ScenarioValidation, HeadsMustBeAMultipleOfKvHeads) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "kv_heads": 3, "head_dim": 8})")),
+            "s.json: /dimensions/kv_heads: heads (4) must be a multiple of kv_heads (3)");
+}
+
+TEST(ScenarioValidation, HeadDimMustBeEven) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 7})")),
+            "s.json: /dimensions/head_dim: expected an even head_dim, got 7");
+}
+
+TEST(ScenarioValidation, SizesMustBePositive) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 0, "batch": 2, "heads": 4, "head_dim": 8})")),
+            "s.json: /dimensions/layers: expected an integer >= 1, got 0");
+}
+
+TEST(ScenarioValidation, SinksMustBeBelowTheWindow) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})",
+                              R"({"type": "sink", "sinks": 8, "window": 8})")),
+            "s.json: /policy/sinks: expected sinks < window (8), got 8");
+}
+
+TEST(ScenarioValidation, EvictMustFitBesideTheSinks) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})",
+                              R"({"type": "sink", "sinks": 2, "window": 8, "evict": 7})")),
+            "s.json: /policy/evict: expected 1 <= evict <= window - sinks (6), got 7");
+}
+
+TEST(ScenarioValidation, PerRowCountsMustMatchTheBatch) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})",
+                              R"({"type": "full"})", R"([{"op": "append", "tokens": [1, 2, 3]}])")),
+            "s.json: /steps/0/tokens: expected one count per row (2 rows), got 3");
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 2}, {"op": "append", "tokens": [1, -2]}])")),
+            "s.json: /steps/1/tokens/1: expected an integer >= 0, got -2");
+}
+
+TEST(ScenarioValidation, ReorderIndicesMustBeInRangeOfTheCurrentBatch) {
+  // After the first reorder the batch has 3 rows, so row 3 is out of range.
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 2}, {"op": "reorder", "rows": [0, 0, 1]},
+                                  {"op": "reorder", "rows": [2, 3]}])")),
+            "s.json: /steps/2/rows/1: expected a row index below 3, got 3");
+}
+
+TEST(ScenarioValidation, UnknownOpAndUnknownErrorName) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "apend", "tokens": 2}])")),
+            "s.json: /steps/0/op: expected one of append, decode, reorder, reset, crop, got \"apend\"");
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "crop", "length": 2, "expect_error": "oops"}])")),
+            "s.json: /steps/0/expect_error: expected one of crop_evicted, got \"oops\"");
+}
+
+TEST(ScenarioValidation, MissingFieldAndBadJson) {
+  EXPECT_EQ(error_of(R"({"name": "t", "policy": {"type": "full"}, "steps": []})"),
+            "s.json: /dimensions: missing required field");
+  EXPECT_EQ(error_of("{\n  \"name\": \"t\",\n  \"dimensions\": {,\n}"),
+            "s.json: /: not valid JSON: parse error at line 3, column 18: syntax error while parsing object key - "
+            "unexpected ','; expected string literal");
+}
+
+TEST(ScenarioValidation, LinearScalingNeedsAFactor) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 2}])", R"(, "rope": {"scaling": "linear"})")),
+            "s.json: /rope/factor: missing required field");
+}
+
+TEST(ScenarioValidation, DecodeExpandsIntoSingleTokenAppends) {
+  const auto s = parse_scenario(scenario(R"({"layers": 1, "batch": 2, "heads": 1, "head_dim": 2})",
+                                         R"({"type": "full"})",
+                                         R"([{"op": "append", "tokens": 3}, {"op": "decode", "steps": 4}])"),
+                                "s.json");
+  ASSERT_EQ(s.steps.size(), 5u);
+  EXPECT_EQ(s.steps[4].tokens, (std::vector<std::int64_t>{1, 1}));
+  EXPECT_EQ(s.steps[4].source_index, 1);
+  EXPECT_EQ(kvcheck::count_uids(s), 2 * 3 + 2 * 4);
+}

@@ -1,0 +1,125 @@
+// kvcheck: checks KV caches against the naive reference (see README.md and SPEC.md).
+// Exit status: 0 every check passed, 1 a check failed, 2 bad input or usage.
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "tools/harness/export.h"
+#include "tools/harness/inputs.h"
+#include "tools/harness/reference_run.h"
+#include "tools/harness/report.h"
+#include "tools/harness/runner.h"
+#include "tools/harness/scenario.h"
+
+namespace {
+
+using namespace kvcheck;
+
+constexpr int kPass = 0, kFail = 1, kBadInput = 2;
+
+std::string default_scenarios() { return std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios"; }
+
+void print_input_error(const InputError& e) { fmt::print(stderr, "kvcheck: error: {}\n", e.what()); }
+
+// Every scenario file under the given paths, in order; bad paths are input errors.
+std::vector<std::string> collect(const std::vector<std::string>& paths) {
+  std::vector<std::string> files;
+  for (const std::string& path : paths.empty() ? std::vector<std::string>{default_scenarios()} : paths)
+    for (std::string& f : scenario_files(path)) files.push_back(std::move(f));
+  return files;
+}
+
+int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, const std::string& junit,
+            const std::string& json) {
+  std::vector<Outcome> outcomes;
+  bool bad_input = false;
+  const std::vector<std::string> files = collect(paths);
+  const bool progress = ::isatty(STDERR_FILENO) && files.size() > 1;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    if (progress) fmt::print(stderr, "\r[{}/{}] {}\033[K", i + 1, files.size(), files[i]);
+    try {
+      const Scenario scenario = load_scenario(files[i]);
+      for (Outcome& o : run_scenario(scenario, options)) outcomes.push_back(std::move(o));
+    } catch (const InputError& e) {
+      if (progress) fmt::print(stderr, "\r\033[K");
+      print_input_error(e);
+      bad_input = true;
+    }
+  }
+  if (progress) fmt::print(stderr, "\r\033[K");
+  print_table(stdout, outcomes, ::isatty(STDOUT_FILENO));
+  if (!junit.empty()) write_junit(junit, outcomes);
+  if (!json.empty()) write_json_report(json, outcomes);
+  if (bad_input) return kBadInput;
+  for (const Outcome& o : outcomes)
+    if (!o.passed()) return kFail;
+  return kPass;
+}
+
+int cmd_export(const std::string& path, const std::string& out) {
+  const Scenario scenario = load_scenario(path);
+  const InputTable inputs = load_inputs(scenario);
+  const ReferenceRun run = run_reference(scenario, inputs);
+  write_export(scenario, inputs, run, out);
+  fmt::print("wrote {} ({} steps, {} uids)\n", out, run.steps.size(), inputs.uids);
+  for (const std::string& problem : run.problems) fmt::print(stderr, "kvcheck: warning: {}\n", problem);
+  return run.problems.empty() ? kPass : kFail;
+}
+
+int cmd_list(const std::vector<std::string>& paths) {
+  fmt::print("scenarios:\n");
+  for (const std::string& file : collect(paths)) {
+    const Scenario s = load_scenario(file);
+    fmt::print("  {:<40} {}\n", s.name, s.description);
+  }
+  return kPass;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvcheck: checks transformer KV caches against a naive full-recompute reference"};
+  app.require_subcommand(1);
+
+  std::vector<std::string> run_paths;
+  std::string junit, json;
+  RunOptions options;
+  CLI::App* run = app.add_subcommand("run", "run scenarios (files or folders; default: the built-in suite)");
+  run->add_option("paths", run_paths, "scenario files or folders");
+  run->add_option("--junit", junit, "write a JUnit XML report to FILE");
+  run->add_option("--json", json, "write a JSON report to FILE");
+
+  std::string export_path, export_out;
+  CLI::App* exp = app.add_subcommand("export", "write a scenario's inputs and reference results (SPEC 6)");
+  exp->add_option("scenario", export_path, "scenario file")->required();
+  exp->add_option("--out", export_out, "output folder (replaced whole, atomically)")->required();
+
+  std::vector<std::string> list_paths;
+  CLI::App* list = app.add_subcommand("list", "list scenarios and caches, one line each");
+  list->add_option("paths", list_paths, "scenario files or folders");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? kPass : kBadInput;
+  }
+
+  try {
+    if (*run) return cmd_run(run_paths, options, junit, json);
+    if (*exp) return cmd_export(export_path, export_out);
+    if (*list) return cmd_list(list_paths);
+  } catch (const InputError& e) {
+    print_input_error(e);
+    return kBadInput;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kvcheck: internal error: {}\n", e.what());
+    return kBadInput;
+  }
+  return kBadInput;
+}

@@ -1,0 +1,29 @@
+// Output that appears whole or not at all: write into a temporary sibling, then rename.
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+namespace kvcheck {
+
+// A temporary folder beside `target`; commit() swaps it into place (replacing an old
+// `target`), and the destructor removes it if commit() was never reached.
+class AtomicDir {
+ public:
+  explicit AtomicDir(std::filesystem::path target);
+  ~AtomicDir();
+  AtomicDir(const AtomicDir&) = delete;
+  AtomicDir& operator=(const AtomicDir&) = delete;
+
+  const std::filesystem::path& path() const { return temp_; }
+  void commit();
+
+ private:
+  std::filesystem::path target_, temp_;
+  bool committed_ = false;
+};
+
+// Writes `text` to `path` through a temporary file and a rename.
+void write_file_atomically(const std::filesystem::path& path, const std::string& text);
+
+}  // namespace kvcheck

@@ -1,0 +1,107 @@
+#include "tools/harness/export.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "tools/harness/atomic_dir.h"
+#include "tools/harness/npy.h"
+
+namespace kvcheck {
+
+using json = nlohmann::json;
+
+std::string step_stem(std::size_t index) { return fmt::format("step{:03d}", index); }
+
+namespace {
+
+json dims_json(const Dims& d) {
+  return {{"layers", d.layers}, {"batch", d.batch}, {"heads", d.heads}, {"kv_heads", d.kv_heads},
+          {"head_dim", d.head_dim}};
+}
+
+json rope_json(const Rope& r) {
+  json j = {{"theta", r.theta}, {"layout", to_string(r.layout)}, {"scaling", to_string(r.scaling)}};
+  if (r.scaling == RopeScaling::linear) j["factor"] = r.factor;
+  return j;
+}
+
+json policy_json(const Policy& p) {
+  json j = {{"type", to_string(p.kind)}};
+  if (p.kind != PolicyKind::full) j["window"] = p.window;
+  if (p.kind == PolicyKind::sink) {
+    j["sinks"] = p.sinks;
+    j["evict"] = p.evict;
+    j["positions"] = to_string(p.positions);
+    j["prefill"] = to_string(p.prefill);
+  }
+  return j;
+}
+
+json cache_json(std::size_t index, const StepRecord& record) {
+  json rows = json::array();
+  for (std::size_t b = 0; b < record.retained.size(); ++b) {
+    json keys = json::array();
+    for (const auto& key : record.retained[b].keys)
+      keys.push_back({{"uid", key.uid}, {"index", key.index}, {"position", key.position}});
+    rows.push_back({{"row", b}, {"query_position", record.retained[b].query_position}, {"keys", keys}});
+  }
+  return {{"step", index}, {"rows", rows}};
+}
+
+}  // namespace
+
+void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const std::string& out_dir) {
+  AtomicDir dir(out_dir);
+  const auto L = static_cast<std::size_t>(s.dims.layers), U = static_cast<std::size_t>(inputs.uids),
+             H = static_cast<std::size_t>(s.dims.heads), Hkv = static_cast<std::size_t>(s.dims.kv_heads),
+             D = static_cast<std::size_t>(s.dims.head_dim);
+  write_npy((dir.path() / "q.npy").string(), {L, U, H, D}, inputs.q);
+  write_npy((dir.path() / "k.npy").string(), {L, U, Hkv, D}, inputs.k);
+  write_npy((dir.path() / "v.npy").string(), {L, U, Hkv, D}, inputs.v);
+
+  json steps = json::array();
+  for (std::size_t i = 0; i < run.steps.size(); ++i) {
+    const StepRecord& r = run.steps[i];
+    json step = {{"index", i}, {"op", to_string(r.step.op)}, {"source_step", r.step.source_index},
+                 {"source_op", r.step.source_op}, {"batch", r.retained.size()}};
+    if (r.append) {
+      const auto B = r.append->rows.size(), n = static_cast<std::size_t>(r.append->chunk);
+      json rows = json::array();
+      for (const auto& row : r.append->rows) {
+        json uids = json::array(), indices = json::array();
+        for (const auto& token : row) {
+          uids.push_back(token.uid);
+          indices.push_back(token.index);
+        }
+        rows.push_back({{"uids", uids}, {"indices", indices}});
+      }
+      step["chunk"] = n;
+      step["rows"] = rows;
+      step["out"] = step_stem(i) + "_out.npy";
+      write_npy((dir.path() / (step_stem(i) + "_out.npy")).string(), {L, B, n, H, D}, r.append->out);
+    }
+    if (r.step.op == StepOp::reorder) step["rows_from"] = r.step.rows;
+    if (r.step.op == StepOp::crop) step["length"] = r.step.length;
+    if (!r.step.expect_error.empty()) step["expect_error"] = r.step.expect_error;
+    if (!r.refused.empty()) step["refused"] = r.refused;
+    step["cache"] = step_stem(i) + "_cache.json";
+    write_file_atomically(dir.path() / (step_stem(i) + "_cache.json"), cache_json(i, r).dump(1) + "\n");
+    steps.push_back(step);
+  }
+
+  const json manifest = {{"format", "kvcheck-export-1"},
+                         {"name", s.name},
+                         {"description", s.description},
+                         {"scenario", json::parse(s.source_json)},
+                         {"dimensions", dims_json(s.dims)},
+                         {"rope", rope_json(s.rope)},
+                         {"policy", policy_json(s.policy)},
+                         {"softmax_scale", s.softmax_scale()},
+                         {"uids", inputs.uids},
+                         {"inputs", {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}}},
+                         {"steps", steps}};
+  write_file_atomically(dir.path() / "manifest.json", manifest.dump(1) + "\n");
+  dir.commit();
+}
+
+}  // namespace kvcheck

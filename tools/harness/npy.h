@@ -1,0 +1,27 @@
+// Reading and writing NumPy .npy files through xtensor, behind a plain interface so the
+// heavy xtensor headers stay in one translation unit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvcheck {
+
+template <class T>
+struct NpyArray {
+  std::vector<std::size_t> shape;
+  std::vector<T> data;  // row-major
+};
+
+// Throw InputError naming the file and what was expected (dtype, C order).
+NpyArray<float> read_npy_f32(const std::string& path);
+NpyArray<double> read_npy_f64(const std::string& path);
+
+void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data);
+void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<double>& data);
+
+// "[2, 3, 4]"
+std::string shape_string(const std::vector<std::size_t>& shape);
+
+}  // namespace kvcheck

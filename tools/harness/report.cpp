@@ -1,0 +1,115 @@
+#include "tools/harness/report.h"
+
+#include <algorithm>
+
+#include <fmt/color.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "tools/harness/atomic_dir.h"
+
+namespace kvcheck {
+
+bool Outcome::passed() const {
+  return std::all_of(checks.begin(), checks.end(), [](const Check& c) { return c.passed; });
+}
+
+const Check* Outcome::first_failure() const {
+  for (const Check& c : checks)
+    if (!c.passed) return &c;
+  return nullptr;
+}
+
+namespace {
+
+std::string count_cell(std::int64_t n) { return n < 0 ? "-" : std::to_string(n); }
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void print_table(std::FILE* out, const std::vector<Outcome>& outcomes, bool colour) {
+  std::size_t name_width = 8, target_width = 6;
+  for (const Outcome& o : outcomes) {
+    name_width = std::max(name_width, o.scenario.size());
+    target_width = std::max(target_width, o.target.size());
+  }
+  fmt::print(out, "{:<{}}  {:<{}}  {:>6}  {:>10}  {:>10}  {:>9}  {:>8}  {}\n", "scenario", name_width, "target",
+             target_width, "checks", "max error", "nmse", "positions", "retained", "verdict");
+  int failed = 0;
+  for (const Outcome& o : outcomes) {
+    const auto passed_checks = std::count_if(o.checks.begin(), o.checks.end(), [](const Check& c) { return c.passed; });
+    const std::string verdict = o.passed() ? "PASS" : "FAIL";
+    fmt::print(out, "{:<{}}  {:<{}}  {:>6}  {:>10.3g}  {:>10.3g}  {:>9}  {:>8}  ", o.scenario, name_width, o.target,
+               target_width, fmt::format("{}/{}", passed_checks, o.checks.size()), o.max_abs_error, o.nmse,
+               count_cell(o.position_mismatches), count_cell(o.retained_mismatches));
+    if (colour)
+      fmt::print(out, fmt::fg(o.passed() ? fmt::color::green : fmt::color::red) | fmt::emphasis::bold, "{}", verdict);
+    else
+      fmt::print(out, "{}", verdict);
+    fmt::print(out, "\n");
+    if (const Check* c = o.first_failure()) {
+      ++failed;
+      fmt::print(out, "    {}: {}\n", c->name, c->detail);
+    }
+  }
+  fmt::print(out, "\n{} passed, {} failed\n", outcomes.size() - failed, failed);
+}
+
+void write_junit(const std::string& path, const std::vector<Outcome>& outcomes) {
+  std::size_t failures = 0;
+  std::string cases;
+  for (const Outcome& o : outcomes) {
+    cases += fmt::format("  <testcase classname=\"kvcheck.{}\" name=\"{}\" time=\"{:.6f}\">\n", xml_escape(o.target),
+                         xml_escape(o.scenario), o.seconds);
+    for (const Check& c : o.checks) {
+      if (c.passed) continue;
+      ++failures;
+      cases += fmt::format("    <failure message=\"{}\">{}</failure>\n", xml_escape(c.name + ": " + c.detail),
+                           xml_escape(c.detail));
+    }
+    cases += "  </testcase>\n";
+  }
+  const std::string xml = fmt::format(
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuite name=\"kvcheck\" tests=\"{}\" failures=\"{}\">\n{}"
+      "</testsuite>\n",
+      outcomes.size(), failures, cases);
+  write_file_atomically(path, xml);
+}
+
+void write_json_report(const std::string& path, const std::vector<Outcome>& outcomes) {
+  nlohmann::json results = nlohmann::json::array();
+  for (const Outcome& o : outcomes) {
+    nlohmann::json checks = nlohmann::json::array();
+    for (const Check& c : o.checks) checks.push_back({{"name", c.name}, {"passed", c.passed}, {"detail", c.detail}});
+    results.push_back({{"scenario", o.scenario},
+                       {"file", o.file},
+                       {"target", o.target},
+                       {"passed", o.passed()},
+                       {"max_abs_error", o.max_abs_error},
+                       {"nmse", o.nmse},
+                       {"position_mismatches", o.position_mismatches},
+                       {"retained_mismatches", o.retained_mismatches},
+                       {"checks", checks}});
+  }
+  const auto failed = std::count_if(outcomes.begin(), outcomes.end(), [](const Outcome& o) { return !o.passed(); });
+  const nlohmann::json report = {{"format", "kvcheck-report-1"},
+                                 {"passed", static_cast<std::int64_t>(outcomes.size()) - failed},
+                                 {"failed", failed},
+                                 {"results", results}};
+  write_file_atomically(path, report.dump(2) + "\n");
+}
+
+}  // namespace kvcheck

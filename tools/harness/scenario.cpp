@@ -1,0 +1,358 @@
+#include "tools/harness/scenario.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace kvcheck {
+
+using json = nlohmann::json;
+
+InputError::InputError(std::string file_, std::string path_, std::string reason_)
+    : std::runtime_error(fmt::format("{}: {}: {}", file_.empty() ? "<scenario>" : file_,
+                                     path_.empty() ? "/" : path_, reason_)),
+      file(std::move(file_)), path(std::move(path_)), reason(std::move(reason_)) {}
+
+const char* to_string(StepOp op) {
+  switch (op) {
+    case StepOp::append: return "append";
+    case StepOp::reorder: return "reorder";
+    case StepOp::reset: return "reset";
+    case StepOp::crop: return "crop";
+  }
+  return "?";
+}
+
+double Scenario::softmax_scale() const { return scale ? *scale : 1.0 / std::sqrt(dims.head_dim); }
+
+namespace {
+
+// The names a step may give in `expect_error`.
+const std::vector<std::string> kKnownErrors = {"crop_evicted"};
+
+std::string describe(const json& j) {
+  std::string s = j.dump();
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+// Reads one JSON document, keeping the file name for every message.
+class Reader {
+ public:
+  explicit Reader(std::string file) : file_(std::move(file)) {}
+
+  [[noreturn]] void fail(const std::string& path, const std::string& reason) const {
+    throw InputError(file_, path, reason);
+  }
+
+  void object(const json& j, const std::string& path, std::initializer_list<const char*> allowed) const {
+    if (!j.is_object()) fail(path, "expected an object, got " + describe(j));
+    for (const auto& [key, value] : j.items()) {
+      if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
+        std::vector<std::string> names(allowed.begin(), allowed.end());
+        fail(path + "/" + key, fmt::format("unknown key \"{}\" (expected one of: {})", key, join(names)));
+      }
+    }
+  }
+
+  const json& field(const json& obj, const std::string& path, const char* key) const {
+    if (!obj.contains(key)) fail(path + "/" + key, "missing required field");
+    return obj.at(key);
+  }
+
+  std::int64_t integer(const json& j, const std::string& path, std::int64_t min) const {
+    if (!j.is_number_integer()) fail(path, "expected an integer, got " + describe(j));
+    const std::int64_t v = j.get<std::int64_t>();
+    if (v < min) fail(path, fmt::format("expected an integer >= {}, got {}", min, v));
+    return v;
+  }
+
+  double number(const json& j, const std::string& path, bool allow_zero) const {
+    if (!j.is_number()) fail(path, "expected a number, got " + describe(j));
+    const double v = j.get<double>();
+    if (!std::isfinite(v) || v < 0 || (!allow_zero && v == 0))
+      fail(path, fmt::format("expected a {} number, got {}", allow_zero ? "non-negative" : "positive", describe(j)));
+    return v;
+  }
+
+  std::string string(const json& j, const std::string& path) const {
+    if (!j.is_string()) fail(path, "expected a string, got " + describe(j));
+    return j.get<std::string>();
+  }
+
+  std::string choice(const json& j, const std::string& path, const std::vector<std::string>& options) const {
+    const std::string v = string(j, path);
+    if (std::find(options.begin(), options.end(), v) == options.end())
+      fail(path, fmt::format("expected one of {}, got \"{}\"", join(options), v));
+    return v;
+  }
+
+  const std::string& file() const { return file_; }
+
+ private:
+  std::string file_;
+};
+
+Dims parse_dims(const Reader& r, const json& j) {
+  const std::string p = "/dimensions";
+  r.object(j, p, {"layers", "batch", "heads", "kv_heads", "head_dim"});
+  Dims d;
+  d.layers = static_cast<int>(r.integer(r.field(j, p, "layers"), p + "/layers", 1));
+  d.batch = static_cast<int>(r.integer(r.field(j, p, "batch"), p + "/batch", 1));
+  d.heads = static_cast<int>(r.integer(r.field(j, p, "heads"), p + "/heads", 1));
+  d.kv_heads = j.contains("kv_heads") ? static_cast<int>(r.integer(j["kv_heads"], p + "/kv_heads", 1)) : d.heads;
+  d.head_dim = static_cast<int>(r.integer(r.field(j, p, "head_dim"), p + "/head_dim", 2));
+  if (d.heads % d.kv_heads != 0)
+    r.fail(p + "/kv_heads", fmt::format("heads ({}) must be a multiple of kv_heads ({})", d.heads, d.kv_heads));
+  if (d.head_dim % 2 != 0) r.fail(p + "/head_dim", fmt::format("expected an even head_dim, got {}", d.head_dim));
+  return d;
+}
+
+Rope parse_rope(const Reader& r, const json& j) {
+  const std::string p = "/rope";
+  r.object(j, p, {"theta", "layout", "scaling", "factor"});
+  Rope rope;
+  if (j.contains("theta")) rope.theta = r.number(j["theta"], p + "/theta", false);
+  if (j.contains("layout"))
+    rope.layout = r.choice(j["layout"], p + "/layout", {"half", "interleaved"}) == "half" ? RopeLayout::half
+                                                                                          : RopeLayout::interleaved;
+  if (j.contains("scaling"))
+    rope.scaling = r.choice(j["scaling"], p + "/scaling", {"none", "linear"}) == "none" ? RopeScaling::none
+                                                                                         : RopeScaling::linear;
+  if (rope.scaling == RopeScaling::linear) {
+    rope.factor = r.number(r.field(j, p, "factor"), p + "/factor", false);
+  } else if (j.contains("factor")) {
+    r.fail(p + "/factor", "a factor needs \"scaling\": \"linear\"");
+  }
+  return rope;
+}
+
+Policy parse_policy(const Reader& r, const json& j) {
+  const std::string p = "/policy";
+  if (!j.is_object()) r.fail(p, "expected an object, got " + describe(j));
+  Policy policy;
+  const std::string type = r.choice(r.field(j, p, "type"), p + "/type", {"full", "sliding", "sink"});
+  if (type == "full") {
+    r.object(j, p, {"type"});
+    policy.kind = PolicyKind::full;
+  } else if (type == "sliding") {
+    r.object(j, p, {"type", "window"});
+    policy.kind = PolicyKind::sliding;
+    policy.window = r.integer(r.field(j, p, "window"), p + "/window", 1);
+  } else {
+    r.object(j, p, {"type", "sinks", "window", "evict", "positions", "prefill"});
+    policy.kind = PolicyKind::sink;
+    policy.window = r.integer(r.field(j, p, "window"), p + "/window", 1);
+    policy.sinks = r.integer(r.field(j, p, "sinks"), p + "/sinks", 0);
+    if (policy.sinks >= policy.window)
+      r.fail(p + "/sinks", fmt::format("expected sinks < window ({}), got {}", policy.window, policy.sinks));
+    if (j.contains("evict")) {
+      policy.evict = r.integer(j["evict"], p + "/evict", 1);
+      if (policy.evict > policy.window - policy.sinks)
+        r.fail(p + "/evict", fmt::format("expected 1 <= evict <= window - sinks ({}), got {}",
+                                         policy.window - policy.sinks, policy.evict));
+    }
+    if (j.contains("positions"))
+      policy.positions = r.choice(j["positions"], p + "/positions", {"cache", "original"}) == "cache"
+                             ? SinkPositions::cache
+                             : SinkPositions::original;
+    if (j.contains("prefill"))
+      policy.prefill = r.choice(j["prefill"], p + "/prefill", {"streaming", "dense"}) == "streaming"
+                           ? Prefill::streaming
+                           : Prefill::dense;
+  }
+  return policy;
+}
+
+Tolerance parse_tolerance(const Reader& r, const json& j) {
+  const std::string p = "/tolerance";
+  r.object(j, p, {"rtol", "atol"});
+  Tolerance t;
+  if (j.contains("rtol")) t.rtol = r.number(j["rtol"], p + "/rtol", true);
+  if (j.contains("atol")) t.atol = r.number(j["atol"], p + "/atol", true);
+  return t;
+}
+
+// Flattens a nested array of numbers of exactly `shape` (outermost first).
+void flatten(const Reader& r, const json& j, const std::string& path, const std::vector<std::int64_t>& shape,
+             std::size_t depth, std::vector<float>& out) {
+  if (depth == shape.size()) {
+    if (!j.is_number()) r.fail(path, "expected a number, got " + describe(j));
+    out.push_back(j.get<float>());
+    return;
+  }
+  if (!j.is_array() || static_cast<std::int64_t>(j.size()) != shape[depth])
+    r.fail(path, fmt::format("expected an array of {} elements, got {}", shape[depth], describe(j)));
+  for (std::size_t i = 0; i < j.size(); ++i) flatten(r, j[i], path + "/" + std::to_string(i), shape, depth + 1, out);
+}
+
+void parse_inputs(const Reader& r, const json& j, Scenario& s) {
+  const std::string p = "/inputs";
+  r.object(j, p, {"q", "k", "v"});
+  for (const char* key : {"q", "k", "v"}) r.field(j, p, key);
+  if (j["q"].is_string()) {
+    s.inputs.kind = InputSource::Kind::npy;
+    const auto dir = std::filesystem::path(r.file()).parent_path();
+    s.inputs.q_path = (dir / r.string(j["q"], p + "/q")).string();
+    s.inputs.k_path = (dir / r.string(j["k"], p + "/k")).string();
+    s.inputs.v_path = (dir / r.string(j["v"], p + "/v")).string();
+    return;
+  }
+  s.inputs.kind = InputSource::Kind::inline_arrays;
+  const std::int64_t uids = count_uids(s);
+  const Dims& d = s.dims;
+  flatten(r, j["q"], p + "/q", {d.layers, uids, d.heads, d.head_dim}, 0, s.inputs.q);
+  flatten(r, j["k"], p + "/k", {d.layers, uids, d.kv_heads, d.head_dim}, 0, s.inputs.k);
+  flatten(r, j["v"], p + "/v", {d.layers, uids, d.kv_heads, d.head_dim}, 0, s.inputs.v);
+  s.inputs.inline_uids = uids;
+}
+
+std::string expect_error(const Reader& r, const json& step, const std::string& path) {
+  if (!step.contains("expect_error")) return "";
+  return r.choice(step["expect_error"], path + "/expect_error", kKnownErrors);
+}
+
+// Parses the steps while tracking the batch size, so per-row counts and reorder indices
+// are checked against the rows that exist at that point.
+std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
+  if (!j.is_array() || j.empty()) r.fail("/steps", "expected a non-empty array of steps");
+  std::vector<Step> steps;
+  for (std::size_t i = 0; i < j.size(); ++i) {
+    const json& s = j[i];
+    const std::string p = "/steps/" + std::to_string(i);
+    if (!s.is_object()) r.fail(p, "expected an object, got " + describe(s));
+    const std::string op =
+        r.choice(r.field(s, p, "op"), p + "/op", {"append", "decode", "reorder", "reset", "crop"});
+    Step step;
+    step.source_index = static_cast<int>(i);
+    step.source_op = op;
+    if (op == "append") {
+      r.object(s, p, {"op", "tokens"});
+      const json& tokens = r.field(s, p, "tokens");
+      if (tokens.is_array()) {
+        if (static_cast<int>(tokens.size()) != batch)
+          r.fail(p + "/tokens", fmt::format("expected one count per row ({} rows), got {}", batch, tokens.size()));
+        for (std::size_t b = 0; b < tokens.size(); ++b)
+          step.tokens.push_back(r.integer(tokens[b], p + "/tokens/" + std::to_string(b), 0));
+        if (*std::max_element(step.tokens.begin(), step.tokens.end()) == 0)
+          r.fail(p + "/tokens", "expected at least one row with a token");
+      } else {
+        step.tokens.assign(static_cast<std::size_t>(batch), r.integer(tokens, p + "/tokens", 1));
+      }
+      steps.push_back(step);
+    } else if (op == "decode") {
+      r.object(s, p, {"op", "steps"});
+      const std::int64_t k = r.integer(r.field(s, p, "steps"), p + "/steps", 1);
+      step.op = StepOp::append;
+      step.tokens.assign(static_cast<std::size_t>(batch), 1);
+      for (std::int64_t n = 0; n < k; ++n) steps.push_back(step);
+    } else if (op == "reorder") {
+      r.object(s, p, {"op", "rows"});
+      step.op = StepOp::reorder;
+      const json& rows = r.field(s, p, "rows");
+      if (!rows.is_array() || rows.empty()) r.fail(p + "/rows", "expected a non-empty array of row indices");
+      for (std::size_t b = 0; b < rows.size(); ++b) {
+        const auto row = r.integer(rows[b], p + "/rows/" + std::to_string(b), 0);
+        if (row >= batch)
+          r.fail(p + "/rows/" + std::to_string(b), fmt::format("expected a row index below {}, got {}", batch, row));
+        step.rows.push_back(static_cast<int>(row));
+      }
+      batch = static_cast<int>(step.rows.size());
+      steps.push_back(step);
+    } else if (op == "reset") {
+      r.object(s, p, {"op", "batch"});
+      step.op = StepOp::reset;
+      if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1));
+      step.batch = batch;
+      steps.push_back(step);
+    } else {
+      r.object(s, p, {"op", "length", "expect_error"});
+      step.op = StepOp::crop;
+      step.length = r.integer(r.field(s, p, "length"), p + "/length", 0);
+      step.expect_error = expect_error(r, s, p);
+      steps.push_back(step);
+    }
+  }
+  return steps;
+}
+
+}  // namespace
+
+std::int64_t count_uids(const Scenario& scenario) {
+  std::int64_t total = 0;
+  for (const Step& step : scenario.steps)
+    if (step.op == StepOp::append)
+      for (std::int64_t n : step.tokens) total += n;
+  return total;
+}
+
+Scenario parse_scenario(const std::string& text, const std::string& file) {
+  const Reader r(file);
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    // nlohmann's message already gives the line and column; drop its exception id.
+    std::string what = e.what();
+    if (const auto close = what.find("] "); what.rfind("[json.exception", 0) == 0 && close != std::string::npos)
+      what = what.substr(close + 2);
+    r.fail("", "not valid JSON: " + what);
+  }
+  r.object(j, "", {"name", "description", "dimensions", "rope", "policy", "seed", "inputs", "steps", "tolerance",
+                   "scale"});
+  Scenario s;
+  s.file = file;
+  s.source_json = j.dump(2);
+  s.name = r.string(r.field(j, "", "name"), "/name");
+  if (s.name.empty() || s.name.find_first_of("/\\ ") != std::string::npos)
+    r.fail("/name", "expected a non-empty name without spaces or slashes (it names output folders)");
+  if (j.contains("description")) s.description = r.string(j["description"], "/description");
+  s.dims = parse_dims(r, r.field(j, "", "dimensions"));
+  if (j.contains("rope")) s.rope = parse_rope(r, j["rope"]);
+  s.policy = parse_policy(r, r.field(j, "", "policy"));
+  if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
+  if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);
+  s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);
+  if (j.contains("seed") && j.contains("inputs")) r.fail("/inputs", "give either \"seed\" or \"inputs\", not both");
+  if (j.contains("inputs")) {
+    parse_inputs(r, j["inputs"], s);
+  } else {
+    s.inputs.seed = static_cast<std::uint64_t>(j.contains("seed") ? r.integer(j["seed"], "/seed", 0) : 0);
+  }
+  return s;
+}
+
+Scenario load_scenario(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(path, "", "cannot open the file");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_scenario(buffer.str(), path);
+}
+
+std::vector<std::string> scenario_files(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return {path};
+  if (!fs::is_directory(path, ec)) throw InputError(path, "", "no such scenario file or folder");
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(path))
+    if (entry.is_regular_file() && entry.path().extension() == ".json") files.push_back(entry.path().string());
+  std::sort(files.begin(), files.end());
+  if (files.empty()) throw InputError(path, "", "the folder holds no *.json scenario");
+  return files;
+}
+
+}  // namespace kvcheck

@@ -1,0 +1,78 @@
+// A scenario: dimensions, RoPE, policy, inputs and a list of steps (SPEC section 4),
+// parsed from JSON with every error naming the file and the JSON path of the field.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "reference/model.h"
+
+namespace kvcheck {
+
+// Bad input: the file, the JSON path of the field and what was expected. Exit status 2.
+struct InputError : std::runtime_error {
+  std::string file, path, reason;
+  InputError(std::string file_, std::string path_, std::string reason_);
+};
+
+enum class StepOp { append, reorder, reset, crop };
+
+// One step after `decode k` was expanded into k appends of one token.
+struct Step {
+  StepOp op = StepOp::append;
+  std::vector<std::int64_t> tokens;  // append: one count (every row) or one per row
+  std::vector<int> rows;             // reorder
+  std::optional<int> batch;          // reset
+  std::int64_t length = 0;           // crop
+  std::string expect_error;          // non-empty: this step must be refused with that code
+  int source_index = 0;              // index in the scenario's "steps" array
+  std::string source_op;             // op as written ("decode" for expanded decodes)
+};
+
+struct Tolerance {
+  double rtol = 1.3e-6;  // torch.testing.assert_close defaults for float32
+  double atol = 1e-5;
+};
+
+// Where the raw q/k/v come from: the generator (seed), .npy files beside the scenario,
+// or inline arrays.
+struct InputSource {
+  enum class Kind { seed, npy, inline_arrays } kind = Kind::seed;
+  std::uint64_t seed = 0;
+  std::string q_path, k_path, v_path;  // npy: resolved paths
+  std::vector<float> q, k, v;          // inline: flattened [L, U, H|Hkv, D]
+  std::int64_t inline_uids = 0;
+};
+
+struct Scenario {
+  std::string file;  // where it came from ("" for generated ones)
+  std::string name;
+  std::string description;
+  std::string source_json;  // the scenario as written, echoed into manifests
+  Dims dims;
+  Rope rope;
+  Policy policy;
+  std::optional<double> scale;  // softmax scale; 1/sqrt(D) when absent
+  InputSource inputs;
+  std::vector<Step> steps;
+  Tolerance tolerance;
+
+  double softmax_scale() const;
+};
+
+// Number of uids the scenario's steps create, and the batch size each step sees.
+std::int64_t count_uids(const Scenario& scenario);
+
+// Parses and validates. `file` is used in messages and to resolve .npy paths.
+Scenario parse_scenario(const std::string& text, const std::string& file);
+Scenario load_scenario(const std::string& path);
+
+// Scenario files under a path (a file, or a folder searched for *.json), sorted.
+std::vector<std::string> scenario_files(const std::string& path);
+
+const char* to_string(StepOp op);
+
+}  // namespace kvcheck

@@ -1,0 +1,52 @@
+# Sourced by tools/kvcheck and tools/test: installs the Debian packages that are missing,
+# then configures (once) and builds build/ incrementally. Build output goes to stderr only
+# when something fails, so the command's own stdout stays clean.
+
+KVCHECK_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+KVCHECK_PACKAGES=(
+  cmake ninja-build g++
+  libxtensor-dev xtl-dev libxsimd-dev nlohmann-json3-dev libfmt-dev libcli11-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3 python3-numpy
+)
+
+kvcheck_install_packages() {
+  local missing=() p
+  for p in "${KVCHECK_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" != 0 ]; then
+    echo "kvcheck: missing Debian packages: ${missing[*]}" >&2
+    echo "kvcheck: run as root: apt-get update && apt-get install -y ${missing[*]}" >&2
+    exit 2
+  fi
+  echo "kvcheck: installing ${missing[*]}" >&2
+  local log; log="$(mktemp)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "kvcheck: apt-get failed (see above)" >&2
+    exit 2
+  fi
+  rm -f "$log"
+}
+
+kvcheck_build() {
+  local build="$KVCHECK_ROOT/build" log="$KVCHECK_ROOT/build/build.log"
+  if [ ! -f "$build/build.ninja" ]; then
+    mkdir -p "$build"
+    if ! (cd "$KVCHECK_ROOT" && cmake --preset release) >"$log" 2>&1; then
+      cat "$log" >&2
+      echo "kvcheck: cmake configure failed (log: $log)" >&2
+      exit 2
+    fi
+  fi
+  if ! cmake --build "$build" -j2 >"$log" 2>&1; then
+    grep -E "error|Error|FAILED" -A3 "$log" | head -60 >&2
+    echo "kvcheck: build failed (full log: $log)" >&2
+    exit 2
+  fi
+}
+
+kvcheck_install_packages
+kvcheck_build
