@@ -101,7 +101,7 @@ TEST(ScenarioValidation, MissingFieldAndBadJson) {
   EXPECT_EQ(error_of(R"({"name": "t", "policy": {"type": "full"}, "steps": []})"),
             "s.json: /dimensions: missing required field");
   EXPECT_EQ(error_of("{\n  \"name\": \"t\",\n  \"dimensions\": {,\n}"),
-            "s.json: /: not valid JSON: parse error at line 3, column 18: syntax error while parsing object key - "
+            "s.json: not valid JSON: parse error at line 3, column 18: syntax error while parsing object key - "
             "unexpected ','; expected string literal");
 }
 

@@ -9,12 +9,14 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "tools/harness/cache_registry.h"
 #include "tools/harness/export.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/runner.h"
 #include "tools/harness/scenario.h"
+#include "tools/zoo/zoo.h"
 
 namespace {
 
@@ -52,6 +54,10 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
     }
   }
   if (progress) fmt::print(stderr, "\r\033[K");
+  if (outcomes.empty() && !bad_input) {
+    fmt::print(stderr, "kvcheck: no scenario here uses a policy that the chosen caches serve\n");
+    return kBadInput;
+  }
   print_table(stdout, outcomes, ::isatty(STDOUT_FILENO));
   if (!junit.empty()) write_junit(junit, outcomes);
   if (!json.empty()) write_json_report(json, outcomes);
@@ -77,7 +83,24 @@ int cmd_list(const std::vector<std::string>& paths) {
     const Scenario s = load_scenario(file);
     fmt::print("  {:<40} {}\n", s.name, s.description);
   }
+  fmt::print("\ncaches:\n");
+  for (const CacheEntry& c : real_caches()) fmt::print("  {:<40} {}\n", c.name, c.description);
+  if (!zoo_caches().empty()) {
+    fmt::print("\nbug zoo (deliberately broken, for demonstration only):\n");
+    for (const CacheEntry& c : zoo_caches()) fmt::print("  {:<40} {}\n", c.name, c.description);
+  }
   return kPass;
+}
+
+// --cache names must exist; a typo is bad input, not an empty run.
+void validate_cache_names(const std::vector<std::string>& names) {
+  for (const std::string& name : names)
+    if (find_cache(name) == nullptr) {
+      std::string known;
+      for (const CacheEntry& c : real_caches()) known += (known.empty() ? "" : ", ") + c.name;
+      throw InputError("--cache", "", fmt::format("unknown cache \"{}\" (known: {}; `kvcheck list` shows the zoo)",
+                                                  name, known));
+    }
 }
 
 }  // namespace
@@ -93,6 +116,9 @@ int main(int argc, char** argv) {
   run->add_option("paths", run_paths, "scenario files or folders");
   run->add_option("--junit", junit, "write a JUnit XML report to FILE");
   run->add_option("--json", json, "write a JSON report to FILE");
+  run->add_option("--cache", options.caches, "only these caches (repeatable; zoo/NAME for a mutant)");
+  run->add_flag("--no-reference", [&](std::int64_t) { options.reference_checks = false; },
+                "skip the reference's own invariant checks");
 
   std::string export_path, export_out;
   CLI::App* exp = app.add_subcommand("export", "write a scenario's inputs and reference results (SPEC 6)");
@@ -111,7 +137,11 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (*run) return cmd_run(run_paths, options, junit, json);
+    if (*run) {
+      validate_cache_names(options.caches);
+      if (!options.caches.empty()) options.reference_checks = false;  // show the asked-for caches only
+      return cmd_run(run_paths, options, junit, json);
+    }
     if (*exp) return cmd_export(export_path, export_out);
     if (*list) return cmd_list(list_paths);
   } catch (const InputError& e) {

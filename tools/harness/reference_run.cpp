@@ -13,7 +13,7 @@ ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
   ReferenceRun run;
   for (std::size_t i = 0; i < s.steps.size(); ++i) {
     const Step& step = s.steps[i];
-    StepRecord record{step, model.batch(), {}, {}, {}, {}};
+    StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
     try {
       switch (step.op) {
         case StepOp::append: record.append = model.append(step.tokens); break;
@@ -32,7 +32,10 @@ ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
                                            step.expect_error.empty() ? ", which the scenario does not expect"
                                                                      : ", expected \"" + step.expect_error + "\""));
     }
-    for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
+    for (int b = 0; b < model.batch(); ++b) {
+      record.retained.push_back(model.retained(b));
+      record.histories.push_back(model.history(b));
+    }
     run.steps.push_back(std::move(record));
   }
   return run;

@@ -16,6 +16,7 @@ struct StepRecord {
   int batch_before = 0;
   std::optional<reference::AppendResult> append;       // append steps
   std::vector<reference::RowRetained> retained;        // per row, after the step
+  std::vector<std::vector<std::uint64_t>> histories;   // per row, uid of each token index, after the step
   std::string refused;                                 // the code when the step was refused
   std::string refusal_message;
 };

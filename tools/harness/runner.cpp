@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "tools/harness/cache_checks.h"
+#include "tools/harness/cache_registry.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_checks.h"
 #include "tools/harness/reference_run.h"
@@ -16,6 +18,17 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
   if (options.reference_checks) {
     outcomes.push_back(check_reference(scenario, inputs, run));
     outcomes.back().seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  std::vector<const CacheEntry*> caches;
+  if (options.caches.empty())
+    for (const CacheEntry& e : real_caches()) caches.push_back(&e);
+  else
+    for (const std::string& name : options.caches) caches.push_back(find_cache(name));
+  for (const CacheEntry* cache : caches) {
+    if (cache == nullptr || !cache->serves(scenario.policy)) continue;
+    const auto cache_start = std::chrono::steady_clock::now();
+    outcomes.push_back(check_cache(scenario, inputs, run, *cache));
+    outcomes.back().seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - cache_start).count();
   }
   return outcomes;
 }

@@ -15,8 +15,9 @@ namespace kvcheck {
 using json = nlohmann::json;
 
 InputError::InputError(std::string file_, std::string path_, std::string reason_)
-    : std::runtime_error(fmt::format("{}: {}: {}", file_.empty() ? "<scenario>" : file_,
-                                     path_.empty() ? "/" : path_, reason_)),
+    : std::runtime_error(path_.empty() ? fmt::format("{}: {}", file_.empty() ? "<scenario>" : file_, reason_)
+                                       : fmt::format("{}: {}: {}", file_.empty() ? "<scenario>" : file_, path_,
+                                                     reason_)),
       file(std::move(file_)), path(std::move(path_)), reason(std::move(reason_)) {}
 
 const char* to_string(StepOp op) {

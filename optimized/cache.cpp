@@ -1,0 +1,47 @@
+#include "optimized/cache.h"
+
+#include <algorithm>
+
+namespace kvcheck::optimized {
+
+std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t t) {
+  const std::int64_t over = t + 1 - window;
+  return over <= 0 ? 0 : evict * ((over + evict - 1) / evict);
+}
+
+void store_token(SlotStore& store, RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
+                 std::int64_t slot, const SlotMeta& meta) {
+  const int hkv = store.kv_heads(), d = store.head_dim();
+  const std::size_t token = (static_cast<std::size_t>(row) * chunk.length + chunk_pos) * hkv;
+  for (int l = 0; l < store.layers(); ++l)
+    for (int g = 0; g < hkv; ++g) {
+      float* k = store.key(l, row, g, slot);
+      std::copy_n(chunk.k[l] + (token + g) * d, d, k);
+      rope.rotate(k, meta.position);
+      std::copy_n(chunk.v[l] + (token + g) * d, d, store.value(l, row, g, slot));
+    }
+  store.meta(row, slot) = meta;
+}
+
+std::int64_t first_missing_index(const SlotStore& store, int row, std::int64_t begin, std::int64_t end) {
+  if (begin >= end) return -1;
+  std::vector<bool> seen(static_cast<std::size_t>(end - begin), false);
+  const SlotMeta* meta = store.row_meta(row);
+  for (std::int64_t s = 0; s < store.capacity(); ++s)
+    if (meta[s].uid >= 0 && meta[s].index >= begin && meta[s].index < end) seen[meta[s].index - begin] = true;
+  const auto missing = std::find(seen.begin(), seen.end(), false);
+  return missing == seen.end() ? -1 : begin + (missing - seen.begin());
+}
+
+void drop_from(SlotStore& store, int row, std::int64_t length) {
+  for (std::int64_t s = 0; s < store.capacity(); ++s)
+    if (store.meta(row, s).uid >= 0 && store.meta(row, s).index >= length) store.clear_slot(row, s);
+}
+
+void refuse_crop(std::int64_t length, int row, std::int64_t missing) {
+  throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
+                                         std::to_string(missing) + " of row " + std::to_string(row) +
+                                         ", which this cache has evicted");
+}
+
+}  // namespace kvcheck::optimized

@@ -1,0 +1,89 @@
+// The small interface every optimized cache implements: a raw chunk in, attention output
+// and a view of the slots out. Each cache pairs its storage with the attention that reads it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "optimized/attention.h"
+#include "optimized/rope_table.h"
+#include "optimized/slot_store.h"
+
+namespace kvcheck::optimized {
+
+struct CacheConfig {
+  int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
+  int batch = 1;
+  RopeSpec rope;
+  float softmax_scale = 1.0f;
+  std::int64_t window = 0;        // sliding: keys visible; sink: capacity W
+  std::int64_t sinks = 0;         // sink: S
+  std::int64_t evict = 1;         // sink: tokens dropped at once when full
+  bool shift_positions = true;    // sink: cache-relative positions (false: original ones)
+  bool dense_prefill = false;     // sink: a chunk is one dense forward, trimmed afterwards
+  std::int64_t capacity = 0;      // static: slots per row
+};
+
+// New tokens for every row, left-padded to the longest. Raw (unrotated) q/k/v per layer:
+// q [B, n, H, D], k and v [B, n, Hkv, D]. Padding entries are never read.
+struct Chunk {
+  std::int64_t length = 0;             // n
+  std::vector<std::int64_t> counts;    // real tokens per row
+  std::vector<std::int64_t> uids;      // [B, n]; -1 where padded
+  std::vector<const float*> q, k, v;   // per layer
+};
+
+// A step the cache must refuse; `code` is what a scenario names in `expect_error`.
+struct CacheRefusal : std::runtime_error {
+  std::string code;
+  CacheRefusal(std::string code_, const std::string& message)
+      : std::runtime_error(message), code(std::move(code_)) {}
+};
+
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+  // Writes the output of every real token to out[layer] ([B, n, H, D]); records every
+  // visible pair of layer 0 in `log` when it is not null.
+  virtual void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) = 0;
+  virtual void reorder(const std::vector<int>& rows) = 0;
+  virtual void reset(int batch) = 0;
+  virtual void crop(std::int64_t length) = 0;
+
+  // The view: every slot's uid, token index, position and stored key and value.
+  virtual const SlotStore& slots() const = 0;
+  virtual std::int64_t row_length(int row) const = 0;
+  int batch() const { return slots().batch(); }
+};
+
+// ---- Pieces the caches share ----
+
+// E(t) for a sink cache of capacity W with S sinks evicting k at a time.
+std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t t);
+
+// Stores chunk token (row, chunk_pos) in `slot` of `store` with its key rotated to
+// meta.position (every layer, every kv head).
+void store_token(SlotStore& store, RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
+                 std::int64_t slot, const SlotMeta& meta);
+
+// The first token index in [begin, end) that `row` does not hold, or -1.
+std::int64_t first_missing_index(const SlotStore& store, int row, std::int64_t begin, std::int64_t end);
+
+// Empties every slot of `row` whose token index is >= length (a crop).
+void drop_from(SlotStore& store, int row, std::int64_t length);
+
+// The row's raw queries of one layer, [n, H, D].
+inline const float* row_queries(const Chunk& chunk, int layer, int row, int heads, int head_dim) {
+  return chunk.q[layer] + static_cast<std::size_t>(row) * chunk.length * heads * head_dim;
+}
+inline float* row_output(float* out, const Chunk& chunk, int row, int heads, int head_dim) {
+  return out + static_cast<std::size_t>(row) * chunk.length * heads * head_dim;
+}
+
+// Throws CacheRefusal("crop_evicted") naming the row and the missing token.
+[[noreturn]] void refuse_crop(std::int64_t length, int row, std::int64_t missing);
+
+}  // namespace kvcheck::optimized

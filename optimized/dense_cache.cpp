@@ -1,0 +1,66 @@
+#include "optimized/dense_cache.h"
+
+#include <algorithm>
+
+namespace kvcheck::optimized {
+
+namespace {
+constexpr std::int64_t kInitialDynamicSlots = 16;
+}
+
+DenseCache::DenseCache(const CacheConfig& config, Growth growth)
+    : config_(config), growth_(growth), rope_(config.rope), store_(config.layers, config.kv_heads, config.head_dim) {
+  reset(config.batch);
+}
+
+void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
+  const int B = batch();
+  std::int64_t need = 0;
+  for (int b = 0; b < B; ++b) need = std::max(need, lengths_[b] + chunk.counts[b]);
+  if (need > store_.capacity()) {
+    if (growth_ == Growth::fixed)
+      throw CacheRefusal("capacity_exceeded", "static cache of " + std::to_string(store_.capacity()) +
+                                                  " slots per row cannot hold " + std::to_string(need) + " tokens");
+    store_.grow(std::max(need, 2 * store_.capacity()));
+  }
+  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
+  for (int b = 0; b < B; ++b) {
+    const std::int64_t pad = chunk.length - chunk.counts[b];
+    std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+    for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
+      const std::int64_t t = lengths_[b] + i;
+      store_token(store_, rope_, chunk, b, pad + i, t, {chunk.uids[b * chunk.length + pad + i], t, t});
+      plans.push_back({pad + i, QueryPlan{t, 0, 0, t, t}});
+    }
+    for (int l = 0; l < config_.layers; ++l)
+      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans, {{&store_, b}},
+                 row_output(out[l], chunk, b, config_.heads, config_.head_dim), l == 0 ? log : nullptr, b);
+    lengths_[b] += chunk.counts[b];
+  }
+}
+
+void DenseCache::reorder(const std::vector<int>& rows) {
+  store_.gather_rows(rows);
+  std::vector<std::int64_t> lengths;
+  for (int r : rows) lengths.push_back(lengths_[r]);
+  lengths_ = std::move(lengths);
+}
+
+void DenseCache::reset(int batch) {
+  const std::int64_t capacity = growth_ == Growth::fixed ? config_.capacity : kInitialDynamicSlots;
+  if (batch == store_.batch() && store_.capacity() == capacity)
+    store_.clear_all();  // no stale row can be read: every slot is empty
+  else
+    store_.reset(batch, capacity);
+  lengths_.assign(static_cast<std::size_t>(batch), 0);
+}
+
+void DenseCache::crop(std::int64_t length) {
+  for (int b = 0; b < batch(); ++b) {
+    if (lengths_[b] <= length) continue;
+    drop_from(store_, b, length);
+    lengths_[b] = length;
+  }
+}
+
+}  // namespace kvcheck::optimized

@@ -1,0 +1,30 @@
+// Caches that keep every token: `dynamic` grows with the sequence (capacity doubles, so a
+// token costs amortized O(1) copies), `static` is preallocated and refuses to overflow.
+// Keys are rotated once at their index; the query at its index; every earlier slot is visible.
+#pragma once
+
+#include "optimized/cache.h"
+
+namespace kvcheck::optimized {
+
+class DenseCache : public KvCache {
+ public:
+  enum class Growth { dynamic, fixed };
+  DenseCache(const CacheConfig& config, Growth growth);
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override;
+  void reorder(const std::vector<int>& rows) override;
+  void reset(int batch) override;
+  void crop(std::int64_t length) override;
+  const SlotStore& slots() const override { return store_; }
+  std::int64_t row_length(int row) const override { return lengths_[row]; }
+
+ private:
+  CacheConfig config_;
+  Growth growth_;
+  RopeTable rope_;
+  SlotStore store_;
+  std::vector<std::int64_t> lengths_;  // tokens per row; token t sits in slot t
+};
+
+}  // namespace kvcheck::optimized

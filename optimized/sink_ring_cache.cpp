@@ -1,0 +1,76 @@
+#include "optimized/sink_ring_cache.h"
+
+#include <algorithm>
+
+namespace kvcheck::optimized {
+
+SinkRingCache::SinkRingCache(const CacheConfig& config)
+    : config_(config), rope_(config.rope), store_(config.layers, config.kv_heads, config.head_dim),
+      chunk_(config.layers, config.kv_heads, config.head_dim) {
+  reset(config.batch);
+}
+
+std::int64_t SinkRingCache::slot_of(std::int64_t index) const {
+  const std::int64_t S = config_.sinks;
+  return index < S ? index : S + (index - S) % (config_.window - S);
+}
+
+void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
+  const int B = batch();
+  const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
+  if (chunk_.batch() != B || chunk_.capacity() != chunk.length) chunk_.reset(B, chunk.length);
+  else chunk_.clear_all();
+  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
+  for (int b = 0; b < B; ++b) {
+    const std::int64_t pad = chunk.length - chunk.counts[b], first = lengths_[b];
+    std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+    for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
+      const std::int64_t t = first + i;
+      store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t});
+      // A dense chunk is one forward over what the cache held before it: E stays E(first).
+      const std::int64_t e = sink_evicted(W, k, config_.dense_prefill ? first : t);
+      plans.push_back({pad + i, QueryPlan{t, S, S + e, t, config_.shift_positions ? t - e : t}});
+    }
+    for (int l = 0; l < config_.layers; ++l)
+      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans,
+                 {{&store_, b}, {&chunk_, b}}, row_output(out[l], chunk, b, config_.heads, config_.head_dim),
+                 l == 0 ? log : nullptr, b);
+    for (std::int64_t i = 0; i < chunk.counts[b]; ++i) store_.copy_slot(chunk_, b, pad + i, b, slot_of(first + i));
+    lengths_[b] += chunk.counts[b];
+    // Evicting k at a time can leave ring slots behind the window start: empty them.
+    const std::int64_t window_begin = S + sink_evicted(W, k, lengths_[b] - 1);
+    for (std::int64_t s = S; s < W; ++s)
+      if (store_.meta(b, s).uid >= 0 && store_.meta(b, s).index < window_begin) store_.clear_slot(b, s);
+  }
+}
+
+void SinkRingCache::reorder(const std::vector<int>& rows) {
+  store_.gather_rows(rows);
+  std::vector<std::int64_t> lengths;
+  for (int r : rows) lengths.push_back(lengths_[r]);
+  lengths_ = std::move(lengths);
+}
+
+void SinkRingCache::reset(int batch) {
+  if (batch == store_.batch()) store_.clear_all();
+  else store_.reset(batch, config_.window);
+  lengths_.assign(static_cast<std::size_t>(batch), 0);
+}
+
+void SinkRingCache::crop(std::int64_t length) {
+  const std::int64_t S = config_.sinks;
+  for (int b = 0; b < batch(); ++b) {
+    if (lengths_[b] <= length || length == 0) continue;
+    std::int64_t missing = first_missing_index(store_, b, 0, std::min(S, length));
+    if (missing < 0)
+      missing = first_missing_index(store_, b, S + sink_evicted(config_.window, config_.evict, length - 1), length);
+    if (missing >= 0) refuse_crop(length, b, missing);
+  }
+  for (int b = 0; b < batch(); ++b) {
+    if (lengths_[b] <= length) continue;
+    drop_from(store_, b, length);
+    lengths_[b] = length;
+  }
+}
+
+}  // namespace kvcheck::optimized

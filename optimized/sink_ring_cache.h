@@ -1,0 +1,38 @@
+// StreamingLLM without re-rotation: S fixed sink slots plus a ring of W - S slots for the
+// window. Every key is rotated once, at its original index j, and never again.
+//
+// Why that is enough: the policy wants, for query t with E(t) tokens evicted,
+//   window key j: Pq - Pk = (t - E) - (j - E) = t - j,
+//   sink key j:   Pq - Pk = (t - E) - j.
+// RoPE scores depend only on Pq - Pk, so rotating the query at t against window keys
+// (stored at j) gives t - j, and rotating it at t - E against sink keys (also stored at j)
+// gives t - E - j. Two query rotations, O(D) per head, replace re-rotating W keys per
+// eviction, O(W D). With `positions: original` both query rotations are t.
+#pragma once
+
+#include "optimized/cache.h"
+
+namespace kvcheck::optimized {
+
+class SinkRingCache : public KvCache {
+ public:
+  explicit SinkRingCache(const CacheConfig& config);
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override;
+  void reorder(const std::vector<int>& rows) override;
+  void reset(int batch) override;
+  void crop(std::int64_t length) override;
+  const SlotStore& slots() const override { return store_; }
+  std::int64_t row_length(int row) const override { return lengths_[row]; }
+
+ private:
+  std::int64_t slot_of(std::int64_t index) const;
+
+  CacheConfig config_;
+  RopeTable rope_;
+  SlotStore store_;  // slots 0..S-1 sinks, S..W-1 the ring
+  SlotStore chunk_;
+  std::vector<std::int64_t> lengths_;
+};
+
+}  // namespace kvcheck::optimized

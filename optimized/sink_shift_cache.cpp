@@ -1,0 +1,104 @@
+#include "optimized/sink_shift_cache.h"
+
+#include <algorithm>
+
+namespace kvcheck::optimized {
+
+SinkShiftCache::SinkShiftCache(const CacheConfig& config)
+    : config_(config), rope_(config.rope), store_(config.layers, config.kv_heads, config.head_dim) {
+  reset(config.batch);
+}
+
+void SinkShiftCache::shift_to(int b, std::int64_t evicted) {
+  RowState& row = rows_[b];
+  const std::int64_t d = evicted - row.evicted;
+  if (d <= 0) return;
+  const std::int64_t S = std::min(config_.sinks, row.length);
+  for (std::int64_t s = S + d; s < row.used; ++s) {
+    store_.move_slot(b, s, s - d);
+    if (config_.shift_positions) {
+      for (int l = 0; l < store_.layers(); ++l)
+        for (int g = 0; g < store_.kv_heads(); ++g) rope_.rotate(store_.key(l, b, g, s - d), -d);
+      store_.meta(b, s - d).position -= d;
+    }
+  }
+  for (std::int64_t s = std::max(S, row.used - d); s < row.used; ++s) store_.clear_slot(b, s);
+  row.used = std::max(S, row.used - d);
+  row.evicted = evicted;
+}
+
+void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
+  const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
+  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
+  // A dense chunk holds the cache plus the whole chunk at once.
+  std::int64_t need = W;
+  for (int b = 0; b < batch(); ++b) need = std::max(need, rows_[b].used + chunk.counts[b]);
+  store_.grow(need);
+
+  for (int b = 0; b < batch(); ++b) {
+    RowState& row = rows_[b];
+    const std::int64_t pad = chunk.length - chunk.counts[b], first = row.length;
+    const std::int64_t end = first + chunk.counts[b];
+    std::int64_t t = first;
+    while (t < end) {
+      // The group: tokens that see the same E (one dense chunk is a single group).
+      const std::int64_t e = sink_evicted(W, k, t);
+      std::int64_t group_end = t + 1;
+      if (config_.dense_prefill) group_end = end;
+      else
+        while (group_end < end && sink_evicted(W, k, group_end) == e) ++group_end;
+      shift_to(b, e);
+
+      std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+      for (std::int64_t j = t; j < group_end; ++j) {
+        const std::int64_t pos = config_.shift_positions ? j - e : j;
+        const std::int64_t chunk_pos = pad + (j - first);
+        store_token(store_, rope_, chunk, b, chunk_pos, row.used++, {chunk.uids[b * chunk.length + chunk_pos], j, pos});
+        plans.push_back({chunk_pos, QueryPlan{j, S, S + e, pos, pos}});
+      }
+      row.length = group_end;
+      for (int l = 0; l < config_.layers; ++l)
+        attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans, {{&store_, b}},
+                   row_output(out[l], chunk, b, config_.heads, config_.head_dim), l == 0 ? log : nullptr, b);
+      t = group_end;
+    }
+    // After a dense forward the cache keeps what the last token would see streaming.
+    if (end > 0) shift_to(b, sink_evicted(W, k, end - 1));
+  }
+}
+
+void SinkShiftCache::reorder(const std::vector<int>& rows) {
+  store_.gather_rows(rows);
+  std::vector<RowState> next;
+  for (int r : rows) next.push_back(rows_[r]);
+  rows_ = std::move(next);
+}
+
+void SinkShiftCache::reset(int batch) {
+  if (batch == store_.batch()) store_.clear_all();
+  else store_.reset(batch, config_.window);
+  rows_.assign(static_cast<std::size_t>(batch), RowState{});
+}
+
+void SinkShiftCache::crop(std::int64_t length) {
+  const std::int64_t S = config_.sinks;
+  for (int b = 0; b < batch(); ++b) {
+    if (rows_[b].length <= length || length == 0) continue;
+    std::int64_t missing = first_missing_index(store_, b, 0, std::min(S, length));
+    if (missing < 0)
+      missing = first_missing_index(store_, b, S + sink_evicted(config_.window, config_.evict, length - 1), length);
+    if (missing >= 0) refuse_crop(length, b, missing);
+  }
+  for (int b = 0; b < batch(); ++b) {
+    RowState& row = rows_[b];
+    if (row.length <= length) continue;
+    drop_from(store_, b, length);
+    // Slots are in token order, so the kept ones are a prefix.
+    while (row.used > 0 && store_.meta(b, row.used - 1).uid < 0) --row.used;
+    row.length = length;
+    // Equal to the old E unless the crop went back to the sinks alone.
+    row.evicted = length == 0 ? 0 : sink_evicted(config_.window, config_.evict, length - 1);
+  }
+}
+
+}  // namespace kvcheck::optimized

@@ -1,0 +1,30 @@
+// A sliding window of W keys as a ring buffer: token t lives in slot t % W, so a decoded
+// token costs O(1) writes and nothing moves. Keys are rotated once, at their index.
+// A chunk is attended over the ring plus the chunk itself before it overwrites the ring,
+// so a chunk longer than the window gives every token its own window.
+#pragma once
+
+#include "optimized/cache.h"
+
+namespace kvcheck::optimized {
+
+class SlidingCache : public KvCache {
+ public:
+  explicit SlidingCache(const CacheConfig& config);
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override;
+  void reorder(const std::vector<int>& rows) override;
+  void reset(int batch) override;
+  void crop(std::int64_t length) override;
+  const SlotStore& slots() const override { return ring_; }
+  std::int64_t row_length(int row) const override { return lengths_[row]; }
+
+ private:
+  CacheConfig config_;
+  RopeTable rope_;
+  SlotStore ring_;   // W slots per row
+  SlotStore chunk_;  // the chunk being appended, before it enters the ring
+  std::vector<std::int64_t> lengths_;
+};
+
+}  // namespace kvcheck::optimized

@@ -1,0 +1,69 @@
+#include "optimized/slot_store.h"
+
+#include <algorithm>
+
+namespace kvcheck::optimized {
+
+SlotStore::SlotStore(int layers, int kv_heads, int head_dim)
+    : layers_(layers), kv_heads_(kv_heads), head_dim_(head_dim), k_(layers), v_(layers) {}
+
+void SlotStore::reset(int batch, std::int64_t capacity) {
+  batch_ = batch;
+  capacity_ = capacity;
+  const std::size_t floats = static_cast<std::size_t>(batch) * kv_heads_ * capacity * head_dim_;
+  for (int l = 0; l < layers_; ++l) {
+    k_[l].assign(floats, 0.0f);
+    v_[l].assign(floats, 0.0f);
+  }
+  meta_.assign(static_cast<std::size_t>(batch) * capacity, SlotMeta{});
+}
+
+void SlotStore::grow(std::int64_t capacity) {
+  if (capacity <= capacity_) return;
+  SlotStore bigger(layers_, kv_heads_, head_dim_);
+  bigger.reset(batch_, capacity);
+  const std::size_t run = static_cast<std::size_t>(capacity_) * head_dim_;
+  for (int l = 0; l < layers_; ++l)
+    for (int b = 0; b < batch_; ++b)
+      for (int g = 0; g < kv_heads_; ++g) {
+        std::copy_n(key(l, b, g, 0), run, bigger.key(l, b, g, 0));
+        std::copy_n(value(l, b, g, 0), run, bigger.value(l, b, g, 0));
+      }
+  for (int b = 0; b < batch_; ++b) std::copy_n(row_meta(b), capacity_, &bigger.meta(b, 0));
+  *this = std::move(bigger);
+}
+
+void SlotStore::gather_rows(const std::vector<int>& rows) {
+  SlotStore next(layers_, kv_heads_, head_dim_);
+  next.reset(static_cast<int>(rows.size()), capacity_);
+  const std::size_t run = static_cast<std::size_t>(capacity_) * head_dim_;
+  for (std::size_t b = 0; b < rows.size(); ++b) {
+    for (int l = 0; l < layers_; ++l)
+      for (int g = 0; g < kv_heads_; ++g) {
+        std::copy_n(key(l, rows[b], g, 0), run, next.key(l, static_cast<int>(b), g, 0));
+        std::copy_n(value(l, rows[b], g, 0), run, next.value(l, static_cast<int>(b), g, 0));
+      }
+    std::copy_n(row_meta(rows[b]), capacity_, &next.meta(static_cast<int>(b), 0));
+  }
+  *this = std::move(next);
+}
+
+void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to) {
+  for (int l = 0; l < layers_; ++l)
+    for (int g = 0; g < kv_heads_; ++g) {
+      std::copy_n(src.key(l, from_row, g, from_slot), head_dim_, key(l, row, g, to));
+      std::copy_n(src.value(l, from_row, g, from_slot), head_dim_, value(l, row, g, to));
+    }
+  meta(row, to) = src.meta(from_row, from_slot);
+}
+
+void SlotStore::move_slot(int row, std::int64_t from, std::int64_t to) {
+  for (int l = 0; l < layers_; ++l)
+    for (int g = 0; g < kv_heads_; ++g) {
+      std::copy_n(key(l, row, g, from), head_dim_, key(l, row, g, to));
+      std::copy_n(value(l, row, g, from), head_dim_, value(l, row, g, to));
+    }
+  meta(row, to) = meta(row, from);
+}
+
+}  // namespace kvcheck::optimized

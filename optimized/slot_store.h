@@ -1,0 +1,70 @@
+// Cache storage shared by every optimized cache: per layer, keys and values laid out
+// [row][kv_head][slot][head_dim], so one head of one row is a contiguous run that a
+// decode step reads once; plus three integers of metadata per (row, slot).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace kvcheck::optimized {
+
+// Who sits in a slot. uid < 0 means empty: never visible, never reported.
+struct SlotMeta {
+  std::int64_t uid = -1;
+  std::int64_t index = -1;     // token index in the row
+  std::int64_t position = -1;  // the position its key is rotated at
+};
+
+class SlotStore {
+ public:
+  SlotStore() = default;
+  SlotStore(int layers, int kv_heads, int head_dim);
+
+  // Drops everything and makes `batch` rows of `capacity` empty slots.
+  void reset(int batch, std::int64_t capacity);
+  // More slots per row, keeping what is there (a dynamic cache's amortized growth).
+  void grow(std::int64_t capacity);
+  // New row b becomes a copy of old row rows[b] (beam reorder; the batch may change).
+  void gather_rows(const std::vector<int>& rows);
+  // Empties every slot, keeping the memory (a reset to the same batch size).
+  void clear_all() { meta_.assign(meta_.size(), SlotMeta{}); }
+  // Copies slot `from_slot` of `from_row` in `src` to slot `to` of `row` here.
+  void copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to);
+  // Copies slot `from` to slot `to` in the same row, every layer and head.
+  void move_slot(int row, std::int64_t from, std::int64_t to);
+  void clear_slot(int row, std::int64_t slot) { meta(row, slot) = SlotMeta{}; }
+
+  float* key(int layer, int row, int kv_head, std::int64_t slot) { return at(k_, layer, row, kv_head, slot); }
+  float* value(int layer, int row, int kv_head, std::int64_t slot) { return at(v_, layer, row, kv_head, slot); }
+  const float* key(int layer, int row, int kv_head, std::int64_t slot) const {
+    return const_cast<SlotStore*>(this)->key(layer, row, kv_head, slot);
+  }
+  const float* value(int layer, int row, int kv_head, std::int64_t slot) const {
+    return const_cast<SlotStore*>(this)->value(layer, row, kv_head, slot);
+  }
+  SlotMeta& meta(int row, std::int64_t slot) { return meta_[static_cast<std::size_t>(row) * capacity_ + slot]; }
+  const SlotMeta& meta(int row, std::int64_t slot) const {
+    return meta_[static_cast<std::size_t>(row) * capacity_ + slot];
+  }
+  const SlotMeta* row_meta(int row) const { return meta_.data() + static_cast<std::size_t>(row) * capacity_; }
+
+  int batch() const { return batch_; }
+  std::int64_t capacity() const { return capacity_; }
+  int layers() const { return layers_; }
+  int kv_heads() const { return kv_heads_; }
+  int head_dim() const { return head_dim_; }
+  // Floats between kv head g and g + 1 of one row.
+  std::size_t head_stride() const { return static_cast<std::size_t>(capacity_) * head_dim_; }
+
+ private:
+  float* at(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot) {
+    return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * head_dim_;
+  }
+
+  int layers_ = 0, kv_heads_ = 0, head_dim_ = 0, batch_ = 0;
+  std::int64_t capacity_ = 0;
+  std::vector<std::vector<float>> k_, v_;  // per layer
+  std::vector<SlotMeta> meta_;             // [row][slot]
+};
+
+}  // namespace kvcheck::optimized
