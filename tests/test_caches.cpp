@@ -1,0 +1,99 @@
+// Every optimized cache against the reference: every fixture it serves, then 200
+// generated scenarios. A failure prints the scenario so it can be saved as a fixture.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "tests/random_scenario.h"
+#include "tools/harness/cache_checks.h"
+#include "tools/harness/cache_registry.h"
+#include "tools/harness/inputs.h"
+
+using namespace kvcheck;
+
+namespace {
+
+std::string describe_failures(const std::vector<Outcome>& outcomes) {
+  std::string text;
+  for (const Outcome& o : outcomes)
+    if (const Check* c = o.first_failure()) text += o.target + ": " + c->name + ": " + c->detail + "\n";
+  return text;
+}
+
+// Runs every real cache that serves the scenario's policy; returns their outcomes.
+std::vector<Outcome> run_caches(const Scenario& s, const std::string& only = "") {
+  const InputTable inputs = load_inputs(s);
+  const ReferenceRun run = run_reference(s, inputs);
+  std::vector<Outcome> outcomes;
+  for (const CacheEntry& cache : real_caches())
+    if (cache.serves(s.policy) && (only.empty() || cache.name == only))
+      outcomes.push_back(check_cache(s, inputs, run, cache));
+  return outcomes;
+}
+
+struct FixtureCase {
+  std::string file, cache;
+};
+
+std::vector<FixtureCase> fixture_cases() {
+  std::vector<FixtureCase> cases;
+  for (const std::string& file : scenario_files(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios")) {
+    const Scenario s = load_scenario(file);
+    for (const CacheEntry& cache : real_caches())
+      if (cache.serves(s.policy)) cases.push_back({file, cache.name});
+  }
+  return cases;
+}
+
+class FixtureOnCache : public ::testing::TestWithParam<FixtureCase> {};
+
+TEST_P(FixtureOnCache, MatchesTheReference) {
+  const Scenario s = load_scenario(GetParam().file);
+  const std::vector<Outcome> outcomes = run_caches(s, GetParam().cache);
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_TRUE(outcomes[0].passed()) << describe_failures(outcomes);
+  EXPECT_EQ(outcomes[0].position_mismatches, 0);
+  EXPECT_EQ(outcomes[0].retained_mismatches, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, FixtureOnCache, ::testing::ValuesIn(fixture_cases()),
+                         [](const ::testing::TestParamInfo<FixtureCase>& info) {
+                           std::string stem = info.param.file.substr(info.param.file.find_last_of('/') + 1);
+                           stem = stem.substr(0, stem.size() - 5);
+                           return stem + "__" + info.param.cache;
+                         });
+
+class RandomScenario : public ::testing::TestWithParam<int> {};
+
+TEST_P(RandomScenario, EveryCacheMatchesTheReference) {
+  const std::string text = kvcheck::testing::random_scenario_json(static_cast<std::uint64_t>(GetParam()));
+  const Scenario s = parse_scenario(text, "random.json");
+  const std::vector<Outcome> outcomes = run_caches(s);
+  ASSERT_FALSE(outcomes.empty());
+  const bool all = std::all_of(outcomes.begin(), outcomes.end(), [](const Outcome& o) { return o.passed(); });
+  EXPECT_TRUE(all) << describe_failures(outcomes) << "scenario (save as a fixture to replay):\n" << text;
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, RandomScenario, ::testing::Range(0, 200));
+
+TEST(StaticCache, RefusesToOverflowItsCapacity) {
+  const Scenario s = parse_scenario(R"({"name": "x", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "head_dim": 2},
+    "policy": {"type": "full"}, "steps": [{"op": "append", "tokens": 3}]})",
+                                    "x.json");
+  const InputTable inputs = load_inputs(s);
+  const ReferenceRun run = run_reference(s, inputs);
+  auto cache = find_cache("static")->make(cache_config(s, 2));
+  ChunkBuffers buffers = make_chunk(s, inputs, *run.steps[0].append);
+  std::vector<float> out(3 * 2);
+  try {
+    cache->append(buffers.chunk, {out.data()}, nullptr);
+    FAIL() << "a static cache of 2 slots accepted 3 tokens";
+  } catch (const optimized::CacheRefusal& e) {
+    EXPECT_EQ(e.code, "capacity_exceeded");
+    EXPECT_STREQ(e.what(), "static cache of 2 slots per row cannot hold 3 tokens");
+  }
+}
+
+}  // namespace
