@@ -9,7 +9,10 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "tools/harness/atomic_dir.h"
+#include "tools/harness/cache_checks.h"
 #include "tools/harness/cache_registry.h"
+#include "tools/harness/diagnose_report.h"
 #include "tools/harness/export.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_run.h"
@@ -92,6 +95,55 @@ int cmd_list(const std::vector<std::string>& paths) {
   return kPass;
 }
 
+int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const std::string& html) {
+  const Scenario scenario = load_scenario(path);
+  if (caches.empty())
+    for (const CacheEntry& c : real_caches())
+      if (c.serves(scenario.policy)) caches.push_back(c.name);
+  const InputTable inputs = load_inputs(scenario);
+  const ReferenceRun run = run_reference(scenario, inputs);
+  bool diverged = false;
+  for (const std::string& name : caches) {
+    const CacheEntry* cache = find_cache(name);
+    if (!cache->serves(scenario.policy))
+      throw InputError(path, "/policy", fmt::format("cache {} does not serve the {} policy of this scenario", name,
+                                                    to_string(scenario.policy.kind)));
+    const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty());
+    print_diagnosis(stdout, scenario, name, trace);
+    if (!html.empty()) {
+      write_file_atomically(html, diagnosis_html(scenario, name, trace));
+      fmt::print("wrote {}\n", html);
+    }
+    diverged = diverged || trace.first.has_value();
+  }
+  return diverged ? kFail : kPass;
+}
+
+int cmd_zoo(const std::vector<std::string>& only) {
+  fmt::print("{:<28} {:<36} {:<7} {:<38} {}\n", "mutant", "fixture", "caught", "diagnosed class", "as expected");
+  bool all = true;
+  int mutants = 0;
+  for (const ZooMutant& m : zoo_mutants()) {
+    if (!only.empty() && std::find(only.begin(), only.end(), m.cache.name) == only.end()) continue;
+    ++mutants;
+    for (const std::string& fixture : m.fixtures) {
+      const Scenario s = load_scenario(default_scenarios() + "/" + fixture + ".json");
+      const InputTable inputs = load_inputs(s);
+      const ReferenceRun run = run_reference(s, inputs);
+      const CacheTrace trace = trace_cache(s, inputs, run, m.cache, false);
+      const bool caught = !trace.outcome.passed();
+      const BugClass got = trace.first ? trace.first->bug : BugClass::none;
+      const bool right = caught && got == m.expected;
+      all = all && right;
+      fmt::print("{:<28} {:<36} {:<7} {:<38} {}\n", m.cache.name, fixture, caught ? "yes" : "NO", class_name(got),
+                 right ? "yes" : fmt::format("NO (expected {})", class_name(m.expected)));
+    }
+  }
+  if (mutants == 0) throw InputError("--mutant", "", "no such mutant (`kvcheck list` shows the zoo)");
+  fmt::print("\n{}\n", all ? "every mutant caught and classified" : "some mutants escaped or were misclassified");
+  return all ? kPass : kFail;
+}
+
 // --cache names must exist; a typo is bad input, not an empty run.
 void validate_cache_names(const std::vector<std::string>& names) {
   for (const std::string& name : names)
@@ -129,6 +181,17 @@ int main(int argc, char** argv) {
   CLI::App* list = app.add_subcommand("list", "list scenarios and caches, one line each");
   list->add_option("paths", list_paths, "scenario files or folders");
 
+  std::string diagnose_path, html;
+  std::vector<std::string> diagnose_caches;
+  CLI::App* diagnose = app.add_subcommand("diagnose", "find a cache's first divergence from the reference and name it");
+  diagnose->add_option("scenario", diagnose_path, "scenario file")->required();
+  diagnose->add_option("--cache", diagnose_caches, "cache to diagnose (default: every cache serving the policy)");
+  diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
+
+  std::vector<std::string> zoo_only;
+  CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
+  zoo->add_option("--mutant", zoo_only, "only these mutants (zoo/NAME)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -143,6 +206,11 @@ int main(int argc, char** argv) {
       return cmd_run(run_paths, options, junit, json);
     }
     if (*exp) return cmd_export(export_path, export_out);
+    if (*diagnose) {
+      validate_cache_names(diagnose_caches);
+      return cmd_diagnose(diagnose_path, diagnose_caches, html);
+    }
+    if (*zoo) return cmd_zoo(zoo_only);
     if (*list) return cmd_list(list_paths);
   } catch (const InputError& e) {
     print_input_error(e);

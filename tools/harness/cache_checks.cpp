@@ -7,7 +7,9 @@
 
 #include <fmt/format.h>
 
+#include "reference/policy.h"
 #include "reference/rope.h"
+#include "tools/harness/recovery.h"
 
 namespace kvcheck {
 
@@ -51,7 +53,7 @@ ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const refer
 
 namespace {
 
-// One check's tally and its first failure.
+// How many problems a check saw, and the first one in words.
 struct Tally {
   std::int64_t failures = 0;
   std::string first;
@@ -70,66 +72,107 @@ std::int64_t longest_row(const ReferenceRun& run) {
   return longest;
 }
 
+// The token index of `uid` in a row's history, or -1.
+std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid) {
+  const auto it = std::find(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
+  return it == history.end() ? -1 : it - history.begin();
+}
+
+SlotIssue issue(SlotIssue::Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
+  SlotIssue i{};
+  i.kind = kind;
+  i.row = row;
+  i.uid = uid;
+  i.true_index = true_index;
+  return i;
+}
+
+using Distances = std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>;  // uid -> (distance, query pos)
+
 class CacheRun {
  public:
-  CacheRun(const Scenario& s, const InputTable& inputs, const ReferenceRun& run)
-      : s_(s), inputs_(inputs), run_(run) {}
+  CacheRun(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, bool with_picture)
+      : s_(s), inputs_(inputs), run_(run), with_picture_(with_picture) {}
 
-  Outcome operator()(const CacheEntry& entry) {
+  // The row whose slots the picture follows.
+  void set_picture_row(int row) { picture_row_ = row; }
+
+  CacheTrace operator()(const CacheEntry& entry) {
     std::unique_ptr<KvCache> cache = entry.make(cache_config(s_, longest_row(run_)));
+    StepContext context;
     for (std::size_t i = 0; i < run_.steps.size(); ++i) {
       const StepRecord& rec = run_.steps[i];
-      label_ = step_label(rec.step, i);
+      StepEvidence evidence;
+      evidence.step = i;
+      evidence.label = step_label(rec.step, i);
+      log_.clear();
+      bool in_step = true;
       try {
-        apply(*cache, rec);
+        apply(*cache, rec, evidence);
         if (!rec.refused.empty())
-          refusals_.fail(fmt::format("{}: the cache accepted a step the policy refuses ({}: {})", label_, rec.refused,
-                                     rec.refusal_message));
+          evidence.refusal = fmt::format("the cache accepted a step the policy refuses ({}: {})", rec.refused,
+                                         rec.refusal_message);
       } catch (const CacheRefusal& e) {
         if (e.code != rec.refused) {
-          refusals_.fail(fmt::format("{}: the cache refused with \"{}\" ({}){}", label_, e.code, e.what(),
-                                     rec.refused.empty() ? ", the reference accepts the step"
-                                                         : ", the reference refuses with \"" + rec.refused + "\""));
-          break;  // the cache and the reference no longer hold the same rows
+          evidence.refusal = fmt::format("the cache refused with \"{}\" ({}){}", e.code, e.what(),
+                                         rec.refused.empty() ? ", the policy accepts the step"
+                                                             : ", the policy refuses with \"" + rec.refused + "\"");
+          in_step = false;
         }
       }
-      if (cache->batch() != static_cast<int>(rec.retained.size())) {
-        retained_.fail(fmt::format("{}: the cache has {} rows, the reference {}", label_, cache->batch(),
+      if (!evidence.refusal.empty()) refusals_.fail(evidence.label + ": " + evidence.refusal);
+      if (in_step && cache->batch() != static_cast<int>(rec.retained.size())) {
+        retained_.fail(fmt::format("{}: the cache has {} rows, the reference {}", evidence.label, cache->batch(),
                                    rec.retained.size()));
-        break;
+        in_step = false;
       }
-      check_slots(*cache, rec);
+      if (in_step) check_slots(*cache, rec, evidence);
+      update(context, rec);  // what led up to the end of this step, this step included
+      if (!evidence.empty() && !trace_.first) record_first(*cache, rec, evidence, context);
+      if (with_picture_ && in_step) trace_.picture.push_back(picture_column(*cache, rec));
+      if (!in_step) break;  // the cache and the reference no longer hold the same rows
     }
-    return outcome(entry.name);
+    trace_.outcome = outcome(entry.name);
+    return std::move(trace_);
   }
 
  private:
-  void apply(KvCache& cache, const StepRecord& rec) {
+  static void update(StepContext& c, const StepRecord& rec) {
+    if (rec.step.op == StepOp::reset) {
+      c.batch_changed_by_reset = c.batch_changed_by_reset || rec.batch_before != *rec.step.batch;
+      c.reordered = false;
+    }
+    if (rec.step.op == StepOp::reorder) c.reordered = true;
+    if (rec.append)
+      for (const auto& row : rec.append->rows)
+        if (static_cast<std::int64_t>(row.size()) < rec.append->chunk) c.padded = true;
+  }
+
+  void apply(KvCache& cache, const StepRecord& rec, StepEvidence& evidence) {
     switch (rec.step.op) {
-      case StepOp::append: append(cache, rec); break;
+      case StepOp::append: append(cache, rec, evidence); break;
       case StepOp::reorder: cache.reorder(rec.step.rows); break;
       case StepOp::reset: cache.reset(*rec.step.batch); break;
       case StepOp::crop: cache.crop(rec.step.length); break;
     }
   }
 
-  void append(KvCache& cache, const StepRecord& rec) {
+  void append(KvCache& cache, const StepRecord& rec, StepEvidence& evidence) {
     const reference::AppendResult& ref = *rec.append;
     const int L = s_.dims.layers, H = s_.dims.heads, D = s_.dims.head_dim;
     const int B = static_cast<int>(ref.rows.size());
-    const std::int64_t n = ref.chunk;
     ChunkBuffers buffers = make_chunk(s_, inputs_, ref);
-    std::vector<std::vector<float>> out(L, std::vector<float>(static_cast<std::size_t>(B) * n * H * D,
+    std::vector<std::vector<float>> out(L, std::vector<float>(static_cast<std::size_t>(B) * ref.chunk * H * D,
                                                              std::numeric_limits<float>::quiet_NaN()));
     std::vector<float*> out_ptrs;
     for (auto& o : out) out_ptrs.push_back(o.data());
-    AttentionLog log;
-    cache.append(buffers.chunk, out_ptrs, &log);
-    compare_outputs(ref, out);
-    compare_distances(rec, log);
+    cache.append(buffers.chunk, out_ptrs, &log_);
+    compare_outputs(ref, out, evidence);
+    compare_distances(rec, evidence);
   }
 
-  void compare_outputs(const reference::AppendResult& ref, const std::vector<std::vector<float>>& out) {
+  void compare_outputs(const reference::AppendResult& ref, const std::vector<std::vector<float>>& out,
+                       StepEvidence& evidence) {
     const int L = s_.dims.layers, H = s_.dims.heads, D = s_.dims.head_dim;
     const int B = static_cast<int>(ref.rows.size());
     const std::int64_t n = ref.chunk;
@@ -139,101 +182,281 @@ class CacheRun {
         for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
           for (int h = 0; h < H; ++h)
             for (int d = 0; d < D; ++d) {
-              const std::size_t at = (((static_cast<std::size_t>(l) * B + b) * n + pad + i) * H + h) * D + d;
-              const double want = ref.out[at];
-              const double got = out[l][at - static_cast<std::size_t>(l) * B * n * H * D];
+              const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;
+              const double want = ref.out[static_cast<std::size_t>(l) * B * n * H * D + at];
+              const double got = out[l][at];
               const double err = std::abs(got - want);
               sum_sq_err_ += std::isnan(err) ? 0.0 : err * err;
               sum_sq_ref_ += want * want;
               max_abs_ = std::max(max_abs_, std::isnan(err) ? std::numeric_limits<double>::infinity() : err);
-              if (!(err <= s_.tolerance.atol + s_.tolerance.rtol * std::abs(want)))
-                outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, "
-                                          "got {:.9g}",
-                                          label_, l, b, ref.rows[b][i].index, ref.rows[b][i].uid, h, d, want, got));
+              if (err <= s_.tolerance.atol + s_.tolerance.rtol * std::abs(want)) continue;
+              const auto& token = ref.rows[b][i];
+              outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got "
+                                        "{:.9g}",
+                                        evidence.label, l, b, token.index, token.uid, h, d, want, got));
+              if (evidence.outputs.size() < 64)
+                evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
             }
       }
   }
 
+  // The pairs the cache used, per (row, query index).
+  std::map<std::pair<int, std::int64_t>, Distances> used_pairs() const {
+    std::map<std::pair<int, std::int64_t>, Distances> used;
+    for (const auto& e : log_)
+      used[{e.row, e.query_index}][e.key_uid] = {e.query_position - e.key_position, e.query_position};
+    return used;
+  }
+
   // SPEC 5.3: every visible pair the cache used has the reference's Pq - Pk, as integers,
   // and the cache used exactly the reference's visible tokens (by uid).
-  void compare_distances(const StepRecord& rec, const AttentionLog& log) {
-    const reference::AppendResult& ref = *rec.append;
-    std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::int64_t>> used;  // (row, t) -> uid -> distance
-    for (const auto& e : log) used[{e.row, e.query_index}][e.key_uid] = e.query_position - e.key_position;
-    for (int b = 0; b < static_cast<int>(ref.rows.size()); ++b) {
-        for (const auto& token : ref.rows[b]) {
+  void compare_distances(const StepRecord& rec, StepEvidence& evidence) {
+    auto used = used_pairs();
+    for (int b = 0; b < static_cast<int>(rec.append->rows.size()); ++b) {
+      const auto& history = rec.histories[b];
+      for (const auto& token : rec.append->rows[b]) {
+        const std::int64_t e = reference::evicted_count(s_.policy, token.index);
         std::map<std::int64_t, std::int64_t> want;
         for (const auto& key : token.view.keys)
-          want[static_cast<std::int64_t>(rec.histories[b][key.index])] = token.view.query_position - key.position;
-        const auto& got = used[{b, token.index}];
+          want[static_cast<std::int64_t>(history[key.index])] = token.view.query_position - key.position;
+        const Distances& got = used[{b, token.index}];
+        auto note = [&](std::int64_t uid, std::optional<std::int64_t> w, std::optional<std::int64_t> a,
+                        std::optional<std::int64_t> qpos, std::string text) {
+          positions_.fail(fmt::format("{}: row {} token {}: {}", evidence.label, b, token.index, text));
+          evidence.pairs.push_back({b, token.index, uid, index_of(history, uid), w, a, qpos, e});
+        };
         for (const auto& [uid, distance] : want) {
           const auto it = got.find(uid);
           if (it == got.end())
-            positions_.fail(fmt::format("{}: row {} token {}: uid {} should be visible at distance {}, the cache did "
-                                        "not use it",
-                                        label_, b, token.index, uid, distance));
-          else if (it->second != distance)
-            positions_.fail(fmt::format("{}: row {} token {}: uid {} at distance {}, expected {}", label_, b,
-                                        token.index, uid, it->second, distance));
+            note(uid, distance, std::nullopt, std::nullopt,
+                 fmt::format("uid {} should be visible at distance {}, the cache did not use it", uid, distance));
+          else if (it->second.first != distance)
+            note(uid, distance, it->second.first, it->second.second,
+                 fmt::format("uid {} at distance {}, expected {}", uid, it->second.first, distance));
         }
-        for (const auto& [uid, distance] : got)
+        for (const auto& [uid, used_pair] : got)
           if (!want.count(uid))
-            positions_.fail(fmt::format("{}: row {} token {}: the cache used uid {} (distance {}), which the policy "
-                                        "does not make visible",
-                                        label_, b, token.index, uid, distance));
+            note(uid, std::nullopt, used_pair.first, used_pair.second,
+                 fmt::format("the cache used uid {} (distance {}), which the policy does not make visible", uid,
+                             used_pair.first));
       }
     }
   }
 
   // SPEC 5.2 and 5.4: the slots hold exactly the retained set, each key a pure rotation
-  // of its token's raw key by the position the slot claims.
-  void check_slots(const KvCache& cache, const StepRecord& rec) {
+  // of its token's raw key by the position the slot claims, each at its true token index.
+  void check_slots(const KvCache& cache, const StepRecord& rec, StepEvidence& evidence) {
     const optimized::SlotStore& store = cache.slots();
     for (int b = 0; b < static_cast<int>(rec.retained.size()); ++b) {
+      const auto& history = rec.histories[b];
       std::map<std::int64_t, int> held;
       for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
         const SlotMeta& m = store.meta(b, slot);
         if (m.uid < 0) continue;
         ++held[m.uid];
-        check_rotation(store, b, slot, m);
+        const std::int64_t true_index = index_of(history, m.uid);
+        if (true_index >= 0 && m.index != true_index) {
+          retained_.fail(fmt::format("{}: row {} slot {} says uid {} is token {}, it is token {}", evidence.label, b,
+                                     slot, m.uid, m.index, true_index));
+          SlotIssue wrong = issue(SlotIssue::Kind::wrong_index, b, m.uid, true_index);
+          wrong.slot = slot;
+          wrong.claimed_index = m.index;
+          wrong.claimed_position = m.position;
+          evidence.slots.push_back(wrong);
+        }
+        check_rotation(store, b, slot, m, true_index, evidence);
       }
       std::map<std::int64_t, int> want;
       for (const auto& key : rec.retained[b].keys) want[static_cast<std::int64_t>(key.uid)] = 1;
       for (const auto& [uid, count] : held) {
-        if (!want.count(uid))
-          retained_.fail(fmt::format("{}: row {} holds uid {}, which is not in the retained set (stale)", label_, b, uid));
-        else if (count > 1)
-          retained_.fail(fmt::format("{}: row {} holds uid {} in {} slots (duplicated)", label_, b, uid, count));
+        const std::int64_t index = index_of(history, uid);
+        if (index < 0) {
+          retained_.fail(fmt::format("{}: row {} holds uid {}, a token of another row or generation (stale)",
+                                     evidence.label, b, uid));
+          evidence.slots.push_back(issue(SlotIssue::Kind::stale, b, uid, -1));
+        } else if (!want.count(uid)) {
+          retained_.fail(fmt::format("{}: row {} still holds uid {} (token {}), which the policy evicted",
+                                     evidence.label, b, uid, index));
+          evidence.slots.push_back(issue(SlotIssue::Kind::extra, b, uid, index));
+        } else if (count > 1) {
+          retained_.fail(fmt::format("{}: row {} holds uid {} in {} slots (duplicated)", evidence.label, b, uid, count));
+          evidence.slots.push_back(issue(SlotIssue::Kind::duplicated, b, uid, index));
+        }
       }
       for (const auto& [uid, one] : want)
-        if (!held.count(uid))
-          retained_.fail(fmt::format("{}: row {} lost uid {} of the retained set", label_, b, uid));
+        if (!held.count(uid)) {
+          retained_.fail(fmt::format("{}: row {} lost uid {} (token {}) of the retained set", evidence.label, b, uid,
+                                     index_of(history, uid)));
+          evidence.slots.push_back(issue(SlotIssue::Kind::lost, b, uid, index_of(history, uid)));
+        }
     }
   }
 
-  void check_rotation(const optimized::SlotStore& store, int b, std::int64_t slot, const SlotMeta& m) {
+  void check_rotation(const optimized::SlotStore& store, int b, std::int64_t slot, const SlotMeta& m,
+                      std::int64_t true_index, StepEvidence& evidence) {
     if (m.uid >= inputs_.uids) {
-      rotation_.fail(fmt::format("{}: row {} slot {} claims uid {}, which does not exist", label_, b, slot, m.uid));
+      rotation_.fail(fmt::format("{}: row {} slot {} claims uid {}, which does not exist", evidence.label, b, slot,
+                                 m.uid));
       return;
     }
     const int D = s_.dims.head_dim;
     for (int l = 0; l < s_.dims.layers; ++l)
       for (int g = 0; g < s_.dims.kv_heads; ++g) {
         const float* stored = store.key(l, b, g, slot);
-        const auto back = reference::rotate(std::vector<double>(stored, stored + D), -static_cast<double>(m.position),
-                                            s_.rope);
+        const auto back =
+            reference::rotate(std::vector<double>(stored, stored + D), -static_cast<double>(m.position), s_.rope);
         const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(m.uid), g);
         double worst = 0.0;
         for (int d = 0; d < D; ++d) worst = std::max(worst, std::abs(back[d] - raw[d]));
         // float32 rotations, re-rotated many times, stay within ~1e-5 of the raw key; a
         // position off by one moves the fastest pair by about a radian.
-        if (!(worst <= 1e-3)) {
-          rotation_.fail(fmt::format("{}: layer {} row {} slot {} (uid {}): the key rotated back by its claimed "
-                                     "position {} differs from the raw key by {:.3g}",
-                                     label_, l, b, slot, m.uid, m.position, worst));
-          return;
-        }
+        if (worst <= 1e-3) continue;
+        const RecoveredPosition r = recover_position(raw, stored, D, s_.rope);
+        rotation_.fail(fmt::format("{}: layer {} row {} slot {} (uid {}): the key is not its raw key rotated by its "
+                                   "claimed position {} (recovered: {})",
+                                   evidence.label, l, b, slot, m.uid, m.position, describe(r)));
+        SlotIssue rotated = issue(SlotIssue::Kind::rotation, b, m.uid, true_index);
+        rotated.slot = slot;
+        rotated.claimed_index = m.index;
+        rotated.claimed_position = m.position;
+        if (r.status != RecoveredPosition::Status::not_rotation) rotated.recovered_position = r.position;
+        rotated.fits = r.fits;
+        evidence.slots.push_back(rotated);
+        return;
       }
+  }
+
+  // Where to look first: the first mismatching pair's query, else the first wrong output,
+  // else the first slot issue's row.
+  void record_first(const KvCache& cache, const StepRecord& rec, const StepEvidence& evidence,
+                    const StepContext& context) {
+    FirstDivergence f;
+    f.evidence = evidence;
+    f.context = context;
+    f.bug = classify(s_, evidence, context);
+    if (!evidence.pairs.empty()) {
+      f.row = evidence.pairs.front().row;
+      f.query_index = evidence.pairs.front().query_index;
+    } else if (!evidence.outputs.empty()) {
+      f.row = evidence.outputs.front().row;
+      f.query_index = evidence.outputs.front().query_index;
+    } else if (!evidence.slots.empty()) {
+      f.row = evidence.slots.front().row;
+      if (rec.append && !rec.append->rows[f.row].empty()) f.query_index = rec.append->rows[f.row].back().index;
+    }
+    if (f.row < cache.batch() && f.row < static_cast<int>(rec.histories.size())) f.slots = slot_table(cache, rec, f);
+    trace_.first = std::move(f);
+  }
+
+  // The reference's view of the diagnosed query (or, without one, the retained set).
+  reference::QueryView expected_view(const StepRecord& rec, int row, std::int64_t query_index) const {
+    if (rec.append)
+      for (const auto& token : rec.append->rows[row])
+        if (token.index == query_index) return token.view;
+    reference::QueryView view;
+    view.query_position = rec.retained[row].query_position;
+    for (const auto& key : rec.retained[row].keys) view.keys.push_back({key.index, key.position});
+    return view;
+  }
+
+  std::vector<SlotRow> slot_table(const KvCache& cache, const StepRecord& rec, const FirstDivergence& f) const {
+    const optimized::SlotStore& store = cache.slots();
+    const auto& history = rec.histories[f.row];
+    const reference::QueryView view = expected_view(rec, f.row, f.query_index);
+    std::map<std::int64_t, reference::VisibleKey> expected;  // uid -> key
+    for (const auto& key : view.keys) expected[static_cast<std::int64_t>(history[key.index])] = key;
+    std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> actual;
+    for (const auto& e : log_)
+      if (e.row == f.row && e.query_index == f.query_index)
+        actual[e.key_uid] = {e.query_position - e.key_position, e.query_position};
+    std::map<std::int64_t, int> seen;
+    std::vector<SlotRow> rows;
+    for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
+      const SlotMeta& m = store.meta(f.row, slot);
+      if (m.uid < 0) continue;
+      SlotRow r;
+      r.slot = slot;
+      r.uid = m.uid;
+      r.index = index_of(history, m.uid);
+      r.position_claimed = m.position;
+      if (m.uid < inputs_.uids)
+        r.position_recovered = describe(recover_position(inputs_.k_at(0, static_cast<std::uint64_t>(m.uid), 0),
+                                                         store.key(0, f.row, 0, slot), s_.dims.head_dim, s_.rope));
+      if (const auto it = expected.find(m.uid); it != expected.end()) {
+        r.visible_expected = true;
+        r.distance_expected = view.query_position - it->second.position;
+        r.position_expected = it->second.position;
+      }
+      if (const auto it = actual.find(m.uid); it != actual.end()) {
+        r.visible_actual = true;
+        r.distance_actual = it->second.first;
+      }
+      const bool in_retained = std::any_of(rec.retained[f.row].keys.begin(), rec.retained[f.row].keys.end(),
+                                           [&](const auto& k) { return static_cast<std::int64_t>(k.uid) == m.uid; });
+      if (r.index < 0) r.verdict = "stale: not this row's token";
+      else if (++seen[m.uid] > 1) r.verdict = "duplicated";
+      else if (m.index != r.index) r.verdict = fmt::format("claims token {}", m.index);
+      else if (r.visible_expected != r.visible_actual)
+        r.verdict = r.visible_actual ? "visible, should not be" : "not used, should be visible";
+      else if (r.distance_expected != r.distance_actual)
+        r.verdict = fmt::format("distance off by {}", *r.distance_actual - *r.distance_expected);
+      else if (r.position_recovered != std::to_string(m.position) && r.position_recovered.back() != '?')
+        r.verdict = "key not at its claimed position";
+      else if (!in_retained) r.verdict = "should have been evicted";
+      else r.verdict = "ok";
+      rows.push_back(r);
+    }
+    for (const auto& key : rec.retained[f.row].keys)
+      if (!std::any_of(rows.begin(), rows.end(), [&](const SlotRow& r) { return r.uid == static_cast<std::int64_t>(key.uid); })) {
+        SlotRow r;
+        r.uid = static_cast<std::int64_t>(key.uid);
+        r.index = key.index;
+        if (const auto it = expected.find(r.uid); it != expected.end()) {
+          r.visible_expected = true;
+          r.distance_expected = view.query_position - it->second.position;
+          r.position_expected = it->second.position;
+        }
+        r.verdict = "missing: the cache dropped it";
+        rows.push_back(r);
+      }
+    return rows;
+  }
+
+  // One column of the picture: the diagnosed row's slots after this step, each judged by
+  // the distance its row's last query used against the reference's.
+  std::vector<PictureCell> picture_column(const KvCache& cache, const StepRecord& rec) const {
+    const int row = picture_row_;
+    std::vector<PictureCell> column;
+    if (row >= cache.batch() || row >= static_cast<int>(rec.histories.size())) return column;
+    const optimized::SlotStore& store = cache.slots();
+    std::map<std::int64_t, std::int64_t> want, got;
+    if (rec.append && !rec.append->rows[row].empty()) {
+      const auto& last = rec.append->rows[row].back();
+      for (const auto& key : last.view.keys)
+        want[static_cast<std::int64_t>(rec.histories[row][key.index])] = last.view.query_position - key.position;
+      for (const auto& e : log_)
+        if (e.row == row && e.query_index == last.index) got[e.key_uid] = e.query_position - e.key_position;
+    }
+    std::map<std::int64_t, int> seen;
+    for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
+      const SlotMeta& m = store.meta(row, slot);
+      PictureCell cell;
+      cell.uid = m.uid;
+      if (m.uid < 0) {
+        column.push_back(cell);
+        continue;
+      }
+      const bool retained = std::any_of(rec.retained[row].keys.begin(), rec.retained[row].keys.end(),
+                                        [&](const auto& k) { return static_cast<std::int64_t>(k.uid) == m.uid; });
+      if (++seen[m.uid] > 1) cell.state = PictureCell::State::duplicated;
+      else if (!retained) cell.state = PictureCell::State::not_retained;
+      else if (want.count(m.uid) && got.count(m.uid) && want[m.uid] != got[m.uid]) {
+        cell.state = PictureCell::State::wrong_position;
+        cell.error = got[m.uid] - want[m.uid];
+      } else cell.state = PictureCell::State::ok;
+      column.push_back(cell);
+    }
+    return column;
   }
 
   Outcome outcome(const std::string& target) const {
@@ -259,15 +482,28 @@ class CacheRun {
   const Scenario& s_;
   const InputTable& inputs_;
   const ReferenceRun& run_;
-  std::string label_;
+  bool with_picture_;
+  int picture_row_ = 0;
+  AttentionLog log_;
+  CacheTrace trace_;
   Tally refusals_, outputs_, positions_, retained_, rotation_;
   double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;
 };
 
 }  // namespace
 
+CacheTrace trace_cache(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CacheEntry& cache,
+                       bool with_picture) {
+  if (!with_picture) return CacheRun(s, inputs, run, false)(cache);
+  // The picture follows the diagnosed row, which is known only after a first pass.
+  const CacheTrace first = CacheRun(s, inputs, run, false)(cache);
+  CacheRun again(s, inputs, run, true);
+  if (first.first) again.set_picture_row(first.first->row);
+  return again(cache);
+}
+
 Outcome check_cache(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CacheEntry& cache) {
-  return CacheRun(s, inputs, run)(cache);
+  return trace_cache(s, inputs, run, cache, false).outcome;
 }
 
 }  // namespace kvcheck

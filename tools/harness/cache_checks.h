@@ -1,14 +1,56 @@
 // Runs one optimized cache through a scenario beside the reference run and applies
-// SPEC 5 items 1 to 4: outputs, retained set, exact relative distances, rotation.
+// SPEC 5 items 1 to 4: outputs, retained set, exact relative distances, rotation. Keeps
+// the evidence of the first divergent step for diagnosis.
 #pragma once
+
+#include <optional>
 
 #include "reference/model.h"
 #include "tools/harness/cache_registry.h"
+#include "tools/harness/diagnosis.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/scenario.h"
 
 namespace kvcheck {
+
+// One slot of the diagnosed row, as the table and the picture show it.
+struct SlotRow {
+  std::int64_t slot = -1;  // -1: a token the cache should hold but does not
+  std::int64_t uid = -1;
+  std::int64_t index = -1;  // the reference's token index of that uid (-1: not in the row)
+  bool visible_expected = false, visible_actual = false;
+  std::optional<std::int64_t> distance_expected, distance_actual;  // Pq - Pk for the diagnosed query
+  std::optional<std::int64_t> position_expected;                   // Pk for the diagnosed query
+  std::int64_t position_claimed = 0;
+  std::string position_recovered;  // from the tensors (SPEC 5.5)
+  std::string verdict;             // "ok" or what is wrong
+};
+
+struct FirstDivergence {
+  StepEvidence evidence;
+  StepContext context;
+  BugClass bug = BugClass::none;
+  int row = 0;
+  std::int64_t query_index = -1;  // -1: no query involved (a reorder, reset or crop)
+  std::vector<SlotRow> slots;     // the row's slots after that step
+};
+
+// The picture: per step, per slot of the diagnosed row.
+struct PictureCell {
+  enum class State { empty, ok, wrong_position, not_retained, duplicated, missing } state = State::empty;
+  std::int64_t uid = -1;
+  std::int64_t error = 0;  // actual - expected distance, for wrong_position
+};
+
+struct CacheTrace {
+  Outcome outcome;
+  std::optional<FirstDivergence> first;
+  std::vector<std::vector<PictureCell>> picture;  // [step][slot] for first->row (when asked)
+};
+
+CacheTrace trace_cache(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
+                       const CacheEntry& cache, bool with_picture);
 
 Outcome check_cache(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
                     const CacheEntry& cache);

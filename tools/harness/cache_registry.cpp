@@ -54,7 +54,8 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.window = s.policy.window;
   c.sinks = s.policy.sinks;
   c.evict = s.policy.evict;
-  c.shift_positions = s.policy.positions == SinkPositions::cache;
+  // A sliding window keeps absolute positions: it is a sink cache without sinks that never shifts.
+  c.shift_positions = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache;
   c.dense_prefill = s.policy.prefill == Prefill::dense;
   c.capacity = capacity;
   return c;

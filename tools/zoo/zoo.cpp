@@ -1,10 +1,94 @@
 #include "tools/zoo/zoo.h"
 
+#include "tools/zoo/faulty_cache.h"
+
 namespace kvcheck {
 
-const std::vector<CacheEntry>& zoo_caches() {
-  static const std::vector<CacheEntry> mutants = {};
+namespace {
+
+using zoo::Fault;
+
+enum Serves { sliding = 1, sink = 2, sink_cache_positions = 4 };
+
+bool serves(int mask, const Policy& p) {
+  if (p.kind == PolicyKind::sliding) return mask & sliding;
+  if (p.kind != PolicyKind::sink || p.prefill != Prefill::streaming) return false;
+  if (mask & sink) return true;
+  return (mask & sink_cache_positions) && p.positions == SinkPositions::cache;
+}
+
+ZooMutant mutant(const char* name, Fault fault, int mask, const char* bug, const char* wild, BugClass expected,
+                 std::vector<std::string> fixtures) {
+  CacheEntry entry{std::string("zoo/") + name, bug, [mask](const Policy& p) { return serves(mask, p); },
+                   [fault](const optimized::CacheConfig& config) { return zoo::make_faulty_cache(config, fault); }};
+  return {entry, wild, expected, std::move(fixtures)};
+}
+
+}  // namespace
+
+const std::vector<ZooMutant>& zoo_mutants() {
+  static const std::vector<ZooMutant> mutants = {
+      mutant("new_key_not_shifted", Fault::new_key_not_shifted, sink_cache_positions,
+             "re-rotates the kept keys when the window shifts, but stores the new key at its absolute position",
+             "Hugging Face transformers SinkCache: old keys re-rotated, new ones not", BugClass::new_key_not_shifted,
+             {"sink_decode_through_windows", "sink_prompt_longer_than_window"}),
+      mutant("absolute_positions", Fault::absolute_positions, sink_cache_positions,
+             "rotates new keys and queries at absolute positions, which grow past the cache",
+             "Hugging Face transformers SinkCache: new tokens given huge positions",
+             BugClass::query_position_not_shifted, {"sink_decode_through_windows", "sink_positions_cache"}),
+      mutant("long_prompt_keeps_head", Fault::long_prompt_keeps_head, sliding | sink,
+             "a prompt longer than the window keeps its first tokens and drops the newest",
+             "Hugging Face transformers SinkCache on prompts longer than the window", BugClass::evicted_wrong_token,
+             {"sink_prompt_longer_than_window", "sliding_prompt_longer_than_window"}),
+      mutant("short_prompt_sinks", Fault::short_prompt_sinks, sink,
+             "takes the sinks from the first chunk, so a prompt shorter than the sinks leaves too few",
+             "Hugging Face transformers SinkCache on prompts shorter than the sinks", BugClass::sink_count_wrong,
+             {"sink_prompt_shorter_than_sinks"}),
+      mutant("window_off_by_one", Fault::window_off_by_one, sliding,
+             "keeps W + 1 keys: the query's own token is not counted in the window",
+             "sliding-window implementations disagree on whether W counts the query (Mistral's W, flash-attention's "
+             "left window W - 1)",
+             BugClass::window_off_by_one, {"sliding_baseline", "sliding_prompt_longer_than_window"}),
+      mutant("stale_rows_on_resize", Fault::stale_rows_on_resize, sink,
+             "a reset to another batch size keeps the old rows instead of clearing them",
+             "Hugging Face transformers SinkCache reused stale rows when the batch size changed",
+             BugClass::stale_row_after_batch_change, {"sink_batch_resize_reset"}),
+      mutant("reorder_keeps_row_state", Fault::reorder_keeps_row_state, sliding | sink,
+             "beam reorder moves the keys and values but not each row's length and offsets",
+             "beam-search reorder_cache implementations that index the tensors but not the per-row counters",
+             BugClass::reorder_lost_positions, {"sink_beam_reorder_duplicates"}),
+      mutant("padding_as_positions", Fault::padding_as_positions, sink,
+             "left padding takes token indices, so the sinks are padding and positions shift",
+             "batched generation with left padding and position ids taken from arange instead of the mask",
+             BugClass::padding_counted, {"sink_left_padding_mixed_lengths"}),
+      mutant("layout_swapped", Fault::layout_swapped, sliding | sink,
+             "rotates with interleaved pairs where rotate_half is expected (and the reverse)",
+             "checkpoint converters mixing GPT-NeoX (rotate_half) and GPT-J (interleaved) RoPE; llama.cpp's NEOX "
+             "vs NORM rope types",
+             BugClass::wrong_rope_layout, {"sink_positions_cache", "interleaved_sliding"}),
+      mutant("rope_table_wraps", Fault::rope_table_wraps, sliding,
+             "sizes the cos/sin table to the window, so position p is rotated at p mod W",
+             "rotary caches sized to the cache or to max_position_embeddings and indexed past their end",
+             BugClass::rope_table_wraps, {"sliding_baseline", "sliding_prompt_longer_than_window"}),
+      mutant("shift_one_early", Fault::shift_one_early, sink_cache_positions,
+             "tests \"still growing\" with <, so kept keys are re-rotated one token before anything is evicted",
+             "off-by-one in a cache-full test of a shifting cache", BugClass::shift_one_token_early,
+             {"sink_decode_through_windows", "sink_prompt_exactly_window"}),
+      mutant("mask_past_cache", Fault::mask_past_cache, sink,
+             "does not clear evicted slots and builds the mask for the whole sequence, so queries see them",
+             "attention masks sized to the full sequence while the cache holds a window", BugClass::mask_sees_evicted,
+             {"sink_evict4_context_shift"}),
+  };
   return mutants;
+}
+
+const std::vector<CacheEntry>& zoo_caches() {
+  static const std::vector<CacheEntry> caches = [] {
+    std::vector<CacheEntry> out;
+    for (const ZooMutant& m : zoo_mutants()) out.push_back(m.cache);
+    return out;
+  }();
+  return caches;
 }
 
 }  // namespace kvcheck

@@ -1,0 +1,114 @@
+// Position recovery from tensors (SPEC 5.5): exact below the lowest frequency's period,
+// ambiguous beyond it, and keys of another rope named as such.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "reference/rope.h"
+#include "tools/harness/generator.h"
+#include "tools/harness/recovery.h"
+
+using namespace kvcheck;
+
+namespace {
+
+std::vector<float> raw_key(int d, int uid) {
+  std::vector<float> k(static_cast<std::size_t>(d));
+  for (int i = 0; i < d; ++i) k[i] = generated_value(99, 0, static_cast<std::uint64_t>(uid), Tensor::k, 0, i);
+  return k;
+}
+
+// The key a float32 cache would store: rotated in double, rounded to float.
+std::vector<float> stored_key(const std::vector<float>& raw, double position, const Rope& rope) {
+  const auto r = reference::rotate(std::vector<double>(raw.begin(), raw.end()), position, rope);
+  return std::vector<float>(r.begin(), r.end());
+}
+
+Rope rope_of(RopeLayout layout, double theta = 10000.0) {
+  Rope r;
+  r.layout = layout;
+  r.theta = theta;
+  return r;
+}
+
+}  // namespace
+
+TEST(Recovery, ExactBelowThePeriodOnBothLayouts) {
+  const int d = 16;
+  for (RopeLayout layout : {RopeLayout::half, RopeLayout::interleaved}) {
+    const Rope rope = rope_of(layout);
+    const double period = lowest_frequency_period(d, rope);  // about 19869 for theta 1e4, D 16
+    ASSERT_NEAR(period, 2 * M_PI * std::pow(10000.0, 14.0 / 16), 1e-6);
+    int uid = 0;
+    for (std::int64_t p : {0, 1, 2, 7, 63, 64, 1000, 4095, 12345, 19000}) {
+      const auto raw = raw_key(d, uid++);
+      const auto got = recover_position(raw.data(), stored_key(raw, static_cast<double>(p), rope).data(), d, rope);
+      EXPECT_EQ(got.status, RecoveredPosition::Status::exact) << p;
+      EXPECT_EQ(got.position, p) << "layout " << to_string(layout);
+    }
+  }
+}
+
+TEST(Recovery, AmbiguousBeyondThePeriodUpTo100000) {
+  const int d = 16;
+  const Rope rope = rope_of(RopeLayout::half);
+  int uid = 100;
+  for (std::int64_t p : {20000, 50000, 77777, 100000}) {
+    const auto raw = raw_key(d, uid++);
+    const auto got = recover_position(raw.data(), stored_key(raw, static_cast<double>(p), rope).data(), d, rope);
+    EXPECT_EQ(got.status, RecoveredPosition::Status::ambiguous) << p;
+    EXPECT_EQ(got.position, p);  // the candidate it found is the true one
+  }
+}
+
+TEST(Recovery, SmallHeadDimHasAShortPeriod) {
+  // D = 2: one pair turning one radian per position, so only 0..6 are unique.
+  const Rope rope = rope_of(RopeLayout::half);
+  const std::vector<float> raw = {0.6f, -0.8f};
+  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 5, rope).data(), 2, rope).position, 5);
+  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 9, rope).data(), 2, rope).status,
+            RecoveredPosition::Status::ambiguous);
+}
+
+TEST(Recovery, NamesTheLayoutThatFits) {
+  const int d = 8;
+  const auto raw = raw_key(d, 7);
+  const auto stored = stored_key(raw, 37, rope_of(RopeLayout::interleaved));
+  const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
+  EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(got.fits, "layout interleaved at position 37");
+}
+
+TEST(Recovery, NamesTheThetaThatFits) {
+  const int d = 16;
+  const auto raw = raw_key(d, 8);
+  const auto stored = stored_key(raw, 300, rope_of(RopeLayout::half, 500000.0));
+  const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
+  EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(got.fits, "theta 500000 at position 300");
+}
+
+TEST(Recovery, NamesALinearScalingThatFits) {
+  const int d = 16;
+  const auto raw = raw_key(d, 9);
+  Rope scaled = rope_of(RopeLayout::half);
+  scaled.scaling = RopeScaling::linear;
+  scaled.factor = 4.0;
+  // 801 / 4 is no integer, so no position of the unscaled rope explains the key (802 = 4
+  // x 200.5 would not either; 800 would, as position 200: the two ropes agree there).
+  const auto stored = stored_key(raw, 801, scaled);
+  const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
+  EXPECT_EQ(got.fits, "linear scaling 4 at position 801");
+}
+
+TEST(Recovery, CorruptedKeyIsNoRotation) {
+  const int d = 8;
+  const auto raw = raw_key(d, 10);
+  auto stored = stored_key(raw, 12, rope_of(RopeLayout::half));
+  stored[3] += 0.25f;  // one element changed: the pair's length changes
+  const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
+  EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(got.fits, "");
+  EXPECT_EQ(describe(got), "not a rotation");
+}

@@ -1,0 +1,190 @@
+#include "tools/harness/diagnose_report.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace kvcheck {
+namespace {
+
+std::string opt(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : "-"; }
+const char* yes(bool b) { return b ? "yes" : "no"; }
+
+// The slot the table points at: the first whose verdict is not "ok".
+const SlotRow* culprit(const FirstDivergence& f) {
+  for (const SlotRow& r : f.slots)
+    if (r.verdict != "ok") return &r;
+  return nullptr;
+}
+
+std::string headline(const Scenario& s, const FirstDivergence& f) {
+  const StepEvidence& e = f.evidence;
+  std::string where = fmt::format("{}, row {}", e.label, f.row);
+  if (!e.outputs.empty())
+    where += fmt::format(", layer {}, head {}", e.outputs.front().layer, e.outputs.front().head);
+  if (f.query_index >= 0) where += fmt::format(", query token {}", f.query_index);
+  (void)s;
+  return where;
+}
+
+std::string culprit_line(const FirstDivergence& f) {
+  const SlotRow* r = culprit(f);
+  if (r == nullptr) {
+    if (!f.evidence.refusal.empty()) return f.evidence.refusal;
+    if (!f.evidence.outputs.empty()) {
+      const OutputMismatch& o = f.evidence.outputs.front();
+      return fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; every slot checks out",
+                         o.query_index, o.uid, o.dim, o.expected, o.actual);
+    }
+    return "no single slot stands out";
+  }
+  return fmt::format("{}, uid {} (token {}): visible expected {}, actual {}; position expected {}, claimed {}, "
+                     "recovered {}; Pq-Pk expected {}, actual {}: {}",
+                     r->slot < 0 ? std::string("no slot") : fmt::format("slot {}", r->slot), r->uid, r->index,
+                     yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected),
+                     r->slot < 0 ? std::string("-") : std::to_string(r->position_claimed),
+                     r->position_recovered.empty() ? "-" : r->position_recovered, opt(r->distance_expected),
+                     opt(r->distance_actual), r->verdict);
+}
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '<') out += "&lt;";
+    else if (c == '>') out += "&gt;";
+    else if (c == '&') out += "&amp;";
+    else if (c == '"') out += "&quot;";
+    else out += c;
+  }
+  return out;
+}
+
+std::string colour(const PictureCell& c) {
+  switch (c.state) {
+    case PictureCell::State::empty: return "#eeeeee";
+    case PictureCell::State::ok: return "#4caf50";
+    case PictureCell::State::not_retained: return "#ff9800";
+    case PictureCell::State::duplicated: return "#9c27b0";
+    case PictureCell::State::missing: return "#000000";
+    case PictureCell::State::wrong_position: {
+      // Redder as the position error grows (1 light, 8 or more full).
+      const int level = static_cast<int>(std::min<std::int64_t>(8, std::abs(c.error)));
+      const int g = 200 - level * 22;
+      return fmt::format("#ff{:02x}{:02x}", std::max(g, 0), std::max(g, 0));
+    }
+  }
+  return "#ffffff";
+}
+
+}  // namespace
+
+void print_diagnosis(std::FILE* out, const Scenario& s, const std::string& cache, const CacheTrace& trace) {
+  fmt::print(out, "kvcheck diagnose: {} on {}\n", s.name, cache);
+  if (!trace.first) {
+    fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
+               trace.outcome.max_abs_error, trace.outcome.nmse);
+    return;
+  }
+  const FirstDivergence& f = *trace.first;
+  std::string failed;
+  for (const Check& c : trace.outcome.checks)
+    if (!c.passed) failed += (failed.empty() ? "" : ", ") + c.name;
+  fmt::print(out, "checks failed: {} ({} position mismatches, {} retained-set mismatches)\n\n", failed,
+             trace.outcome.position_mismatches, trace.outcome.retained_mismatches);
+  fmt::print(out, "first divergence: {}\n", headline(s, f));
+  fmt::print(out, "  {}\n", culprit_line(f));
+  fmt::print(out, "class: {}\n  {}\n\n", class_name(f.bug), class_explanation(f.bug));
+  if (f.slots.empty()) return;
+  fmt::print(out, "slots of row {} after {}{}:\n", f.row, f.evidence.label,
+             f.query_index >= 0 ? fmt::format(" (visibility and Pq-Pk as seen by token {})", f.query_index) : "");
+  fmt::print(out, "{:>5} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", "slot", "uid", "token", "visible e/a",
+             "Pq-Pk e/a", "pos exp", "claimed", "recovered", "verdict");
+  for (const SlotRow& r : f.slots)
+    fmt::print(out, "{:>5} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n",
+               r.slot < 0 ? std::string("-") : std::to_string(r.slot), r.uid, r.index,
+               fmt::format("{}/{}", yes(r.visible_expected), yes(r.visible_actual)),
+               fmt::format("{}/{}", opt(r.distance_expected), opt(r.distance_actual)), opt(r.position_expected),
+               r.slot < 0 ? std::string("-") : std::to_string(r.position_claimed),
+               r.position_recovered.empty() ? "-" : r.position_recovered, r.verdict);
+}
+
+std::string diagnosis_html(const Scenario& s, const std::string& cache, const CacheTrace& trace) {
+  std::string body;
+  body += fmt::format("<h1>kvcheck diagnose: {} on {}</h1>\n", escape(s.name), escape(cache));
+  body += fmt::format("<p class=\"desc\">{}</p>\n", escape(s.description));
+  std::size_t divergent_step = trace.picture.size();
+  int row = 0;
+  if (!trace.first) {
+    body += "<p class=\"ok\">No divergence: every check passed.</p>\n";
+  } else {
+    const FirstDivergence& f = *trace.first;
+    divergent_step = f.evidence.step;
+    row = f.row;
+    body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(headline(s, f)), escape(culprit_line(f)));
+    body += fmt::format("<h2 class=\"bad\">Class: {}</h2>\n<p>{}</p>\n", escape(class_name(f.bug)),
+                        escape(class_explanation(f.bug)));
+  }
+
+  // The picture: steps across, slots down.
+  std::size_t slots = 0;
+  for (const auto& column : trace.picture) slots = std::max(slots, column.size());
+  const int cell = 16, left = 60, top = 30;
+  const std::size_t width = left + trace.picture.size() * cell + 20, height = top + slots * cell + 30;
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" "
+      "font-size=\"10\">\n",
+      width, height);
+  svg += fmt::format("<text x=\"{}\" y=\"12\">steps &#8594;</text>\n", left);
+  svg += fmt::format("<text x=\"2\" y=\"{}\">slots &#8595;</text>\n", top + 10);
+  for (std::size_t step = 0; step < trace.picture.size(); ++step) {
+    if (step % 5 == 0)
+      svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left + step * cell, top - 4, step);
+    for (std::size_t slot = 0; slot < trace.picture[step].size(); ++slot) {
+      const PictureCell& c = trace.picture[step][slot];
+      svg += fmt::format(
+          "<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"{}\" stroke=\"#ffffff\"><title>step {} slot {}: "
+          "uid {}{}</title></rect>\n",
+          left + step * cell, top + slot * cell, cell, cell, colour(c), step, slot, c.uid,
+          c.state == PictureCell::State::wrong_position ? fmt::format(", distance off by {}", c.error) : "");
+    }
+  }
+  for (std::size_t slot = 0; slot < slots; slot += 4)
+    svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left - 20, top + slot * cell + 12, slot);
+  if (divergent_step < trace.picture.size())
+    svg += fmt::format(
+        "<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#000000\" stroke-width=\"2\"/>\n",
+        left + divergent_step * cell, top - 2, cell, slots * cell + 4);
+  svg += "</svg>\n";
+  body += fmt::format("<h2>Slots of row {} over the steps</h2>\n{}", row, svg);
+  body += "<p class=\"legend\"><span style=\"background:#4caf50\">&#160;&#160;&#160;</span> right position "
+          "<span style=\"background:#ff6464\">&#160;&#160;&#160;</span> wrong position (darker: further off) "
+          "<span style=\"background:#ff9800\">&#160;&#160;&#160;</span> should have been evicted "
+          "<span style=\"background:#9c27b0\">&#160;&#160;&#160;</span> duplicated "
+          "<span style=\"background:#eeeeee\">&#160;&#160;&#160;</span> empty. "
+          "The framed column is the first divergent step; positions are judged by the distance Pq - Pk that the "
+          "row's last query of each step used.</p>\n";
+
+  if (trace.first && !trace.first->slots.empty()) {
+    body += "<h2>Slot table at the first divergence</h2>\n<table>\n<tr><th>slot</th><th>uid</th><th>token</th>"
+            "<th>visible exp/act</th><th>Pq-Pk exp/act</th><th>pos exp</th><th>claimed</th><th>recovered</th>"
+            "<th>verdict</th></tr>\n";
+    for (const SlotRow& r : trace.first->slots)
+      body += fmt::format(
+          "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}/{}</td><td>{}/{}</td><td>{}</td><td>{}</td>"
+          "<td>{}</td><td>{}</td></tr>\n",
+          r.verdict == "ok" ? "ok" : "bad", r.slot < 0 ? std::string("-") : std::to_string(r.slot), r.uid, r.index,
+          yes(r.visible_expected), yes(r.visible_actual), opt(r.distance_expected), opt(r.distance_actual),
+          opt(r.position_expected), r.slot < 0 ? std::string("-") : std::to_string(r.position_claimed),
+          escape(r.position_recovered.empty() ? "-" : r.position_recovered), escape(r.verdict));
+    body += "</table>\n";
+  }
+  return "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>kvcheck diagnose</title>\n<style>\n"
+         "body{font-family:sans-serif;margin:24px;max-width:1100px}h1{font-size:20px}h2{font-size:16px}"
+         "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+         "tr.bad td{background:#ffe0e0}.bad{color:#b00000}.ok{color:#207020}.desc{color:#555}"
+         ".legend span{display:inline-block;width:14px;height:12px;margin-left:8px}\n"
+         "</style></head><body>\n" +
+         body + "</body></html>\n";
+}
+
+}  // namespace kvcheck

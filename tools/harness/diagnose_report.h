@@ -1,0 +1,17 @@
+// How `kvcheck diagnose` shows a cache's first divergence: a text report with the slot
+// table, and a self-contained HTML page with an SVG picture of positions over steps.
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+#include "tools/harness/cache_checks.h"
+
+namespace kvcheck {
+
+void print_diagnosis(std::FILE* out, const Scenario& scenario, const std::string& cache, const CacheTrace& trace);
+
+// The whole page as one string (no external resources).
+std::string diagnosis_html(const Scenario& scenario, const std::string& cache, const CacheTrace& trace);
+
+}  // namespace kvcheck

@@ -1,0 +1,202 @@
+#include "tools/harness/diagnosis.h"
+
+#include <algorithm>
+#include <set>
+
+namespace kvcheck {
+
+const char* class_name(BugClass c) {
+  switch (c) {
+    case BugClass::none: return "none";
+    case BugClass::refusal_mismatch: return "refusal mismatch";
+    case BugClass::stale_row_after_batch_change: return "stale row after batch change";
+    case BugClass::reorder_lost_positions: return "reorder lost positions";
+    case BugClass::stale_slot: return "stale slot";
+    case BugClass::wrong_rope_layout: return "wrong rope layout";
+    case BugClass::wrong_rope_theta_or_scaling: return "wrong rope theta or scaling";
+    case BugClass::rope_table_wraps: return "rope table wraps";
+    case BugClass::new_key_not_shifted: return "new key not shifted";
+    case BugClass::key_at_wrong_position: return "key at wrong position";
+    case BugClass::padding_counted: return "padding counted as sink or position";
+    case BugClass::mask_sees_evicted: return "mask sees evicted slots";
+    case BugClass::query_position_not_shifted: return "query position not shifted";
+    case BugClass::sink_count_wrong: return "sink count wrong";
+    case BugClass::window_off_by_one: return "window off by one";
+    case BugClass::evicted_wrong_token: return "evicted the wrong token";
+    case BugClass::shift_one_token_early: return "shift one token early";
+    case BugClass::positions_wrong: return "positions wrong";
+    case BugClass::output_mismatch_positions_correct: return "output mismatch with positions correct";
+  }
+  return "?";
+}
+
+const char* class_explanation(BugClass c) {
+  switch (c) {
+    case BugClass::none: return "The cache matches the reference.";
+    case BugClass::refusal_mismatch:
+      return "The cache accepted a step its policy must refuse, or refused one it must accept: look at the "
+             "crop/rollback path and the test of which tokens are still held.";
+    case BugClass::stale_row_after_batch_change:
+      return "A slot holds a token of an earlier generation after the batch size changed: the reset reused "
+             "rows instead of reallocating or clearing them (Hugging Face SinkCache shipped this).";
+    case BugClass::reorder_lost_positions:
+      return "After a beam reorder a row's tokens and its bookkeeping (length, offsets, positions) no longer "
+             "belong together: the reorder moved the tensors but not every per-row counter.";
+    case BugClass::stale_slot:
+      return "A slot holds a token that is not in this row's history: look for a missing clear or a wrong "
+             "row index when slots are reused.";
+    case BugClass::wrong_rope_layout:
+      return "Stored keys are rotations under the other pairing (rotate_half vs interleaved): the cache or its "
+             "model uses GPT-NeoX pairs where GPT-J pairs are expected, or the reverse.";
+    case BugClass::wrong_rope_theta_or_scaling:
+      return "Stored keys are rotations under another theta or scaling: the cache re-rotates with a rope "
+             "configuration that differs from the model's.";
+    case BugClass::rope_table_wraps:
+      return "Keys are rotated at their position modulo the window: the cos/sin table was sized to the cache, "
+             "not to the longest position, and indexes wrap.";
+    case BugClass::new_key_not_shifted:
+      return "The newest key is rotated at its absolute position while older keys were re-rotated to cache "
+             "positions: the shift re-rotates what is stored but not what comes in (Hugging Face SinkCache).";
+    case BugClass::key_at_wrong_position:
+      return "A stored key is rotated at another position than its slot claims: look where keys are written "
+             "or re-rotated.";
+    case BugClass::padding_counted:
+      return "Left padding took token indices: sinks and positions are shifted by the padding, so the first "
+             "real tokens are not sinks. Look where per-row lengths and position ids are computed.";
+    case BugClass::mask_sees_evicted:
+      return "The query sees slots that the policy evicted or that hold a duplicate: the mask grows with the "
+             "sequence instead of stopping at the cache, or evicted slots are not cleared.";
+    case BugClass::query_position_not_shifted:
+      return "Queries (and new keys) are rotated at absolute positions in a cache whose keys sit at cache "
+             "positions, so positions grow past the cache size (Hugging Face SinkCache's large position ids).";
+    case BugClass::sink_count_wrong:
+      return "Tokens that must stay as attention sinks were evicted or never kept: the sink count is taken "
+             "from the prompt (a prompt shorter than the sinks) or computed off by some tokens.";
+    case BugClass::window_off_by_one:
+      return "The window holds one key too many or too few: whether the query's own token counts toward W.";
+    case BugClass::evicted_wrong_token:
+      return "The cache dropped tokens the policy keeps and kept tokens it drops: typically a prompt longer "
+             "than the window is trimmed from the wrong end, or eviction runs after the forward.";
+    case BugClass::shift_one_token_early:
+      return "Kept keys were re-rotated although nothing was evicted: the \"is the cache full\" test fires one "
+             "token early (< where <= belongs).";
+    case BugClass::positions_wrong:
+      return "Relative distances differ from the policy's: look at how query and key positions are derived.";
+    case BugClass::output_mismatch_positions_correct:
+      return "Every position and visible token is right but the outputs differ: the attention arithmetic "
+             "(scale, softmax, GQA head mapping, value copy) is wrong, or the tolerance is too tight.";
+  }
+  return "";
+}
+
+namespace {
+
+template <class T, class F>
+bool any(const std::vector<T>& v, F f) {
+  return std::any_of(v.begin(), v.end(), f);
+}
+
+// Every mismatching query has exactly one extra key, one below its window start, and
+// nothing missing: the window holds W + 1. Or one missing at the start: W - 1.
+bool off_by_one(const StepEvidence& e) {
+  std::set<std::pair<int, std::int64_t>> extra_at, missing_at;
+  for (const PairMismatch& p : e.pairs) {
+    const std::pair<int, std::int64_t> q{p.row, p.query_index};
+    if (!p.expected && p.actual) {
+      if (extra_at.count(q)) return false;
+      extra_at.insert(q);
+    } else if (p.expected && !p.actual) {
+      if (missing_at.count(q)) return false;
+      missing_at.insert(q);
+    } else {
+      return false;
+    }
+  }
+  return !e.pairs.empty() && (extra_at.empty() || missing_at.empty());
+}
+
+}  // namespace
+
+BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& ctx) {
+  using K = SlotIssue::Kind;
+  if (e.empty()) return BugClass::none;
+  if (!e.refusal.empty()) return BugClass::refusal_mismatch;
+
+  const bool stale = any(e.slots, [](const SlotIssue& i) { return i.kind == K::stale; }) ||
+                     any(e.pairs, [](const PairMismatch& p) { return p.key_index < 0; });
+  if (stale) {
+    if (ctx.batch_changed_by_reset) return BugClass::stale_row_after_batch_change;
+    if (ctx.reordered) return BugClass::reorder_lost_positions;
+    return BugClass::stale_slot;
+  }
+
+  // What the tensors say about rotations.
+  for (const SlotIssue& i : e.slots) {
+    if (i.kind != K::rotation) continue;
+    if (i.fits.rfind("layout", 0) == 0) return BugClass::wrong_rope_layout;
+    if (!i.fits.empty()) return BugClass::wrong_rope_theta_or_scaling;
+  }
+  for (const SlotIssue& i : e.slots) {
+    if (i.kind != K::rotation || !i.recovered_position) continue;
+    const std::int64_t w = s.policy.window;
+    if (w > 0 && i.claimed_position >= w && *i.recovered_position == i.claimed_position % w)
+      return BugClass::rope_table_wraps;
+    if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index)
+      return BugClass::new_key_not_shifted;
+  }
+  if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; })) return BugClass::key_at_wrong_position;
+
+  if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::wrong_index; })) {
+    if (ctx.reordered) return BugClass::reorder_lost_positions;
+    if (ctx.padded) return BugClass::padding_counted;
+    return BugClass::positions_wrong;
+  }
+  if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::duplicated; })) return BugClass::mask_sees_evicted;
+
+  const bool shifted_policy = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
+                              s.policy.prefill == Prefill::streaming;
+  // Cache positions never reach W; a query at W or beyond was rotated at its absolute position.
+  if (shifted_policy &&
+      any(e.pairs, [&](const PairMismatch& p) { return p.query_position && *p.query_position >= s.policy.window; }))
+    return BugClass::query_position_not_shifted;
+  // Window keys too far back, the query's own key among them: new keys kept their
+  // absolute positions while the query moved with the window.
+  const bool new_keys_behind = shifted_policy && !e.pairs.empty() &&
+                               std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
+                                 return p.expected && p.actual && p.key_index >= s.policy.sinks && *p.actual < *p.expected;
+                               }) &&
+                               any(e.pairs, [](const PairMismatch& p) { return p.key_index == p.query_index; });
+  if (new_keys_behind) return BugClass::new_key_not_shifted;
+  if (shifted_policy && any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; })) {
+    // Distances off for sinks only, by E: the query was not moved back with the window.
+    const bool sinks_only_by_e = std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
+      return p.expected && p.actual && p.key_index < s.policy.sinks && *p.actual - *p.expected == p.evicted_before;
+    });
+    if (sinks_only_by_e) return BugClass::query_position_not_shifted;
+  }
+
+  const bool sink_missing = s.policy.kind == PolicyKind::sink &&
+                            any(e.pairs, [&](const PairMismatch& p) {
+                              return p.expected && !p.actual && p.key_index < s.policy.sinks;
+                            });
+  if (sink_missing) return BugClass::sink_count_wrong;
+  if (off_by_one(e)) return BugClass::window_off_by_one;
+
+  const bool lost = any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; });
+  const bool extra = any(e.slots, [](const SlotIssue& i) { return i.kind == K::extra; });
+  if ((lost && extra) || any(e.pairs, [](const PairMismatch& p) { return !p.expected && p.actual; })) {
+    // Extra visible tokens with nothing held twice: the wrong ones were kept.
+    return lost || extra ? BugClass::evicted_wrong_token : BugClass::mask_sees_evicted;
+  }
+
+  // Distances off by one for old window keys, while nothing was evicted.
+  const bool early = !e.pairs.empty() && std::all_of(e.pairs.begin(), e.pairs.end(), [](const PairMismatch& p) {
+    return p.expected && p.actual && *p.actual - *p.expected == 1 && p.evicted_before == 0;
+  });
+  if (early) return BugClass::shift_one_token_early;
+  if (!e.pairs.empty()) return BugClass::positions_wrong;
+  if (lost || extra) return BugClass::evicted_wrong_token;
+  return BugClass::output_mismatch_positions_correct;
+}
+
+}  // namespace kvcheck

@@ -1,0 +1,88 @@
+// The classes of cache bugs kvcheck names, and how the evidence of the first divergent
+// step maps to one (SPEC 5, last paragraph).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tools/harness/scenario.h"
+
+namespace kvcheck {
+
+enum class BugClass {
+  none,
+  refusal_mismatch,
+  stale_row_after_batch_change,
+  reorder_lost_positions,
+  stale_slot,
+  wrong_rope_layout,
+  wrong_rope_theta_or_scaling,
+  rope_table_wraps,
+  new_key_not_shifted,
+  key_at_wrong_position,
+  padding_counted,
+  mask_sees_evicted,
+  query_position_not_shifted,
+  sink_count_wrong,
+  window_off_by_one,
+  evicted_wrong_token,
+  shift_one_token_early,
+  positions_wrong,
+  output_mismatch_positions_correct,
+};
+
+const char* class_name(BugClass c);
+// One sentence: what the class means and where such bugs usually hide.
+const char* class_explanation(BugClass c);
+
+// What the checks saw at one step (only the first divergent step is kept in full).
+struct PairMismatch {
+  int row;
+  std::int64_t query_index;
+  std::int64_t key_uid;
+  std::int64_t key_index;              // -1 when the uid is not in the row's history
+  std::optional<std::int64_t> expected;  // Pq - Pk; none: should not be visible
+  std::optional<std::int64_t> actual;    // none: the cache did not use it
+  std::optional<std::int64_t> query_position;  // the query rotation the cache used
+  std::int64_t evicted_before = 0;     // E of the query (sink policy)
+};
+
+struct SlotIssue {
+  enum class Kind { stale, duplicated, lost, extra, wrong_index, rotation } kind;
+  int row;
+  std::int64_t slot = -1;
+  std::int64_t uid = -1;
+  std::int64_t claimed_index = -1, true_index = -1;
+  std::int64_t claimed_position = 0;
+  std::optional<std::int64_t> recovered_position;  // exact or ambiguous recovery
+  std::string fits;                                // another rope that fits, if any
+};
+
+struct OutputMismatch {
+  int layer, row, head, dim;
+  std::int64_t query_index, uid;
+  double expected, actual;
+};
+
+struct StepEvidence {
+  std::size_t step = 0;
+  std::string label;
+  std::string refusal;  // non-empty: the cache and the policy disagree on a refusal
+  std::vector<OutputMismatch> outputs;
+  std::vector<PairMismatch> pairs;
+  std::vector<SlotIssue> slots;
+  bool empty() const { return refusal.empty() && outputs.empty() && pairs.empty() && slots.empty(); }
+};
+
+// What led up to the step: ops since the last reset, padding seen.
+struct StepContext {
+  bool batch_changed_by_reset = false;  // a reset changed the batch size before this step
+  bool reordered = false;               // a reorder since the last reset
+  bool padded = false;                  // some append so far left-padded a row
+};
+
+BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);
+
+}  // namespace kvcheck

@@ -1,0 +1,179 @@
+#include "tools/zoo/faulty_cache.h"
+
+#include <algorithm>
+
+namespace kvcheck::zoo {
+
+using namespace optimized;
+
+namespace {
+
+class FaultyCache : public KvCache {
+ public:
+  FaultyCache(const CacheConfig& config, Fault fault)
+      : config_(config), fault_(fault), rope_(rope_spec(config, fault)),
+        store_(config.layers, config.kv_heads, config.head_dim) {
+    if (fault == Fault::window_off_by_one) ++config_.window;
+    store_.reset(config_.batch, config_.window + 1);
+    rows_.assign(static_cast<std::size_t>(config_.batch), Row{});
+  }
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override {
+    for (int b = 0; b < batch(); ++b) {
+      const std::int64_t pad = chunk.length - chunk.counts[b];
+      Row& row = rows_[b];
+      if (fault_ == Fault::padding_as_positions && row.length == 0) row.length = pad;
+      if (row.sinks < 0)
+        row.sinks = fault_ == Fault::short_prompt_sinks ? std::min(config_.sinks, chunk.counts[b]) : config_.sinks;
+      for (std::int64_t i = 0; i < chunk.counts[b]; ++i) token(chunk, out, log, b, pad + i, chunk.counts[b] > 1);
+    }
+  }
+
+  void reorder(const std::vector<int>& rows) override {
+    store_.gather_rows(rows);
+    if (fault_ == Fault::reorder_keeps_row_state) {
+      rows_.resize(rows.size(), rows_.back());  // lengths and offsets stay where they were
+      return;
+    }
+    std::vector<Row> next;
+    for (int r : rows) next.push_back(rows_[r]);
+    rows_ = std::move(next);
+  }
+
+  void reset(int batch) override {
+    if (fault_ == Fault::stale_rows_on_resize && batch != this->batch()) {
+      std::vector<int> keep;  // "resize" the batch, keeping what the rows held
+      for (int b = 0; b < batch; ++b) keep.push_back(b % this->batch());
+      store_.gather_rows(keep);
+      std::vector<Row> next;
+      for (int r : keep) next.push_back(rows_[r]);
+      rows_ = std::move(next);
+      return;
+    }
+    store_.reset(batch, config_.window + 1);
+    rows_.assign(static_cast<std::size_t>(batch), Row{});
+  }
+
+  void crop(std::int64_t length) override {
+    for (int b = 0; b < batch(); ++b) {
+      Row& row = rows_[b];
+      if (row.length <= length) continue;
+      std::int64_t missing = first_missing_index(store_, b, 0, std::min(config_.sinks, length));
+      if (missing < 0 && length > 0)
+        missing = first_missing_index(store_, b, config_.sinks + evicted(length - 1), length);
+      if (missing >= 0) refuse_crop(length, b, missing);
+    }
+    for (int b = 0; b < batch(); ++b) {
+      Row& row = rows_[b];
+      if (row.length <= length) continue;
+      drop_from(store_, b, length);
+      while (row.used > 0 && store_.meta(b, row.used - 1).uid < 0) --row.used;
+      row.length = length;
+      row.evicted = length == 0 ? 0 : evicted(length - 1);
+    }
+  }
+
+  const SlotStore& slots() const override { return store_; }
+  std::int64_t row_length(int row) const override { return rows_[row].length; }
+
+ private:
+  struct Row {
+    std::int64_t length = 0, used = 0, evicted = 0;
+    std::int64_t sinks = -1;  // decided at the first append
+    bool shifted_early = false;
+  };
+
+  static RopeSpec rope_spec(const CacheConfig& c, Fault fault) {
+    RopeSpec spec = c.rope;
+    if (fault == Fault::layout_swapped)
+      spec.layout = spec.layout == PairLayout::half ? PairLayout::interleaved : PairLayout::half;
+    return spec;
+  }
+
+  std::int64_t evicted(std::int64_t t) const { return sink_evicted(config_.window, config_.evict, t); }
+
+  // The position a key or query is really rotated at (faults may differ from the claim).
+  std::int64_t rotation_of(std::int64_t position) const {
+    return fault_ == Fault::rope_table_wraps ? position % config_.window : position;
+  }
+
+  void rotate_stored(int b, std::int64_t slot, std::int64_t by) {
+    for (int l = 0; l < store_.layers(); ++l)
+      for (int g = 0; g < store_.kv_heads(); ++g) rope_.rotate(store_.key(l, b, g, slot), by);
+  }
+
+  void shift_to(int b, std::int64_t e) {
+    Row& row = rows_[b];
+    const std::int64_t d = e - row.evicted;
+    if (d <= 0) return;
+    const std::int64_t s0 = std::min(row.sinks, row.used);
+    for (std::int64_t s = s0 + d; s < row.used; ++s) {
+      store_.move_slot(b, s, s - d);
+      if (config_.shift_positions) {
+        rotate_stored(b, s - d, -d);
+        store_.meta(b, s - d).position -= d;
+      }
+    }
+    if (fault_ != Fault::mask_past_cache)
+      for (std::int64_t s = std::max(s0, row.used - d); s < row.used; ++s) store_.clear_slot(b, s);
+    row.used = std::max(s0, row.used - d);
+    row.evicted = e;
+  }
+
+  void token(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log, int b, std::int64_t chunk_pos,
+             bool in_long_chunk) {
+    Row& row = rows_[b];
+    const std::int64_t t = row.length, S = row.sinks;
+    const std::int64_t e = evicted(t);
+    bool keep = true;
+    if (fault_ == Fault::long_prompt_keeps_head && in_long_chunk && e > row.evicted) {
+      keep = false;  // full in the middle of a prompt: the cache keeps what it has
+    } else {
+      if (fault_ == Fault::shift_one_early && config_.shift_positions && !row.shifted_early &&
+          t + 1 >= config_.window) {
+        // The "is it full" test fired one token early: the window is re-rotated without evicting.
+        for (std::int64_t s = S; s < row.used; ++s) {
+          rotate_stored(b, s, -1);
+          store_.meta(b, s).position -= 1;
+        }
+        row.shifted_early = true;
+      }
+      shift_to(b, e);
+    }
+    const bool absolute = !config_.shift_positions || fault_ == Fault::absolute_positions;
+    const std::int64_t query = absolute ? t : t - e;
+    // The new key keeps the position the model gave it (t) when the cache forgets to shift it.
+    const std::int64_t claimed = fault_ == Fault::new_key_not_shifted ? t : query;
+    const std::int64_t slot = row.used;
+    SlotMeta meta{chunk.uids[b * chunk.length + chunk_pos], t, claimed};
+    store_token(store_, rope_, chunk, b, chunk_pos, slot, {meta.uid, t, 0});
+    rotate_stored(b, slot, rotation_of(claimed));
+    store_.meta(b, slot) = meta;
+
+    const std::int64_t window_begin =
+        (fault_ == Fault::mask_past_cache || !keep) ? 0 : S + e;
+    const QueryPlan plan{t, S, window_begin, rotation_of(query), rotation_of(query)};
+    const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
+    for (int l = 0; l < config_.layers; ++l)
+      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), {{chunk_pos, plan}},
+                 {{&store_, b}}, row_output(out[l], chunk, b, config_.heads, config_.head_dim), l == 0 ? log : nullptr,
+                 b);
+    if (keep) ++row.used;
+    else store_.clear_slot(b, slot);
+    row.length = t + 1;
+  }
+
+  CacheConfig config_;
+  Fault fault_;
+  RopeTable rope_;
+  SlotStore store_;
+  std::vector<Row> rows_;
+};
+
+}  // namespace
+
+std::unique_ptr<KvCache> make_faulty_cache(const CacheConfig& config, Fault fault) {
+  return std::make_unique<FaultyCache>(config, fault);
+}
+
+}  // namespace kvcheck::zoo
