@@ -14,6 +14,7 @@
 #include "tools/harness/cache_registry.h"
 #include "tools/harness/diagnose_report.h"
 #include "tools/harness/export.h"
+#include "tools/harness/golden.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
@@ -188,6 +189,18 @@ int main(int argc, char** argv) {
   diagnose->add_option("--cache", diagnose_caches, "cache to diagnose (default: every cache serving the policy)");
   diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
 
+  GoldenOptions golden_options;
+  std::vector<std::string> golden_paths;
+  CLI::App* golden = app.add_subcommand("golden", "golden fixtures: the reference's exports, committed");
+  golden->require_subcommand(1);
+  CLI::App* generate = golden->add_subcommand("generate", "write fixtures/golden/<scenario>/ (atomically, all or nothing)");
+  generate->add_option("scenarios", golden_paths, "scenario files or folders (default: the built-in suite)");
+  generate->add_option("--out", golden_options.dir, "golden folder (default: fixtures/golden)");
+  generate->add_flag("--force", golden_options.force, "overwrite goldens that changed");
+  CLI::App* check = golden->add_subcommand("check", "recompute the reference and compare with the goldens");
+  check->add_option("scenarios", golden_paths, "scenario files or folders (default: the built-in suite)");
+  check->add_option("--dir", golden_options.dir, "golden folder (default: fixtures/golden)");
+
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
   zoo->add_option("--mutant", zoo_only, "only these mutants (zoo/NAME)");
@@ -211,6 +224,11 @@ int main(int argc, char** argv) {
       return cmd_diagnose(diagnose_path, diagnose_caches, html);
     }
     if (*zoo) return cmd_zoo(zoo_only);
+    if (*golden) {
+      golden_options.scenario_files = collect(golden_paths);
+      if (golden_options.dir.empty()) golden_options.dir = std::string(KVCHECK_SOURCE_DIR) + "/fixtures/golden";
+      return *generate ? generate_goldens(golden_options) : check_goldens(golden_options);
+    }
     if (*list) return cmd_list(list_paths);
   } catch (const InputError& e) {
     print_input_error(e);

@@ -1,0 +1,168 @@
+#include "tools/harness/golden.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "tools/harness/atomic_dir.h"
+#include "tools/harness/export.h"
+#include "tools/harness/inputs.h"
+#include "tools/harness/npy.h"
+#include "tools/harness/reference_run.h"
+#include "tools/harness/scenario.h"
+
+namespace kvcheck {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Outputs are doubles from libm's exp and cos, which may differ in the last bit between
+// machines; anything beyond that is drift.
+constexpr double kOutputTolerance = 1e-9;
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::set<std::string> file_names(const fs::path& dir) {
+  std::set<std::string> names;
+  if (fs::is_directory(dir))
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  return names;
+}
+
+// What differs between an old and a new export folder, one line each (empty: same).
+// `byte_exact` demands identical outputs too (generate); otherwise outputs may differ
+// by kOutputTolerance (check).
+std::vector<std::string> differences(const fs::path& old_dir, const fs::path& new_dir, bool byte_exact) {
+  std::vector<std::string> lines;
+  const auto old_names = file_names(old_dir), new_names = file_names(new_dir);
+  for (const std::string& name : old_names)
+    if (!new_names.count(name)) lines.push_back(fmt::format("{}: no longer written", name));
+  for (const std::string& name : new_names) {
+    if (!old_names.count(name)) {
+      lines.push_back(fmt::format("{}: missing from the golden", name));
+      continue;
+    }
+    const bool is_output = name.size() > 8 && name.compare(name.size() - 8, 8, "_out.npy") == 0;
+    const bool same_bytes = read_bytes(old_dir / name) == read_bytes(new_dir / name);
+    if (!is_output) {
+      if (!same_bytes) lines.push_back(fmt::format("{}: differs", name));
+      continue;
+    }
+    if (byte_exact && same_bytes) continue;
+    const NpyArray<double> a = read_npy_f64((old_dir / name).string());
+    const NpyArray<double> b = read_npy_f64((new_dir / name).string());
+    if (a.shape != b.shape) {
+      lines.push_back(fmt::format("{}: shape {} became {}", name, shape_string(a.shape), shape_string(b.shape)));
+      continue;
+    }
+    double worst = 0.0;
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < a.data.size(); ++i) {
+      if (std::isnan(a.data[i]) && std::isnan(b.data[i])) continue;
+      const double d = std::isnan(a.data[i]) != std::isnan(b.data[i]) ? INFINITY : std::abs(a.data[i] - b.data[i]);
+      if (d > worst) {
+        worst = d;
+        at = i;
+      }
+    }
+    if (byte_exact || worst > kOutputTolerance)
+      lines.push_back(fmt::format("{}: max difference {:.3g} at flat index {} (golden {:.17g}, now {:.17g})", name,
+                                  worst, at, a.data[at], b.data[at]));
+  }
+  return lines;
+}
+
+struct Computed {
+  std::string name;
+  fs::path folder;
+};
+
+// Exports one scenario into `parent`/<name>.
+Computed export_into(const std::string& file, const fs::path& parent) {
+  const Scenario s = load_scenario(file);
+  const InputTable inputs = load_inputs(s);
+  const ReferenceRun run = run_reference(s, inputs);
+  const fs::path folder = parent / s.name;
+  write_export(s, inputs, run, folder.string());
+  return {s.name, folder};
+}
+
+}  // namespace
+
+int generate_goldens(const GoldenOptions& o) {
+  AtomicDir staging(o.dir);
+  if (fs::is_directory(o.dir)) fs::copy(o.dir, staging.path(), fs::copy_options::recursive);
+  std::set<std::string> names;
+  int unchanged = 0, added = 0, changed = 0;
+  bool refused = false;
+  for (const std::string& file : o.scenario_files) {
+    const AtomicDir scratch(fs::path(o.dir).parent_path() / ".kvcheck-golden-scratch");
+    const Computed c = export_into(file, scratch.path());
+    if (!names.insert(c.name).second)
+      throw InputError(file, "/name", fmt::format("two scenarios are named \"{}\"; golden folders need distinct names", c.name));
+    const fs::path old = fs::path(o.dir) / c.name;
+    if (!fs::exists(old)) {
+      ++added;
+      fmt::print("{}: new\n", c.name);
+    } else {
+      const auto diff = differences(old, c.folder, true);
+      if (diff.empty()) {
+        ++unchanged;
+        continue;
+      }
+      ++changed;
+      fmt::print("{}: changed{}\n", c.name, o.force ? "" : " (not overwritten)");
+      for (const std::string& line : diff) fmt::print("    {}\n", line);
+      if (!o.force) {
+        refused = true;
+        continue;
+      }
+    }
+    fs::remove_all(staging.path() / c.name);
+    fs::copy(c.folder, staging.path() / c.name, fs::copy_options::recursive);
+  }
+  if (refused) {
+    fmt::print(stderr, "kvcheck: goldens changed; nothing was written. Rerun with --force to overwrite them.\n");
+    return 1;
+  }
+  staging.commit();
+  fmt::print("{}: {} new, {} changed, {} unchanged\n", o.dir, added, changed, unchanged);
+  return 0;
+}
+
+int check_goldens(const GoldenOptions& o) {
+  int drifted = 0;
+  const AtomicDir scratch(fs::path(o.dir).parent_path() / ".kvcheck-golden-check");
+  for (const std::string& file : o.scenario_files) {
+    const Computed c = export_into(file, scratch.path());
+    const fs::path golden = fs::path(o.dir) / c.name;
+    if (!fs::is_directory(golden)) {
+      ++drifted;
+      fmt::print("{}: no golden in {} (run `kvcheck golden generate`)\n", c.name, o.dir);
+      continue;
+    }
+    const auto diff = differences(golden, c.folder, false);
+    if (diff.empty()) {
+      fmt::print("{}: matches\n", c.name);
+      continue;
+    }
+    ++drifted;
+    fmt::print("{}: DRIFT, first: {}{}\n", c.name, diff.front(),
+               diff.size() > 1 ? fmt::format(" (and {} more files)", diff.size() - 1) : "");
+  }
+  fmt::print("\n{} passed, {} failed\n", o.scenario_files.size() - drifted, drifted);
+  return drifted == 0 ? 0 : 1;
+}
+
+}  // namespace kvcheck

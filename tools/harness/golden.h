@@ -1,0 +1,26 @@
+// Golden fixtures: the reference's export of each scenario, committed under
+// fixtures/golden/<scenario>/, so implementations that cannot link C++ pin its results.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kvcheck {
+
+struct GoldenOptions {
+  std::vector<std::string> scenario_files;  // resolved scenario files
+  std::string dir;                          // the golden folder
+  bool force = false;                       // generate: overwrite goldens that changed
+};
+
+// Writes every scenario's export into `dir` atomically (all or nothing). Refuses, and
+// returns 1, when an existing golden would change and `force` is not set; prints what
+// changed either way. Returns 0 on success.
+int generate_goldens(const GoldenOptions& options);
+
+// Recomputes every scenario and compares with its golden: inputs, manifests and cache
+// files byte for byte, outputs within 1e-9. Prints the first drift per scenario.
+// Returns 0 when all match, 1 otherwise.
+int check_goldens(const GoldenOptions& options);
+
+}  // namespace kvcheck
