@@ -15,6 +15,7 @@
 #include "tools/harness/diagnose_report.h"
 #include "tools/harness/export.h"
 #include "tools/harness/golden.h"
+#include "tools/harness/trace_verify.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
@@ -110,7 +111,7 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
       throw InputError(path, "/policy", fmt::format("cache {} does not serve the {} policy of this scenario", name,
                                                     to_string(scenario.policy.kind)));
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty());
-    print_diagnosis(stdout, scenario, name, trace);
+    print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
     if (!html.empty()) {
       write_file_atomically(html, diagnosis_html(scenario, name, trace));
       fmt::print("wrote {}\n", html);
@@ -201,6 +202,11 @@ int main(int argc, char** argv) {
   check->add_option("scenarios", golden_paths, "scenario files or folders (default: the built-in suite)");
   check->add_option("--dir", golden_options.dir, "golden folder (default: fixtures/golden)");
 
+  std::string verify_path, trace_dir;
+  CLI::App* verify = app.add_subcommand("verify", "check an external trace (a cache's dumped state) against the reference");
+  verify->add_option("scenario", verify_path, "scenario file the trace ran")->required();
+  verify->add_option("--trace", trace_dir, "trace folder (manifest.json with format kvcheck-trace-1)")->required();
+
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
   zoo->add_option("--mutant", zoo_only, "only these mutants (zoo/NAME)");
@@ -224,6 +230,13 @@ int main(int argc, char** argv) {
       return cmd_diagnose(diagnose_path, diagnose_caches, html);
     }
     if (*zoo) return cmd_zoo(zoo_only);
+    if (*verify) {
+      const Scenario scenario = load_scenario(verify_path);
+      const CacheTrace trace = verify_trace(scenario, trace_dir);
+      print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir),
+                      trace);
+      return trace.outcome.passed() ? kPass : kFail;
+    }
     if (*golden) {
       golden_options.scenario_files = collect(golden_paths);
       if (golden_options.dir.empty()) golden_options.dir = std::string(KVCHECK_SOURCE_DIR) + "/fixtures/golden";

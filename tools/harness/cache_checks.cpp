@@ -72,11 +72,25 @@ std::int64_t longest_row(const ReferenceRun& run) {
   return longest;
 }
 
-// The token index of `uid` in a row's history, or -1.
+}  // namespace
+
+void advance(StepContext& c, const StepRecord& rec) {
+  if (rec.step.op == StepOp::reset) {
+    c.batch_changed_by_reset = c.batch_changed_by_reset || rec.batch_before != *rec.step.batch;
+    c.reordered = false;
+  }
+  if (rec.step.op == StepOp::reorder) c.reordered = true;
+  if (rec.append)
+    for (const auto& row : rec.append->rows)
+      if (static_cast<std::int64_t>(row.size()) < rec.append->chunk) c.padded = true;
+}
+
 std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid) {
   const auto it = std::find(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
   return it == history.end() ? -1 : it - history.begin();
 }
+
+namespace {
 
 SlotIssue issue(SlotIssue::Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
   SlotIssue i{};
@@ -127,7 +141,7 @@ class CacheRun {
         in_step = false;
       }
       if (in_step) check_slots(*cache, rec, evidence);
-      update(context, rec);  // what led up to the end of this step, this step included
+      advance(context, rec);  // what led up to the end of this step, this step included
       if (!evidence.empty() && !trace_.first) record_first(*cache, rec, evidence, context);
       if (with_picture_ && in_step) trace_.picture.push_back(picture_column(*cache, rec));
       if (!in_step) break;  // the cache and the reference no longer hold the same rows
@@ -137,17 +151,6 @@ class CacheRun {
   }
 
  private:
-  static void update(StepContext& c, const StepRecord& rec) {
-    if (rec.step.op == StepOp::reset) {
-      c.batch_changed_by_reset = c.batch_changed_by_reset || rec.batch_before != *rec.step.batch;
-      c.reordered = false;
-    }
-    if (rec.step.op == StepOp::reorder) c.reordered = true;
-    if (rec.append)
-      for (const auto& row : rec.append->rows)
-        if (static_cast<std::int64_t>(row.size()) < rec.append->chunk) c.padded = true;
-  }
-
   void apply(KvCache& cache, const StepRecord& rec, StepEvidence& evidence) {
     switch (rec.step.op) {
       case StepOp::append: append(cache, rec, evidence); break;

@@ -49,6 +49,12 @@ struct CacheTrace {
   std::vector<std::vector<PictureCell>> picture;  // [step][slot] for first->row (when asked)
 };
 
+// Moves the context past one step (resets, reorders, padding seen).
+void advance(StepContext& context, const StepRecord& record);
+
+// The token index of `uid` in a row's history, or -1.
+std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid);
+
 CacheTrace trace_cache(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
                        const CacheEntry& cache, bool with_picture);
 

@@ -17,13 +17,12 @@ const SlotRow* culprit(const FirstDivergence& f) {
   return nullptr;
 }
 
-std::string headline(const Scenario& s, const FirstDivergence& f) {
+std::string headline(const FirstDivergence& f) {
   const StepEvidence& e = f.evidence;
   std::string where = fmt::format("{}, row {}", e.label, f.row);
   if (!e.outputs.empty())
     where += fmt::format(", layer {}, head {}", e.outputs.front().layer, e.outputs.front().head);
   if (f.query_index >= 0) where += fmt::format(", query token {}", f.query_index);
-  (void)s;
   return where;
 }
 
@@ -78,8 +77,8 @@ std::string colour(const PictureCell& c) {
 
 }  // namespace
 
-void print_diagnosis(std::FILE* out, const Scenario& s, const std::string& cache, const CacheTrace& trace) {
-  fmt::print(out, "kvcheck diagnose: {} on {}\n", s.name, cache);
+void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace& trace) {
+  fmt::print(out, "{}\n", title);
   if (!trace.first) {
     fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
                trace.outcome.max_abs_error, trace.outcome.nmse);
@@ -91,7 +90,7 @@ void print_diagnosis(std::FILE* out, const Scenario& s, const std::string& cache
     if (!c.passed) failed += (failed.empty() ? "" : ", ") + c.name;
   fmt::print(out, "checks failed: {} ({} position mismatches, {} retained-set mismatches)\n\n", failed,
              trace.outcome.position_mismatches, trace.outcome.retained_mismatches);
-  fmt::print(out, "first divergence: {}\n", headline(s, f));
+  fmt::print(out, "first divergence: {}\n", headline(f));
   fmt::print(out, "  {}\n", culprit_line(f));
   fmt::print(out, "class: {}\n  {}\n\n", class_name(f.bug), class_explanation(f.bug));
   if (f.slots.empty()) return;
@@ -120,7 +119,7 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
     const FirstDivergence& f = *trace.first;
     divergent_step = f.evidence.step;
     row = f.row;
-    body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(headline(s, f)), escape(culprit_line(f)));
+    body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(headline(f)), escape(culprit_line(f)));
     body += fmt::format("<h2 class=\"bad\">Class: {}</h2>\n<p>{}</p>\n", escape(class_name(f.bug)),
                         escape(class_explanation(f.bug)));
   }

@@ -9,7 +9,8 @@
 
 namespace kvcheck {
 
-void print_diagnosis(std::FILE* out, const Scenario& scenario, const std::string& cache, const CacheTrace& trace);
+// `title` heads the report, e.g. "kvcheck diagnose: SCENARIO on CACHE".
+void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace& trace);
 
 // The whole page as one string (no external resources).
 std::string diagnosis_html(const Scenario& scenario, const std::string& cache, const CacheTrace& trace);

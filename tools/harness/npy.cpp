@@ -45,6 +45,22 @@ void write(const std::string& path, const std::vector<std::size_t>& shape, const
 NpyArray<float> read_npy_f32(const std::string& path) { return read_npy<float>(path, "<f4", "float32"); }
 NpyArray<double> read_npy_f64(const std::string& path) { return read_npy<double>(path, "<f8", "float64"); }
 
+NpyArray<double> read_npy_as_double(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(path, "", "cannot open the .npy file");
+  std::string magic(10, '\0');
+  in.read(magic.data(), 10);
+  std::string header(256, '\0');
+  in.read(header.data(), 256);
+  if (header.find("'<f4'") != std::string::npos) {
+    NpyArray<float> f = read_npy_f32(path);
+    return {f.shape, std::vector<double>(f.data.begin(), f.data.end())};
+  }
+  if (header.find("'<f8'") == std::string::npos)
+    throw InputError(path, "", "expected dtype <f4 (float32) or <f8 (float64)");
+  return read_npy_f64(path);
+}
+
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data) {
   write(path, shape, data);
 }

@@ -1,0 +1,127 @@
+"""tools/kvtrace.py with `kvcheck verify`, end to end: NumPy caches written here are
+driven through the Hugging Face update() protocol, traced, and verified by kvcheck."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import kvtrace  # noqa: E402
+
+KVCHECK = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
+SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
+
+
+def kvcheck(*args):
+    return subprocess.run([KVCHECK, *args], capture_output=True, text=True)
+
+
+def export(work, scenario):
+    out = os.path.join(work, "export")
+    result = kvcheck("export", os.path.join(SCENARIOS, scenario + ".json"), "--out", out)
+    assert result.returncode == 0, result.stderr
+    return kvtrace.Export(out)
+
+
+class SlidingWindowCache:
+    """Keeps the last W keys and values per layer, as given (rotated at absolute positions)."""
+
+    def __init__(self, window):
+        self.window, self.keys, self.values = window, {}, {}
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx in self.keys:
+            key_states = np.concatenate([self.keys[layer_idx], key_states], axis=2)
+            value_states = np.concatenate([self.values[layer_idx], value_states], axis=2)
+        self.keys[layer_idx] = key_states[:, :, -self.window:]
+        self.values[layer_idx] = value_states[:, :, -self.window:]
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class BuggySinkCache:
+    """Hugging Face SinkCache's bug: when the window is full, the kept window keys are
+    re-rotated back by one position, but the incoming key keeps the position it came
+    with (its absolute index)."""
+
+    def __init__(self, sinks, window):
+        self.sinks, self.window, self.keys, self.values = sinks, window, {}, {}
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        assert key_states.shape[2] == 1 or layer_idx not in self.keys, "decode one token at a time"
+        if layer_idx not in self.keys:
+            self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+            return key_states, value_states
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys.shape[2] == self.window:
+            s = self.sinks
+            rest = cache_kwargs["rotate"](keys[:, :, s + 1:], -1.0)  # re-rotate the kept window
+            keys = np.concatenate([keys[:, :, :s], rest], axis=2)
+            values = np.concatenate([values[:, :, :s], values[:, :, s + 1:]], axis=2)
+        # The bug: key_states is appended as it came, not re-rotated to its cache position.
+        self.keys[layer_idx] = np.concatenate([keys, key_states], axis=2)
+        self.values[layer_idx] = np.concatenate([values, value_states], axis=2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class KvtraceTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="kvtrace-test-")
+
+    def test_correct_sliding_cache_passes_verify(self):
+        exp = export(self.work, "sliding_baseline")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]), trace,
+                               positions="absolute", key_positions="absolute")
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sliding_baseline.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("no divergence", result.stdout)
+
+    def test_sink_cache_that_does_not_shift_new_keys_is_diagnosed(self):
+        # sink_decode_through_windows: S = 2, W = 6, prompt 3, then one token per step;
+        # token 6 (step 4) is the first to evict, and it lands in the last slot, 5.
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: BuggySinkCache(exp.policy["sinks"], exp.policy["window"]), trace,
+                               positions="absolute", key_positions="cache-relative")
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("class: new key not shifted", result.stdout)
+        self.assertIn("first divergence: step 4 (decode, /steps/1), row 0", result.stdout)
+        self.assertIn("slot 5, uid 12 (token 6)", result.stdout)
+        self.assertIn("position expected 5, claimed 5, recovered 6", result.stdout)
+
+    def test_trace_with_wrong_shape_exits_2(self):
+        exp = export(self.work, "sliding_baseline")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]), trace,
+                               positions="absolute", key_positions="absolute")
+        bad = os.path.join(trace, "step001_l0_keys.npy")
+        np.save(bad, np.zeros((2, 2, 5, 4), dtype=np.float32))  # head_dim 4 instead of 8
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sliding_baseline.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
+        self.assertIn("step001_l0_keys.npy: expected keys [B, Hkv, slots, D] of shape [2, 2, slots, 8], got "
+                      "[2, 2, 5, 4]", result.stderr)
+
+    def test_missing_trace_file_exits_2(self):
+        exp = export(self.work, "sliding_baseline")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]), trace,
+                               positions="absolute", key_positions="absolute")
+        os.remove(os.path.join(trace, "step002_l0_values.npy"))
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sliding_baseline.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("step002_l0_values.npy: cannot open the .npy file", result.stderr)
+
+    def test_rotate_matches_the_reference_convention(self):
+        # D = 2: one pair turning one radian per position.
+        out = kvtrace.rotate(np.array([[1.0, 0.0]]), [1.0], {"theta": 10000.0, "layout": "half"})
+        np.testing.assert_allclose(out, [[np.cos(1.0), np.sin(1.0)]], atol=1e-15)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,419 @@
+#include "tools/harness/trace_verify.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "reference/policy.h"
+#include "tools/harness/inputs.h"
+#include "tools/harness/npy.h"
+#include "tools/harness/recovery.h"
+
+namespace kvcheck {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+enum class KeyPositions { cache_relative, absolute, unrotated };
+
+struct TraceFiles {
+  std::string keys, values, out, q;  // out and q optional
+};
+
+struct Trace {
+  std::string dir, manifest_path;
+  KeyPositions positions = KeyPositions::cache_relative;
+  std::vector<std::vector<TraceFiles>> steps;  // [step][layer]; an empty step was not recorded
+};
+
+Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps) {
+  Trace t;
+  t.dir = dir;
+  t.manifest_path = (fs::path(dir) / "manifest.json").string();
+  std::ifstream in(t.manifest_path);
+  if (!in) throw InputError(t.manifest_path, "", "no manifest.json in the trace folder");
+  json m;
+  try {
+    m = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw InputError(t.manifest_path, "", fmt::format("not valid JSON: {}", e.what()));
+  }
+  auto fail = [&](const std::string& path, const std::string& why) { throw InputError(t.manifest_path, path, why); };
+  if (!m.is_object()) fail("", "expected an object");
+  if (m.value("format", "") != "kvcheck-trace-1") fail("/format", "expected \"kvcheck-trace-1\"");
+  if (!m.contains("scenario") || !m["scenario"].is_string() || m["scenario"] != s.name)
+    fail("/scenario", fmt::format("expected the scenario's name \"{}\"", s.name));
+  const std::string kp = m.value("key_positions", "");
+  if (kp == "cache-relative") t.positions = KeyPositions::cache_relative;
+  else if (kp == "absolute") t.positions = KeyPositions::absolute;
+  else if (kp == "unrotated") t.positions = KeyPositions::unrotated;
+  else fail("/key_positions", "expected one of cache-relative, absolute, unrotated");
+  if (!m.contains("steps") || !m["steps"].is_array() || m["steps"].size() != steps)
+    fail("/steps", fmt::format("expected an array of {} steps (decode expanded into single-token steps)", steps));
+  for (std::size_t i = 0; i < steps; ++i) {
+    const json& step = m["steps"][i];
+    const std::string p = fmt::format("/steps/{}", i);
+    std::vector<TraceFiles> layers;
+    if (step.is_object() && step.contains("layers")) {
+      const json& ls = step["layers"];
+      if (!ls.is_array() || static_cast<int>(ls.size()) != s.dims.layers)
+        fail(p + "/layers", fmt::format("expected an array of {} layers", s.dims.layers));
+      for (std::size_t l = 0; l < ls.size(); ++l) {
+        const std::string lp = fmt::format("{}/layers/{}", p, l);
+        TraceFiles f;
+        for (const char* key : {"keys", "values"})
+          if (!ls[l].contains(key) || !ls[l][key].is_string()) fail(lp + "/" + key, "expected a file name");
+        f.keys = (fs::path(dir) / ls[l]["keys"].get<std::string>()).string();
+        f.values = (fs::path(dir) / ls[l]["values"].get<std::string>()).string();
+        if (ls[l].contains("out")) f.out = (fs::path(dir) / ls[l]["out"].get<std::string>()).string();
+        if (ls[l].contains("q")) f.q = (fs::path(dir) / ls[l]["q"].get<std::string>()).string();
+        layers.push_back(f);
+      }
+    } else if (!step.is_object()) {
+      fail(p, "expected an object (empty when the step was not recorded)");
+    }
+    t.steps.push_back(layers);
+  }
+  return t;
+}
+
+NpyArray<double> load(const std::string& path, std::vector<std::size_t> expected, const char* what,
+                      bool any_third) {
+  NpyArray<double> a = read_npy_as_double(path);
+  bool ok = a.shape.size() == expected.size();
+  for (std::size_t i = 0; ok && i < expected.size(); ++i) ok = (any_third && i == 2) || a.shape[i] == expected[i];
+  if (!ok) {
+    std::string want = "[";
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      want += (i ? ", " : "") + (any_third && i == 2 ? std::string("slots") : std::to_string(expected[i]));
+    throw InputError(path, "", fmt::format("expected {} of shape {}], got {}", what, want, shape_string(a.shape)));
+  }
+  return a;
+}
+
+struct Tally {
+  std::int64_t failures = 0;
+  std::string first;
+  void fail(std::string detail) {
+    if (failures++ == 0) first = std::move(detail);
+  }
+};
+
+class Verifier {
+ public:
+  Verifier(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const Trace& trace)
+      : s_(s), inputs_(inputs), run_(run), trace_(trace) {}
+
+  CacheTrace operator()() {
+    StepContext context;
+    for (std::size_t i = 0; i < run_.steps.size(); ++i) {
+      const StepRecord& rec = run_.steps[i];
+      advance(context, rec);
+      if (trace_.steps[i].empty()) continue;
+      StepEvidence evidence;
+      evidence.step = i;
+      evidence.label = step_label(rec.step, i);
+      std::vector<SlotRow> table;
+      for (int l = 0; l < s_.dims.layers; ++l) check_layer(rec, l, evidence, l == 0 ? &table : nullptr);
+      if (!evidence.empty() && !result_.first) {
+        FirstDivergence f;
+        f.evidence = evidence;
+        f.context = context;
+        f.bug = classify(s_, evidence, context);
+        f.row = first_row(evidence);
+        if (rec.append && f.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[f.row].empty())
+          f.query_index = rec.append->rows[f.row].back().index;
+        for (std::size_t r = 0; r < table.size(); ++r)
+          if (row_of_[static_cast<std::ptrdiff_t>(r)] == f.row) f.slots.push_back(table[r]);
+        result_.first = std::move(f);
+      }
+      row_of_.clear();
+    }
+    Outcome& o = result_.outcome;
+    o.scenario = s_.name;
+    o.file = s_.file;
+    o.target = "trace";
+    auto add = [&](const char* name, const Tally& t, const std::string& ok) {
+      o.checks.push_back({name, t.failures == 0, t.failures == 0 ? ok : t.first});
+    };
+    add("outputs", outputs_, outputs_seen_ ? "within tolerance" : "no outputs in the trace");
+    add("retained set", retained_, "every slot identified, the retained set, nothing stale or duplicated");
+    add("key positions", keys_, "every key a rotation at the expected position");
+    add("query positions", queries_, queries_seen_ ? "every query at the expected distance" : "no queries in the trace");
+    o.max_abs_error = max_abs_;
+    o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
+    o.position_mismatches = keys_.failures + queries_.failures;
+    o.retained_mismatches = retained_.failures;
+    return std::move(result_);
+  }
+
+ private:
+  static int first_row(const StepEvidence& e) {
+    if (!e.pairs.empty()) return e.pairs.front().row;
+    if (!e.slots.empty()) return e.slots.front().row;
+    if (!e.outputs.empty()) return e.outputs.front().row;
+    return 0;
+  }
+
+  // Which uid a value vector belongs to: the row's own tokens first, then any uid (stale).
+  std::int64_t identify(int layer, const double* value, const std::vector<std::uint64_t>& history) const {
+    const int Hkv = s_.dims.kv_heads, D = s_.dims.head_dim;
+    auto matches = [&](std::uint64_t uid) {
+      for (int g = 0; g < Hkv; ++g) {
+        const float* raw = inputs_.v_at(layer, uid, g);
+        for (int d = 0; d < D; ++d)
+          if (std::abs(value[g * D + d] - raw[d]) > 1e-6) return false;
+      }
+      return true;
+    };
+    for (std::uint64_t uid : history)
+      if (matches(uid)) return static_cast<std::int64_t>(uid);
+    for (std::int64_t uid = 0; uid < inputs_.uids; ++uid)
+      if (matches(static_cast<std::uint64_t>(uid))) return uid;
+    return -1;
+  }
+
+  void check_layer(const StepRecord& rec, int l, StepEvidence& evidence, std::vector<SlotRow>* table) {
+    const TraceFiles& f = trace_.steps[evidence.step][static_cast<std::size_t>(l)];
+    const auto B = rec.retained.size();
+    const auto Hkv = static_cast<std::size_t>(s_.dims.kv_heads), H = static_cast<std::size_t>(s_.dims.heads),
+               D = static_cast<std::size_t>(s_.dims.head_dim);
+    const NpyArray<double> keys = load(f.keys, {B, Hkv, 0, D}, "keys [B, Hkv, slots, D]", true);
+    const NpyArray<double> values = load(f.values, {B, Hkv, keys.shape[2], D}, "values [B, Hkv, slots, D]", false);
+    const std::size_t slots = keys.shape[2];
+    std::vector<double> v(Hkv * D);
+    for (std::size_t b = 0; b < B; ++b) {
+      const auto& history = rec.histories[b];
+      // What the row's last query should see, to fill the table's visibility columns.
+      std::map<std::int64_t, std::int64_t> expected_distance;
+      if (rec.append && !rec.append->rows[b].empty()) {
+        const auto& last = rec.append->rows[b].back();
+        for (const auto& key : last.view.keys)
+          expected_distance[static_cast<std::int64_t>(history[key.index])] = last.view.query_position - key.position;
+      }
+      const std::size_t table_start = table ? table->size() : 0;
+      std::map<std::int64_t, std::int64_t> held;  // uid -> slot
+      std::map<std::int64_t, std::int64_t> recovered;  // uid -> key position
+      for (std::size_t slot = 0; slot < slots; ++slot) {
+        bool empty = true;
+        for (std::size_t g = 0; g < Hkv; ++g)
+          for (std::size_t d = 0; d < D; ++d) {
+            v[g * D + d] = values.data[((b * Hkv + g) * slots + slot) * D + d];
+            empty = empty && (v[g * D + d] == 0.0 || std::isnan(v[g * D + d]));
+          }
+        if (empty) continue;  // unused slots are allowed
+        const std::int64_t uid = identify(l, v.data(), history);
+        const std::int64_t index = uid < 0 ? -1 : index_of(history, uid);
+        SlotRow row;
+        row.slot = static_cast<std::int64_t>(slot);
+        row.uid = uid;
+        row.index = index;
+        if (index < 0) {
+          retained_.fail(fmt::format("{}: layer {} row {} slot {} holds {}", evidence.label, l, b, slot,
+                                     uid < 0 ? std::string("values of no token") : fmt::format("uid {}, not this row's token", uid)));
+          SlotIssue issue{};
+          issue.kind = SlotIssue::Kind::stale;
+          issue.row = static_cast<int>(b);
+          issue.slot = static_cast<std::int64_t>(slot);
+          issue.uid = uid;
+          evidence.slots.push_back(issue);
+          row.verdict = uid < 0 ? "unknown values" : "stale: not this row's token";
+          push(table, row, static_cast<int>(b));
+          continue;
+        }
+        if (held.count(uid)) {
+          retained_.fail(fmt::format("{}: layer {} row {} holds uid {} twice", evidence.label, l, b, uid));
+          SlotIssue issue{};
+          issue.kind = SlotIssue::Kind::duplicated;
+          issue.row = static_cast<int>(b);
+          issue.uid = uid;
+          issue.true_index = index;
+          evidence.slots.push_back(issue);
+          row.verdict = "duplicated";
+          push(table, row, static_cast<int>(b));
+          continue;
+        }
+        held[uid] = static_cast<std::int64_t>(slot);
+        check_key(rec, l, b, slot, slots, keys, uid, index, evidence, row, recovered);
+        push(table, row, static_cast<int>(b));
+      }
+      std::map<std::int64_t, std::int64_t> want;
+      for (const auto& key : rec.retained[b].keys) want[static_cast<std::int64_t>(key.uid)] = key.index;
+      for (const auto& [uid, slot] : held)
+        if (!want.count(uid)) {
+          retained_.fail(fmt::format("{}: layer {} row {} slot {} still holds uid {} (token {}), which the policy "
+                                     "evicted",
+                                     evidence.label, l, b, slot, uid, index_of(history, uid)));
+          SlotIssue issue{};
+          issue.kind = SlotIssue::Kind::extra;
+          issue.row = static_cast<int>(b);
+          issue.uid = uid;
+          issue.true_index = index_of(history, uid);
+          evidence.slots.push_back(issue);
+        }
+      for (const auto& [uid, index] : want)
+        if (!held.count(uid)) {
+          retained_.fail(fmt::format("{}: layer {} row {} lost uid {} (token {})", evidence.label, l, b, uid, index));
+          SlotIssue issue{};
+          issue.kind = SlotIssue::Kind::lost;
+          issue.row = static_cast<int>(b);
+          issue.uid = uid;
+          issue.true_index = index;
+          evidence.slots.push_back(issue);
+        }
+      std::optional<std::int64_t> query_position;
+      if (rec.append) query_position = check_query_and_output(rec, l, b, f, H, D, recovered, evidence);
+      for (std::size_t r = table_start; table && r < table->size(); ++r) {
+        SlotRow& row = (*table)[r];
+        row.visible_actual = rec.append.has_value();  // a cache attends to every slot it returns
+        if (const auto it = expected_distance.find(row.uid); it != expected_distance.end()) {
+          row.visible_expected = true;
+          row.distance_expected = it->second;
+        }
+        if (query_position && recovered.count(row.uid)) row.distance_actual = *query_position - recovered[row.uid];
+      }
+    }
+  }
+
+  void push(std::vector<SlotRow>* table, const SlotRow& row, int b) {
+    if (table == nullptr) return;
+    row_of_[static_cast<std::ptrdiff_t>(table->size())] = b;
+    table->push_back(row);
+  }
+
+  // The key's position, recovered from the tensor, against what key_positions declares.
+  void check_key(const StepRecord& rec, int l, std::size_t b, std::size_t slot, std::size_t slots,
+                 const NpyArray<double>& keys, std::int64_t uid, std::int64_t index, StepEvidence& evidence,
+                 SlotRow& row, std::map<std::int64_t, std::int64_t>& recovered) {
+    const std::size_t Hkv = static_cast<std::size_t>(s_.dims.kv_heads), D = static_cast<std::size_t>(s_.dims.head_dim);
+    std::int64_t expected = 0;
+    for (const auto& key : rec.retained[b].keys)
+      if (static_cast<std::int64_t>(key.uid) == uid) expected = key.position;
+    row.position_expected = expected;
+    const std::int64_t declared = trace_.positions == KeyPositions::cache_relative ? expected
+                                  : trace_.positions == KeyPositions::absolute   ? index
+                                                                                 : 0;
+    row.position_claimed = declared;
+    std::vector<float> stored(D);
+    for (std::size_t g = 0; g < Hkv; ++g) {
+      for (std::size_t d = 0; d < D; ++d)
+        stored[d] = static_cast<float>(keys.data[((b * Hkv + g) * slots + slot) * D + d]);
+      const RecoveredPosition r =
+          recover_position(inputs_.k_at(l, static_cast<std::uint64_t>(uid), static_cast<int>(g)), stored.data(),
+                           static_cast<int>(D), s_.rope);
+      if (g == 0) {
+        row.position_recovered = describe(r);
+        if (r.status != RecoveredPosition::Status::not_rotation) recovered[uid] = r.position;
+      }
+      if (r.status != RecoveredPosition::Status::not_rotation && r.position == declared) continue;
+      keys_.fail(fmt::format("{}: layer {} row {} slot {} (uid {}, token {}): key at position {}, expected {}",
+                             evidence.label, l, b, slot, uid, index, describe(r), declared));
+      SlotIssue issue{};
+      issue.kind = SlotIssue::Kind::rotation;
+      issue.row = static_cast<int>(b);
+      issue.slot = static_cast<std::int64_t>(slot);
+      issue.uid = uid;
+      issue.claimed_index = index;
+      issue.true_index = index;
+      issue.claimed_position = declared;
+      if (r.status != RecoveredPosition::Status::not_rotation) issue.recovered_position = r.position;
+      issue.fits = r.fits;
+      evidence.slots.push_back(issue);
+      row.verdict = "key not at the expected position";
+      return;
+    }
+    row.verdict = "ok";
+  }
+
+  // The row's last query: its recovered position against the keys' recovered positions
+  // gives the distances it used; then the outputs.
+  // Returns the last query's recovered position, when the trace has queries.
+  std::optional<std::int64_t> check_query_and_output(const StepRecord& rec, int l, std::size_t b,
+                                                     const TraceFiles& f, std::size_t H, std::size_t D,
+                                                     const std::map<std::int64_t, std::int64_t>& recovered,
+                                                     StepEvidence& evidence) {
+    const auto& tokens = rec.append->rows[b];
+    const auto B = rec.retained.size();
+    const auto n = static_cast<std::size_t>(rec.append->chunk);
+    std::optional<std::int64_t> query_position;
+    if (tokens.empty()) return query_position;
+    const std::size_t pad = n - tokens.size();
+    if (!f.q.empty() && s_.policy.prefill == Prefill::streaming) {
+      const NpyArray<double> q = load(f.q, {B, H, n, D}, "q [B, H, n, D]", false);
+      queries_seen_ = true;
+      const auto& last = tokens.back();
+      std::vector<float> rotated(D);
+      for (std::size_t d = 0; d < D; ++d) rotated[d] = static_cast<float>(q.data[((b * H + 0) * n + n - 1) * D + d]);
+      const RecoveredPosition r =
+          recover_position(inputs_.q_at(l, last.uid, 0), rotated.data(), static_cast<int>(D), s_.rope);
+      if (r.status != RecoveredPosition::Status::not_rotation) query_position = r.position;
+      // A cache that keeps keys at original positions rotates the query twice (sink_ring);
+      // one rotated q shows only the window rotation, so sinks are judged by keys alone.
+      const bool skip_sinks = s_.policy.kind == PolicyKind::sink && trace_.positions != KeyPositions::cache_relative;
+      for (const auto& key : last.view.keys) {
+        if (skip_sinks && key.index < s_.policy.sinks) continue;
+        const auto uid = static_cast<std::int64_t>(rec.histories[b][key.index]);
+        const auto it = recovered.find(uid);
+        if (it == recovered.end() || r.status == RecoveredPosition::Status::not_rotation) continue;
+        const std::int64_t want = last.view.query_position - key.position, got = r.position - it->second;
+        if (want == got) continue;
+        queries_.fail(fmt::format("{}: layer {} row {} token {}: query at {}, key uid {} at {}: distance {}, "
+                                  "expected {}",
+                                  evidence.label, l, b, last.index, r.position, uid, it->second, got, want));
+        if (l == 0)
+          evidence.pairs.push_back({static_cast<int>(b), last.index, uid, key.index, want, got, r.position,
+                                    reference::evicted_count(s_.policy, last.index)});
+      }
+    }
+    if (!f.out.empty()) {
+      const NpyArray<double> out = load(f.out, {B, H, n, D}, "out [B, H, n, D]", false);
+      outputs_seen_ = true;
+      for (std::size_t i = 0; i < tokens.size(); ++i)
+        for (std::size_t h = 0; h < H; ++h)
+          for (std::size_t d = 0; d < D; ++d) {
+            const double want =
+                rec.append->out[((((static_cast<std::size_t>(l) * B + b) * n + pad + i) * H + h) * D) + d];
+            const double got = out.data[((b * H + h) * n + pad + i) * D + d];
+            const double err = std::abs(got - want);
+            max_abs_ = std::max(max_abs_, std::isnan(err) ? INFINITY : err);
+            sum_sq_err_ += std::isnan(err) ? 0 : err * err;
+            sum_sq_ref_ += want * want;
+            if (err <= s_.tolerance.atol + s_.tolerance.rtol * std::abs(want)) continue;
+            outputs_.fail(fmt::format("{}: layer {} row {} token {} head {} dim {}: expected {:.9g}, got {:.9g}",
+                                      evidence.label, l, b, tokens[i].index, h, d, want, got));
+            if (evidence.outputs.size() < 64)
+              evidence.outputs.push_back({l, static_cast<int>(b), static_cast<int>(h), static_cast<int>(d),
+                                          tokens[i].index, static_cast<std::int64_t>(tokens[i].uid), want, got});
+          }
+    }
+    return query_position;
+  }
+
+  const Scenario& s_;
+  const InputTable& inputs_;
+  const ReferenceRun& run_;
+  const Trace& trace_;
+  CacheTrace result_;
+  std::map<std::ptrdiff_t, int> row_of_;
+  Tally outputs_, retained_, keys_, queries_;
+  bool outputs_seen_ = false, queries_seen_ = false;
+  double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;
+};
+
+}  // namespace
+
+CacheTrace verify_trace(const Scenario& s, const std::string& dir) {
+  const InputTable inputs = load_inputs(s);
+  const ReferenceRun run = run_reference(s, inputs);
+  const Trace trace = read_manifest(s, dir, run.steps.size());
+  return Verifier(s, inputs, run, trace)();
+}
+
+}  // namespace kvcheck

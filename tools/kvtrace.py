@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""kvtrace: check a KV cache written in Python against kvcheck, through files.
+
+NumPy only (PyTorch tensors are accepted where arrays are, and converted). Three pieces:
+
+- Export: loads a `kvcheck export` folder: the scenario's raw q/k/v by uid and its schedule.
+- TraceWriter: writes a trace folder (format kvcheck-trace-1) that `kvcheck verify` reads.
+- drive_hf_cache: feeds an export's schedule to any cache object with Hugging Face's
+  `update(key_states, value_states, layer_idx, cache_kwargs) -> (keys, values)`, applies
+  RoPE at the positions the caller chooses, runs eager attention, and writes the trace.
+
+    exp = kvtrace.Export("out/sliding_baseline")          # kvcheck export SCENARIO --out DIR
+    kvtrace.drive_hf_cache(exp, lambda: MyCache(window=6), "trace/", positions="absolute",
+                           key_positions="absolute")
+    # then: kvcheck verify SCENARIO --trace trace/
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+
+def to_numpy(x):
+    """A NumPy array from a NumPy array or a PyTorch tensor (without importing torch)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+class Export:
+    """A `kvcheck export` folder: q [L, U, H, D], k and v [L, U, Hkv, D], and the steps."""
+
+    def __init__(self, path):
+        self.path = path
+        with open(os.path.join(path, "manifest.json")) as f:
+            self.manifest = json.load(f)
+        self.q = np.load(os.path.join(path, "q.npy"))
+        self.k = np.load(os.path.join(path, "k.npy"))
+        self.v = np.load(os.path.join(path, "v.npy"))
+        self.dims = self.manifest["dimensions"]
+        self.rope = self.manifest["rope"]
+        self.policy = self.manifest["policy"]
+        self.steps = self.manifest["steps"]
+        self.name = self.manifest["name"]
+        self.scale = self.manifest["softmax_scale"]
+
+    def reference_output(self, step):
+        """The reference's float64 output of an append step, [L, B, n, H, D] (NaN where padded)."""
+        return np.load(os.path.join(self.path, self.steps[step]["out"]))
+
+
+def rotate(x, positions, rope):
+    """RoPE (SPEC 2): x [..., n, D] rotated at positions [n] (or broadcastable to [..., n])."""
+    x = to_numpy(x).astype(np.float64)
+    d = x.shape[-1]
+    factor = rope.get("factor", 1.0) if rope.get("scaling", "none") == "linear" else 1.0
+    inv_freq = rope["theta"] ** (-2.0 * np.arange(d // 2) / d)
+    angle = (np.asarray(positions, dtype=np.float64)[..., None] / factor) * inv_freq  # [..., n, D/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+    if rope["layout"] == "half":
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+class TraceWriter:
+    """Writes a trace folder; nothing appears at `path` until close() succeeds."""
+
+    def __init__(self, path, scenario, producer, key_positions):
+        if key_positions not in ("cache-relative", "absolute", "unrotated"):
+            raise ValueError("key_positions must be cache-relative, absolute or unrotated")
+        self.path = os.path.abspath(path)
+        parent = os.path.dirname(self.path)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=".kvtrace-", dir=parent)
+        self.manifest = {"format": "kvcheck-trace-1", "scenario": scenario, "producer": producer,
+                         "key_positions": key_positions, "steps": []}
+
+    def step(self, layers):
+        """One step: per layer a dict with keys and values [B, Hkv, slots, D], optional
+        out [B, H, n, D] and rotated q [B, H, n, D]."""
+        index = len(self.manifest["steps"])
+        entry = []
+        for l, tensors in enumerate(layers):
+            files = {}
+            for name in ("keys", "values", "out", "q"):
+                if tensors.get(name) is None:
+                    continue
+                file = "step%03d_l%d_%s.npy" % (index, l, name)
+                np.save(os.path.join(self.tmp, file), np.ascontiguousarray(to_numpy(tensors[name]), dtype=np.float32))
+                files[name] = file
+            entry.append(files)
+        self.manifest["steps"].append({"layers": entry})
+
+    def skip_step(self):
+        """A step whose state was not recorded (kvcheck checks nothing there)."""
+        self.manifest["steps"].append({})
+
+    def close(self):
+        with open(os.path.join(self.tmp, "manifest.json"), "w") as f:
+            json.dump(self.manifest, f, indent=1)
+        if os.path.exists(self.path):
+            shutil.rmtree(self.path)
+        os.rename(self.tmp, self.path)
+
+
+def _attention(q, keys, values, scale, heads):
+    """Eager attention: q [B, H, n, D] over keys/values [B, Hkv, S, D], causal and
+    right-aligned (query i of n sees the first S - n + i + 1 slots)."""
+    b, hkv, s, d = keys.shape
+    group = heads // hkv
+    keys = np.repeat(keys, group, axis=1)
+    values = np.repeat(values, group, axis=1)
+    scores = np.einsum("bhnd,bhsd->bhns", q, keys) * scale
+    n = q.shape[2]
+    visible = np.arange(s)[None, :] <= (s - n + np.arange(n))[:, None]
+    scores = np.where(visible, scores, -np.inf)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhns,bhsd->bhnd", weights, values)
+
+
+def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_positions="absolute",
+                   producer="kvtrace.drive_hf_cache"):
+    """Runs the export's schedule through caches made by make_cache() and writes a trace.
+
+    positions: "absolute" (token index), "cache" (slots already held plus the place in
+    the chunk, like a model that counts the cache), or a function
+    (token_index, cache_length, place_in_chunk) -> position.
+    Left padding is not supported (Hugging Face caches take it through masks); reorder
+    calls cache.reorder_cache(rows), crop calls cache.crop(length), reset makes a new cache.
+    """
+    if positions == "absolute":
+        position_of = lambda t, held, i: t
+    elif positions == "cache":
+        position_of = lambda t, held, i: held + i
+    else:
+        position_of = positions
+    layers, heads = export.dims["layers"], export.dims["heads"]
+    writer = TraceWriter(trace_path, export.name, producer, key_positions)
+    cache = make_cache()
+    held = None
+    lengths = [0] * export.dims["batch"]
+    for step in export.steps:
+        op = step["op"]
+        if op == "reset":
+            cache = make_cache()
+            lengths = [0] * step["batch"]
+            held = None
+            writer.skip_step()
+            continue
+        if op == "reorder":
+            cache.reorder_cache(np.asarray(step["rows_from"]))
+            lengths = [lengths[r] for r in step["rows_from"]]
+            held = [(k[step["rows_from"]], v[step["rows_from"]]) for k, v in held] if held else None
+            writer.step([{"keys": k, "values": v} for k, v in held]) if held else writer.skip_step()
+            continue
+        if op == "crop":
+            if "refused" not in step:
+                cache.crop(step["length"])
+                lengths = [min(n, step["length"]) for n in lengths]
+            writer.skip_step()
+            continue
+        rows = step["rows"]
+        counts = {len(r["uids"]) for r in rows}
+        if len(counts) != 1:
+            raise NotImplementedError("drive_hf_cache: left padding (rows with different counts) is not supported")
+        uids = np.asarray([r["uids"] for r in rows])                     # [B, n]
+        n = uids.shape[1]
+        held_before = 0 if held is None else held[0][0].shape[2]
+        pos = np.asarray([[position_of(r["indices"][i], held_before, i) for i in range(n)] for r in rows])
+        recorded = []
+        for l in range(layers):
+            q = np.transpose(export.q[l][uids], (0, 2, 1, 3))              # [B, H, n, D]
+            k = np.transpose(export.k[l][uids], (0, 2, 1, 3))              # [B, Hkv, n, D]
+            v = np.transpose(export.v[l][uids], (0, 2, 1, 3))
+            q_rot = rotate(q, pos[:, None, :], export.rope)
+            k_rot = rotate(k, pos[:, None, :], export.rope)
+            kwargs = {"positions": pos, "rope": export.rope,
+                      "rotate": lambda x, p: rotate(x, p, export.rope)}
+            keys, values = cache.update(k_rot, v, l, kwargs)
+            keys, values = to_numpy(keys).astype(np.float64), to_numpy(values).astype(np.float64)
+            out = _attention(q_rot, keys, values, export.scale, heads)
+            recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot})
+        held = [(r["keys"], r["values"]) for r in recorded]
+        lengths = [n_ + n for n_ in lengths]
+        writer.step(recorded)
+    writer.close()
