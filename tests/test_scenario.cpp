@@ -111,6 +111,35 @@ TEST(ScenarioValidation, LinearScalingNeedsAFactor) {
             "s.json: /rope/factor: missing required field");
 }
 
+TEST(ScenarioValidation, NamesCannotEscapeTheirFolder) {
+  EXPECT_EQ(error_of(R"({"name": "..", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "head_dim": 2},
+                         "policy": {"type": "full"}, "steps": [{"op": "append", "tokens": 1}]})"),
+            "s.json: /name: expected letters, digits, '_', '-' or '.', not starting with '.' (the name names output "
+            "folders)");
+}
+
+TEST(ScenarioValidation, HugeSizesAreErrorsNotCrashes) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 10000000000, "heads": 1, "head_dim": 2})")),
+            "s.json: /dimensions/batch: expected an integer <= 4096, got 10000000000");
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "decode", "steps": 1000001}])")),
+            "s.json: /steps/0/steps: expected an integer <= 1000000, got 1000001");
+  EXPECT_EQ(error_of(scenario(R"({"layers": 64, "batch": 64, "heads": 64, "head_dim": 256})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 4096}])")),
+            // 4096 tokens x 64 rows x 64 layers x (64 + 2 x 64 heads) x 256 dims
+            "s.json: /steps: the scenario needs 8.25e+11 input values; kvcheck accepts up to 1e9");
+}
+
+TEST(ScenarioValidation, SeedsAreUnsigned64Bit) {
+  const auto s = parse_scenario(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                                         R"([{"op": "append", "tokens": 1}])", R"(, "seed": 18446744073709551615)"),
+                                "s.json");
+  EXPECT_EQ(s.inputs.seed, 18446744073709551615ull);
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 1}])", R"(, "seed": -1)")),
+            "s.json: /seed: expected an integer from 0 to 2^64 - 1, got -1");
+}
+
 TEST(ScenarioValidation, DecodeExpandsIntoSingleTokenAppends) {
   const auto s = parse_scenario(scenario(R"({"layers": 1, "batch": 2, "heads": 1, "head_dim": 2})",
                                          R"({"type": "full"})",

@@ -56,6 +56,11 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
       if (progress) fmt::print(stderr, "\r\033[K");
       print_input_error(e);
       bad_input = true;
+    } catch (const std::exception& e) {
+      // One scenario's failure must not hide the others' results.
+      if (progress) fmt::print(stderr, "\r\033[K");
+      fmt::print(stderr, "kvcheck: error: {}: {}\n", files[i], e.what());
+      bad_input = true;
     }
   }
   if (progress) fmt::print(stderr, "\r\033[K");
@@ -102,6 +107,8 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   if (caches.empty())
     for (const CacheEntry& c : real_caches())
       if (c.serves(scenario.policy)) caches.push_back(c.name);
+  if (caches.empty())
+    throw InputError(path, "/policy", "no cache serves this policy (`kvcheck list` shows the caches)");
   const InputTable inputs = load_inputs(scenario);
   const ReferenceRun run = run_reference(scenario, inputs);
   bool diverged = false;
@@ -239,6 +246,7 @@ int main(int argc, char** argv) {
     }
     if (*golden) {
       golden_options.scenario_files = collect(golden_paths);
+      golden_options.prune = golden_paths.empty();  // the whole suite: drop goldens of deleted scenarios
       if (golden_options.dir.empty()) golden_options.dir = std::string(KVCHECK_SOURCE_DIR) + "/fixtures/golden";
       return *generate ? generate_goldens(golden_options) : check_goldens(golden_options);
     }

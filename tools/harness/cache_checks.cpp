@@ -204,17 +204,26 @@ class CacheRun {
   }
 
   // The pairs the cache used, per (row, query index).
-  std::map<std::pair<int, std::int64_t>, Distances> used_pairs() const {
+  std::map<std::pair<int, std::int64_t>, Distances> used_pairs(StepEvidence& evidence) {
     std::map<std::pair<int, std::int64_t>, Distances> used;
-    for (const auto& e : log_)
-      used[{e.row, e.query_index}][e.key_uid] = {e.query_position - e.key_position, e.query_position};
+    for (const auto& e : log_) {
+      Distances& pairs = used[{e.row, e.query_index}];
+      if (pairs.count(e.key_uid)) {
+        // The same token attended twice (a duplicated slot, or ring plus chunk).
+        positions_.fail(fmt::format("{}: row {} token {}: the cache used uid {} twice", evidence.label, e.row,
+                                    e.query_index, e.key_uid));
+        SlotIssue twice = issue(SlotIssue::Kind::duplicated, e.row, e.key_uid, e.key_index);
+        evidence.slots.push_back(twice);
+      }
+      pairs[e.key_uid] = {e.query_position - e.key_position, e.query_position};
+    }
     return used;
   }
 
   // SPEC 5.3: every visible pair the cache used has the reference's Pq - Pk, as integers,
   // and the cache used exactly the reference's visible tokens (by uid).
   void compare_distances(const StepRecord& rec, StepEvidence& evidence) {
-    auto used = used_pairs();
+    auto used = used_pairs(evidence);
     for (int b = 0; b < static_cast<int>(rec.append->rows.size()); ++b) {
       const auto& history = rec.histories[b];
       for (const auto& token : rec.append->rows[b]) {

@@ -1,5 +1,8 @@
 #include "tools/harness/export.h"
 
+#include <filesystem>
+#include <fstream>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -50,7 +53,20 @@ json cache_json(std::size_t index, const StepRecord& record) {
 
 }  // namespace
 
+bool is_export_folder(const std::string& dir) {
+  std::ifstream in(std::filesystem::path(dir) / "manifest.json");
+  if (!in) return false;
+  const json manifest = json::parse(in, nullptr, false);
+  return manifest.is_object() && manifest.value("format", "") == "kvcheck-export-1";
+}
+
 void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const std::string& out_dir) {
+  std::error_code ec;
+  if (std::filesystem::exists(out_dir, ec) &&
+      (!std::filesystem::is_directory(out_dir, ec) || !std::filesystem::is_empty(out_dir, ec)) &&
+      !is_export_folder(out_dir))
+    throw InputError(out_dir, "", "refusing to replace it: not a kvcheck export folder (no manifest.json with "
+                                  "format kvcheck-export-1); choose a new or empty folder");
   AtomicDir dir(out_dir);
   const auto L = static_cast<std::size_t>(s.dims.layers), U = static_cast<std::size_t>(inputs.uids),
              H = static_cast<std::size_t>(s.dims.heads), Hkv = static_cast<std::size_t>(s.dims.kv_heads),

@@ -10,8 +10,13 @@
 
 namespace kvcheck {
 
+// Refuses (InputError) to replace an existing folder that is not an export, so a stray
+// --out never deletes a user's folder.
 void write_export(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
                   const std::string& out_dir);
+
+// Does `dir` hold a kvcheck export (manifest.json with format kvcheck-export-1)?
+bool is_export_folder(const std::string& dir);
 
 // "step007"
 std::string step_stem(std::size_t index);

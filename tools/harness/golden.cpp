@@ -41,9 +41,8 @@ std::set<std::string> file_names(const fs::path& dir) {
 }
 
 // What differs between an old and a new export folder, one line each (empty: same).
-// `byte_exact` demands identical outputs too (generate); otherwise outputs may differ
-// by kOutputTolerance (check).
-std::vector<std::string> differences(const fs::path& old_dir, const fs::path& new_dir, bool byte_exact) {
+// Outputs may differ by kOutputTolerance; every other file must be byte for byte the same.
+std::vector<std::string> differences(const fs::path& old_dir, const fs::path& new_dir) {
   std::vector<std::string> lines;
   const auto old_names = file_names(old_dir), new_names = file_names(new_dir);
   for (const std::string& name : old_names)
@@ -59,7 +58,7 @@ std::vector<std::string> differences(const fs::path& old_dir, const fs::path& ne
       if (!same_bytes) lines.push_back(fmt::format("{}: differs", name));
       continue;
     }
-    if (byte_exact && same_bytes) continue;
+    if (same_bytes) continue;
     const NpyArray<double> a = read_npy_f64((old_dir / name).string());
     const NpyArray<double> b = read_npy_f64((new_dir / name).string());
     if (a.shape != b.shape) {
@@ -76,7 +75,7 @@ std::vector<std::string> differences(const fs::path& old_dir, const fs::path& ne
         at = i;
       }
     }
-    if (byte_exact || worst > kOutputTolerance)
+    if (worst > kOutputTolerance)
       lines.push_back(fmt::format("{}: max difference {:.3g} at flat index {} (golden {:.17g}, now {:.17g})", name,
                                   worst, at, a.data[at], b.data[at]));
   }
@@ -101,6 +100,12 @@ Computed export_into(const std::string& file, const fs::path& parent) {
 }  // namespace
 
 int generate_goldens(const GoldenOptions& o) {
+  // The golden folder holds export folders only; anything else is not ours to replace.
+  std::error_code ec;
+  if (fs::is_directory(o.dir, ec))
+    for (const auto& e : fs::directory_iterator(o.dir))
+      if (e.path().filename().string()[0] != '.' && !is_export_folder(e.path().string()))
+        throw InputError(e.path().string(), "", "not a golden (export) folder; refusing to replace " + o.dir);
   AtomicDir staging(o.dir);
   if (fs::is_directory(o.dir)) fs::copy(o.dir, staging.path(), fs::copy_options::recursive);
   std::set<std::string> names;
@@ -116,7 +121,7 @@ int generate_goldens(const GoldenOptions& o) {
       ++added;
       fmt::print("{}: new\n", c.name);
     } else {
-      const auto diff = differences(old, c.folder, true);
+      const auto diff = differences(old, c.folder);
       if (diff.empty()) {
         ++unchanged;
         continue;
@@ -132,12 +137,20 @@ int generate_goldens(const GoldenOptions& o) {
     fs::remove_all(staging.path() / c.name);
     fs::copy(c.folder, staging.path() / c.name, fs::copy_options::recursive);
   }
+  int removed = 0;
+  if (o.prune)
+    for (const std::string& name : file_names(staging.path()))
+      if (!names.count(name) && name[0] != '.') {
+        fs::remove_all(staging.path() / name);
+        fmt::print("{}: removed (no such scenario)\n", name);
+        ++removed;
+      }
   if (refused) {
     fmt::print(stderr, "kvcheck: goldens changed; nothing was written. Rerun with --force to overwrite them.\n");
     return 1;
   }
   staging.commit();
-  fmt::print("{}: {} new, {} changed, {} unchanged\n", o.dir, added, changed, unchanged);
+  fmt::print("{}: {} new, {} changed, {} unchanged, {} removed\n", o.dir, added, changed, unchanged, removed);
   return 0;
 }
 
@@ -152,7 +165,7 @@ int check_goldens(const GoldenOptions& o) {
       fmt::print("{}: no golden in {} (run `kvcheck golden generate`)\n", c.name, o.dir);
       continue;
     }
-    const auto diff = differences(golden, c.folder, false);
+    const auto diff = differences(golden, c.folder);
     if (diff.empty()) {
       fmt::print("{}: matches\n", c.name);
       continue;

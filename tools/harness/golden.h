@@ -11,11 +11,14 @@ struct GoldenOptions {
   std::vector<std::string> scenario_files;  // resolved scenario files
   std::string dir;                          // the golden folder
   bool force = false;                       // generate: overwrite goldens that changed
+  bool prune = false;                       // generate: remove goldens of scenarios not given
 };
 
 // Writes every scenario's export into `dir` atomically (all or nothing). Refuses, and
 // returns 1, when an existing golden would change and `force` is not set; prints what
-// changed either way. Returns 0 on success.
+// changed either way. Outputs within 1e-9 of the golden count as unchanged (libm may
+// differ in the last bit between machines), and the golden's bytes are kept.
+// Returns 0 on success.
 int generate_goldens(const GoldenOptions& options);
 
 // Recomputes every scenario and compares with its golden: inputs, manifests and cache

@@ -1,5 +1,7 @@
 #include "tools/harness/inputs.h"
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "tools/harness/generator.h"
@@ -16,6 +18,9 @@ std::vector<float> load_tensor(const std::string& path, const std::vector<std::s
   if (!fits)
     throw InputError(path, "", fmt::format("expected {} of shape [L={}, U>={}, {}, D={}], got {}", what, expected[0],
                                            expected[1], expected[2], expected[3], shape_string(a.shape)));
+  for (std::size_t i = 0; i < a.data.size(); ++i)
+    if (!std::isfinite(a.data[i]))
+      throw InputError(path, "", fmt::format("expected finite values, got {} at flat index {}", a.data[i], i));
   // Keep the first `expected[1]` uids of every layer.
   std::vector<float> out;
   const std::size_t per_uid = expected[2] * expected[3];

@@ -73,10 +73,16 @@ class Reader {
     return obj.at(key);
   }
 
-  std::int64_t integer(const json& j, const std::string& path, std::int64_t min) const {
+  // Sizes are capped well below what would overflow an int or exhaust memory, so a
+  // typo such as 10000000000 is an error, not a crash.
+  std::int64_t integer(const json& j, const std::string& path, std::int64_t min,
+                       std::int64_t max = std::int64_t{1} << 24) const {
     if (!j.is_number_integer()) fail(path, "expected an integer, got " + describe(j));
+    if (j.is_number_unsigned() && j.get<std::uint64_t>() > static_cast<std::uint64_t>(max))
+      fail(path, fmt::format("expected an integer <= {}, got {}", max, describe(j)));
     const std::int64_t v = j.get<std::int64_t>();
     if (v < min) fail(path, fmt::format("expected an integer >= {}, got {}", min, v));
+    if (v > max) fail(path, fmt::format("expected an integer <= {}, got {}", max, v));
     return v;
   }
 
@@ -110,11 +116,12 @@ Dims parse_dims(const Reader& r, const json& j) {
   const std::string p = "/dimensions";
   r.object(j, p, {"layers", "batch", "heads", "kv_heads", "head_dim"});
   Dims d;
-  d.layers = static_cast<int>(r.integer(r.field(j, p, "layers"), p + "/layers", 1));
-  d.batch = static_cast<int>(r.integer(r.field(j, p, "batch"), p + "/batch", 1));
-  d.heads = static_cast<int>(r.integer(r.field(j, p, "heads"), p + "/heads", 1));
-  d.kv_heads = j.contains("kv_heads") ? static_cast<int>(r.integer(j["kv_heads"], p + "/kv_heads", 1)) : d.heads;
-  d.head_dim = static_cast<int>(r.integer(r.field(j, p, "head_dim"), p + "/head_dim", 2));
+  d.layers = static_cast<int>(r.integer(r.field(j, p, "layers"), p + "/layers", 1, 1024));
+  d.batch = static_cast<int>(r.integer(r.field(j, p, "batch"), p + "/batch", 1, 4096));
+  d.heads = static_cast<int>(r.integer(r.field(j, p, "heads"), p + "/heads", 1, 4096));
+  d.kv_heads =
+      j.contains("kv_heads") ? static_cast<int>(r.integer(j["kv_heads"], p + "/kv_heads", 1, 4096)) : d.heads;
+  d.head_dim = static_cast<int>(r.integer(r.field(j, p, "head_dim"), p + "/head_dim", 2, 4096));
   if (d.heads % d.kv_heads != 0)
     r.fail(p + "/kv_heads", fmt::format("heads ({}) must be a multiple of kv_heads ({})", d.heads, d.kv_heads));
   if (d.head_dim % 2 != 0) r.fail(p + "/head_dim", fmt::format("expected an even head_dim, got {}", d.head_dim));
@@ -191,7 +198,9 @@ void flatten(const Reader& r, const json& j, const std::string& path, const std:
              std::size_t depth, std::vector<float>& out) {
   if (depth == shape.size()) {
     if (!j.is_number()) r.fail(path, "expected a number, got " + describe(j));
-    out.push_back(j.get<float>());
+    const double v = j.get<double>();
+    if (!std::isfinite(v) || std::abs(v) > 3.4e38) r.fail(path, "expected a finite float32 value, got " + describe(j));
+    out.push_back(static_cast<float>(v));
     return;
   }
   if (!j.is_array() || static_cast<std::int64_t>(j.size()) != shape[depth])
@@ -255,7 +264,9 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
       steps.push_back(step);
     } else if (op == "decode") {
       r.object(s, p, {"op", "steps"});
-      const std::int64_t k = r.integer(r.field(s, p, "steps"), p + "/steps", 1);
+      const std::int64_t k = r.integer(r.field(s, p, "steps"), p + "/steps", 1, 1000000);
+      if (steps.size() + static_cast<std::size_t>(k) > 1000000)
+        r.fail(p + "/steps", "more than a million steps in all after expanding decode");
       step.op = StepOp::append;
       step.tokens.assign(static_cast<std::size_t>(batch), 1);
       for (std::int64_t n = 0; n < k; ++n) steps.push_back(step);
@@ -275,7 +286,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
     } else if (op == "reset") {
       r.object(s, p, {"op", "batch"});
       step.op = StepOp::reset;
-      if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1));
+      if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1, 4096));
       step.batch = batch;
       steps.push_back(step);
     } else {
@@ -317,8 +328,9 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   s.file = file;
   s.source_json = j.dump(2);
   s.name = r.string(r.field(j, "", "name"), "/name");
-  if (s.name.empty() || s.name.find_first_of("/\\ ") != std::string::npos)
-    r.fail("/name", "expected a non-empty name without spaces or slashes (it names output folders)");
+  if (s.name.empty() || s.name[0] == '.' ||
+      s.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+    r.fail("/name", "expected letters, digits, '_', '-' or '.', not starting with '.' (the name names output folders)");
   if (j.contains("description")) s.description = r.string(j["description"], "/description");
   s.dims = parse_dims(r, r.field(j, "", "dimensions"));
   if (j.contains("rope")) s.rope = parse_rope(r, j["rope"]);
@@ -326,16 +338,27 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);
+  // The reference keeps every input and output: refuse what would not fit in memory.
+  const double floats = static_cast<double>(count_uids(s)) * s.dims.layers *
+                        (s.dims.heads + 2.0 * s.dims.kv_heads) * s.dims.head_dim;
+  if (floats > 1e9)
+    r.fail("/steps", fmt::format("the scenario needs {:.3g} input values; kvcheck accepts up to 1e9", floats));
   if (j.contains("seed") && j.contains("inputs")) r.fail("/inputs", "give either \"seed\" or \"inputs\", not both");
   if (j.contains("inputs")) {
     parse_inputs(r, j["inputs"], s);
   } else {
-    s.inputs.seed = static_cast<std::uint64_t>(j.contains("seed") ? r.integer(j["seed"], "/seed", 0) : 0);
+    if (j.contains("seed")) {
+      if (!j["seed"].is_number_unsigned())
+        r.fail("/seed", "expected an integer from 0 to 2^64 - 1, got " + describe(j["seed"]));
+      s.inputs.seed = j["seed"].get<std::uint64_t>();
+    }
   }
   return s;
 }
 
 Scenario load_scenario(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw InputError(path, "", "is a folder; expected a scenario file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path, "", "cannot open the file");
   std::stringstream buffer;
@@ -349,8 +372,10 @@ std::vector<std::string> scenario_files(const std::string& path) {
   if (fs::is_regular_file(path, ec)) return {path};
   if (!fs::is_directory(path, ec)) throw InputError(path, "", "no such scenario file or folder");
   std::vector<std::string> files;
-  for (const auto& entry : fs::directory_iterator(path))
-    if (entry.is_regular_file() && entry.path().extension() == ".json") files.push_back(entry.path().string());
+  for (const auto& entry : fs::directory_iterator(path, ec)) {
+    if (entry.is_regular_file(ec) && entry.path().extension() == ".json") files.push_back(entry.path().string());
+  }
+  if (ec) throw InputError(path, "", "cannot read the folder: " + ec.message());
   std::sort(files.begin(), files.end());
   if (files.empty()) throw InputError(path, "", "the folder holds no *.json scenario");
   return files;
