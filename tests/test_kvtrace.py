@@ -117,6 +117,41 @@ class KvtraceTest(unittest.TestCase):
         self.assertEqual(result.returncode, 2)
         self.assertIn("step002_l0_values.npy: cannot open the .npy file", result.stderr)
 
+    def test_caches_get_the_tensor_type_asked_for(self):
+        # Without torch here, a stand-in tensor type shows update() receives converted
+        # tensors and that results come back through .detach().cpu().numpy(), as torch's do.
+        class FakeTensor:
+            def __init__(self, array):
+                self.array = np.asarray(array, dtype=np.float32)
+
+            def detach(self):
+                return self
+
+            def cpu(self):
+                return self
+
+            def numpy(self):
+                return self.array
+
+        class Checking(SlidingWindowCache):
+            def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+                assert isinstance(key_states, FakeTensor) and isinstance(cache_kwargs["cos"], FakeTensor)
+                k, v = super().update(key_states.array, value_states.array, layer_idx)
+                return FakeTensor(k), FakeTensor(v)
+
+        exp = export(self.work, "sliding_baseline")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: Checking(exp.policy["window"]), trace, as_tensor=FakeTensor)
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sliding_baseline.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
+    def test_hf_cos_sin_rotate_like_rotate_half(self):
+        rope = {"theta": 10000.0, "layout": "half"}
+        x = np.arange(8.0).reshape(1, 8) / 10
+        cos, sin = kvtrace.hf_cos_sin([5.0], rope, 8)
+        rotate_half = np.concatenate([-x[..., 4:], x[..., :4]], axis=-1)
+        np.testing.assert_allclose(x * cos + rotate_half * sin, kvtrace.rotate(x, [5.0], rope), atol=1e-12)
+
     def test_rotate_matches_the_reference_convention(self):
         # D = 2: one pair turning one radian per position.
         out = kvtrace.rotate(np.array([[1.0, 0.0]]), [1.0], {"theta": 10000.0, "layout": "half"})

@@ -128,8 +128,18 @@ def _attention(q, keys, values, scale, heads):
     return np.einsum("bhns,bhsd->bhnd", weights, values)
 
 
+def hf_cos_sin(positions, rope, head_dim):
+    """cos and sin as Hugging Face's rotary embedding hands them to cache_kwargs:
+    [..., n, D], each frequency repeated for both halves (rotate_half layout)."""
+    factor = rope.get("factor", 1.0) if rope.get("scaling", "none") == "linear" else 1.0
+    inv_freq = rope["theta"] ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+    freqs = (np.asarray(positions, dtype=np.float64)[..., None] / factor) * inv_freq
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
 def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_positions="absolute",
-                   producer="kvtrace.drive_hf_cache"):
+                   producer="kvtrace.drive_hf_cache", as_tensor=None):
     """Runs the export's schedule through caches made by make_cache() and writes a trace.
 
     positions: "absolute" (token index), "cache" (slots already held plus the place in
@@ -137,7 +147,15 @@ def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_pos
     (token_index, cache_length, place_in_chunk) -> position.
     Left padding is not supported (Hugging Face caches take it through masks); reorder
     calls cache.reorder_cache(rows), crop calls cache.crop(length), reset makes a new cache.
+    as_tensor: "torch" hands update() float32 torch tensors (a transformers cache), None
+    NumPy arrays, or any function array -> tensor. cache_kwargs carries Hugging Face's
+    "cos" and "sin" [B, n, D] plus "positions" [B, n] and a NumPy "rotate"(x, p).
     """
+    if as_tensor == "torch":
+        import torch  # only when asked for
+        as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    elif as_tensor is None:
+        as_tensor = lambda x: x
     if positions == "absolute":
         position_of = lambda t, held, i: t
     elif positions == "cache":
@@ -184,9 +202,10 @@ def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_pos
             v = np.transpose(export.v[l][uids], (0, 2, 1, 3))
             q_rot = rotate(q, pos[:, None, :], export.rope)
             k_rot = rotate(k, pos[:, None, :], export.rope)
-            kwargs = {"positions": pos, "rope": export.rope,
+            cos, sin = hf_cos_sin(pos, export.rope, k.shape[-1])
+            kwargs = {"cos": as_tensor(cos), "sin": as_tensor(sin), "positions": pos, "rope": export.rope,
                       "rotate": lambda x, p: rotate(x, p, export.rope)}
-            keys, values = cache.update(k_rot, v, l, kwargs)
+            keys, values = cache.update(as_tensor(k_rot), as_tensor(v), l, kwargs)
             keys, values = to_numpy(keys).astype(np.float64), to_numpy(values).astype(np.float64)
             out = _attention(q_rot, keys, values, export.scale, heads)
             recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot})
