@@ -38,10 +38,25 @@ void drop_from(SlotStore& store, int row, std::int64_t length) {
     if (store.meta(row, s).uid >= 0 && store.meta(row, s).index >= length) store.clear_slot(row, s);
 }
 
-void refuse_crop(std::int64_t length, int row, std::int64_t missing) {
-  throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
-                                         std::to_string(missing) + " of row " + std::to_string(row) +
-                                         ", which this cache has evicted");
+void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk,
+                       const std::vector<float*>& out, int row,
+                       const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
+                       const std::vector<SlotSource>& sources, AttentionLog* log) {
+  const KernelShape shape{config.heads, config.kv_heads, config.head_dim, config.softmax_scale};
+  const std::size_t per_row = static_cast<std::size_t>(row) * chunk.length * config.heads * config.head_dim;
+  for (int l = 0; l < config.layers; ++l)
+    attend_row(shape, rope, l, chunk.q[l] + per_row, plans, sources, out[l] + per_row, l == 0 ? log : nullptr, row);
+}
+
+void refuse_crop_if_evicted(const SlotStore& store, int row, std::int64_t length, std::int64_t sinks,
+                            std::int64_t window, std::int64_t evict) {
+  if (length == 0) return;
+  std::int64_t missing = first_missing_index(store, row, 0, std::min(sinks, length));
+  if (missing < 0) missing = first_missing_index(store, row, sinks + sink_evicted(window, evict, length - 1), length);
+  if (missing >= 0)
+    throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
+                                           std::to_string(missing) + " of row " + std::to_string(row) +
+                                           ", which this cache has evicted");
 }
 
 }  // namespace kvcheck::optimized

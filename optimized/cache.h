@@ -75,15 +75,26 @@ std::int64_t first_missing_index(const SlotStore& store, int row, std::int64_t b
 // Empties every slot of `row` whose token index is >= length (a crop).
 void drop_from(SlotStore& store, int row, std::int64_t length);
 
-// The row's raw queries of one layer, [n, H, D].
-inline const float* row_queries(const Chunk& chunk, int layer, int row, int heads, int head_dim) {
-  return chunk.q[layer] + static_cast<std::size_t>(row) * chunk.length * heads * head_dim;
-}
-inline float* row_output(float* out, const Chunk& chunk, int row, int heads, int head_dim) {
-  return out + static_cast<std::size_t>(row) * chunk.length * heads * head_dim;
-}
+// Runs the attention of `row`'s planned queries in every layer, reading `sources`, and
+// writes their outputs into out[layer]; layer 0's visible pairs go to `log`.
+void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk,
+                       const std::vector<float*>& out, int row,
+                       const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
+                       const std::vector<SlotSource>& sources, AttentionLog* log);
 
-// Throws CacheRefusal("crop_evicted") naming the row and the missing token.
-[[noreturn]] void refuse_crop(std::int64_t length, int row, std::int64_t missing);
+// Refuses (CacheRefusal "crop_evicted") a crop of `row` to `length` tokens when the row
+// no longer holds a token the cropped row's last token needs: its first min(S, length)
+// sinks and its window S + E(length - 1) .. length - 1. A sliding window is S = 0, k = 1.
+void refuse_crop_if_evicted(const SlotStore& store, int row, std::int64_t length, std::int64_t sinks,
+                            std::int64_t window, std::int64_t evict);
+
+// Per-row state after a beam reorder: new row b takes old row rows[b]'s.
+template <class T>
+std::vector<T> gather(const std::vector<T>& per_row, const std::vector<int>& rows) {
+  std::vector<T> out;
+  out.reserve(rows.size());
+  for (int r : rows) out.push_back(per_row[static_cast<std::size_t>(r)]);
+  return out;
+}
 
 }  // namespace kvcheck::optimized

@@ -23,7 +23,6 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
                                                   " slots per row cannot hold " + std::to_string(need) + " tokens");
     store_.grow(std::max(need, 2 * store_.capacity()));
   }
-  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
     std::vector<std::pair<std::int64_t, QueryPlan>> plans;
@@ -32,18 +31,14 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
       store_token(store_, rope_, chunk, b, pad + i, t, {chunk.uids[b * chunk.length + pad + i], t, t});
       plans.push_back({pad + i, QueryPlan{t, 0, 0, t, t}});
     }
-    for (int l = 0; l < config_.layers; ++l)
-      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans, {{&store_, b}},
-                 row_output(out[l], chunk, b, config_.heads, config_.head_dim), l == 0 ? log : nullptr, b);
+    attend_all_layers(config_, rope_, chunk, out, b, plans, {{&store_, b}}, log);
     lengths_[b] += chunk.counts[b];
   }
 }
 
 void DenseCache::reorder(const std::vector<int>& rows) {
   store_.gather_rows(rows);
-  std::vector<std::int64_t> lengths;
-  for (int r : rows) lengths.push_back(lengths_[r]);
-  lengths_ = std::move(lengths);
+  lengths_ = gather(lengths_, rows);
 }
 
 void DenseCache::reset(int batch) {

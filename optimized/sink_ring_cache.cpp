@@ -20,7 +20,6 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
   const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
   if (chunk_.batch() != B || chunk_.capacity() != chunk.length) chunk_.reset(B, chunk.length);
   else chunk_.clear_all();
-  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b], first = lengths_[b];
     std::vector<std::pair<std::int64_t, QueryPlan>> plans;
@@ -31,10 +30,7 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
       const std::int64_t e = sink_evicted(W, k, config_.dense_prefill ? first : t);
       plans.push_back({pad + i, QueryPlan{t, S, S + e, t, config_.shift_positions ? t - e : t}});
     }
-    for (int l = 0; l < config_.layers; ++l)
-      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans,
-                 {{&store_, b}, {&chunk_, b}}, row_output(out[l], chunk, b, config_.heads, config_.head_dim),
-                 l == 0 ? log : nullptr, b);
+    attend_all_layers(config_, rope_, chunk, out, b, plans, {{&store_, b}, {&chunk_, b}}, log);
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) store_.copy_slot(chunk_, b, pad + i, b, slot_of(first + i));
     lengths_[b] += chunk.counts[b];
     // Evicting k at a time can leave ring slots behind the window start: empty them.
@@ -46,9 +42,7 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
 
 void SinkRingCache::reorder(const std::vector<int>& rows) {
   store_.gather_rows(rows);
-  std::vector<std::int64_t> lengths;
-  for (int r : rows) lengths.push_back(lengths_[r]);
-  lengths_ = std::move(lengths);
+  lengths_ = gather(lengths_, rows);
 }
 
 void SinkRingCache::reset(int batch) {
@@ -58,14 +52,8 @@ void SinkRingCache::reset(int batch) {
 }
 
 void SinkRingCache::crop(std::int64_t length) {
-  const std::int64_t S = config_.sinks;
-  for (int b = 0; b < batch(); ++b) {
-    if (lengths_[b] <= length || length == 0) continue;
-    std::int64_t missing = first_missing_index(store_, b, 0, std::min(S, length));
-    if (missing < 0)
-      missing = first_missing_index(store_, b, S + sink_evicted(config_.window, config_.evict, length - 1), length);
-    if (missing >= 0) refuse_crop(length, b, missing);
-  }
+  for (int b = 0; b < batch(); ++b)
+    if (lengths_[b] > length) refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
   for (int b = 0; b < batch(); ++b) {
     if (lengths_[b] <= length) continue;
     drop_from(store_, b, length);

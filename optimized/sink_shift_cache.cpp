@@ -29,7 +29,6 @@ void SinkShiftCache::shift_to(int b, std::int64_t evicted) {
 
 void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
   const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
-  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
   // A dense chunk holds the cache plus the whole chunk at once.
   std::int64_t need = W;
   for (int b = 0; b < batch(); ++b) need = std::max(need, rows_[b].used + chunk.counts[b]);
@@ -57,9 +56,7 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
         plans.push_back({chunk_pos, QueryPlan{j, S, S + e, pos, pos}});
       }
       row.length = group_end;
-      for (int l = 0; l < config_.layers; ++l)
-        attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans, {{&store_, b}},
-                   row_output(out[l], chunk, b, config_.heads, config_.head_dim), l == 0 ? log : nullptr, b);
+      attend_all_layers(config_, rope_, chunk, out, b, plans, {{&store_, b}}, log);
       t = group_end;
     }
     // After a dense forward the cache keeps what the last token would see streaming.
@@ -69,9 +66,7 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
 
 void SinkShiftCache::reorder(const std::vector<int>& rows) {
   store_.gather_rows(rows);
-  std::vector<RowState> next;
-  for (int r : rows) next.push_back(rows_[r]);
-  rows_ = std::move(next);
+  rows_ = gather(rows_, rows);
 }
 
 void SinkShiftCache::reset(int batch) {
@@ -81,14 +76,9 @@ void SinkShiftCache::reset(int batch) {
 }
 
 void SinkShiftCache::crop(std::int64_t length) {
-  const std::int64_t S = config_.sinks;
-  for (int b = 0; b < batch(); ++b) {
-    if (rows_[b].length <= length || length == 0) continue;
-    std::int64_t missing = first_missing_index(store_, b, 0, std::min(S, length));
-    if (missing < 0)
-      missing = first_missing_index(store_, b, S + sink_evicted(config_.window, config_.evict, length - 1), length);
-    if (missing >= 0) refuse_crop(length, b, missing);
-  }
+  for (int b = 0; b < batch(); ++b)
+    if (rows_[b].length > length)
+      refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
   for (int b = 0; b < batch(); ++b) {
     RowState& row = rows_[b];
     if (row.length <= length) continue;

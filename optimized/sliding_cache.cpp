@@ -15,7 +15,6 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
   const std::int64_t W = config_.window;
   if (chunk_.batch() != B || chunk_.capacity() != chunk.length) chunk_.reset(B, chunk.length);
   else chunk_.clear_all();
-  const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
     std::vector<std::pair<std::int64_t, QueryPlan>> plans;
@@ -24,10 +23,7 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
       store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t});
       plans.push_back({pad + i, QueryPlan{t, 0, t - W + 1, t, t}});
     }
-    for (int l = 0; l < config_.layers; ++l)
-      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), plans,
-                 {{&ring_, b}, {&chunk_, b}}, row_output(out[l], chunk, b, config_.heads, config_.head_dim),
-                 l == 0 ? log : nullptr, b);
+    attend_all_layers(config_, rope_, chunk, out, b, plans, {{&ring_, b}, {&chunk_, b}}, log);
     // Only the last W tokens of a long chunk survive; earlier ones would be overwritten.
     for (std::int64_t i = std::max<std::int64_t>(0, chunk.counts[b] - W); i < chunk.counts[b]; ++i)
       ring_.copy_slot(chunk_, b, pad + i, b, (lengths_[b] + i) % W);
@@ -37,9 +33,7 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
 
 void SlidingCache::reorder(const std::vector<int>& rows) {
   ring_.gather_rows(rows);
-  std::vector<std::int64_t> lengths;
-  for (int r : rows) lengths.push_back(lengths_[r]);
-  lengths_ = std::move(lengths);
+  lengths_ = gather(lengths_, rows);
 }
 
 void SlidingCache::reset(int batch) {
@@ -50,12 +44,8 @@ void SlidingCache::reset(int batch) {
 
 void SlidingCache::crop(std::int64_t length) {
   // The cropped row's last token needs the window that ends at it.
-  for (int b = 0; b < batch(); ++b) {
-    if (lengths_[b] <= length) continue;
-    const std::int64_t missing =
-        first_missing_index(ring_, b, std::max<std::int64_t>(0, length - config_.window), length);
-    if (missing >= 0) refuse_crop(length, b, missing);
-  }
+  for (int b = 0; b < batch(); ++b)
+    if (lengths_[b] > length) refuse_crop_if_evicted(ring_, b, length, 0, config_.window, 1);
   for (int b = 0; b < batch(); ++b) {
     if (lengths_[b] <= length) continue;
     drop_from(ring_, b, length);

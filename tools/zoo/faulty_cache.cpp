@@ -35,9 +35,7 @@ class FaultyCache : public KvCache {
       rows_.resize(rows.size(), rows_.back());  // lengths and offsets stay where they were
       return;
     }
-    std::vector<Row> next;
-    for (int r : rows) next.push_back(rows_[r]);
-    rows_ = std::move(next);
+    rows_ = gather(rows_, rows);
   }
 
   void reset(int batch) override {
@@ -45,9 +43,7 @@ class FaultyCache : public KvCache {
       std::vector<int> keep;  // "resize" the batch, keeping what the rows held
       for (int b = 0; b < batch; ++b) keep.push_back(b % this->batch());
       store_.gather_rows(keep);
-      std::vector<Row> next;
-      for (int r : keep) next.push_back(rows_[r]);
-      rows_ = std::move(next);
+      rows_ = gather(rows_, keep);
       return;
     }
     store_.reset(batch, config_.window + 1);
@@ -55,14 +51,9 @@ class FaultyCache : public KvCache {
   }
 
   void crop(std::int64_t length) override {
-    for (int b = 0; b < batch(); ++b) {
-      Row& row = rows_[b];
-      if (row.length <= length) continue;
-      std::int64_t missing = first_missing_index(store_, b, 0, std::min(config_.sinks, length));
-      if (missing < 0 && length > 0)
-        missing = first_missing_index(store_, b, config_.sinks + evicted(length - 1), length);
-      if (missing >= 0) refuse_crop(length, b, missing);
-    }
+    for (int b = 0; b < batch(); ++b)
+      if (rows_[b].length > length)
+        refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
     for (int b = 0; b < batch(); ++b) {
       Row& row = rows_[b];
       if (row.length <= length) continue;
@@ -150,14 +141,9 @@ class FaultyCache : public KvCache {
     rotate_stored(b, slot, rotation_of(claimed));
     store_.meta(b, slot) = meta;
 
-    const std::int64_t window_begin =
-        (fault_ == Fault::mask_past_cache || !keep) ? 0 : S + e;
+    const std::int64_t window_begin = (fault_ == Fault::mask_past_cache || !keep) ? 0 : S + e;
     const QueryPlan plan{t, S, window_begin, rotation_of(query), rotation_of(query)};
-    const KernelShape shape{config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale};
-    for (int l = 0; l < config_.layers; ++l)
-      attend_row(shape, rope_, l, row_queries(chunk, l, b, config_.heads, config_.head_dim), {{chunk_pos, plan}},
-                 {{&store_, b}}, row_output(out[l], chunk, b, config_.heads, config_.head_dim), l == 0 ? log : nullptr,
-                 b);
+    attend_all_layers(config_, rope_, chunk, out, b, {{chunk_pos, plan}}, {{&store_, b}}, log);
     if (keep) ++row.used;
     else store_.clear_slot(b, slot);
     row.length = t + 1;
