@@ -140,6 +140,28 @@ TEST(ScenarioValidation, SeedsAreUnsigned64Bit) {
             "s.json: /seed: expected an integer from 0 to 2^64 - 1, got -1");
 }
 
+TEST(ScenarioValidation, InlineInputsAreCheckedAgainstTheShape) {
+  // 1 layer, 2 uids, 1 head, D = 2: q, k, v are [1, 2, 1, 2].
+  const std::string dims = R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})";
+  const std::string steps = R"([{"op": "append", "tokens": 2}])";
+  const auto s = parse_scenario(
+      scenario(dims, R"({"type": "full"})", steps,
+               R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7, 8]]]], "v": [[[[0.5, -1]], [[2, 0]]]]})"),
+      "s.json");
+  EXPECT_EQ(s.inputs.kind, kvcheck::InputSource::Kind::inline_arrays);
+  EXPECT_EQ(s.inputs.k, (std::vector<float>{5, 6, 7, 8}));
+  EXPECT_EQ(s.inputs.v, (std::vector<float>{0.5f, -1, 2, 0}));
+  EXPECT_EQ(error_of(scenario(dims, R"({"type": "full"})", steps,
+                              R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
+            "s.json: /inputs/k/0/1/0: expected an array of 2 elements, got [7]");
+  EXPECT_EQ(error_of(scenario(dims, R"({"type": "full"})", steps,
+                              R"(, "inputs": {"q": [[[[1, 2]]]], "k": [[[[5, 6]], [[7, 8]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
+            "s.json: /inputs/q/0: expected an array of 2 elements, got [[[1,2]]]");
+  EXPECT_EQ(error_of(scenario(dims, R"({"type": "full"})", steps,
+                              R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7, 1e39]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
+            "s.json: /inputs/k/0/1/0/1: expected a finite float32 value, got 1e+39");
+}
+
 TEST(ScenarioValidation, DecodeExpandsIntoSingleTokenAppends) {
   const auto s = parse_scenario(scenario(R"({"layers": 1, "batch": 2, "heads": 1, "head_dim": 2})",
                                          R"({"type": "full"})",
