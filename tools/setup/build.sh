@@ -41,6 +41,11 @@ kvcheck_build() {
       exit 2
     fi
   fi
+  # Say so when there is work, so a first build (about a minute on two cores) is not
+  # mistaken for a hang; an up-to-date tree stays silent.
+  if ninja -C "$build" -n 2>/dev/null | grep -q '^\['; then
+    echo "kvcheck: building $build (log: $log)" >&2
+  fi
   if ! cmake --build "$build" -j2 >"$log" 2>&1; then
     grep -E "error|Error|FAILED" -A3 "$log" | head -60 >&2
     echo "kvcheck: build failed (full log: $log)" >&2
