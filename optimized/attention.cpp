@@ -3,7 +3,35 @@
 #include <algorithm>
 #include <cmath>
 
+#include <xsimd/xsimd.hpp>
+
 namespace kvcheck::optimized {
+
+namespace {
+
+using Batch = xsimd::batch<float>;
+
+// <a, b> over n floats, Batch::size lanes at a time (the decode step's inner loop).
+float dot(const float* a, const float* b, int n) {
+  Batch acc(0.0f);
+  int i = 0;
+  for (; i + static_cast<int>(Batch::size) <= n; i += static_cast<int>(Batch::size))
+    acc = xsimd::fma(Batch::load_unaligned(a + i), Batch::load_unaligned(b + i), acc);
+  float sum = xsimd::hadd(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// acc += w * v over n floats.
+void add_scaled(float* acc, float w, const float* v, int n) {
+  const Batch wb(w);
+  int i = 0;
+  for (; i + static_cast<int>(Batch::size) <= n; i += static_cast<int>(Batch::size))
+    xsimd::fma(wb, Batch::load_unaligned(v + i), Batch::load_unaligned(acc + i)).store_unaligned(acc + i);
+  for (; i < n; ++i) acc[i] += w * v[i];
+}
+
+}  // namespace
 
 void attend_row(const KernelShape& shape, RopeTable& rope, int layer, const float* q,
                 const std::vector<std::pair<std::int64_t, QueryPlan>>& plans, const std::vector<SlotSource>& sources,
@@ -56,18 +84,14 @@ void attend_row(const KernelShape& shape, RopeTable& rope, int layer, const floa
       float top = -INFINITY;
       for (std::size_t i = 0; i < seen.size(); ++i) {
         const float* k = seen[i].store->key(layer, seen[i].row, g, seen[i].slot);
-        const float* qv = seen[i].sink ? qs : qw;
-        float dot = 0.0f;
-        for (int d = 0; d < D; ++d) dot += qv[d] * k[d];
-        weights[i] = dot * shape.scale;
+        weights[i] = dot(seen[i].sink ? qs : qw, k, D) * shape.scale;
         top = std::max(top, weights[i]);
       }
       float total = 0.0f;
       for (float& w : weights) total += (w = std::exp(w - top));
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (std::size_t i = 0; i < seen.size(); ++i) {
-        const float* v = seen[i].store->value(layer, seen[i].row, g, seen[i].slot);
-        for (int d = 0; d < D; ++d) acc[d] += weights[i] * v[d];
+        add_scaled(acc.data(), weights[i], seen[i].store->value(layer, seen[i].row, g, seen[i].slot), D);
       }
       float* o = out + (chunk_pos * H + h) * D;
       for (int d = 0; d < D; ++d) o[d] = acc[d] / total;
