@@ -105,6 +105,12 @@ TEST(ScenarioValidation, MissingFieldAndBadJson) {
             "unexpected ','; expected string literal");
 }
 
+TEST(ScenarioValidation, ADuplicatedKeyIsAnError) {
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 2}, {"op": "crop", "length": 1, "length": 2}])")),
+            "s.json: /steps/1/length: the key appears twice in this object");
+}
+
 TEST(ScenarioValidation, LinearScalingNeedsAFactor) {
   EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
                               R"([{"op": "append", "tokens": 2}])", R"(, "rope": {"scaling": "linear"})")),

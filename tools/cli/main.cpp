@@ -2,7 +2,9 @@
 // Exit status: 0 every check passed, 1 a check failed, 2 bad input or usage.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -52,14 +54,18 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
     try {
       const Scenario scenario = load_scenario(files[i]);
       for (Outcome& o : run_scenario(scenario, options)) outcomes.push_back(std::move(o));
-    } catch (const InputError& e) {
-      if (progress) fmt::print(stderr, "\r\033[K");
-      print_input_error(e);
-      bad_input = true;
     } catch (const std::exception& e) {
-      // One scenario's failure must not hide the others' results.
+      // Reported, and counted in every report, without hiding the other scenarios' results.
       if (progress) fmt::print(stderr, "\r\033[K");
-      fmt::print(stderr, "kvcheck: error: {}: {}\n", files[i], e.what());
+      const auto* input = dynamic_cast<const InputError*>(&e);
+      const std::string message = input ? e.what() : files[i] + ": " + e.what();
+      fmt::print(stderr, "kvcheck: error: {}\n", message);
+      Outcome o;
+      o.scenario = std::filesystem::path(files[i]).stem().string();
+      o.file = files[i];
+      o.target = "input";
+      o.checks.push_back({"input", false, message});
+      outcomes.push_back(std::move(o));
       bad_input = true;
     }
   }
@@ -111,7 +117,10 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
     throw InputError(path, "/policy", "no cache serves this policy (`kvcheck list` shows the caches)");
   const InputTable inputs = load_inputs(scenario);
   const ReferenceRun run = run_reference(scenario, inputs);
-  bool diverged = false;
+  // A wrong expectation in the scenario is not the cache's fault, but it is a failure.
+  for (const std::string& problem : run.problems)
+    fmt::print(stderr, "kvcheck: the scenario's expectation does not hold: {}\n", problem);
+  bool diverged = !run.problems.empty();
   for (const std::string& name : caches) {
     const CacheEntry* cache = find_cache(name);
     if (!cache->serves(scenario.policy))
@@ -120,8 +129,15 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty());
     print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
     if (!html.empty()) {
-      write_file_atomically(html, diagnosis_html(scenario, name, trace));
-      fmt::print("wrote {}\n", html);
+      // One page per cache: page.html for one cache, page.<cache>.html for several.
+      std::filesystem::path page = html;
+      if (caches.size() > 1) {
+        std::string tag = name;
+        std::replace(tag.begin(), tag.end(), '/', '_');
+        page.replace_extension("." + tag + page.extension().string());
+      }
+      write_file_atomically(page, diagnosis_html(scenario, name, trace));
+      fmt::print("wrote {}\n", page.string());
     }
     diverged = diverged || trace.first.has_value();
   }
@@ -177,7 +193,9 @@ int main(int argc, char** argv) {
   run->add_option("paths", run_paths, "scenario files or folders");
   run->add_option("--junit", junit, "write a JUnit XML report to FILE");
   run->add_option("--json", json, "write a JSON report to FILE");
-  run->add_option("--cache", options.caches, "only these caches (repeatable; zoo/NAME for a mutant)");
+  // One value per --cache, so scenario paths after it stay paths.
+  run->add_option("--cache", options.caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
+      ->allow_extra_args(false);
   run->add_flag("--no-reference", [&](std::int64_t) { options.reference_checks = false; },
                 "skip the reference's own invariant checks");
 
@@ -194,7 +212,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> diagnose_caches;
   CLI::App* diagnose = app.add_subcommand("diagnose", "find a cache's first divergence from the reference and name it");
   diagnose->add_option("scenario", diagnose_path, "scenario file")->required();
-  diagnose->add_option("--cache", diagnose_caches, "cache to diagnose (default: every cache serving the policy)");
+  diagnose->add_option("--cache", diagnose_caches, "cache to diagnose (repeatable; default: every cache serving the policy)")
+      ->allow_extra_args(false);
   diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
 
   GoldenOptions golden_options;
@@ -216,7 +235,7 @@ int main(int argc, char** argv) {
 
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
-  zoo->add_option("--mutant", zoo_only, "only these mutants (zoo/NAME)");
+  zoo->add_option("--mutant", zoo_only, "only this mutant (zoo/NAME; repeatable)")->allow_extra_args(false);
 
   try {
     app.parse(argc, argv);

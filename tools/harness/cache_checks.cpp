@@ -74,6 +74,12 @@ std::int64_t longest_row(const ReferenceRun& run) {
 
 }  // namespace
 
+std::int64_t window_start(const Policy& policy, const reference::RowRetained& retained) {
+  for (const auto& key : retained.keys)
+    if (policy.kind != PolicyKind::sink || key.index >= policy.sinks) return key.index;
+  return retained.keys.empty() ? 0 : retained.keys.back().index + 1;
+}
+
 void advance(StepContext& c, const StepRecord& rec) {
   if (rec.step.op == StepOp::reset) {
     c.batch_changed_by_reset = c.batch_changed_by_reset || rec.batch_before != *rec.step.batch;
@@ -289,7 +295,9 @@ class CacheRun {
         } else if (!want.count(uid)) {
           retained_.fail(fmt::format("{}: row {} still holds uid {} (token {}), which the policy evicted",
                                      evidence.label, b, uid, index));
-          evidence.slots.push_back(issue(SlotIssue::Kind::extra, b, uid, index));
+          SlotIssue extra = issue(SlotIssue::Kind::extra, b, uid, index);
+          extra.window_gap = window_start(s_.policy, rec.retained[b]) - index;
+          evidence.slots.push_back(extra);
         } else if (count > 1) {
           retained_.fail(fmt::format("{}: row {} holds uid {} in {} slots (duplicated)", evidence.label, b, uid, count));
           evidence.slots.push_back(issue(SlotIssue::Kind::duplicated, b, uid, index));
@@ -356,6 +364,8 @@ class CacheRun {
       f.row = evidence.slots.front().row;
       if (rec.append && !rec.append->rows[f.row].empty()) f.query_index = rec.append->rows[f.row].back().index;
     }
+    if (rec.append && f.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[f.row].empty())
+      f.table_query_index = rec.append->rows[f.row].back().index;
     if (f.row < cache.batch() && f.row < static_cast<int>(rec.histories.size())) f.slots = slot_table(cache, rec, f);
     trace_.first = std::move(f);
   }
@@ -374,12 +384,12 @@ class CacheRun {
   std::vector<SlotRow> slot_table(const KvCache& cache, const StepRecord& rec, const FirstDivergence& f) const {
     const optimized::SlotStore& store = cache.slots();
     const auto& history = rec.histories[f.row];
-    const reference::QueryView view = expected_view(rec, f.row, f.query_index);
+    const reference::QueryView view = expected_view(rec, f.row, f.table_query_index);
     std::map<std::int64_t, reference::VisibleKey> expected;  // uid -> key
     for (const auto& key : view.keys) expected[static_cast<std::int64_t>(history[key.index])] = key;
     std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> actual;
     for (const auto& e : log_)
-      if (e.row == f.row && e.query_index == f.query_index)
+      if (e.row == f.row && e.query_index == f.table_query_index)
         actual[e.key_uid] = {e.query_position - e.key_position, e.query_position};
     std::map<std::int64_t, int> seen;
     std::vector<SlotRow> rows;

@@ -32,8 +32,11 @@ struct FirstDivergence {
   StepContext context;
   BugClass bug = BugClass::none;
   int row = 0;
-  std::int64_t query_index = -1;  // -1: no query involved (a reorder, reset or crop)
-  std::vector<SlotRow> slots;     // the row's slots after that step
+  std::int64_t query_index = -1;  // the first divergent query; -1: none (a reorder, reset or crop)
+  // The row's slots after that step, with visibility and distances as seen by the row's
+  // last token of the step (whose view is the state the step leaves behind).
+  std::int64_t table_query_index = -1;
+  std::vector<SlotRow> slots;
 };
 
 // The picture: per step, per slot of the diagnosed row.
@@ -51,6 +54,9 @@ struct CacheTrace {
 
 // Moves the context past one step (resets, reorders, padding seen).
 void advance(StepContext& context, const StepRecord& record);
+
+// The first token index of the retained window (after the sinks).
+std::int64_t window_start(const Policy& policy, const reference::RowRetained& retained);
 
 // The token index of `uid` in a row's history, or -1.
 std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid);

@@ -10,11 +10,22 @@ namespace {
 std::string opt(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : "-"; }
 const char* yes(bool b) { return b ? "yes" : "no"; }
 
-// The slot the table points at: the first whose verdict is not "ok".
+// How directly a verdict points at the bug: a slot's own content first (stale, duplicated,
+// missing, its key rotated elsewhere), then what is visible, then distances, which a wrong
+// query position shifts for every slot at once.
+int severity(const std::string& verdict) {
+  for (const char* direct : {"stale", "duplicated", "missing", "claims token", "key not at", "unknown"})
+    if (verdict.rfind(direct, 0) == 0) return 3;
+  if (verdict.rfind("distance off", 0) == 0) return 1;
+  return verdict == "ok" ? 0 : 2;
+}
+
+// The slot the report points at: the most direct evidence, the first slot among equals.
 const SlotRow* culprit(const FirstDivergence& f) {
+  const SlotRow* best = nullptr;
   for (const SlotRow& r : f.slots)
-    if (r.verdict != "ok") return &r;
-  return nullptr;
+    if (severity(r.verdict) > (best ? severity(best->verdict) : 0)) best = &r;
+  return best;
 }
 
 std::string headline(const FirstDivergence& f) {
@@ -82,6 +93,7 @@ void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace&
   if (!trace.first) {
     fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
                trace.outcome.max_abs_error, trace.outcome.nmse);
+    for (const Check& c : trace.outcome.checks) fmt::print(out, "  {}: {}\n", c.name, c.detail);
     return;
   }
   const FirstDivergence& f = *trace.first;
@@ -95,7 +107,10 @@ void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace&
   fmt::print(out, "class: {}\n  {}\n\n", class_name(f.bug), class_explanation(f.bug));
   if (f.slots.empty()) return;
   fmt::print(out, "slots of row {} after {}{}:\n", f.row, f.evidence.label,
-             f.query_index >= 0 ? fmt::format(" (visibility and Pq-Pk as seen by token {})", f.query_index) : "");
+             f.table_query_index >= 0
+                 ? fmt::format(" (visibility and Pq-Pk as seen by token {}, the row's last of the step)",
+                               f.table_query_index)
+                 : "");
   fmt::print(out, "{:>5} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", "slot", "uid", "token", "visible e/a",
              "Pq-Pk e/a", "pos exp", "claimed", "recovered", "verdict");
   for (const SlotRow& r : f.slots)

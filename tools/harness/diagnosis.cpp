@@ -184,6 +184,11 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
 
   const bool lost = any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; });
   const bool extra = any(e.slots, [](const SlotIssue& i) { return i.kind == K::extra; });
+  // Nothing lost, and every extra token the one just before the window: W + 1 kept.
+  if (extra && !lost && std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
+        return i.kind != K::extra || i.window_gap == 1;
+      }))
+    return BugClass::window_off_by_one;
   if ((lost && extra) || any(e.pairs, [](const PairMismatch& p) { return !p.expected && p.actual; })) {
     // Extra visible tokens with nothing held twice: the wrong ones were kept.
     return lost || extra ? BugClass::evicted_wrong_token : BugClass::mask_sees_evicted;

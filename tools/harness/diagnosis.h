@@ -58,6 +58,7 @@ struct SlotIssue {
   std::int64_t claimed_position = 0;
   std::optional<std::int64_t> recovered_position;  // exact or ambiguous recovery
   std::string fits;                                // another rope that fits, if any
+  std::int64_t window_gap = 0;                     // extra: how far before the window start
 };
 
 struct OutputMismatch {

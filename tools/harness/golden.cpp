@@ -137,16 +137,22 @@ int generate_goldens(const GoldenOptions& o) {
     fs::remove_all(staging.path() / c.name);
     fs::copy(c.folder, staging.path() / c.name, fs::copy_options::recursive);
   }
+  // Goldens of scenarios that no longer exist are a change too: removed only with --force.
   int removed = 0;
   if (o.prune)
     for (const std::string& name : file_names(staging.path()))
       if (!names.count(name) && name[0] != '.') {
+        fmt::print("{}: no such scenario{}\n", name, o.force ? ", removed" : " (not removed)");
+        if (!o.force) {
+          refused = true;
+          continue;
+        }
         fs::remove_all(staging.path() / name);
-        fmt::print("{}: removed (no such scenario)\n", name);
         ++removed;
       }
   if (refused) {
-    fmt::print(stderr, "kvcheck: goldens changed; nothing was written. Rerun with --force to overwrite them.\n");
+    fmt::print(stderr, "kvcheck: goldens would change; nothing was written. Rerun with --force to apply the "
+                       "changes listed above.\n");
     return 1;
   }
   staging.commit();
@@ -162,7 +168,7 @@ int check_goldens(const GoldenOptions& o) {
     const fs::path golden = fs::path(o.dir) / c.name;
     if (!fs::is_directory(golden)) {
       ++drifted;
-      fmt::print("{}: no golden in {} (run `kvcheck golden generate`)\n", c.name, o.dir);
+      fmt::print("{}: no golden in {} (run `kvcheck golden generate {} --out {}`)\n", c.name, o.dir, file, o.dir);
       continue;
     }
     const auto diff = differences(golden, c.folder);

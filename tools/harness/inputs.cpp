@@ -51,9 +51,17 @@ InputTable load_inputs(const Scenario& s) {
   }
   const auto L = static_cast<std::size_t>(s.dims.layers), U = static_cast<std::size_t>(uids),
              D = static_cast<std::size_t>(s.dims.head_dim);
-  t.q = load_tensor(s.inputs.q_path, {L, U, static_cast<std::size_t>(s.dims.heads), D}, "q");
-  t.k = load_tensor(s.inputs.k_path, {L, U, static_cast<std::size_t>(s.dims.kv_heads), D}, "k");
-  t.v = load_tensor(s.inputs.v_path, {L, U, static_cast<std::size_t>(s.dims.kv_heads), D}, "v");
+  // Errors name the scenario and its field as well as the .npy file.
+  auto load = [&](const std::string& path, std::size_t heads, const char* name) {
+    try {
+      return load_tensor(path, {L, U, heads, D}, name);
+    } catch (const InputError& e) {
+      throw InputError(s.file, std::string("/inputs/") + name, e.what());
+    }
+  };
+  t.q = load(s.inputs.q_path, static_cast<std::size_t>(s.dims.heads), "q");
+  t.k = load(s.inputs.k_path, static_cast<std::size_t>(s.dims.kv_heads), "k");
+  t.v = load(s.inputs.v_path, static_cast<std::size_t>(s.dims.kv_heads), "v");
   return t;
 }
 

@@ -60,10 +60,9 @@ void print_table(std::FILE* out, const std::vector<Outcome>& outcomes, bool colo
     else
       fmt::print(out, "{}", verdict);
     fmt::print(out, "\n");
-    if (const Check* c = o.first_failure()) {
-      ++failed;
-      fmt::print(out, "    {}: {}\n", c->name, c->detail);
-    }
+    if (!o.passed()) ++failed;
+    for (const Check& c : o.checks)
+      if (!c.passed) fmt::print(out, "    {}: {}\n", c.name, c.detail);
   }
   fmt::print(out, "\n{} passed, {} failed\n", outcomes.size() - failed, failed);
 }
@@ -74,11 +73,15 @@ void write_junit(const std::string& path, const std::vector<Outcome>& outcomes) 
   for (const Outcome& o : outcomes) {
     cases += fmt::format("  <testcase classname=\"kvcheck.{}\" name=\"{}\" time=\"{:.6f}\">\n", xml_escape(o.target),
                          xml_escape(o.scenario), o.seconds);
-    for (const Check& c : o.checks) {
-      if (c.passed) continue;
+    // One <failure> per test case (many CI parsers read only one): the first failed check
+    // as the message, every failed check in the text.
+    std::string text;
+    for (const Check& c : o.checks)
+      if (!c.passed) text += c.name + ": " + c.detail + "\n";
+    if (const Check* first = o.first_failure()) {
       ++failures;
-      cases += fmt::format("    <failure message=\"{}\">{}</failure>\n", xml_escape(c.name + ": " + c.detail),
-                           xml_escape(c.detail));
+      cases += fmt::format("    <failure message=\"{}\">{}</failure>\n", xml_escape(first->name + ": " + first->detail),
+                           xml_escape(text));
     }
     cases += "  </testcase>\n";
   }

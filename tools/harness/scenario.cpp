@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -300,6 +301,53 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
   return steps;
 }
 
+
+// JSON allows a key twice and keeps the last; a scenario that says "seed" twice is a
+// mistake, so the parser's callback refuses it, naming the path.
+class DuplicateKeys {
+ public:
+  explicit DuplicateKeys(const Reader& r) : r_(r) {}
+  bool operator()(int, json::parse_event_t event, json& parsed) {
+    using E = json::parse_event_t;
+    switch (event) {
+      case E::object_start: enter(true); break;
+      case E::array_start: enter(false); break;
+      case E::key: {
+        Frame& f = frames_.back();
+        f.name = parsed.get<std::string>();
+        if (!f.keys.insert(f.name).second) r_.fail(path(), "the key appears twice in this object");
+        break;
+      }
+      case E::object_end:
+      case E::array_end:
+        frames_.pop_back();
+        done_value();
+        break;
+      case E::value: done_value(); break;
+    }
+    return true;
+  }
+
+ private:
+  struct Frame {
+    bool object;
+    std::set<std::string> keys;
+    std::string name;   // the current key (objects)
+    std::size_t index;  // the current element (arrays)
+  };
+  void enter(bool object) { frames_.push_back({object, {}, "", 0}); }
+  void done_value() {
+    if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
+  }
+  std::string path() const {
+    std::string p;
+    for (const Frame& f : frames_) p += "/" + (f.object ? f.name : std::to_string(f.index));
+    return p;
+  }
+  const Reader& r_;
+  std::vector<Frame> frames_;
+};
+
 }  // namespace
 
 std::int64_t count_uids(const Scenario& scenario) {
@@ -314,7 +362,7 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   const Reader r(file);
   json j;
   try {
-    j = json::parse(text);
+    j = json::parse(text, DuplicateKeys(r));
   } catch (const json::parse_error& e) {
     // nlohmann's message already gives the line and column; drop its exception id.
     std::string what = e.what();

@@ -1,5 +1,6 @@
 #include "tools/harness/trace_verify.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -43,20 +44,30 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
   try {
     m = json::parse(in);
   } catch (const json::parse_error& e) {
-    throw InputError(t.manifest_path, "", fmt::format("not valid JSON: {}", e.what()));
+    std::string what = e.what();
+    if (const auto close = what.find("] "); close != std::string::npos) what = what.substr(close + 2);
+    throw InputError(t.manifest_path, "", "not valid JSON: " + what);
   }
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(t.manifest_path, path, why); };
   if (!m.is_object()) fail("", "expected an object");
-  if (m.value("format", "") != "kvcheck-trace-1") fail("/format", "expected \"kvcheck-trace-1\"");
-  if (!m.contains("scenario") || !m["scenario"].is_string() || m["scenario"] != s.name)
-    fail("/scenario", fmt::format("expected the scenario's name \"{}\"", s.name));
+  auto got = [&](const char* key) { return m.contains(key) ? m[key].dump() : std::string("nothing"); };
+  if (!m.contains("format") || m["format"] != "kvcheck-trace-1")
+    fail("/format", "expected \"kvcheck-trace-1\", got " + got("format"));
+  if (!m.contains("scenario") || m["scenario"] != s.name)
+    fail("/scenario", fmt::format("expected the scenario's name \"{}\", got {}", s.name, got("scenario")));
   const std::string kp = m.value("key_positions", "");
   if (kp == "cache-relative") t.positions = KeyPositions::cache_relative;
   else if (kp == "absolute") t.positions = KeyPositions::absolute;
   else if (kp == "unrotated") t.positions = KeyPositions::unrotated;
-  else fail("/key_positions", "expected one of cache-relative, absolute, unrotated");
+  else fail("/key_positions", "expected one of cache-relative, absolute, unrotated, got " + got("key_positions"));
+  for (const auto& [key, value] : m.items())
+    if (key != "format" && key != "scenario" && key != "producer" && key != "key_positions" && key != "steps")
+      fail("/" + key, "unknown key (expected format, scenario, producer, key_positions, steps)");
   if (!m.contains("steps") || !m["steps"].is_array() || m["steps"].size() != steps)
-    fail("/steps", fmt::format("expected an array of {} steps (decode expanded into single-token steps)", steps));
+    fail("/steps", fmt::format("expected an array of {} steps (decode expanded into single-token steps), got {}",
+                               steps, m.contains("steps") && m["steps"].is_array()
+                                          ? std::to_string(m["steps"].size()) + " steps"
+                                          : got("steps")));
   for (std::size_t i = 0; i < steps; ++i) {
     const json& step = m["steps"][i];
     const std::string p = fmt::format("/steps/{}", i);
@@ -67,6 +78,12 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         fail(p + "/layers", fmt::format("expected an array of {} layers", s.dims.layers));
       for (std::size_t l = 0; l < ls.size(); ++l) {
         const std::string lp = fmt::format("{}/layers/{}", p, l);
+        if (!ls[l].is_object()) fail(lp, "expected an object of file names");
+        for (const auto& [key, value] : ls[l].items()) {
+          if (key != "keys" && key != "values" && key != "out" && key != "q")
+            fail(lp + "/" + key, "unknown key (expected keys, values, out, q)");
+          if (!value.is_string()) fail(lp + "/" + key, "expected a file name, got " + value.dump());
+        }
         TraceFiles f;
         for (const char* key : {"keys", "values"})
           if (!ls[l].contains(key) || !ls[l][key].is_string()) fail(lp + "/" + key, "expected a file name");
@@ -81,6 +98,8 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
     }
     t.steps.push_back(layers);
   }
+  if (std::all_of(t.steps.begin(), t.steps.end(), [](const auto& layers) { return layers.empty(); }))
+    fail("/steps", "no step was recorded: a trace needs at least one step with layers");
   return t;
 }
 
@@ -129,7 +148,8 @@ class Verifier {
         f.bug = classify(s_, evidence, context);
         f.row = first_row(evidence);
         if (rec.append && f.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[f.row].empty())
-          f.query_index = rec.append->rows[f.row].back().index;
+          f.query_index = f.table_query_index = rec.append->rows[f.row].back().index;
+        if (evidence.pairs.empty() && !evidence.outputs.empty()) f.query_index = evidence.outputs.front().query_index;
         for (std::size_t r = 0; r < table.size(); ++r)
           if (row_of_[static_cast<std::ptrdiff_t>(r)] == f.row) f.slots.push_back(table[r]);
         result_.first = std::move(f);
@@ -143,6 +163,8 @@ class Verifier {
     auto add = [&](const char* name, const Tally& t, const std::string& ok) {
       o.checks.push_back({name, t.failures == 0, t.failures == 0 ? ok : t.first});
     };
+    const auto recorded = std::count_if(trace_.steps.begin(), trace_.steps.end(), [](const auto& s) { return !s.empty(); });
+    o.checks.push_back({"steps recorded", true, fmt::format("{} of {} steps", recorded, trace_.steps.size())});
     add("outputs", outputs_, outputs_seen_ ? "within tolerance" : "no outputs in the trace");
     add("retained set", retained_, "every slot identified, the retained set, nothing stale or duplicated");
     add("key positions", keys_, "every key a rotation at the expected position");
@@ -256,6 +278,7 @@ class Verifier {
           issue.row = static_cast<int>(b);
           issue.uid = uid;
           issue.true_index = index_of(history, uid);
+          issue.window_gap = window_start(s_.policy, rec.retained[b]) - issue.true_index;
           evidence.slots.push_back(issue);
         }
       for (const auto& [uid, index] : want)
@@ -278,6 +301,9 @@ class Verifier {
           row.distance_expected = it->second;
         }
         if (query_position && recovered.count(row.uid)) row.distance_actual = *query_position - recovered[row.uid];
+        if (row.verdict == "ok" && row.visible_actual && !row.visible_expected) row.verdict = "held, should have been evicted";
+        if (row.verdict == "ok" && row.distance_expected && row.distance_actual && row.distance_expected != row.distance_actual)
+          row.verdict = fmt::format("distance off by {}", *row.distance_actual - *row.distance_expected);
       }
     }
   }
