@@ -43,10 +43,11 @@ class SlidingWindowCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
-class BuggySinkCache:
-    """Hugging Face SinkCache's bug: when the window is full, the kept window keys are
-    re-rotated back by one position, but the incoming key keeps the position it came
-    with (its absolute index)."""
+class ShiftingSinkCache:
+    """A SinkCache (evict 1): when the window is full, the kept window keys are re-rotated
+    back by one position; an incoming key is stored as it comes. Correct when new keys
+    come at cache positions (positions="policy"); Hugging Face SinkCache's bug when they
+    come at their absolute positions: old keys re-rotated, the new one not."""
 
     def __init__(self, sinks, window):
         self.sinks, self.window, self.keys, self.values = sinks, window, {}, {}
@@ -81,12 +82,21 @@ class KvtraceTest(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         self.assertIn("no divergence", result.stdout)
 
+    def test_correct_sink_cache_passes_verify(self):
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: ShiftingSinkCache(exp.policy["sinks"], exp.policy["window"]), trace,
+                               positions="policy", key_positions="cache-relative")
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("steps recorded: 31 of 31 steps", result.stdout)
+
     def test_sink_cache_that_does_not_shift_new_keys_is_diagnosed(self):
         # sink_decode_through_windows: S = 2, W = 6, prompt 3, then one token per step;
         # token 6 (step 4) is the first to evict, and it lands in the last slot, 5.
         exp = export(self.work, "sink_decode_through_windows")
         trace = os.path.join(self.work, "trace")
-        kvtrace.drive_hf_cache(exp, lambda: BuggySinkCache(exp.policy["sinks"], exp.policy["window"]), trace,
+        kvtrace.drive_hf_cache(exp, lambda: ShiftingSinkCache(exp.policy["sinks"], exp.policy["window"]), trace,
                                positions="absolute", key_positions="cache-relative")
         result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
         self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
@@ -151,6 +161,32 @@ class KvtraceTest(unittest.TestCase):
         cos, sin = kvtrace.hf_cos_sin([5.0], rope, 8)
         rotate_half = np.concatenate([-x[..., 4:], x[..., :4]], axis=-1)
         np.testing.assert_allclose(x * cos + rotate_half * sin, kvtrace.rotate(x, [5.0], rope), atol=1e-12)
+
+    def test_trace_writer_never_replaces_a_foreign_folder(self):
+        precious = os.path.join(self.work, "precious")
+        os.makedirs(precious)
+        with open(os.path.join(precious, "notes.txt"), "w") as f:
+            f.write("mine")
+        with self.assertRaises(FileExistsError):
+            kvtrace.TraceWriter(precious, "x", "test", "absolute")
+        self.assertTrue(os.path.exists(os.path.join(precious, "notes.txt")))
+
+    def test_a_failing_cache_leaves_no_partial_trace(self):
+        class Broken(SlidingWindowCache):
+            def update(self, *args):
+                raise RuntimeError("cache bug")
+
+        exp = export(self.work, "sliding_baseline")
+        trace = os.path.join(self.work, "trace")
+        with self.assertRaises(RuntimeError):
+            kvtrace.drive_hf_cache(exp, lambda: Broken(6), trace)
+        self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no trace, no temporary folder
+
+    def test_a_chunk_longer_than_the_cache_is_a_clear_error(self):
+        exp = export(self.work, "sliding_prompt_longer_than_window")
+        with self.assertRaisesRegex(ValueError, "cannot serve a chunk longer than itself"):
+            kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]),
+                                   os.path.join(self.work, "trace"))
 
     def test_rotate_matches_the_reference_convention(self):
         # D = 2: one pair turning one radian per position.

@@ -10,7 +10,7 @@ NumPy only (PyTorch tensors are accepted where arrays are, and converted). Three
   RoPE at the positions the caller chooses, runs eager attention, and writes the trace.
 
     exp = kvtrace.Export("out/sliding_baseline")          # kvcheck export SCENARIO --out DIR
-    kvtrace.drive_hf_cache(exp, lambda: MyCache(window=6), "trace/", positions="absolute",
+    kvtrace.drive_hf_cache(exp, lambda: MyCache(window=6), "trace/", positions="policy",
                            key_positions="absolute")
     # then: kvcheck verify SCENARIO --trace trace/
 """
@@ -70,13 +70,26 @@ def rotate(x, positions, rope):
     return out
 
 
+def _is_trace(path):
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            return json.load(f).get("format") == "kvcheck-trace-1"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class TraceWriter:
-    """Writes a trace folder; nothing appears at `path` until close() succeeds."""
+    """Writes a trace folder; nothing appears at `path` until close() succeeds, and a
+    folder already there is replaced only if it is a trace. Use it as a context manager
+    (or call abort()) so a failure leaves no temporary folder behind."""
 
     def __init__(self, path, scenario, producer, key_positions):
         if key_positions not in ("cache-relative", "absolute", "unrotated"):
             raise ValueError("key_positions must be cache-relative, absolute or unrotated")
         self.path = os.path.abspath(path)
+        if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)) \
+                and not _is_trace(self.path):
+            raise FileExistsError("%s exists and is not a kvcheck trace; refusing to replace it" % self.path)
         parent = os.path.dirname(self.path)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=".kvtrace-", dir=parent)
@@ -110,11 +123,28 @@ class TraceWriter:
             shutil.rmtree(self.path)
         os.rename(self.tmp, self.path)
 
+    def abort(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
 
 def _attention(q, keys, values, scale, heads):
     """Eager attention: q [B, H, n, D] over keys/values [B, Hkv, S, D], causal and
     right-aligned (query i of n sees the first S - n + i + 1 slots)."""
     b, hkv, s, d = keys.shape
+    if s < q.shape[2]:
+        raise ValueError("the cache returned %d slots for a chunk of %d tokens: a cache that trims before "
+                         "attention cannot serve a chunk longer than itself; feed shorter chunks or use a "
+                         "scenario whose chunks fit" % (s, q.shape[2]))
     group = heads // hkv
     keys = np.repeat(keys, group, axis=1)
     values = np.repeat(values, group, axis=1)
@@ -138,13 +168,14 @@ def hf_cos_sin(positions, rope, head_dim):
     return np.cos(emb), np.sin(emb)
 
 
-def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_positions="absolute",
+def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",
                    producer="kvtrace.drive_hf_cache", as_tensor=None):
     """Runs the export's schedule through caches made by make_cache() and writes a trace.
 
-    positions: "absolute" (token index), "cache" (slots already held plus the place in
-    the chunk, like a model that counts the cache), or a function
-    (token_index, cache_length, place_in_chunk) -> position.
+    positions: where new keys and queries are rotated. "policy": the query position Pq the
+    scenario's policy gives each token (for a correct cache-relative sink cache: t - E);
+    "absolute": the token index; "cache": slots held before the step plus the place in
+    the chunk; or a function (token_index, slots_held_before, place_in_chunk) -> position.
     Left padding is not supported (Hugging Face caches take it through masks); reorder
     calls cache.reorder_cache(rows), crop calls cache.crop(length), reset makes a new cache.
     as_tensor: "torch" hands update() float32 torch tensors (a transformers cache), None
@@ -156,35 +187,39 @@ def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_pos
         as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     elif as_tensor is None:
         as_tensor = lambda x: x
-    if positions == "absolute":
+    if positions == "policy":
+        position_of = None  # read from the export, per token
+    elif positions == "absolute":
         position_of = lambda t, held, i: t
     elif positions == "cache":
         position_of = lambda t, held, i: held + i
     else:
         position_of = positions
+    with TraceWriter(trace_path, export.name, producer, key_positions) as writer:
+        _drive(export, make_cache, writer, position_of, as_tensor)
+
+
+def _drive(export, make_cache, writer, position_of, as_tensor):
     layers, heads = export.dims["layers"], export.dims["heads"]
-    writer = TraceWriter(trace_path, export.name, producer, key_positions)
     cache = make_cache()
-    held = None
-    lengths = [0] * export.dims["batch"]
+    held = None        # per layer (keys, values) the cache last returned
+    held_slots = 0     # how many slots it holds, for positions="cache"
     for step in export.steps:
         op = step["op"]
         if op == "reset":
             cache = make_cache()
-            lengths = [0] * step["batch"]
-            held = None
+            held, held_slots = None, 0
             writer.skip_step()
             continue
         if op == "reorder":
             cache.reorder_cache(np.asarray(step["rows_from"]))
-            lengths = [lengths[r] for r in step["rows_from"]]
             held = [(k[step["rows_from"]], v[step["rows_from"]]) for k, v in held] if held else None
             writer.step([{"keys": k, "values": v} for k, v in held]) if held else writer.skip_step()
             continue
         if op == "crop":
             if "refused" not in step:
                 cache.crop(step["length"])
-                lengths = [min(n, step["length"]) for n in lengths]
+                held, held_slots = None, min(held_slots, step["length"])
             writer.skip_step()
             continue
         rows = step["rows"]
@@ -193,8 +228,12 @@ def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_pos
             raise NotImplementedError("drive_hf_cache: left padding (rows with different counts) is not supported")
         uids = np.asarray([r["uids"] for r in rows])                     # [B, n]
         n = uids.shape[1]
-        held_before = 0 if held is None else held[0][0].shape[2]
-        pos = np.asarray([[position_of(r["indices"][i], held_before, i) for i in range(n)] for r in rows])
+        if hasattr(cache, "get_seq_length"):  # Hugging Face caches say it themselves
+            held_slots = int(cache.get_seq_length())
+        if position_of is None:
+            pos = np.asarray([r["query_positions"] for r in rows])
+        else:
+            pos = np.asarray([[position_of(r["indices"][i], held_slots, i) for i in range(n)] for r in rows])
         recorded = []
         for l in range(layers):
             q = np.transpose(export.q[l][uids], (0, 2, 1, 3))              # [B, H, n, D]
@@ -210,6 +249,5 @@ def drive_hf_cache(export, make_cache, trace_path, positions="absolute", key_pos
             out = _attention(q_rot, keys, values, export.scale, heads)
             recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot})
         held = [(r["keys"], r["values"]) for r in recorded]
-        lengths = [n_ + n for n_ in lengths]
+        held_slots = held[0][0].shape[2]
         writer.step(recorded)
-    writer.close()

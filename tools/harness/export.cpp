@@ -84,12 +84,15 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
       const auto B = r.append->rows.size(), n = static_cast<std::size_t>(r.append->chunk);
       json rows = json::array();
       for (const auto& row : r.append->rows) {
-        json uids = json::array(), indices = json::array();
+        json uids = json::array(), indices = json::array(), query_positions = json::array();
         for (const auto& token : row) {
           uids.push_back(token.uid);
           indices.push_back(token.index);
+          query_positions.push_back(token.view.query_position);
         }
-        rows.push_back({{"uids", uids}, {"indices", indices}});
+        // Pq of each appended token: lets a driver rotate new keys and queries where the
+        // policy puts them (kvtrace's positions="policy").
+        rows.push_back({{"uids", uids}, {"indices", indices}, {"query_positions", query_positions}});
       }
       step["chunk"] = n;
       step["rows"] = rows;
