@@ -17,12 +17,12 @@
 #include "tools/harness/diagnose_report.h"
 #include "tools/harness/export.h"
 #include "tools/harness/golden.h"
-#include "tools/harness/trace_verify.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/runner.h"
 #include "tools/harness/scenario.h"
+#include "tools/harness/trace_verify.h"
 #include "tools/zoo/zoo.h"
 
 namespace {
