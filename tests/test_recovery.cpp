@@ -56,7 +56,8 @@ TEST(Recovery, AmbiguousBeyondThePeriodUpTo100000) {
   int uid = 100;
   for (std::int64_t p : {20000, 50000, 77777, 100000}) {
     const auto raw = raw_key(d, uid++);
-    const auto got = recover_position(raw.data(), stored_key(raw, static_cast<double>(p), rope).data(), d, rope);
+    const auto got =
+        recover_position(raw.data(), stored_key(raw, static_cast<double>(p), rope).data(), d, rope, 200000);
     EXPECT_EQ(got.status, RecoveredPosition::Status::ambiguous) << p;
     EXPECT_EQ(got.position, p);  // the candidate it found is the true one
   }
@@ -66,9 +67,16 @@ TEST(Recovery, SmallHeadDimHasAShortPeriod) {
   // D = 2: one pair turning one radian per position, so only 0..6 are unique.
   const Rope rope = rope_of(RopeLayout::half);
   const std::vector<float> raw = {0.6f, -0.8f};
-  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 5, rope).data(), 2, rope).position, 5);
-  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 9, rope).data(), 2, rope).status,
+  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 5, rope).data(), 2, rope, 6).position, 5);
+  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 5, rope).data(), 2, rope, 6).status,
+            RecoveredPosition::Status::exact);
+  // 9 is beyond the period; and with room for more turns, 5 is no longer alone either
+  // (710 = 113 turns is within a thousandth of a radian of a whole number of turns).
+  EXPECT_EQ(recover_position(raw.data(), stored_key(raw, 9, rope).data(), 2, rope, 100).status,
             RecoveredPosition::Status::ambiguous);
+  const auto far = recover_position(raw.data(), stored_key(raw, 710, rope).data(), 2, rope, 1000);
+  EXPECT_EQ(far.status, RecoveredPosition::Status::ambiguous);
+  EXPECT_EQ(far.position, 0);  // the smallest position that fits
 }
 
 TEST(Recovery, NamesTheLayoutThatFits) {
@@ -111,4 +119,25 @@ TEST(Recovery, CorruptedKeyIsNoRotation) {
   EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
   EXPECT_EQ(got.fits, "");
   EXPECT_EQ(describe(got), "not a rotation");
+}
+
+TEST(Recovery, FloatAnglesOfAnEngineStillFit) {
+  // An engine that computes p * inv_freq in float32 (as Hugging Face does) rotates by a
+  // slightly different angle; positions up to the scenario's longest row still come back.
+  const int d = 128;
+  Rope rope = rope_of(RopeLayout::half);
+  for (std::int64_t p : {0, 1, 4095, 8191, 65535}) {
+    std::vector<float> raw = raw_key(d, static_cast<int>(p % 97));
+    for (float& x : raw) x *= 10.0f;  // long pairs
+    std::vector<float> stored(raw);
+    for (int i = 0; i < d / 2; ++i) {
+      const float angle = static_cast<float>(p) * static_cast<float>(std::pow(10000.0, -2.0 * i / d));
+      const float c = std::cos(angle), s = std::sin(angle);
+      stored[i] = raw[i] * c - raw[i + d / 2] * s;
+      stored[i + d / 2] = raw[i] * s + raw[i + d / 2] * c;
+    }
+    const auto got = recover_position(raw.data(), stored.data(), d, rope, 65536);
+    EXPECT_NE(got.status, RecoveredPosition::Status::not_rotation) << p;
+    EXPECT_EQ(got.position, p);
+  }
 }

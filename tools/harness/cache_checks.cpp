@@ -74,6 +74,8 @@ std::int64_t longest_row(const ReferenceRun& run) {
 
 }  // namespace
 
+std::int64_t largest_position(const ReferenceRun& run) { return 2 * longest_row(run) + 16; }
+
 std::int64_t window_start(const Policy& policy, const reference::RowRetained& retained) {
   for (const auto& key : retained.keys)
     if (policy.kind != PolicyKind::sink || key.index >= policy.sinks) return key.index;
@@ -82,10 +84,10 @@ std::int64_t window_start(const Policy& policy, const reference::RowRetained& re
 
 void advance(StepContext& c, const StepRecord& rec) {
   if (rec.step.op == StepOp::reset) {
-    c.batch_changed_by_reset = c.batch_changed_by_reset || rec.batch_before != *rec.step.batch;
-    c.reordered = false;
+    c.last_row_change = rec.batch_before != *rec.step.batch ? StepContext::RowChange::reset_new_batch
+                                                            : StepContext::RowChange::reset_same_batch;
   }
-  if (rec.step.op == StepOp::reorder) c.reordered = true;
+  if (rec.step.op == StepOp::reorder) c.last_row_change = StepContext::RowChange::reorder;
   if (rec.append)
     for (const auto& row : rec.append->rows)
       if (static_cast<std::int64_t>(row.size()) < rec.append->chunk) c.padded = true;
@@ -97,15 +99,6 @@ std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t ui
 }
 
 namespace {
-
-SlotIssue issue(SlotIssue::Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
-  SlotIssue i{};
-  i.kind = kind;
-  i.row = row;
-  i.uid = uid;
-  i.true_index = true_index;
-  return i;
-}
 
 using Distances = std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>;  // uid -> (distance, query pos)
 
@@ -218,7 +211,7 @@ class CacheRun {
         // The same token attended twice (a duplicated slot, or ring plus chunk).
         positions_.fail(fmt::format("{}: row {} token {}: the cache used uid {} twice", evidence.label, e.row,
                                     e.query_index, e.key_uid));
-        SlotIssue twice = issue(SlotIssue::Kind::duplicated, e.row, e.key_uid, e.key_index);
+        SlotIssue twice = SlotIssue::of(SlotIssue::Kind::duplicated, e.row, e.key_uid, e.key_index);
         evidence.slots.push_back(twice);
       }
       pairs[e.key_uid] = {e.query_position - e.key_position, e.query_position};
@@ -276,13 +269,14 @@ class CacheRun {
         if (true_index >= 0 && m.index != true_index) {
           retained_.fail(fmt::format("{}: row {} slot {} says uid {} is token {}, it is token {}", evidence.label, b,
                                      slot, m.uid, m.index, true_index));
-          SlotIssue wrong = issue(SlotIssue::Kind::wrong_index, b, m.uid, true_index);
+          SlotIssue wrong = SlotIssue::of(SlotIssue::Kind::wrong_index, b, m.uid, true_index);
           wrong.slot = slot;
           wrong.claimed_index = m.index;
           wrong.claimed_position = m.position;
           evidence.slots.push_back(wrong);
         }
-        check_rotation(store, b, slot, m, true_index, evidence);
+        check_rotation(store, b, slot, m, true_index, true_index + 1 == static_cast<std::int64_t>(history.size()),
+                       evidence);
       }
       std::map<std::int64_t, int> want;
       for (const auto& key : rec.retained[b].keys) want[static_cast<std::int64_t>(key.uid)] = 1;
@@ -291,29 +285,29 @@ class CacheRun {
         if (index < 0) {
           retained_.fail(fmt::format("{}: row {} holds uid {}, a token of another row or generation (stale)",
                                      evidence.label, b, uid));
-          evidence.slots.push_back(issue(SlotIssue::Kind::stale, b, uid, -1));
+          evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::stale, b, uid, -1));
         } else if (!want.count(uid)) {
           retained_.fail(fmt::format("{}: row {} still holds uid {} (token {}), which the policy evicted",
                                      evidence.label, b, uid, index));
-          SlotIssue extra = issue(SlotIssue::Kind::extra, b, uid, index);
+          SlotIssue extra = SlotIssue::of(SlotIssue::Kind::extra, b, uid, index);
           extra.window_gap = window_start(s_.policy, rec.retained[b]) - index;
           evidence.slots.push_back(extra);
         } else if (count > 1) {
           retained_.fail(fmt::format("{}: row {} holds uid {} in {} slots (duplicated)", evidence.label, b, uid, count));
-          evidence.slots.push_back(issue(SlotIssue::Kind::duplicated, b, uid, index));
+          evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::duplicated, b, uid, index));
         }
       }
       for (const auto& [uid, one] : want)
         if (!held.count(uid)) {
           retained_.fail(fmt::format("{}: row {} lost uid {} (token {}) of the retained set", evidence.label, b, uid,
                                      index_of(history, uid)));
-          evidence.slots.push_back(issue(SlotIssue::Kind::lost, b, uid, index_of(history, uid)));
+          evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, b, uid, index_of(history, uid)));
         }
     }
   }
 
   void check_rotation(const optimized::SlotStore& store, int b, std::int64_t slot, const SlotMeta& m,
-                      std::int64_t true_index, StepEvidence& evidence) {
+                      std::int64_t true_index, bool newest, StepEvidence& evidence) {
     if (m.uid >= inputs_.uids) {
       rotation_.fail(fmt::format("{}: row {} slot {} claims uid {}, which does not exist", evidence.label, b, slot,
                                  m.uid));
@@ -331,14 +325,15 @@ class CacheRun {
         // float32 rotations, re-rotated many times, stay within ~1e-5 of the raw key; a
         // position off by one moves the fastest pair by about a radian.
         if (worst <= 1e-3) continue;
-        const RecoveredPosition r = recover_position(raw, stored, D, s_.rope);
+        const RecoveredPosition r = recover_position(raw, stored, D, s_.rope, largest_position(run_));
         rotation_.fail(fmt::format("{}: layer {} row {} slot {} (uid {}): the key is not its raw key rotated by its "
                                    "claimed position {} (recovered: {})",
                                    evidence.label, l, b, slot, m.uid, m.position, describe(r)));
-        SlotIssue rotated = issue(SlotIssue::Kind::rotation, b, m.uid, true_index);
+        SlotIssue rotated = SlotIssue::of(SlotIssue::Kind::rotation, b, m.uid, true_index);
         rotated.slot = slot;
         rotated.claimed_index = m.index;
         rotated.claimed_position = m.position;
+        rotated.newest = newest;
         if (r.status != RecoveredPosition::Status::not_rotation) rotated.recovered_position = r.position;
         rotated.fits = r.fits;
         evidence.slots.push_back(rotated);
@@ -402,8 +397,9 @@ class CacheRun {
       r.index = index_of(history, m.uid);
       r.position_claimed = m.position;
       if (m.uid < inputs_.uids)
-        r.position_recovered = describe(recover_position(inputs_.k_at(0, static_cast<std::uint64_t>(m.uid), 0),
-                                                         store.key(0, f.row, 0, slot), s_.dims.head_dim, s_.rope));
+        r.position_recovered =
+            describe(recover_position(inputs_.k_at(0, static_cast<std::uint64_t>(m.uid), 0), store.key(0, f.row, 0, slot),
+                                      s_.dims.head_dim, s_.rope, largest_position(run_)));
       if (const auto it = expected.find(m.uid); it != expected.end()) {
         r.visible_expected = true;
         r.distance_expected = view.query_position - it->second.position;

@@ -55,6 +55,9 @@ struct CacheTrace {
 // Moves the context past one step (resets, reorders, padding seen).
 void advance(StepContext& context, const StepRecord& record);
 
+// A bound for position recovery: twice the longest row the scenario reaches, plus room.
+std::int64_t largest_position(const ReferenceRun& run);
+
 // The first token index of the retained window (after the sinks).
 std::int64_t window_start(const Policy& policy, const reference::RowRetained& retained);
 

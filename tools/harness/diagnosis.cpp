@@ -17,6 +17,7 @@ const char* class_name(BugClass c) {
     case BugClass::rope_table_wraps: return "rope table wraps";
     case BugClass::new_key_not_shifted: return "new key not shifted";
     case BugClass::key_at_wrong_position: return "key at wrong position";
+    case BugClass::kept_keys_not_shifted: return "kept keys not re-rotated";
     case BugClass::padding_counted: return "padding counted as sink or position";
     case BugClass::mask_sees_evicted: return "mask sees evicted slots";
     case BugClass::query_position_not_shifted: return "query position not shifted";
@@ -60,6 +61,9 @@ const char* class_explanation(BugClass c) {
     case BugClass::key_at_wrong_position:
       return "A stored key is rotated at another position than its slot claims: look where keys are written "
              "or re-rotated.";
+    case BugClass::kept_keys_not_shifted:
+      return "Keys kept in the window still sit at their old positions after tokens were evicted: the shift "
+             "moves or drops slots but does not re-rotate what it keeps.";
     case BugClass::padding_counted:
       return "Left padding took token indices: sinks and positions are shifted by the padding, so the first "
              "real tokens are not sinks. Look where per-row lengths and position ids are computed.";
@@ -125,8 +129,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   const bool stale = any(e.slots, [](const SlotIssue& i) { return i.kind == K::stale; }) ||
                      any(e.pairs, [](const PairMismatch& p) { return p.key_index < 0; });
   if (stale) {
-    if (ctx.batch_changed_by_reset) return BugClass::stale_row_after_batch_change;
-    if (ctx.reordered) return BugClass::reorder_lost_positions;
+    if (ctx.last_row_change == StepContext::RowChange::reset_new_batch) return BugClass::stale_row_after_batch_change;
+    if (ctx.last_row_change == StepContext::RowChange::reorder) return BugClass::reorder_lost_positions;
     return BugClass::stale_slot;
   }
 
@@ -141,13 +145,15 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     const std::int64_t w = s.policy.window;
     if (w > 0 && i.claimed_position >= w && *i.recovered_position == i.claimed_position % w)
       return BugClass::rope_table_wraps;
+    // A key still at its absolute position where a cache position was due: the newest
+    // key was never shifted, or the kept keys were never re-rotated.
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index)
-      return BugClass::new_key_not_shifted;
+      return i.newest ? BugClass::new_key_not_shifted : BugClass::kept_keys_not_shifted;
   }
   if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; })) return BugClass::key_at_wrong_position;
 
   if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::wrong_index; })) {
-    if (ctx.reordered) return BugClass::reorder_lost_positions;
+    if (ctx.last_row_change == StepContext::RowChange::reorder) return BugClass::reorder_lost_positions;
     if (ctx.padded) return BugClass::padding_counted;
     return BugClass::positions_wrong;
   }

@@ -22,6 +22,7 @@ enum class BugClass {
   rope_table_wraps,
   new_key_not_shifted,
   key_at_wrong_position,
+  kept_keys_not_shifted,
   padding_counted,
   mask_sees_evicted,
   query_position_not_shifted,
@@ -59,6 +60,16 @@ struct SlotIssue {
   std::optional<std::int64_t> recovered_position;  // exact or ambiguous recovery
   std::string fits;                                // another rope that fits, if any
   std::int64_t window_gap = 0;                     // extra: how far before the window start
+  bool newest = false;                             // the token is the row's newest
+
+  static SlotIssue of(Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
+    SlotIssue i{};
+    i.kind = kind;
+    i.row = row;
+    i.uid = uid;
+    i.true_index = true_index;
+    return i;
+  }
 };
 
 struct OutputMismatch {
@@ -79,8 +90,8 @@ struct StepEvidence {
 
 // What led up to the step: ops since the last reset, padding seen.
 struct StepContext {
-  bool batch_changed_by_reset = false;  // a reset changed the batch size before this step
-  bool reordered = false;               // a reorder since the last reset
+  // The most recent step that rearranged rows: what a stale or misplaced slot points back to.
+  enum class RowChange { none, reset_same_batch, reset_new_batch, reorder } last_row_change = RowChange::none;
   bool padded = false;                  // some append so far left-padded a row
 };
 

@@ -1,6 +1,8 @@
 #include "tools/harness/recovery.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -17,78 +19,89 @@ double wrap(double a) {  // into (-pi, pi]
 }
 
 struct Pair {
-  double omega;  // angle per position
-  double angle;  // measured rotation in [0, 2 pi)
-  double weight; // the pair's length: short pairs measure their angle poorly
+  double omega;   // angle per position
+  double angle;   // measured rotation in [0, 2 pi)
+  double weight;  // the pair's length: a pair of (almost) zeros has no angle to measure
 };
 
-// The measured rotation of each pair and whether every pair kept its length.
-bool measure(const float* raw, const float* stored, int d, const Rope& rope, std::vector<Pair>& pairs) {
+enum class Measured { rotation, length_changed, zero_key };
+
+// The measured rotation of each pair. A rotation keeps every pair's length.
+Measured measure(const float* raw, const float* stored, int d, const Rope& rope, std::vector<Pair>& pairs) {
   pairs.clear();
   const int half = d / 2;
+  double longest = 0.0;
   for (int i = 0; i < half; ++i) {
     const int ia = rope.layout == RopeLayout::half ? i : 2 * i;
     const int ib = rope.layout == RopeLayout::half ? i + half : 2 * i + 1;
     const double ra = raw[ia], rb = raw[ib], sa = stored[ia], sb = stored[ib];
     const double rn = std::hypot(ra, rb), sn = std::hypot(sa, sb);
-    if (std::abs(rn - sn) > 1e-4 * std::max(1.0, rn)) return false;  // a rotation keeps lengths
+    if (std::abs(rn - sn) > 1e-4 * std::max(1.0, rn)) return Measured::length_changed;
     const double divisor = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
     const double omega = std::pow(rope.theta, -2.0 * i / d) / divisor;
     double angle = std::atan2(ra * sb - rb * sa, ra * sa + rb * sb);
     if (angle < 0) angle += kTwoPi;
     pairs.push_back({omega, angle, rn});
+    longest = std::max(longest, rn);
   }
-  return true;
+  // Pairs far shorter than the key measure their angle from rounding noise: leave them out.
+  for (Pair& p : pairs)
+    if (p.weight < 1e-4 * longest) p.weight = 0.0;
+  return longest > 0.0 ? Measured::rotation : Measured::zero_key;
 }
 
-// Unwraps from the lowest frequency to the highest, starting from `start` (a position
-// estimate), and says whether the integer result explains every pair.
+// float32 keys: a few ulps per element (angles of about 1e-7 rad), plus the rounding of
+// the angle p * omega when an engine computes it in float32 (the product and inv_freq
+// each rounded: 3 ulps of p * omega leaves room).
+// A position off by one moves the fastest pair by a whole radian.
+double tolerance(double position, double omega) {
+  return std::min(0.25, 1e-4 + 3.0 * 5.96e-8 * std::abs(position * omega));
+}
+
+// Unwraps from the lowest frequency to the highest, starting from `start`, and says
+// whether the integer result explains every pair.
 bool unwrap(const std::vector<Pair>& pairs, double start, std::int64_t& position) {
   double estimate = start;
   for (auto it = pairs.rbegin(); it != pairs.rend(); ++it) {
-    if (it->weight < 1e-3) continue;
+    if (it->weight == 0.0) continue;
     const double turns = std::round((estimate * it->omega - it->angle) / kTwoPi);
     estimate = (it->angle + turns * kTwoPi) / it->omega;
   }
   position = std::llround(estimate);
   for (const Pair& p : pairs) {
-    if (p.weight < 1e-3) continue;
-    // float32 keys, even re-rotated a thousand times, stay within 1e-3 / length radians,
-    // while a position off by one moves the fastest pair by a whole radian.
-    if (std::abs(wrap(static_cast<double>(position) * p.omega - p.angle)) > std::min(0.1, 1e-3 / p.weight))
-      return false;
+    if (p.weight == 0.0) continue;
+    const double residual = wrap(static_cast<double>(position) * p.omega - p.angle);
+    if (std::abs(residual) > tolerance(static_cast<double>(position), p.omega)) return false;
   }
   return true;
 }
 
-// Tries positions in the first period, then beyond it.
-RecoveredPosition recover_with(const float* raw, const float* stored, int d, const Rope& rope) {
+// Every position up to max_position that fits: one candidate per turn of the lowest
+// frequency, each refined by the faster pairs.
+RecoveredPosition recover_with(const float* raw, const float* stored, int d, const Rope& rope,
+                               std::int64_t max_position) {
   RecoveredPosition r;
   std::vector<Pair> pairs;
-  if (!measure(raw, stored, d, rope, pairs)) return r;
+  switch (measure(raw, stored, d, rope, pairs)) {
+    case Measured::length_changed: return r;
+    case Measured::zero_key: r.status = RecoveredPosition::Status::ambiguous; return r;  // every position fits
+    case Measured::rotation: break;
+  }
   const Pair* lowest = nullptr;
   for (auto it = pairs.rbegin(); it != pairs.rend() && lowest == nullptr; ++it)
-    if (it->weight >= 1e-3) lowest = &*it;
-  if (lowest == nullptr) {  // a zero key: every position fits
-    r.status = RecoveredPosition::Status::ambiguous;
-    return r;
-  }
+    if (it->weight > 0.0) lowest = &*it;
   const double period = kTwoPi / lowest->omega;
-  std::int64_t p = 0;
-  if (unwrap(pairs, lowest->angle / lowest->omega, p) && p >= 0) {
-    r.status = std::llround(static_cast<double>(p)) < std::llround(period) ? RecoveredPosition::Status::exact
-                                                                            : RecoveredPosition::Status::ambiguous;
-    r.position = p;
-    return r;
+  std::vector<std::int64_t> found;
+  for (std::int64_t turn = 0; turn * period <= static_cast<double>(max_position) + 1.0; ++turn) {
+    std::int64_t p = 0;
+    if (unwrap(pairs, lowest->angle / lowest->omega + period * static_cast<double>(turn), p) && p >= 0 &&
+        p <= max_position && std::find(found.begin(), found.end(), p) == found.end())
+      found.push_back(p);
   }
-  // Beyond the first period the lowest frequency no longer decides; search a few periods.
-  for (int turn = 1; turn <= 64 && period * turn < 1e7; ++turn) {
-    if (unwrap(pairs, lowest->angle / lowest->omega + period * turn, p)) {
-      r.status = RecoveredPosition::Status::ambiguous;
-      r.position = p;
-      return r;
-    }
-  }
+  if (found.empty()) return r;
+  r.position = *std::min_element(found.begin(), found.end());
+  const bool unique_in_first_period = found.size() == 1 && static_cast<double>(found[0]) < period;
+  r.status = unique_in_first_period ? RecoveredPosition::Status::exact : RecoveredPosition::Status::ambiguous;
   return r;
 }
 
@@ -99,8 +112,9 @@ double lowest_frequency_period(int head_dim, const Rope& rope) {
   return kTwoPi / (std::pow(rope.theta, -2.0 * (head_dim / 2 - 1) / head_dim) / divisor);
 }
 
-RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope) {
-  RecoveredPosition r = recover_with(raw, stored, head_dim, rope);
+RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope,
+                                   std::int64_t max_position) {
+  RecoveredPosition r = recover_with(raw, stored, head_dim, rope, max_position);
   if (r.status != RecoveredPosition::Status::not_rotation) return r;
   // Which rope would fit instead: the other layout, a common theta, a linear scaling.
   std::vector<std::pair<Rope, std::string>> guesses;
@@ -122,9 +136,10 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
     guesses.push_back({s, factor == 1.0 ? std::string("no scaling") : fmt::format("linear scaling {:g}", factor)});
   }
   for (const auto& [guess, name] : guesses) {
-    const RecoveredPosition g = recover_with(raw, stored, head_dim, guess);
-    if (g.status == RecoveredPosition::Status::exact) {
-      r.fits = fmt::format("{} at position {}", name, g.position);
+    const RecoveredPosition g = recover_with(raw, stored, head_dim, guess, max_position);
+    if (g.status != RecoveredPosition::Status::not_rotation) {
+      r.fits = fmt::format("{} at position {}{}", name, g.position,
+                           g.status == RecoveredPosition::Status::exact ? "" : "?");
       break;
     }
   }

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "reference/policy.h"
+#include "reference/rope.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/npy.h"
 #include "tools/harness/recovery.h"
@@ -128,7 +129,7 @@ struct Tally {
 class Verifier {
  public:
   Verifier(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const Trace& trace)
-      : s_(s), inputs_(inputs), run_(run), trace_(trace) {}
+      : s_(s), inputs_(inputs), run_(run), trace_(trace), max_position_(largest_position(run)) {}
 
   CacheTrace operator()() {
     StepContext context;
@@ -168,7 +169,11 @@ class Verifier {
     add("outputs", outputs_, outputs_seen_ ? "within tolerance" : "no outputs in the trace");
     add("retained set", retained_, "every slot identified, the retained set, nothing stale or duplicated");
     add("key positions", keys_, "every key a rotation at the expected position");
-    add("query positions", queries_, queries_seen_ ? "every query at the expected distance" : "no queries in the trace");
+    add("query positions", queries_,
+        queries_seen_ ? "every query at the expected distance"
+        : s_.policy.prefill == Prefill::dense ? "not checked: under dense prefill a chunk's queries see a state "
+                                                "the trace does not show"
+                                              : "no queries in the trace");
     o.max_abs_error = max_abs_;
     o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
     o.position_mismatches = keys_.failures + queries_.failures;
@@ -184,15 +189,14 @@ class Verifier {
     return 0;
   }
 
-  // Which uid a value vector belongs to: the row's own tokens first, then any uid (stale).
-  std::int64_t identify(int layer, const double* value, const std::vector<std::uint64_t>& history) const {
-    const int Hkv = s_.dims.kv_heads, D = s_.dims.head_dim;
+  // Which uid a value vector of kv head g belongs to: the row's own tokens first, then any
+  // uid (stale). Each head is matched on its own: a cache may order slots per head.
+  std::int64_t identify(int layer, int g, const double* value, const std::vector<std::uint64_t>& history) const {
+    const int D = s_.dims.head_dim;
     auto matches = [&](std::uint64_t uid) {
-      for (int g = 0; g < Hkv; ++g) {
-        const float* raw = inputs_.v_at(layer, uid, g);
-        for (int d = 0; d < D; ++d)
-          if (std::abs(value[g * D + d] - raw[d]) > 1e-6) return false;
-      }
+      const float* raw = inputs_.v_at(layer, uid, g);
+      for (int d = 0; d < D; ++d)
+        if (std::abs(value[d] - raw[d]) > 1e-6) return false;
       return true;
     };
     for (std::uint64_t uid : history)
@@ -210,92 +214,76 @@ class Verifier {
     const NpyArray<double> keys = load(f.keys, {B, Hkv, 0, D}, "keys [B, Hkv, slots, D]", true);
     const NpyArray<double> values = load(f.values, {B, Hkv, keys.shape[2], D}, "values [B, Hkv, slots, D]", false);
     const std::size_t slots = keys.shape[2];
-    std::vector<double> v(Hkv * D);
     for (std::size_t b = 0; b < B; ++b) {
       const auto& history = rec.histories[b];
+      const bool row_attended = rec.append && !rec.append->rows[b].empty();
       // What the row's last query should see, to fill the table's visibility columns.
       std::map<std::int64_t, std::int64_t> expected_distance;
-      if (rec.append && !rec.append->rows[b].empty()) {
+      if (row_attended) {
         const auto& last = rec.append->rows[b].back();
         for (const auto& key : last.view.keys)
           expected_distance[static_cast<std::int64_t>(history[key.index])] = last.view.query_position - key.position;
       }
-      const std::size_t table_start = table ? table->size() : 0;
-      std::map<std::int64_t, std::int64_t> held;  // uid -> slot
-      std::map<std::int64_t, std::int64_t> recovered;  // uid -> key position
-      for (std::size_t slot = 0; slot < slots; ++slot) {
-        bool empty = true;
-        for (std::size_t g = 0; g < Hkv; ++g)
-          for (std::size_t d = 0; d < D; ++d) {
-            v[g * D + d] = values.data[((b * Hkv + g) * slots + slot) * D + d];
-            empty = empty && (v[g * D + d] == 0.0 || std::isnan(v[g * D + d]));
-          }
-        if (empty) continue;  // unused slots are allowed
-        const std::int64_t uid = identify(l, v.data(), history);
-        const std::int64_t index = uid < 0 ? -1 : index_of(history, uid);
-        SlotRow row;
-        row.slot = static_cast<std::int64_t>(slot);
-        row.uid = uid;
-        row.index = index;
-        if (index < 0) {
-          retained_.fail(fmt::format("{}: layer {} row {} slot {} holds {}", evidence.label, l, b, slot,
-                                     uid < 0 ? std::string("values of no token") : fmt::format("uid {}, not this row's token", uid)));
-          SlotIssue issue{};
-          issue.kind = SlotIssue::Kind::stale;
-          issue.row = static_cast<int>(b);
-          issue.slot = static_cast<std::int64_t>(slot);
-          issue.uid = uid;
-          evidence.slots.push_back(issue);
-          row.verdict = uid < 0 ? "unknown values" : "stale: not this row's token";
-          push(table, row, static_cast<int>(b));
-          continue;
-        }
-        if (held.count(uid)) {
-          retained_.fail(fmt::format("{}: layer {} row {} holds uid {} twice", evidence.label, l, b, uid));
-          SlotIssue issue{};
-          issue.kind = SlotIssue::Kind::duplicated;
-          issue.row = static_cast<int>(b);
-          issue.uid = uid;
-          issue.true_index = index;
-          evidence.slots.push_back(issue);
-          row.verdict = "duplicated";
-          push(table, row, static_cast<int>(b));
-          continue;
-        }
-        held[uid] = static_cast<std::int64_t>(slot);
-        check_key(rec, l, b, slot, slots, keys, uid, index, evidence, row, recovered);
-        push(table, row, static_cast<int>(b));
-      }
-      std::map<std::int64_t, std::int64_t> want;
+      std::map<std::int64_t, std::int64_t> want;  // uid -> token index
       for (const auto& key : rec.retained[b].keys) want[static_cast<std::int64_t>(key.uid)] = key.index;
-      for (const auto& [uid, slot] : held)
-        if (!want.count(uid)) {
-          retained_.fail(fmt::format("{}: layer {} row {} slot {} still holds uid {} (token {}), which the policy "
-                                     "evicted",
-                                     evidence.label, l, b, slot, uid, index_of(history, uid)));
-          SlotIssue issue{};
-          issue.kind = SlotIssue::Kind::extra;
-          issue.row = static_cast<int>(b);
-          issue.uid = uid;
-          issue.true_index = index_of(history, uid);
-          issue.window_gap = window_start(s_.policy, rec.retained[b]) - issue.true_index;
-          evidence.slots.push_back(issue);
+      const std::size_t table_start = table ? table->size() : 0;
+      std::map<std::int64_t, std::int64_t> recovered;  // uid -> key position (kv head 0)
+      for (std::size_t g = 0; g < Hkv; ++g) {
+        std::vector<SlotRow>* rows = g == 0 ? table : nullptr;
+        const std::string where = fmt::format("{}: layer {} row {}{}", evidence.label, l, b,
+                                              Hkv > 1 ? fmt::format(" kv head {}", g) : std::string());
+        std::map<std::int64_t, std::int64_t> held;  // uid -> slot
+        for (std::size_t slot = 0; slot < slots; ++slot) {
+          const double* v = values.data.data() + ((b * Hkv + g) * slots + slot) * D;
+          if (std::all_of(v, v + D, [](double x) { return x == 0.0 || std::isnan(x); })) continue;  // unused
+          const std::int64_t uid = identify(l, static_cast<int>(g), v, history);
+          const std::int64_t index = uid < 0 ? -1 : index_of(history, uid);
+          SlotRow row;
+          row.slot = static_cast<std::int64_t>(slot);
+          row.uid = uid;
+          row.index = index;
+          if (index < 0) {
+            retained_.fail(fmt::format("{} slot {} holds {}", where, slot,
+                                       uid < 0 ? std::string("values of no token")
+                                               : fmt::format("uid {}, not this row's token", uid)));
+            SlotIssue issue = SlotIssue::of(SlotIssue::Kind::stale, static_cast<int>(b), uid, -1);
+            issue.slot = static_cast<std::int64_t>(slot);
+            evidence.slots.push_back(issue);
+            row.verdict = uid < 0 ? "unknown values" : "stale: not this row's token";
+          } else if (held.count(uid)) {
+            retained_.fail(fmt::format("{} holds uid {} twice", where, uid));
+            evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::duplicated, static_cast<int>(b), uid, index));
+            row.verdict = "duplicated";
+          } else {
+            held[uid] = static_cast<std::int64_t>(slot);
+            if (want.count(uid)) {
+              check_key(rec, l, b, g, slot, slots, keys, uid, index, evidence, row, recovered);
+            } else {
+              row.verdict = "should have been evicted";  // reported below, with the retained set
+            }
+          }
+          push(rows, row, static_cast<int>(b));
         }
-      for (const auto& [uid, index] : want)
-        if (!held.count(uid)) {
-          retained_.fail(fmt::format("{}: layer {} row {} lost uid {} (token {})", evidence.label, l, b, uid, index));
-          SlotIssue issue{};
-          issue.kind = SlotIssue::Kind::lost;
-          issue.row = static_cast<int>(b);
-          issue.uid = uid;
-          issue.true_index = index;
-          evidence.slots.push_back(issue);
-        }
+        for (const auto& [uid, slot] : held)
+          if (!want.count(uid)) {
+            const std::int64_t index = index_of(history, uid);
+            retained_.fail(fmt::format("{} slot {} still holds uid {} (token {}), which the policy evicted", where,
+                                       slot, uid, index));
+            SlotIssue issue = SlotIssue::of(SlotIssue::Kind::extra, static_cast<int>(b), uid, index);
+            issue.window_gap = window_start(s_.policy, rec.retained[b]) - index;
+            evidence.slots.push_back(issue);
+          }
+        for (const auto& [uid, index] : want)
+          if (!held.count(uid)) {
+            retained_.fail(fmt::format("{} lost uid {} (token {})", where, uid, index));
+            evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, static_cast<int>(b), uid, index));
+          }
+      }
       std::optional<std::int64_t> query_position;
       if (rec.append) query_position = check_query_and_output(rec, l, b, f, H, D, recovered, evidence);
       for (std::size_t r = table_start; table && r < table->size(); ++r) {
         SlotRow& row = (*table)[r];
-        row.visible_actual = rec.append.has_value();  // a cache attends to every slot it returns
+        row.visible_actual = row_attended;  // a cache attends to every slot it returns
         if (const auto it = expected_distance.find(row.uid); it != expected_distance.end()) {
           row.visible_expected = true;
           row.distance_expected = it->second;
@@ -315,7 +303,9 @@ class Verifier {
   }
 
   // The key's position, recovered from the tensor, against what key_positions declares.
-  void check_key(const StepRecord& rec, int l, std::size_t b, std::size_t slot, std::size_t slots,
+  // Kv head g's key in `slot`: rotated back by the position key_positions declares, it must
+  // be the raw key; recovery from the tensor explains a failure (and feeds the distances).
+  void check_key(const StepRecord& rec, int l, std::size_t b, std::size_t g, std::size_t slot, std::size_t slots,
                  const NpyArray<double>& keys, std::int64_t uid, std::int64_t index, StepEvidence& evidence,
                  SlotRow& row, std::map<std::int64_t, std::int64_t>& recovered) {
     const std::size_t Hkv = static_cast<std::size_t>(s_.dims.kv_heads), D = static_cast<std::size_t>(s_.dims.head_dim);
@@ -327,35 +317,34 @@ class Verifier {
                                   : trace_.positions == KeyPositions::absolute   ? index
                                                                                  : 0;
     row.position_claimed = declared;
-    std::vector<float> stored(D);
-    for (std::size_t g = 0; g < Hkv; ++g) {
-      for (std::size_t d = 0; d < D; ++d)
-        stored[d] = static_cast<float>(keys.data[((b * Hkv + g) * slots + slot) * D + d]);
-      const RecoveredPosition r =
-          recover_position(inputs_.k_at(l, static_cast<std::uint64_t>(uid), static_cast<int>(g)), stored.data(),
-                           static_cast<int>(D), s_.rope);
-      if (g == 0) {
-        row.position_recovered = describe(r);
-        if (r.status != RecoveredPosition::Status::not_rotation) recovered[uid] = r.position;
-      }
-      if (r.status != RecoveredPosition::Status::not_rotation && r.position == declared) continue;
-      keys_.fail(fmt::format("{}: layer {} row {} slot {} (uid {}, token {}): key at position {}, expected {}",
-                             evidence.label, l, b, slot, uid, index, describe(r), declared));
-      SlotIssue issue{};
-      issue.kind = SlotIssue::Kind::rotation;
-      issue.row = static_cast<int>(b);
-      issue.slot = static_cast<std::int64_t>(slot);
-      issue.uid = uid;
-      issue.claimed_index = index;
-      issue.true_index = index;
-      issue.claimed_position = declared;
-      if (r.status != RecoveredPosition::Status::not_rotation) issue.recovered_position = r.position;
-      issue.fits = r.fits;
-      evidence.slots.push_back(issue);
-      row.verdict = "key not at the expected position";
+    const double* stored = keys.data.data() + ((b * Hkv + g) * slots + slot) * D;
+    const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(uid), static_cast<int>(g));
+    const auto back = reference::rotate(std::vector<double>(stored, stored + D), -static_cast<double>(declared), s_.rope);
+    double worst = 0.0;
+    for (std::size_t d = 0; d < D; ++d) worst = std::max(worst, std::abs(back[d] - raw[d]));
+    const std::vector<float> stored_f(stored, stored + D);
+    const RecoveredPosition r = recover_position(raw, stored_f.data(), static_cast<int>(D), s_.rope, max_position_);
+    if (g == 0) {
+      row.position_recovered = describe(r);
+      if (worst <= 1e-3) recovered[uid] = declared;
+      else if (r.status != RecoveredPosition::Status::not_rotation) recovered[uid] = r.position;
+    }
+    if (worst <= 1e-3) {
+      row.verdict = "ok";
       return;
     }
-    row.verdict = "ok";
+    keys_.fail(fmt::format("{}: layer {} row {} kv head {} slot {} (uid {}, token {}): key at position {}, "
+                           "expected {}",
+                           evidence.label, l, b, g, slot, uid, index, describe(r), declared));
+    SlotIssue issue = SlotIssue::of(SlotIssue::Kind::rotation, static_cast<int>(b), uid, index);
+    issue.slot = static_cast<std::int64_t>(slot);
+    issue.claimed_index = index;
+    issue.claimed_position = declared;
+    issue.newest = index + 1 == static_cast<std::int64_t>(rec.histories[b].size());
+    if (r.status != RecoveredPosition::Status::not_rotation) issue.recovered_position = r.position;
+    issue.fits = r.fits;
+    evidence.slots.push_back(issue);
+    row.verdict = "key not at the expected position";
   }
 
   // The row's last query: its recovered position against the keys' recovered positions
@@ -378,7 +367,7 @@ class Verifier {
       std::vector<float> rotated(D);
       for (std::size_t d = 0; d < D; ++d) rotated[d] = static_cast<float>(q.data[((b * H + 0) * n + n - 1) * D + d]);
       const RecoveredPosition r =
-          recover_position(inputs_.q_at(l, last.uid, 0), rotated.data(), static_cast<int>(D), s_.rope);
+          recover_position(inputs_.q_at(l, last.uid, 0), rotated.data(), static_cast<int>(D), s_.rope, max_position_);
       if (r.status != RecoveredPosition::Status::not_rotation) query_position = r.position;
       // A cache that keeps keys at original positions rotates the query twice (sink_ring);
       // one rotated q shows only the window rotation, so sinks are judged by keys alone.
@@ -426,6 +415,7 @@ class Verifier {
   const InputTable& inputs_;
   const ReferenceRun& run_;
   const Trace& trace_;
+  const std::int64_t max_position_;  // bounds position recovery
   CacheTrace result_;
   std::map<std::ptrdiff_t, int> row_of_;
   Tally outputs_, retained_, keys_, queries_;
