@@ -15,15 +15,16 @@ import kvtrace  # noqa: E402
 
 KVCHECK = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
 SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
+DATA = os.path.join(ROOT, "tests", "data")
 
 
 def kvcheck(*args):
     return subprocess.run([KVCHECK, *args], capture_output=True, text=True)
 
 
-def export(work, scenario):
+def export(work, scenario, folder=SCENARIOS):
     out = os.path.join(work, "export")
-    result = kvcheck("export", os.path.join(SCENARIOS, scenario + ".json"), "--out", out)
+    result = kvcheck("export", os.path.join(folder, scenario + ".json"), "--out", out)
     assert result.returncode == 0, result.stderr
     return kvtrace.Export(out)
 
@@ -161,6 +162,43 @@ class KvtraceTest(unittest.TestCase):
         cos, sin = kvtrace.hf_cos_sin([5.0], rope, 8)
         rotate_half = np.concatenate([-x[..., 4:], x[..., :4]], axis=-1)
         np.testing.assert_allclose(x * cos + rotate_half * sin, kvtrace.rotate(x, [5.0], rope), atol=1e-12)
+
+    def test_each_kv_head_may_order_its_slots(self):
+        # GQA with two kv heads: the trace stores kv head 1's slots in reverse order.
+        exp = export(self.work, "gqa_sliding_uniform", DATA)
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]), trace)
+        for name in os.listdir(trace):
+            if name.endswith("_keys.npy") or name.endswith("_values.npy"):
+                a = np.load(os.path.join(trace, name))
+                a[:, 1] = a[:, 1, ::-1].copy()
+                np.save(os.path.join(trace, name), a)
+        result = kvcheck("verify", os.path.join(DATA, "gqa_sliding_uniform.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+
+    def test_a_reorder_is_recorded_from_the_cache_itself(self):
+        class Beams(SlidingWindowCache):
+            """Exposes its state like transformers' caches, and reorders rows wrongly
+            (always keeps the original order)."""
+            @property
+            def key_cache(self):
+                return [self.keys[l] for l in sorted(self.keys)]
+
+            @property
+            def value_cache(self):
+                return [self.values[l] for l in sorted(self.values)]
+
+            def reorder_cache(self, rows):
+                pass  # the bug: the rows stay where they were
+
+        exp = export(self.work, "beam_swap_full", DATA)
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: Beams(10 ** 6), trace)
+        result = kvcheck("verify", os.path.join(DATA, "beam_swap_full.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        # Steps: the prompt (0), two decodes (1, 2), the reorder (3): caught there, not later.
+        self.assertIn("first divergence: step 3 (reorder, /steps/2)", result.stdout)
+        self.assertIn("class: reorder lost positions", result.stdout)
 
     def test_trace_writer_never_replaces_a_foreign_folder(self):
         precious = os.path.join(self.work, "precious")

@@ -117,11 +117,24 @@ class TraceWriter:
         self.manifest["steps"].append({})
 
     def close(self):
-        with open(os.path.join(self.tmp, "manifest.json"), "w") as f:
-            json.dump(self.manifest, f, indent=1)
-        if os.path.exists(self.path):
-            shutil.rmtree(self.path)
-        os.rename(self.tmp, self.path)
+        try:
+            with open(os.path.join(self.tmp, "manifest.json"), "w") as f:
+                json.dump(self.manifest, f, indent=1)
+            old = None
+            if os.path.exists(self.path):  # moved aside first, so a failed rename loses nothing
+                old = tempfile.mkdtemp(prefix=".kvtrace-old-", dir=os.path.dirname(self.path))
+                os.rename(self.path, os.path.join(old, "trace"))
+            try:
+                os.rename(self.tmp, self.path)
+            except OSError:
+                if old:
+                    os.rename(os.path.join(old, "trace"), self.path)
+                raise
+            if old:
+                shutil.rmtree(old)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -176,15 +189,22 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     scenario's policy gives each token (for a correct cache-relative sink cache: t - E);
     "absolute": the token index; "cache": slots held before the step plus the place in
     the chunk; or a function (token_index, slots_held_before, place_in_chunk) -> position.
+    Attention is eager over what update() returns, causal and right-aligned, with no
+    window of its own: the cache must return exactly the keys a token sees (a cache that
+    returns the whole prefill and leaves the window to the model's mask is not driven).
     Left padding is not supported (Hugging Face caches take it through masks); reorder
-    calls cache.reorder_cache(rows), crop calls cache.crop(length), reset makes a new cache.
+    calls cache.reorder_cache(rows) and records the state only when the cache exposes
+    key_cache/value_cache; crop calls cache.crop(length) only for crops the policy
+    accepts (a refused crop is not offered to the cache); reset makes a new cache.
     as_tensor: "torch" hands update() float32 torch tensors (a transformers cache), None
     NumPy arrays, or any function array -> tensor. cache_kwargs carries Hugging Face's
     "cos" and "sin" [B, n, D] plus "positions" [B, n] and a NumPy "rotate"(x, p).
     """
+    as_index = np.asarray  # reorder_cache's beam indices
     if as_tensor == "torch":
         import torch  # only when asked for
         as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        as_index = lambda rows: torch.as_tensor(rows, dtype=torch.long)
     elif as_tensor is None:
         as_tensor = lambda x: x
     if positions == "policy":
@@ -196,10 +216,10 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     else:
         position_of = positions
     with TraceWriter(trace_path, export.name, producer, key_positions) as writer:
-        _drive(export, make_cache, writer, position_of, as_tensor)
+        _drive(export, make_cache, writer, position_of, as_tensor, as_index)
 
 
-def _drive(export, make_cache, writer, position_of, as_tensor):
+def _drive(export, make_cache, writer, position_of, as_tensor, as_index):
     layers, heads = export.dims["layers"], export.dims["heads"]
     cache = make_cache()
     held = None        # per layer (keys, values) the cache last returned
@@ -212,9 +232,15 @@ def _drive(export, make_cache, writer, position_of, as_tensor):
             writer.skip_step()
             continue
         if op == "reorder":
-            cache.reorder_cache(np.asarray(step["rows_from"]))
-            held = [(k[step["rows_from"]], v[step["rows_from"]]) for k, v in held] if held else None
-            writer.step([{"keys": k, "values": v} for k, v in held]) if held else writer.skip_step()
+            cache.reorder_cache(as_index(step["rows_from"]))
+            # What the cache holds now, if it says (transformers' key_cache/value_cache
+            # lists); otherwise the step is not recorded: guessing would check nothing.
+            if hasattr(cache, "key_cache") and hasattr(cache, "value_cache") and len(cache.key_cache) == layers:
+                held = [(to_numpy(k).astype(np.float64), to_numpy(v).astype(np.float64))
+                        for k, v in zip(cache.key_cache, cache.value_cache)]
+                writer.step([{"keys": k, "values": v} for k, v in held])
+            else:
+                writer.skip_step()
             continue
         if op == "crop":
             if "refused" not in step:
