@@ -99,70 +99,83 @@ Computed export_into(const std::string& file, const fs::path& parent) {
 
 }  // namespace
 
+// "g/" and "g" name the same folder; scratch folders go beside it, not inside.
+fs::path folder_path(const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  return p.filename().empty() ? p.parent_path() : p;
+}
+
 int generate_goldens(const GoldenOptions& o) {
+  const fs::path dir = folder_path(o.dir);
   // The golden folder holds export folders only; anything else is not ours to replace.
   std::error_code ec;
-  if (fs::is_directory(o.dir, ec))
-    for (const auto& e : fs::directory_iterator(o.dir))
+  if (fs::is_directory(dir, ec))
+    for (const auto& e : fs::directory_iterator(dir))
       if (e.path().filename().string()[0] != '.' && !is_export_folder(e.path().string()))
-        throw InputError(e.path().string(), "", "not a golden (export) folder; refusing to replace " + o.dir);
-  AtomicDir staging(o.dir);
-  if (fs::is_directory(o.dir)) fs::copy(o.dir, staging.path(), fs::copy_options::recursive);
+        throw InputError(e.path().string(), "", "not a golden (export) folder; refusing to replace " + dir.string());
+
+  // First every export, so an error in any scenario leaves nothing written and nothing said.
+  const AtomicDir scratch(dir.parent_path() / ".kvcheck-golden-scratch");
+  std::vector<Computed> computed;
   std::set<std::string> names;
-  int unchanged = 0, added = 0, changed = 0;
-  bool refused = false;
   for (const std::string& file : o.scenario_files) {
-    const AtomicDir scratch(fs::path(o.dir).parent_path() / ".kvcheck-golden-scratch");
-    const Computed c = export_into(file, scratch.path());
-    if (!names.insert(c.name).second)
-      throw InputError(file, "/name", fmt::format("two scenarios are named \"{}\"; golden folders need distinct names", c.name));
-    const fs::path old = fs::path(o.dir) / c.name;
+    computed.push_back(export_into(file, scratch.path()));
+    if (!names.insert(computed.back().name).second)
+      throw InputError(file, "/name",
+                       fmt::format("two scenarios are named \"{}\"; golden folders need distinct names",
+                                   computed.back().name));
+  }
+
+  // Then what would change: changed and removed goldens need --force.
+  int unchanged = 0, added = 0, changed = 0, removed = 0;
+  std::vector<std::string> to_write, to_remove;
+  for (const Computed& c : computed) {
+    const fs::path old = dir / c.name;
     if (!fs::exists(old)) {
       ++added;
       fmt::print("{}: new\n", c.name);
-    } else {
-      const auto diff = differences(old, c.folder);
-      if (diff.empty()) {
-        ++unchanged;
-        continue;
-      }
-      ++changed;
-      fmt::print("{}: changed{}\n", c.name, o.force ? "" : " (not overwritten)");
-      for (const std::string& line : diff) fmt::print("    {}\n", line);
-      if (!o.force) {
-        refused = true;
-        continue;
-      }
+      to_write.push_back(c.name);
+      continue;
     }
-    fs::remove_all(staging.path() / c.name);
-    fs::copy(c.folder, staging.path() / c.name, fs::copy_options::recursive);
+    const auto diff = differences(old, c.folder);
+    if (diff.empty()) {
+      ++unchanged;  // the golden's bytes stay, even where outputs moved within tolerance
+      continue;
+    }
+    ++changed;
+    fmt::print("{}: changed{}\n", c.name, o.force ? "" : " (not overwritten)");
+    for (const std::string& line : diff) fmt::print("    {}\n", line);
+    to_write.push_back(c.name);
   }
-  // Goldens of scenarios that no longer exist are a change too: removed only with --force.
-  int removed = 0;
   if (o.prune)
-    for (const std::string& name : file_names(staging.path()))
+    for (const std::string& name : file_names(dir))
       if (!names.count(name) && name[0] != '.') {
-        fmt::print("{}: no such scenario{}\n", name, o.force ? ", removed" : " (not removed)");
-        if (!o.force) {
-          refused = true;
-          continue;
-        }
-        fs::remove_all(staging.path() / name);
         ++removed;
+        fmt::print("{}: no such scenario{}\n", name, o.force ? ", removed" : " (not removed)");
+        to_remove.push_back(name);
       }
-  if (refused) {
+  if ((changed > 0 || removed > 0) && !o.force) {
     fmt::print(stderr, "kvcheck: goldens would change; nothing was written. Rerun with --force to apply the "
                        "changes listed above.\n");
     return 1;
   }
+
+  // Last, one swap: the old folder with the changes applied replaces the old folder.
+  AtomicDir staging(dir);
+  if (fs::is_directory(dir)) fs::copy(dir, staging.path(), fs::copy_options::recursive);
+  for (const std::string& name : to_remove) fs::remove_all(staging.path() / name);
+  for (const std::string& name : to_write) {
+    fs::remove_all(staging.path() / name);
+    fs::copy(scratch.path() / name, staging.path() / name, fs::copy_options::recursive);
+  }
   staging.commit();
-  fmt::print("{}: {} new, {} changed, {} unchanged, {} removed\n", o.dir, added, changed, unchanged, removed);
+  fmt::print("{}: {} new, {} changed, {} unchanged, {} removed\n", dir.string(), added, changed, unchanged, removed);
   return 0;
 }
 
 int check_goldens(const GoldenOptions& o) {
   int drifted = 0;
-  const AtomicDir scratch(fs::path(o.dir).parent_path() / ".kvcheck-golden-check");
+  const AtomicDir scratch(folder_path(o.dir).parent_path() / ".kvcheck-golden-check");
   for (const std::string& file : o.scenario_files) {
     const Computed c = export_into(file, scratch.path());
     const fs::path golden = fs::path(o.dir) / c.name;
