@@ -142,7 +142,8 @@ class CacheRun {
       if (in_step) check_slots(*cache, rec, evidence);
       advance(context, rec);  // what led up to the end of this step, this step included
       if (!evidence.empty() && !trace_.first) record_first(*cache, rec, evidence, context);
-      if (with_picture_ && in_step) trace_.picture.push_back(picture_column(*cache, rec));
+      if (with_picture_ && in_step && picture_row_ < cache->batch())
+        trace_.picture.push_back(picture_column(cache->slots(), log_, rec, picture_row_));
       if (!in_step) break;  // the cache and the reference no longer hold the same rows
     }
     trace_.outcome = outcome(entry.name);
@@ -361,120 +362,9 @@ class CacheRun {
     }
     if (rec.append && f.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[f.row].empty())
       f.table_query_index = rec.append->rows[f.row].back().index;
-    if (f.row < cache.batch() && f.row < static_cast<int>(rec.histories.size())) f.slots = slot_table(cache, rec, f);
+    if (f.row < cache.batch() && f.row < static_cast<int>(rec.histories.size()))
+      f.slots = slot_table(s_, inputs_, largest_position(run_), cache.slots(), log_, rec, f.row, f.table_query_index);
     trace_.first = std::move(f);
-  }
-
-  // The reference's view of the diagnosed query (or, without one, the retained set).
-  reference::QueryView expected_view(const StepRecord& rec, int row, std::int64_t query_index) const {
-    if (rec.append)
-      for (const auto& token : rec.append->rows[row])
-        if (token.index == query_index) return token.view;
-    reference::QueryView view;
-    view.query_position = rec.retained[row].query_position;
-    for (const auto& key : rec.retained[row].keys) view.keys.push_back({key.index, key.position});
-    return view;
-  }
-
-  std::vector<SlotRow> slot_table(const KvCache& cache, const StepRecord& rec, const FirstDivergence& f) const {
-    const optimized::SlotStore& store = cache.slots();
-    const auto& history = rec.histories[f.row];
-    const reference::QueryView view = expected_view(rec, f.row, f.table_query_index);
-    std::map<std::int64_t, reference::VisibleKey> expected;  // uid -> key
-    for (const auto& key : view.keys) expected[static_cast<std::int64_t>(history[key.index])] = key;
-    std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> actual;
-    for (const auto& e : log_)
-      if (e.row == f.row && e.query_index == f.table_query_index)
-        actual[e.key_uid] = {e.query_position - e.key_position, e.query_position};
-    std::map<std::int64_t, int> seen;
-    std::vector<SlotRow> rows;
-    for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
-      const SlotMeta& m = store.meta(f.row, slot);
-      if (m.uid < 0) continue;
-      SlotRow r;
-      r.slot = slot;
-      r.uid = m.uid;
-      r.index = index_of(history, m.uid);
-      r.position_claimed = m.position;
-      if (m.uid < inputs_.uids)
-        r.position_recovered =
-            describe(recover_position(inputs_.k_at(0, static_cast<std::uint64_t>(m.uid), 0), store.key(0, f.row, 0, slot),
-                                      s_.dims.head_dim, s_.rope, largest_position(run_)));
-      if (const auto it = expected.find(m.uid); it != expected.end()) {
-        r.visible_expected = true;
-        r.distance_expected = view.query_position - it->second.position;
-        r.position_expected = it->second.position;
-      }
-      if (const auto it = actual.find(m.uid); it != actual.end()) {
-        r.visible_actual = true;
-        r.distance_actual = it->second.first;
-      }
-      const bool in_retained = std::any_of(rec.retained[f.row].keys.begin(), rec.retained[f.row].keys.end(),
-                                           [&](const auto& k) { return static_cast<std::int64_t>(k.uid) == m.uid; });
-      if (r.index < 0) r.verdict = "stale: not this row's token";
-      else if (++seen[m.uid] > 1) r.verdict = "duplicated";
-      else if (m.index != r.index) r.verdict = fmt::format("claims token {}", m.index);
-      else if (r.visible_expected != r.visible_actual)
-        r.verdict = r.visible_actual ? "visible, should not be" : "not used, should be visible";
-      else if (r.distance_expected != r.distance_actual)
-        r.verdict = fmt::format("distance off by {}", *r.distance_actual - *r.distance_expected);
-      else if (r.position_recovered != std::to_string(m.position) && r.position_recovered.back() != '?')
-        r.verdict = "key not at its claimed position";
-      else if (!in_retained) r.verdict = "should have been evicted";
-      else r.verdict = "ok";
-      rows.push_back(r);
-    }
-    for (const auto& key : rec.retained[f.row].keys)
-      if (!std::any_of(rows.begin(), rows.end(), [&](const SlotRow& r) { return r.uid == static_cast<std::int64_t>(key.uid); })) {
-        SlotRow r;
-        r.uid = static_cast<std::int64_t>(key.uid);
-        r.index = key.index;
-        if (const auto it = expected.find(r.uid); it != expected.end()) {
-          r.visible_expected = true;
-          r.distance_expected = view.query_position - it->second.position;
-          r.position_expected = it->second.position;
-        }
-        r.verdict = "missing: the cache dropped it";
-        rows.push_back(r);
-      }
-    return rows;
-  }
-
-  // One column of the picture: the diagnosed row's slots after this step, each judged by
-  // the distance its row's last query used against the reference's.
-  std::vector<PictureCell> picture_column(const KvCache& cache, const StepRecord& rec) const {
-    const int row = picture_row_;
-    std::vector<PictureCell> column;
-    if (row >= cache.batch() || row >= static_cast<int>(rec.histories.size())) return column;
-    const optimized::SlotStore& store = cache.slots();
-    std::map<std::int64_t, std::int64_t> want, got;
-    if (rec.append && !rec.append->rows[row].empty()) {
-      const auto& last = rec.append->rows[row].back();
-      for (const auto& key : last.view.keys)
-        want[static_cast<std::int64_t>(rec.histories[row][key.index])] = last.view.query_position - key.position;
-      for (const auto& e : log_)
-        if (e.row == row && e.query_index == last.index) got[e.key_uid] = e.query_position - e.key_position;
-    }
-    std::map<std::int64_t, int> seen;
-    for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
-      const SlotMeta& m = store.meta(row, slot);
-      PictureCell cell;
-      cell.uid = m.uid;
-      if (m.uid < 0) {
-        column.push_back(cell);
-        continue;
-      }
-      const bool retained = std::any_of(rec.retained[row].keys.begin(), rec.retained[row].keys.end(),
-                                        [&](const auto& k) { return static_cast<std::int64_t>(k.uid) == m.uid; });
-      if (++seen[m.uid] > 1) cell.state = PictureCell::State::duplicated;
-      else if (!retained) cell.state = PictureCell::State::not_retained;
-      else if (want.count(m.uid) && got.count(m.uid) && want[m.uid] != got[m.uid]) {
-        cell.state = PictureCell::State::wrong_position;
-        cell.error = got[m.uid] - want[m.uid];
-      } else cell.state = PictureCell::State::ok;
-      column.push_back(cell);
-    }
-    return column;
   }
 
   Outcome outcome(const std::string& target) const {

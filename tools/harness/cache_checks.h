@@ -11,21 +11,9 @@
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/scenario.h"
+#include "tools/harness/slot_view.h"
 
 namespace kvcheck {
-
-// One slot of the diagnosed row, as the table and the picture show it.
-struct SlotRow {
-  std::int64_t slot = -1;  // -1: a token the cache should hold but does not
-  std::int64_t uid = -1;
-  std::int64_t index = -1;  // the reference's token index of that uid (-1: not in the row)
-  bool visible_expected = false, visible_actual = false;
-  std::optional<std::int64_t> distance_expected, distance_actual;  // Pq - Pk for the diagnosed query
-  std::optional<std::int64_t> position_expected;                   // Pk for the diagnosed query
-  std::int64_t position_claimed = 0;
-  std::string position_recovered;  // from the tensors (SPEC 5.5)
-  std::string verdict;             // "ok" or what is wrong
-};
 
 struct FirstDivergence {
   StepEvidence evidence;
@@ -37,13 +25,6 @@ struct FirstDivergence {
   // last token of the step (whose view is the state the step leaves behind).
   std::int64_t table_query_index = -1;
   std::vector<SlotRow> slots;
-};
-
-// The picture: per step, per slot of the diagnosed row.
-struct PictureCell {
-  enum class State { empty, ok, wrong_position, not_retained, duplicated, missing } state = State::empty;
-  std::int64_t uid = -1;
-  std::int64_t error = 0;  // actual - expected distance, for wrong_position
 };
 
 struct CacheTrace {
