@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-
 #include <xsimd/xsimd.hpp>
 
 namespace kvcheck::optimized {
@@ -72,8 +71,8 @@ void attend_row(const KernelShape& shape, RopeTable& rope, int layer, const floa
     if (log != nullptr)
       for (const Seen& x : seen) {
         const SlotMeta& m = x.store->meta(x.row, x.slot);
-        log->push_back({row, plan.index, x.sink ? plan.sink_query_position : plan.query_position, m.uid, m.index,
-                        m.position});
+        log->push_back(
+            {row, plan.index, x.sink ? plan.sink_query_position : plan.query_position, m.uid, m.index, m.position});
       }
 
     weights.resize(seen.size());

@@ -13,10 +13,10 @@
 namespace kvcheck::optimized {
 
 struct QueryPlan {
-  std::int64_t index = 0;              // token index t of the query
-  std::int64_t sink_end = 0;           // slots of tokens with index < sink_end are sinks
-  std::int64_t window_begin = 0;       // other slots are visible iff window_begin <= index <= t
-  std::int64_t query_position = 0;     // rotation of the query against window keys
+  std::int64_t index = 0;                // token index t of the query
+  std::int64_t sink_end = 0;             // slots of tokens with index < sink_end are sinks
+  std::int64_t window_begin = 0;         // other slots are visible iff window_begin <= index <= t
+  std::int64_t query_position = 0;       // rotation of the query against window keys
   std::int64_t sink_query_position = 0;  // against sink keys (differs only in sink_ring)
 };
 

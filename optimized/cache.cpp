@@ -38,9 +38,8 @@ void drop_from(SlotStore& store, int row, std::int64_t length) {
     if (store.meta(row, s).uid >= 0 && store.meta(row, s).index >= length) store.clear_slot(row, s);
 }
 
-void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk,
-                       const std::vector<float*>& out, int row,
-                       const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
+void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk, const std::vector<float*>& out,
+                       int row, const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
                        const std::vector<SlotSource>& sources, AttentionLog* log) {
   const KernelShape shape{config.heads, config.kv_heads, config.head_dim, config.softmax_scale};
   const std::size_t per_row = static_cast<std::size_t>(row) * chunk.length * config.heads * config.head_dim;

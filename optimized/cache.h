@@ -19,28 +19,27 @@ struct CacheConfig {
   int batch = 1;
   RopeSpec rope;
   float softmax_scale = 1.0f;
-  std::int64_t window = 0;        // sliding: keys visible; sink: capacity W
-  std::int64_t sinks = 0;         // sink: S
-  std::int64_t evict = 1;         // sink: tokens dropped at once when full
-  bool shift_positions = true;    // sink: cache-relative positions (false: original ones)
-  bool dense_prefill = false;     // sink: a chunk is one dense forward, trimmed afterwards
-  std::int64_t capacity = 0;      // static: slots per row
+  std::int64_t window = 0;      // sliding: keys visible; sink: capacity W
+  std::int64_t sinks = 0;       // sink: S
+  std::int64_t evict = 1;       // sink: tokens dropped at once when full
+  bool shift_positions = true;  // sink: cache-relative positions (false: original ones)
+  bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
+  std::int64_t capacity = 0;    // static: slots per row
 };
 
 // New tokens for every row, left-padded to the longest. Raw (unrotated) q/k/v per layer:
 // q [B, n, H, D], k and v [B, n, Hkv, D]. Padding entries are never read.
 struct Chunk {
-  std::int64_t length = 0;             // n
-  std::vector<std::int64_t> counts;    // real tokens per row
-  std::vector<std::int64_t> uids;      // [B, n]; -1 where padded
-  std::vector<const float*> q, k, v;   // per layer
+  std::int64_t length = 0;            // n
+  std::vector<std::int64_t> counts;   // real tokens per row
+  std::vector<std::int64_t> uids;     // [B, n]; -1 where padded
+  std::vector<const float*> q, k, v;  // per layer
 };
 
 // A step the cache must refuse; `code` is what a scenario names in `expect_error`.
 struct CacheRefusal : std::runtime_error {
   std::string code;
-  CacheRefusal(std::string code_, const std::string& message)
-      : std::runtime_error(message), code(std::move(code_)) {}
+  CacheRefusal(std::string code_, const std::string& message) : std::runtime_error(message), code(std::move(code_)) {}
 };
 
 class KvCache {
@@ -77,9 +76,8 @@ void drop_from(SlotStore& store, int row, std::int64_t length);
 
 // Runs the attention of `row`'s planned queries in every layer, reading `sources`, and
 // writes their outputs into out[layer]; layer 0's visible pairs go to `log`.
-void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk,
-                       const std::vector<float*>& out, int row,
-                       const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
+void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk, const std::vector<float*>& out,
+                       int row, const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
                        const std::vector<SlotSource>& sources, AttentionLog* log);
 
 // Refuses (CacheRefusal "crop_evicted") a crop of `row` to `length` tokens when the row

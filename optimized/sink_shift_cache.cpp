@@ -43,7 +43,8 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
       // The group: tokens that see the same E (one dense chunk is a single group).
       const std::int64_t e = sink_evicted(W, k, t);
       std::int64_t group_end = t + 1;
-      if (config_.dense_prefill) group_end = end;
+      if (config_.dense_prefill)
+        group_end = end;
       else
         while (group_end < end && sink_evicted(W, k, group_end) == e) ++group_end;
       shift_to(b, e);
@@ -70,8 +71,10 @@ void SinkShiftCache::reorder(const std::vector<int>& rows) {
 }
 
 void SinkShiftCache::reset(int batch) {
-  if (batch == store_.batch()) store_.clear_all();
-  else store_.reset(batch, config_.window);
+  if (batch == store_.batch())
+    store_.clear_all();
+  else
+    store_.reset(batch, config_.window);
   rows_.assign(static_cast<std::size_t>(batch), RowState{});
 }
 

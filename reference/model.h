@@ -69,17 +69,16 @@ struct InputTable {
   }
 };
 
-inline const char* to_string(RopeLayout layout) {
-  return layout == RopeLayout::half ? "half" : "interleaved";
-}
-inline const char* to_string(RopeScaling scaling) {
-  return scaling == RopeScaling::none ? "none" : "linear";
-}
+inline const char* to_string(RopeLayout layout) { return layout == RopeLayout::half ? "half" : "interleaved"; }
+inline const char* to_string(RopeScaling scaling) { return scaling == RopeScaling::none ? "none" : "linear"; }
 inline const char* to_string(PolicyKind kind) {
   switch (kind) {
-    case PolicyKind::full: return "full";
-    case PolicyKind::sliding: return "sliding";
-    case PolicyKind::sink: return "sink";
+    case PolicyKind::full:
+      return "full";
+    case PolicyKind::sliding:
+      return "sliding";
+    case PolicyKind::sink:
+      return "sink";
   }
   return "?";
 }

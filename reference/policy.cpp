@@ -20,8 +20,7 @@ QueryView streaming_view(const Policy& policy, std::int64_t t) {
       break;
     case PolicyKind::sliding:
       view.query_position = t;
-      for (std::int64_t j = std::max<std::int64_t>(0, t - policy.window + 1); j <= t; ++j)
-        view.keys.push_back({j, j});
+      for (std::int64_t j = std::max<std::int64_t>(0, t - policy.window + 1); j <= t; ++j) view.keys.push_back({j, j});
       break;
     case PolicyKind::sink: {
       const std::int64_t s = policy.sinks;

@@ -16,7 +16,11 @@ std::vector<double> widen(const float* x, int n) { return std::vector<double>(x,
 
 ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
                                const InputTable& inputs)
-    : dims_(dims), rope_(rope), policy_(policy), scale_(scale), inputs_(inputs),
+    : dims_(dims),
+      rope_(rope),
+      policy_(policy),
+      scale_(scale),
+      inputs_(inputs),
       histories_(static_cast<std::size_t>(dims.batch)) {}
 
 std::vector<double> ReferenceModel::head_output(int layer, int head, const std::vector<std::uint64_t>& row,
@@ -33,8 +37,7 @@ std::vector<double> ReferenceModel::head_output(int layer, int head, const std::
 }
 
 AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
-  if (counts.size() != histories_.size())
-    throw std::invalid_argument("append: one count per row expected");
+  if (counts.size() != histories_.size()) throw std::invalid_argument("append: one count per row expected");
   AppendResult result;
   result.chunk = *std::max_element(counts.begin(), counts.end());
   result.rows.resize(histories_.size());
@@ -76,9 +79,7 @@ void ReferenceModel::reorder(const std::vector<int>& rows) {
   histories_ = std::move(next);
 }
 
-void ReferenceModel::reset(int batch) {
-  histories_.assign(static_cast<std::size_t>(batch), {});
-}
+void ReferenceModel::reset(int batch) { histories_.assign(static_cast<std::size_t>(batch), {}); }
 
 void ReferenceModel::crop(std::int64_t length) {
   for (std::size_t b = 0; b < histories_.size(); ++b) {
@@ -87,8 +88,8 @@ void ReferenceModel::crop(std::int64_t length) {
     // The cropped row's last token must still find every key it needs in the cache.
     const QueryView held = retained_view(policy_, n);
     for (const VisibleKey& needed : retained_view(policy_, length).keys) {
-      const bool kept = std::any_of(held.keys.begin(), held.keys.end(),
-                                    [&](const VisibleKey& k) { return k.index == needed.index; });
+      const bool kept =
+          std::any_of(held.keys.begin(), held.keys.end(), [&](const VisibleKey& k) { return k.index == needed.index; });
       if (!kept)
         throw StepRefused("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
                                               std::to_string(needed.index) + " of row " + std::to_string(b) +

@@ -16,8 +16,7 @@ namespace kvcheck::reference {
 // scenario uses in `expect_error`.
 struct StepRefused : std::runtime_error {
   std::string code;
-  StepRefused(std::string code_, const std::string& message)
-      : std::runtime_error(message), code(std::move(code_)) {}
+  StepRefused(std::string code_, const std::string& message) : std::runtime_error(message), code(std::move(code_)) {}
 };
 
 struct AppendedToken {
@@ -27,9 +26,9 @@ struct AppendedToken {
 };
 
 struct AppendResult {
-  std::int64_t chunk = 0;                         // n, the longest chunk of the step
-  std::vector<std::vector<AppendedToken>> rows;   // real tokens only, per row
-  std::vector<double> out;                        // [L, B, n, H, D], NaN where padded
+  std::int64_t chunk = 0;                        // n, the longest chunk of the step
+  std::vector<std::vector<AppendedToken>> rows;  // real tokens only, per row
+  std::vector<double> out;                       // [L, B, n, H, D], NaN where padded
 };
 
 struct RetainedKey {
@@ -46,8 +45,7 @@ struct RowRetained {
 class ReferenceModel {
  public:
   // `scale` is the softmax scale; `inputs` must hold every uid the run will create.
-  ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
-                 const InputTable& inputs);
+  ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale, const InputTable& inputs);
 
   // counts[b] new tokens for row b (left-padded to the longest); size must equal batch().
   AppendResult append(const std::vector<std::int64_t>& counts);
@@ -63,8 +61,8 @@ class ReferenceModel {
   RowRetained retained(int row) const;
 
  private:
-  std::vector<double> head_output(int layer, int head, const std::vector<std::uint64_t>& row,
-                                  std::int64_t t, const QueryView& view) const;
+  std::vector<double> head_output(int layer, int head, const std::vector<std::uint64_t>& row, std::int64_t t,
+                                  const QueryView& view) const;
 
   Dims dims_;
   Rope rope_;

@@ -4,9 +4,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "tools/harness/export.h"
 #include "tools/harness/inputs.h"

@@ -50,10 +50,10 @@ TEST(Policy, SlidingCountsTheQueryItself) {
 
 TEST(Policy, SinkShiftsPositionsAfterEviction) {
   const Policy p = sink(2, 5);
-  expect_view(streaming_view(p, 0), {{0, 0}}, 0);                                   // t < S
-  expect_view(streaming_view(p, 1), {{0, 0}, {1, 1}}, 1);                           // t = S - 1
-  expect_view(streaming_view(p, 4), {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}}, 4);   // t = W - 1
-  expect_view(streaming_view(p, 5), {{0, 0}, {1, 1}, {3, 2}, {4, 3}, {5, 4}}, 4);   // t = W
+  expect_view(streaming_view(p, 0), {{0, 0}}, 0);                                  // t < S
+  expect_view(streaming_view(p, 1), {{0, 0}, {1, 1}}, 1);                          // t = S - 1
+  expect_view(streaming_view(p, 4), {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}}, 4);  // t = W - 1
+  expect_view(streaming_view(p, 5), {{0, 0}, {1, 1}, {3, 2}, {4, 3}, {5, 4}}, 4);  // t = W
   expect_view(streaming_view(p, 7), {{0, 0}, {1, 1}, {5, 2}, {6, 3}, {7, 4}}, 4);
 }
 

@@ -85,7 +85,7 @@ TEST(ReferenceAttention, CropRefusesWhenTheCacheHasEvicted) {
   sliding.kind = PolicyKind::sliding;
   sliding.window = 2;
   reference::ReferenceModel model(dims, Rope{}, sliding, 0.5, inputs);
-  model.append({3});  // holds tokens 1, 2
+  model.append({3});                                    // holds tokens 1, 2
   EXPECT_THROW(model.crop(2), reference::StepRefused);  // would need token 0
   EXPECT_EQ(model.history(0).size(), 3u);               // and nothing changed
   model.crop(3);

@@ -30,8 +30,8 @@ TEST(ReferenceChecks, SplitKeepsEveryTokensRawVectors) {
   // Step 0 becomes 9 single-token steps (the longest chunk); row 0's first token is the
   // 7th of them (left padding), its uid in the split run is 6 (row 1 took 0..5).
   EXPECT_EQ(split.scenario.steps[6].tokens, (std::vector<std::int64_t>{1, 1, 0}));
-  EXPECT_EQ(split.inputs.k_at(1, 6, 0)[2], inputs.k_at(1, 0, 0)[2]);   // row 0, token 0: original uid 0
-  EXPECT_EQ(split.inputs.q_at(0, 0, 1)[3], inputs.q_at(0, 3, 1)[3]);   // row 1, token 0: original uid 3
+  EXPECT_EQ(split.inputs.k_at(1, 6, 0)[2], inputs.k_at(1, 0, 0)[2]);  // row 0, token 0: original uid 0
+  EXPECT_EQ(split.inputs.q_at(0, 0, 1)[3], inputs.q_at(0, 3, 1)[3]);  // row 1, token 0: original uid 3
 }
 
 TEST(ReferenceChecks, ChunkInvarianceHoldsForStreamingPolicies) {

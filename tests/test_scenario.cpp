@@ -13,10 +13,8 @@ namespace {
 // A valid scenario with one field replaced by `patch` (a raw JSON fragment per key).
 std::string scenario(const std::string& dims = R"({"layers": 1, "batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 8})",
                      const std::string& policy = R"({"type": "sink", "sinks": 2, "window": 8})",
-                     const std::string& steps = R"([{"op": "append", "tokens": 5}])",
-                     const std::string& extra = "") {
-  return R"({"name": "t", "dimensions": )" + dims + R"(, "policy": )" + policy + R"(, "steps": )" + steps + extra +
-         "}";
+                     const std::string& steps = R"([{"op": "append", "tokens": 5}])", const std::string& extra = "") {
+  return R"({"name": "t", "dimensions": )" + dims + R"(, "policy": )" + policy + R"(, "steps": )" + steps + extra + "}";
 }
 
 std::string error_of(const std::string& text) {
@@ -72,8 +70,8 @@ TEST(ScenarioValidation, EvictMustFitBesideTheSinks) {
 }
 
 TEST(ScenarioValidation, PerRowCountsMustMatchTheBatch) {
-  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})",
-                              R"({"type": "full"})", R"([{"op": "append", "tokens": [1, 2, 3]}])")),
+  EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": [1, 2, 3]}])")),
             "s.json: /steps/0/tokens: expected one count per row (2 rows), got 3");
   EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 2, "heads": 4, "head_dim": 8})", R"({"type": "full"})",
                               R"([{"op": "append", "tokens": 2}, {"op": "append", "tokens": [1, -2]}])")),
@@ -137,9 +135,10 @@ TEST(ScenarioValidation, HugeSizesAreErrorsNotCrashes) {
 }
 
 TEST(ScenarioValidation, SeedsAreUnsigned64Bit) {
-  const auto s = parse_scenario(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
-                                         R"([{"op": "append", "tokens": 1}])", R"(, "seed": 18446744073709551615)"),
-                                "s.json");
+  const auto s =
+      parse_scenario(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 1}])", R"(, "seed": 18446744073709551615)"),
+                     "s.json");
   EXPECT_EQ(s.inputs.seed, 18446744073709551615ull);
   EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
                               R"([{"op": "append", "tokens": 1}])", R"(, "seed": -1)")),
@@ -151,28 +150,33 @@ TEST(ScenarioValidation, InlineInputsAreCheckedAgainstTheShape) {
   const std::string dims = R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})";
   const std::string steps = R"([{"op": "append", "tokens": 2}])";
   const auto s = parse_scenario(
-      scenario(dims, R"({"type": "full"})", steps,
-               R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7, 8]]]], "v": [[[[0.5, -1]], [[2, 0]]]]})"),
+      scenario(
+          dims, R"({"type": "full"})", steps,
+          R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7, 8]]]], "v": [[[[0.5, -1]], [[2, 0]]]]})"),
       "s.json");
   EXPECT_EQ(s.inputs.kind, kvcheck::InputSource::Kind::inline_arrays);
   EXPECT_EQ(s.inputs.k, (std::vector<float>{5, 6, 7, 8}));
   EXPECT_EQ(s.inputs.v, (std::vector<float>{0.5f, -1, 2, 0}));
-  EXPECT_EQ(error_of(scenario(dims, R"({"type": "full"})", steps,
-                              R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
+  EXPECT_EQ(error_of(scenario(
+                dims, R"({"type": "full"})", steps,
+                R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
             "s.json: /inputs/k/0/1/0: expected an array of 2 elements, got [7]");
-  EXPECT_EQ(error_of(scenario(dims, R"({"type": "full"})", steps,
-                              R"(, "inputs": {"q": [[[[1, 2]]]], "k": [[[[5, 6]], [[7, 8]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
+  EXPECT_EQ(error_of(scenario(
+                dims, R"({"type": "full"})", steps,
+                R"(, "inputs": {"q": [[[[1, 2]]]], "k": [[[[5, 6]], [[7, 8]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
             "s.json: /inputs/q/0: expected an array of 2 elements, got [[[1,2]]]");
-  EXPECT_EQ(error_of(scenario(dims, R"({"type": "full"})", steps,
-                              R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7, 1e39]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
-            "s.json: /inputs/k/0/1/0/1: expected a finite float32 value, got 1e+39");
+  EXPECT_EQ(
+      error_of(scenario(
+          dims, R"({"type": "full"})", steps,
+          R"(, "inputs": {"q": [[[[1, 2]], [[3, 4]]]], "k": [[[[5, 6]], [[7, 1e39]]]], "v": [[[[0, 0]], [[0, 0]]]]})")),
+      "s.json: /inputs/k/0/1/0/1: expected a finite float32 value, got 1e+39");
 }
 
 TEST(ScenarioValidation, DecodeExpandsIntoSingleTokenAppends) {
-  const auto s = parse_scenario(scenario(R"({"layers": 1, "batch": 2, "heads": 1, "head_dim": 2})",
-                                         R"({"type": "full"})",
-                                         R"([{"op": "append", "tokens": 3}, {"op": "decode", "steps": 4}])"),
-                                "s.json");
+  const auto s =
+      parse_scenario(scenario(R"({"layers": 1, "batch": 2, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
+                              R"([{"op": "append", "tokens": 3}, {"op": "decode", "steps": 4}])"),
+                     "s.json");
   ASSERT_EQ(s.steps.size(), 5u);
   EXPECT_EQ(s.steps[4].tokens, (std::vector<std::int64_t>{1, 1}));
   EXPECT_EQ(s.steps[4].source_index, 1);

@@ -72,9 +72,9 @@ TEST(Zoo, NewKeyNotShiftedFailsThePositionCheckAtTheFirstEviction) {
   EXPECT_EQ(t.first->evidence.step, 4u);
   EXPECT_EQ(t.first->query_index, 6);
   const SlotRow& bad = first_bad_slot(*t.first);
-  EXPECT_EQ(bad.index, 6);                // the new key itself
-  EXPECT_EQ(bad.position_claimed, 6);     // kept its absolute position
-  EXPECT_EQ(bad.position_expected, 5);    // t - E = 6 - 1
+  EXPECT_EQ(bad.index, 6);                 // the new key itself
+  EXPECT_EQ(bad.position_claimed, 6);      // kept its absolute position
+  EXPECT_EQ(bad.position_expected, 5);     // t - E = 6 - 1
   EXPECT_EQ(bad.position_recovered, "6");  // and the tensor agrees with the claim
 }
 

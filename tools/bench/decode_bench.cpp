@@ -4,8 +4,8 @@
 // and compare each cache's time with ReadKV at the same window.
 #include <benchmark/benchmark.h>
 
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "optimized/dense_cache.h"
@@ -42,8 +42,11 @@ std::vector<float> values(std::size_t n, float scale) {
 struct Feed {
   std::vector<float> q, k, v, out;
   Chunk chunk;
-  Feed() : q(values(kHeads * kHeadDim, 1.0f)), k(values(kKvHeads * kHeadDim, 0.7f)), v(values(kKvHeads * kHeadDim, 0.3f)),
-           out(kHeads * kHeadDim) {
+  Feed()
+      : q(values(kHeads * kHeadDim, 1.0f)),
+        k(values(kKvHeads * kHeadDim, 0.7f)),
+        v(values(kKvHeads * kHeadDim, 0.3f)),
+        out(kHeads * kHeadDim) {
     chunk.length = 1;
     chunk.counts = {1};
     chunk.uids = {0};
@@ -67,12 +70,19 @@ void decode(benchmark::State& state, Make make) {
     feed.next(*cache);
     benchmark::DoNotOptimize(feed.out.data());
   }
-  state.SetBytesProcessed(state.iterations() * 2 * window * kKvHeads * kHeadDim * static_cast<std::int64_t>(sizeof(float)));
+  state.SetBytesProcessed(state.iterations() * 2 * window * kKvHeads * kHeadDim *
+                          static_cast<std::int64_t>(sizeof(float)));
 }
 
-void DecodeSliding(benchmark::State& s) { decode(s, [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }); }
-void DecodeSinkShift(benchmark::State& s) { decode(s, [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); }); }
-void DecodeSinkRing(benchmark::State& s) { decode(s, [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }); }
+void DecodeSliding(benchmark::State& s) {
+  decode(s, [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); });
+}
+void DecodeSinkShift(benchmark::State& s) {
+  decode(s, [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); });
+}
+void DecodeSinkRing(benchmark::State& s) {
+  decode(s, [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); });
+}
 
 // The floor: read W keys and W values of every kv head once.
 void ReadKV(benchmark::State& state) {
@@ -91,7 +101,8 @@ void ReadKV(benchmark::State& state) {
     std::uint32_t sum = bits(k) ^ bits(v);
     benchmark::DoNotOptimize(sum);
   }
-  state.SetBytesProcessed(state.iterations() * 2 * window * kKvHeads * kHeadDim * static_cast<std::int64_t>(sizeof(float)));
+  state.SetBytesProcessed(state.iterations() * 2 * window * kKvHeads * kHeadDim *
+                          static_cast<std::int64_t>(sizeof(float)));
 }
 
 }  // namespace

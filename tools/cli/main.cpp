@@ -1,15 +1,14 @@
 // kvcheck: checks KV caches against the naive reference (see README.md and SPEC.md).
 // Exit status: 0 every check passed, 1 a check failed, 2 bad input or usage.
+#include <fmt/format.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/cache_checks.h"
@@ -124,8 +123,9 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   for (const std::string& name : caches) {
     const CacheEntry* cache = find_cache(name);
     if (!cache->serves(scenario.policy))
-      throw InputError(path, "/policy", fmt::format("cache {} does not serve the {} policy of this scenario", name,
-                                                    to_string(scenario.policy.kind)));
+      throw InputError(
+          path, "/policy",
+          fmt::format("cache {} does not serve the {} policy of this scenario", name, to_string(scenario.policy.kind)));
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty());
     print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
     if (!html.empty()) {
@@ -175,8 +175,8 @@ void validate_cache_names(const std::vector<std::string>& names) {
     if (find_cache(name) == nullptr) {
       std::string known;
       for (const CacheEntry& c : real_caches()) known += (known.empty() ? "" : ", ") + c.name;
-      throw InputError("--cache", "", fmt::format("unknown cache \"{}\" (known: {}; `kvcheck list` shows the zoo)",
-                                                  name, known));
+      throw InputError("--cache", "",
+                       fmt::format("unknown cache \"{}\" (known: {}; `kvcheck list` shows the zoo)", name, known));
     }
 }
 
@@ -196,8 +196,9 @@ int main(int argc, char** argv) {
   // One value per --cache, so scenario paths after it stay paths.
   run->add_option("--cache", options.caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
       ->allow_extra_args(false);
-  run->add_flag("--no-reference", [&](std::int64_t) { options.reference_checks = false; },
-                "skip the reference's own invariant checks");
+  run->add_flag(
+      "--no-reference", [&](std::int64_t) { options.reference_checks = false; },
+      "skip the reference's own invariant checks");
 
   std::string export_path, export_out;
   CLI::App* exp = app.add_subcommand("export", "write a scenario's inputs and reference results (SPEC 6)");
@@ -212,7 +213,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> diagnose_caches;
   CLI::App* diagnose = app.add_subcommand("diagnose", "find a cache's first divergence from the reference and name it");
   diagnose->add_option("scenario", diagnose_path, "scenario file")->required();
-  diagnose->add_option("--cache", diagnose_caches, "cache to diagnose (repeatable; default: every cache serving the policy)")
+  diagnose
+      ->add_option("--cache", diagnose_caches,
+                   "cache to diagnose (repeatable; default: every cache serving the policy)")
       ->allow_extra_args(false);
   diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
 
@@ -220,7 +223,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> golden_paths;
   CLI::App* golden = app.add_subcommand("golden", "golden fixtures: the reference's exports, committed");
   golden->require_subcommand(1);
-  CLI::App* generate = golden->add_subcommand("generate", "write fixtures/golden/<scenario>/ (atomically, all or nothing)");
+  CLI::App* generate =
+      golden->add_subcommand("generate", "write fixtures/golden/<scenario>/ (atomically, all or nothing)");
   generate->add_option("scenarios", golden_paths, "scenario files or folders (default: the built-in suite)");
   generate->add_option("--out", golden_options.dir, "golden folder (default: fixtures/golden)");
   generate->add_flag("--force", golden_options.force, "overwrite goldens that changed");
@@ -229,7 +233,8 @@ int main(int argc, char** argv) {
   check->add_option("--dir", golden_options.dir, "golden folder (default: fixtures/golden)");
 
   std::string verify_path, trace_dir;
-  CLI::App* verify = app.add_subcommand("verify", "check an external trace (a cache's dumped state) against the reference");
+  CLI::App* verify =
+      app.add_subcommand("verify", "check an external trace (a cache's dumped state) against the reference");
   verify->add_option("scenario", verify_path, "scenario file the trace ran")->required();
   verify->add_option("--trace", trace_dir, "trace folder (manifest.json with format kvcheck-trace-1)")->required();
 

@@ -1,14 +1,12 @@
 #include "tools/harness/atomic_dir.h"
 
-#include <fstream>
-
 #include <fmt/format.h>
-#include <stdexcept>
-
 #include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <fstream>
+#include <stdexcept>
 
 namespace kvcheck {
 

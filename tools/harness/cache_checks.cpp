@@ -1,11 +1,11 @@
 #include "tools/harness/cache_checks.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
-
-#include <fmt/format.h>
 
 #include "reference/policy.h"
 #include "reference/rope.h"
@@ -123,8 +123,8 @@ class CacheRun {
       try {
         apply(*cache, rec, evidence);
         if (!rec.refused.empty())
-          evidence.refusal = fmt::format("the cache accepted a step the policy refuses ({}: {})", rec.refused,
-                                         rec.refusal_message);
+          evidence.refusal =
+              fmt::format("the cache accepted a step the policy refuses ({}: {})", rec.refused, rec.refusal_message);
       } catch (const CacheRefusal& e) {
         if (e.code != rec.refused) {
           evidence.refusal = fmt::format("the cache refused with \"{}\" ({}){}", e.code, e.what(),
@@ -153,10 +153,18 @@ class CacheRun {
  private:
   void apply(KvCache& cache, const StepRecord& rec, StepEvidence& evidence) {
     switch (rec.step.op) {
-      case StepOp::append: append(cache, rec, evidence); break;
-      case StepOp::reorder: cache.reorder(rec.step.rows); break;
-      case StepOp::reset: cache.reset(*rec.step.batch); break;
-      case StepOp::crop: cache.crop(rec.step.length); break;
+      case StepOp::append:
+        append(cache, rec, evidence);
+        break;
+      case StepOp::reorder:
+        cache.reorder(rec.step.rows);
+        break;
+      case StepOp::reset:
+        cache.reset(*rec.step.batch);
+        break;
+      case StepOp::crop:
+        cache.crop(rec.step.length);
+        break;
     }
   }
 
@@ -166,7 +174,7 @@ class CacheRun {
     const int B = static_cast<int>(ref.rows.size());
     ChunkBuffers buffers = make_chunk(s_, inputs_, ref);
     std::vector<std::vector<float>> out(L, std::vector<float>(static_cast<std::size_t>(B) * ref.chunk * H * D,
-                                                             std::numeric_limits<float>::quiet_NaN()));
+                                                              std::numeric_limits<float>::quiet_NaN()));
     std::vector<float*> out_ptrs;
     for (auto& o : out) out_ptrs.push_back(o.data());
     cache.append(buffers.chunk, out_ptrs, &log_);
@@ -194,9 +202,10 @@ class CacheRun {
               max_abs_ = std::max(max_abs_, std::isnan(err) ? std::numeric_limits<double>::infinity() : err);
               if (err <= s_.tolerance.atol + s_.tolerance.rtol * std::abs(want)) continue;
               const auto& token = ref.rows[b][i];
-              outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got "
-                                        "{:.9g}",
-                                        evidence.label, l, b, token.index, token.uid, h, d, want, got));
+              outputs_.fail(
+                  fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got "
+                              "{:.9g}",
+                              evidence.label, l, b, token.index, token.uid, h, d, want, got));
               if (evidence.outputs.size() < 64)
                 evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
             }
@@ -294,7 +303,8 @@ class CacheRun {
           extra.window_gap = window_start(s_.policy, rec.retained[b]) - index;
           evidence.slots.push_back(extra);
         } else if (count > 1) {
-          retained_.fail(fmt::format("{}: row {} holds uid {} in {} slots (duplicated)", evidence.label, b, uid, count));
+          retained_.fail(
+              fmt::format("{}: row {} holds uid {} in {} slots (duplicated)", evidence.label, b, uid, count));
           evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::duplicated, b, uid, index));
         }
       }
@@ -310,8 +320,8 @@ class CacheRun {
   void check_rotation(const optimized::SlotStore& store, int b, std::int64_t slot, const SlotMeta& m,
                       std::int64_t true_index, bool newest, StepEvidence& evidence) {
     if (m.uid >= inputs_.uids) {
-      rotation_.fail(fmt::format("{}: row {} slot {} claims uid {}, which does not exist", evidence.label, b, slot,
-                                 m.uid));
+      rotation_.fail(
+          fmt::format("{}: row {} slot {} claims uid {}, which does not exist", evidence.label, b, slot, m.uid));
       return;
     }
     const int D = s_.dims.head_dim;
@@ -327,9 +337,10 @@ class CacheRun {
         // position off by one moves the fastest pair by about a radian.
         if (worst <= 1e-3) continue;
         const RecoveredPosition r = recover_position(raw, stored, D, s_.rope, largest_position(run_));
-        rotation_.fail(fmt::format("{}: layer {} row {} slot {} (uid {}): the key is not its raw key rotated by its "
-                                   "claimed position {} (recovered: {})",
-                                   evidence.label, l, b, slot, m.uid, m.position, describe(r)));
+        rotation_.fail(
+            fmt::format("{}: layer {} row {} slot {} (uid {}): the key is not its raw key rotated by its "
+                        "claimed position {} (recovered: {})",
+                        evidence.label, l, b, slot, m.uid, m.position, describe(r)));
         SlotIssue rotated = SlotIssue::of(SlotIssue::Kind::rotation, b, m.uid, true_index);
         rotated.slot = slot;
         rotated.claimed_index = m.index;

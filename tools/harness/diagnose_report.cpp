@@ -1,8 +1,8 @@
 #include "tools/harness/diagnose_report.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
+
+#include <algorithm>
 
 namespace kvcheck {
 namespace {
@@ -31,8 +31,7 @@ const SlotRow* culprit(const FirstDivergence& f) {
 std::string headline(const FirstDivergence& f) {
   const StepEvidence& e = f.evidence;
   std::string where = fmt::format("{}, row {}", e.label, f.row);
-  if (!e.outputs.empty())
-    where += fmt::format(", layer {}, head {}", e.outputs.front().layer, e.outputs.front().head);
+  if (!e.outputs.empty()) where += fmt::format(", layer {}, head {}", e.outputs.front().layer, e.outputs.front().head);
   if (f.query_index >= 0) where += fmt::format(", query token {}", f.query_index);
   return where;
 }
@@ -48,34 +47,45 @@ std::string culprit_line(const FirstDivergence& f) {
     }
     return "no single slot stands out";
   }
-  return fmt::format("{}, uid {} (token {}): visible expected {}, actual {}; position expected {}, claimed {}, "
-                     "recovered {}; Pq-Pk expected {}, actual {}: {}",
-                     r->slot < 0 ? std::string("no slot") : fmt::format("slot {}", r->slot), r->uid, r->index,
-                     yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected),
-                     r->slot < 0 ? std::string("-") : std::to_string(r->position_claimed),
-                     r->position_recovered.empty() ? "-" : r->position_recovered, opt(r->distance_expected),
-                     opt(r->distance_actual), r->verdict);
+  return fmt::format(
+      "{}, uid {} (token {}): visible expected {}, actual {}; position expected {}, claimed {}, "
+      "recovered {}; Pq-Pk expected {}, actual {}: {}",
+      r->slot < 0 ? std::string("no slot") : fmt::format("slot {}", r->slot), r->uid, r->index,
+      yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected),
+      r->slot < 0 ? std::string("-") : std::to_string(r->position_claimed),
+      r->position_recovered.empty() ? "-" : r->position_recovered, opt(r->distance_expected), opt(r->distance_actual),
+      r->verdict);
 }
 
 std::string escape(const std::string& s) {
   std::string out;
   for (char c : s) {
-    if (c == '<') out += "&lt;";
-    else if (c == '>') out += "&gt;";
-    else if (c == '&') out += "&amp;";
-    else if (c == '"') out += "&quot;";
-    else out += c;
+    if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else if (c == '&')
+      out += "&amp;";
+    else if (c == '"')
+      out += "&quot;";
+    else
+      out += c;
   }
   return out;
 }
 
 std::string colour(const PictureCell& c) {
   switch (c.state) {
-    case PictureCell::State::empty: return "#eeeeee";
-    case PictureCell::State::ok: return "#4caf50";
-    case PictureCell::State::not_retained: return "#ff9800";
-    case PictureCell::State::duplicated: return "#9c27b0";
-    case PictureCell::State::missing: return "#000000";
+    case PictureCell::State::empty:
+      return "#eeeeee";
+    case PictureCell::State::ok:
+      return "#4caf50";
+    case PictureCell::State::not_retained:
+      return "#ff9800";
+    case PictureCell::State::duplicated:
+      return "#9c27b0";
+    case PictureCell::State::missing:
+      return "#000000";
     case PictureCell::State::wrong_position: {
       // Redder as the position error grows (1 light, 8 or more full).
       const int level = static_cast<int>(std::min<std::int64_t>(8, std::abs(c.error)));
@@ -106,11 +116,11 @@ void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace&
   fmt::print(out, "  {}\n", culprit_line(f));
   fmt::print(out, "class: {}\n  {}\n\n", class_name(f.bug), class_explanation(f.bug));
   if (f.slots.empty()) return;
-  fmt::print(out, "slots of row {} after {}{}:\n", f.row, f.evidence.label,
-             f.table_query_index >= 0
-                 ? fmt::format(" (visibility and Pq-Pk as seen by token {}, the row's last of the step)",
-                               f.table_query_index)
-                 : "");
+  fmt::print(
+      out, "slots of row {} after {}{}:\n", f.row, f.evidence.label,
+      f.table_query_index >= 0
+          ? fmt::format(" (visibility and Pq-Pk as seen by token {}, the row's last of the step)", f.table_query_index)
+          : "");
   fmt::print(out, "{:>5} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", "slot", "uid", "token", "visible e/a",
              "Pq-Pk e/a", "pos exp", "claimed", "recovered", "verdict");
   for (const SlotRow& r : f.slots)
@@ -151,8 +161,7 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
   svg += fmt::format("<text x=\"{}\" y=\"12\">steps &#8594;</text>\n", left);
   svg += fmt::format("<text x=\"2\" y=\"{}\">slots &#8595;</text>\n", top + 10);
   for (std::size_t step = 0; step < trace.picture.size(); ++step) {
-    if (step % 5 == 0)
-      svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left + step * cell, top - 4, step);
+    if (step % 5 == 0) svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left + step * cell, top - 4, step);
     for (std::size_t slot = 0; slot < trace.picture[step].size(); ++slot) {
       const PictureCell& c = trace.picture[step][slot];
       svg += fmt::format(
@@ -170,18 +179,20 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
         left + divergent_step * cell, top - 2, cell, slots * cell + 4);
   svg += "</svg>\n";
   body += fmt::format("<h2>Slots of row {} over the steps</h2>\n{}", row, svg);
-  body += "<p class=\"legend\"><span style=\"background:#4caf50\">&#160;&#160;&#160;</span> right position "
-          "<span style=\"background:#ff6464\">&#160;&#160;&#160;</span> wrong position (darker: further off) "
-          "<span style=\"background:#ff9800\">&#160;&#160;&#160;</span> should have been evicted "
-          "<span style=\"background:#9c27b0\">&#160;&#160;&#160;</span> duplicated "
-          "<span style=\"background:#eeeeee\">&#160;&#160;&#160;</span> empty. "
-          "The framed column is the first divergent step; positions are judged by the distance Pq - Pk that the "
-          "row's last query of each step used.</p>\n";
+  body +=
+      "<p class=\"legend\"><span style=\"background:#4caf50\">&#160;&#160;&#160;</span> right position "
+      "<span style=\"background:#ff6464\">&#160;&#160;&#160;</span> wrong position (darker: further off) "
+      "<span style=\"background:#ff9800\">&#160;&#160;&#160;</span> should have been evicted "
+      "<span style=\"background:#9c27b0\">&#160;&#160;&#160;</span> duplicated "
+      "<span style=\"background:#eeeeee\">&#160;&#160;&#160;</span> empty. "
+      "The framed column is the first divergent step; positions are judged by the distance Pq - Pk that the "
+      "row's last query of each step used.</p>\n";
 
   if (trace.first && !trace.first->slots.empty()) {
-    body += "<h2>Slot table at the first divergence</h2>\n<table>\n<tr><th>slot</th><th>uid</th><th>token</th>"
-            "<th>visible exp/act</th><th>Pq-Pk exp/act</th><th>pos exp</th><th>claimed</th><th>recovered</th>"
-            "<th>verdict</th></tr>\n";
+    body +=
+        "<h2>Slot table at the first divergence</h2>\n<table>\n<tr><th>slot</th><th>uid</th><th>token</th>"
+        "<th>visible exp/act</th><th>Pq-Pk exp/act</th><th>pos exp</th><th>claimed</th><th>recovered</th>"
+        "<th>verdict</th></tr>\n";
     for (const SlotRow& r : trace.first->slots)
       body += fmt::format(
           "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}/{}</td><td>{}/{}</td><td>{}</td><td>{}</td>"

@@ -7,33 +7,54 @@ namespace kvcheck {
 
 const char* class_name(BugClass c) {
   switch (c) {
-    case BugClass::none: return "none";
-    case BugClass::refusal_mismatch: return "refusal mismatch";
-    case BugClass::stale_row_after_batch_change: return "stale row after batch change";
-    case BugClass::reorder_lost_positions: return "reorder lost positions";
-    case BugClass::stale_slot: return "stale slot";
-    case BugClass::wrong_rope_layout: return "wrong rope layout";
-    case BugClass::wrong_rope_theta_or_scaling: return "wrong rope theta or scaling";
-    case BugClass::rope_table_wraps: return "rope table wraps";
-    case BugClass::new_key_not_shifted: return "new key not shifted";
-    case BugClass::key_at_wrong_position: return "key at wrong position";
-    case BugClass::kept_keys_not_shifted: return "kept keys not re-rotated";
-    case BugClass::padding_counted: return "padding counted as sink or position";
-    case BugClass::mask_sees_evicted: return "mask sees evicted slots";
-    case BugClass::query_position_not_shifted: return "query position not shifted";
-    case BugClass::sink_count_wrong: return "sink count wrong";
-    case BugClass::window_off_by_one: return "window off by one";
-    case BugClass::evicted_wrong_token: return "evicted the wrong token";
-    case BugClass::shift_one_token_early: return "shift one token early";
-    case BugClass::positions_wrong: return "positions wrong";
-    case BugClass::output_mismatch_positions_correct: return "output mismatch with positions correct";
+    case BugClass::none:
+      return "none";
+    case BugClass::refusal_mismatch:
+      return "refusal mismatch";
+    case BugClass::stale_row_after_batch_change:
+      return "stale row after batch change";
+    case BugClass::reorder_lost_positions:
+      return "reorder lost positions";
+    case BugClass::stale_slot:
+      return "stale slot";
+    case BugClass::wrong_rope_layout:
+      return "wrong rope layout";
+    case BugClass::wrong_rope_theta_or_scaling:
+      return "wrong rope theta or scaling";
+    case BugClass::rope_table_wraps:
+      return "rope table wraps";
+    case BugClass::new_key_not_shifted:
+      return "new key not shifted";
+    case BugClass::key_at_wrong_position:
+      return "key at wrong position";
+    case BugClass::kept_keys_not_shifted:
+      return "kept keys not re-rotated";
+    case BugClass::padding_counted:
+      return "padding counted as sink or position";
+    case BugClass::mask_sees_evicted:
+      return "mask sees evicted slots";
+    case BugClass::query_position_not_shifted:
+      return "query position not shifted";
+    case BugClass::sink_count_wrong:
+      return "sink count wrong";
+    case BugClass::window_off_by_one:
+      return "window off by one";
+    case BugClass::evicted_wrong_token:
+      return "evicted the wrong token";
+    case BugClass::shift_one_token_early:
+      return "shift one token early";
+    case BugClass::positions_wrong:
+      return "positions wrong";
+    case BugClass::output_mismatch_positions_correct:
+      return "output mismatch with positions correct";
   }
   return "?";
 }
 
 const char* class_explanation(BugClass c) {
   switch (c) {
-    case BugClass::none: return "The cache matches the reference.";
+    case BugClass::none:
+      return "The cache matches the reference.";
     case BugClass::refusal_mismatch:
       return "The cache accepted a step its policy must refuse, or refused one it must accept: look at the "
              "crop/rollback path and the test of which tokens are still held.";
@@ -167,11 +188,13 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     return BugClass::query_position_not_shifted;
   // Window keys too far back, the query's own key among them: new keys kept their
   // absolute positions while the query moved with the window.
-  const bool new_keys_behind = shifted_policy && !e.pairs.empty() &&
-                               std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
-                                 return p.expected && p.actual && p.key_index >= s.policy.sinks && *p.actual < *p.expected;
-                               }) &&
-                               any(e.pairs, [](const PairMismatch& p) { return p.key_index == p.query_index; });
+  const bool new_keys_behind =
+      shifted_policy && !e.pairs.empty() &&
+      std::all_of(e.pairs.begin(), e.pairs.end(),
+                  [&](const PairMismatch& p) {
+                    return p.expected && p.actual && p.key_index >= s.policy.sinks && *p.actual < *p.expected;
+                  }) &&
+      any(e.pairs, [](const PairMismatch& p) { return p.key_index == p.query_index; });
   if (new_keys_behind) return BugClass::new_key_not_shifted;
   if (shifted_policy && any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; })) {
     // Distances off for sinks only, by E: the query was not moved back with the window.
@@ -181,8 +204,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     if (sinks_only_by_e) return BugClass::query_position_not_shifted;
   }
 
-  const bool sink_missing = s.policy.kind == PolicyKind::sink &&
-                            any(e.pairs, [&](const PairMismatch& p) {
+  const bool sink_missing = s.policy.kind == PolicyKind::sink && any(e.pairs, [&](const PairMismatch& p) {
                               return p.expected && !p.actual && p.key_index < s.policy.sinks;
                             });
   if (sink_missing) return BugClass::sink_count_wrong;

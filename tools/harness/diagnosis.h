@@ -43,11 +43,11 @@ struct PairMismatch {
   int row;
   std::int64_t query_index;
   std::int64_t key_uid;
-  std::int64_t key_index;              // -1 when the uid is not in the row's history
-  std::optional<std::int64_t> expected;  // Pq - Pk; none: should not be visible
-  std::optional<std::int64_t> actual;    // none: the cache did not use it
+  std::int64_t key_index;                      // -1 when the uid is not in the row's history
+  std::optional<std::int64_t> expected;        // Pq - Pk; none: should not be visible
+  std::optional<std::int64_t> actual;          // none: the cache did not use it
   std::optional<std::int64_t> query_position;  // the query rotation the cache used
-  std::int64_t evicted_before = 0;     // E of the query (sink policy)
+  std::int64_t evicted_before = 0;             // E of the query (sink policy)
 };
 
 struct SlotIssue {
@@ -92,7 +92,7 @@ struct StepEvidence {
 struct StepContext {
   // The most recent step that rearranged rows: what a stale or misplaced slot points back to.
   enum class RowChange { none, reset_same_batch, reset_new_batch, reorder } last_row_change = RowChange::none;
-  bool padded = false;                  // some append so far left-padded a row
+  bool padded = false;  // some append so far left-padded a row
 };
 
 BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);

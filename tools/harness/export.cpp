@@ -1,9 +1,9 @@
 #include "tools/harness/export.h"
 
+#include <fmt/format.h>
+
 #include <filesystem>
 #include <fstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "tools/harness/atomic_dir.h"
@@ -18,8 +18,8 @@ std::string step_stem(std::size_t index) { return fmt::format("step{:03d}", inde
 namespace {
 
 json dims_json(const Dims& d) {
-  return {{"layers", d.layers}, {"batch", d.batch}, {"heads", d.heads}, {"kv_heads", d.kv_heads},
-          {"head_dim", d.head_dim}};
+  return {
+      {"layers", d.layers}, {"batch", d.batch}, {"heads", d.heads}, {"kv_heads", d.kv_heads}, {"head_dim", d.head_dim}};
 }
 
 json rope_json(const Rope& r) {
@@ -65,8 +65,9 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
   if (std::filesystem::exists(out_dir, ec) &&
       (!std::filesystem::is_directory(out_dir, ec) || !std::filesystem::is_empty(out_dir, ec)) &&
       !is_export_folder(out_dir))
-    throw InputError(out_dir, "", "refusing to replace it: not a kvcheck export folder (no manifest.json with "
-                                  "format kvcheck-export-1); choose a new or empty folder");
+    throw InputError(out_dir, "",
+                     "refusing to replace it: not a kvcheck export folder (no manifest.json with "
+                     "format kvcheck-export-1); choose a new or empty folder");
   AtomicDir dir(out_dir);
   const auto L = static_cast<std::size_t>(s.dims.layers), U = static_cast<std::size_t>(inputs.uids),
              H = static_cast<std::size_t>(s.dims.heads), Hkv = static_cast<std::size_t>(s.dims.kv_heads),
@@ -78,8 +79,11 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
   json steps = json::array();
   for (std::size_t i = 0; i < run.steps.size(); ++i) {
     const StepRecord& r = run.steps[i];
-    json step = {{"index", i}, {"op", to_string(r.step.op)}, {"source_step", r.step.source_index},
-                 {"source_op", r.step.source_op}, {"batch", r.retained.size()}};
+    json step = {{"index", i},
+                 {"op", to_string(r.step.op)},
+                 {"source_step", r.step.source_index},
+                 {"source_op", r.step.source_op},
+                 {"batch", r.retained.size()}};
     if (r.append) {
       const auto B = r.append->rows.size(), n = static_cast<std::size_t>(r.append->chunk);
       json rows = json::array();

@@ -1,13 +1,13 @@
 #include "tools/harness/golden.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/export.h"
@@ -121,9 +121,9 @@ int generate_goldens(const GoldenOptions& o) {
   for (const std::string& file : o.scenario_files) {
     computed.push_back(export_into(file, scratch.path()));
     if (!names.insert(computed.back().name).second)
-      throw InputError(file, "/name",
-                       fmt::format("two scenarios are named \"{}\"; golden folders need distinct names",
-                                   computed.back().name));
+      throw InputError(
+          file, "/name",
+          fmt::format("two scenarios are named \"{}\"; golden folders need distinct names", computed.back().name));
   }
 
   // Then what would change: changed and removed goldens need --force.
@@ -155,8 +155,9 @@ int generate_goldens(const GoldenOptions& o) {
         to_remove.push_back(name);
       }
   if ((changed > 0 || removed > 0) && !o.force) {
-    fmt::print(stderr, "kvcheck: goldens would change; nothing was written. Rerun with --force to apply the "
-                       "changes listed above.\n");
+    fmt::print(stderr,
+               "kvcheck: goldens would change; nothing was written. Rerun with --force to apply the "
+               "changes listed above.\n");
     return 1;
   }
 

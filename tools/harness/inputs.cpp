@@ -1,8 +1,8 @@
 #include "tools/harness/inputs.h"
 
-#include <cmath>
-
 #include <fmt/format.h>
+
+#include <cmath>
 
 #include "tools/harness/generator.h"
 #include "tools/harness/npy.h"
@@ -16,8 +16,9 @@ std::vector<float> load_tensor(const std::string& path, const std::vector<std::s
   const bool fits = a.shape.size() == 4 && a.shape[0] == expected[0] && a.shape[1] >= expected[1] &&
                     a.shape[2] == expected[2] && a.shape[3] == expected[3];
   if (!fits)
-    throw InputError(path, "", fmt::format("expected {} of shape [L={}, U>={}, {}, D={}], got {}", what, expected[0],
-                                           expected[1], expected[2], expected[3], shape_string(a.shape)));
+    throw InputError(path, "",
+                     fmt::format("expected {} of shape [L={}, U>={}, {}, D={}], got {}", what, expected[0], expected[1],
+                                 expected[2], expected[3], shape_string(a.shape)));
   for (std::size_t i = 0; i < a.data.size(); ++i)
     if (!std::isfinite(a.data[i]))
       throw InputError(path, "", fmt::format("expected finite values, got {} at flat index {}", a.data[i], i));

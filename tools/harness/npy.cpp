@@ -1,9 +1,9 @@
 #include "tools/harness/npy.h"
 
-#include <fstream>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <fstream>
 #include <xtensor/xadapt.hpp>
 #include <xtensor/xnpy.hpp>
 

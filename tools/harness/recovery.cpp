@@ -1,10 +1,10 @@
 #include "tools/harness/recovery.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
-
-#include <fmt/format.h>
 
 namespace kvcheck {
 namespace {
@@ -83,9 +83,13 @@ RecoveredPosition recover_with(const float* raw, const float* stored, int d, con
   RecoveredPosition r;
   std::vector<Pair> pairs;
   switch (measure(raw, stored, d, rope, pairs)) {
-    case Measured::length_changed: return r;
-    case Measured::zero_key: r.status = RecoveredPosition::Status::ambiguous; return r;  // every position fits
-    case Measured::rotation: break;
+    case Measured::length_changed:
+      return r;
+    case Measured::zero_key:
+      r.status = RecoveredPosition::Status::ambiguous;
+      return r;  // every position fits
+    case Measured::rotation:
+      break;
   }
   const Pair* lowest = nullptr;
   for (auto it = pairs.rbegin(); it != pairs.rend() && lowest == nullptr; ++it)
@@ -138,8 +142,8 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
   for (const auto& [guess, name] : guesses) {
     const RecoveredPosition g = recover_with(raw, stored, head_dim, guess, max_position);
     if (g.status != RecoveredPosition::Status::not_rotation) {
-      r.fits = fmt::format("{} at position {}{}", name, g.position,
-                           g.status == RecoveredPosition::Status::exact ? "" : "?");
+      r.fits =
+          fmt::format("{} at position {}{}", name, g.position, g.status == RecoveredPosition::Status::exact ? "" : "?");
       break;
     }
   }
@@ -148,8 +152,10 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
 
 std::string describe(const RecoveredPosition& r) {
   switch (r.status) {
-    case RecoveredPosition::Status::exact: return std::to_string(r.position);
-    case RecoveredPosition::Status::ambiguous: return fmt::format("{}?", r.position);
+    case RecoveredPosition::Status::exact:
+      return std::to_string(r.position);
+    case RecoveredPosition::Status::ambiguous:
+      return fmt::format("{}?", r.position);
     case RecoveredPosition::Status::not_rotation:
       return r.fits.empty() ? std::string("not a rotation") : "fits " + r.fits;
   }

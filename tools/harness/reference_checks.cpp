@@ -1,9 +1,9 @@
 #include "tools/harness/reference_checks.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <fmt/format.h>
 
 namespace kvcheck {
 namespace {
@@ -13,8 +13,7 @@ using reference::AppendedToken;
 // Copies uid `from` of `src` to uid `to` of `dst` in every layer and tensor.
 void copy_uid(const InputTable& src, std::uint64_t from, InputTable& dst, std::uint64_t to) {
   for (int l = 0; l < src.layers; ++l) {
-    for (int h = 0; h < src.heads; ++h)
-      std::copy_n(src.q_at(l, from, h), src.head_dim, dst.q_at(l, to, h));
+    for (int h = 0; h < src.heads; ++h) std::copy_n(src.q_at(l, from, h), src.head_dim, dst.q_at(l, to, h));
     for (int h = 0; h < src.kv_heads; ++h) {
       std::copy_n(src.k_at(l, from, h), src.head_dim, dst.k_at(l, to, h));
       std::copy_n(src.v_at(l, from, h), src.head_dim, dst.v_at(l, to, h));
@@ -52,9 +51,10 @@ Check chunk_invariance(const Scenario& s, const InputTable& inputs, const Refere
             const double e = one[(static_cast<std::size_t>(l) * B + b) * H * D + hd];
             if (!same_value(a, e)) {
               check.passed = false;
-              check.detail = fmt::format("{}: layer {} row {} chunk position {} differs from feeding one by one "
-                                         "({} vs {})",
-                                         step_label(chunked.step, i), l, b, pos, a, e);
+              check.detail = fmt::format(
+                  "{}: layer {} row {} chunk position {} differs from feeding one by one "
+                  "({} vs {})",
+                  step_label(chunked.step, i), l, b, pos, a, e);
               return check;
             }
           }
@@ -65,8 +65,7 @@ Check chunk_invariance(const Scenario& s, const InputTable& inputs, const Refere
 }
 
 // `sink` with S = 0, k = 1 and shifted positions has the relative distances of `sliding`.
-Check sink_zero_equals_sliding(const Scenario& s, const InputTable& inputs, const ReferenceRun& run,
-                               double& max_gap) {
+Check sink_zero_equals_sliding(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, double& max_gap) {
   Check check{"sink S=0 equals sliding", true, ""};
   const Policy& p = s.policy;
   if (p.kind != PolicyKind::sink || p.sinks != 0 || p.evict != 1 || p.positions != SinkPositions::cache ||
@@ -114,8 +113,14 @@ Check position_bounds(const Scenario& s, const ReferenceRun& run) {
       for (const AppendedToken& token : rows[b]) {
         const auto& keys = token.view.keys;
         const std::int64_t pq = token.view.query_position;
-        if (keys.empty() || keys.back().index != token.index) { fail(i, b, token, "does not see itself"); break; }
-        if (pq < 0) { fail(i, b, token, fmt::format("negative query position {}", pq)); break; }
+        if (keys.empty() || keys.back().index != token.index) {
+          fail(i, b, token, "does not see itself");
+          break;
+        }
+        if (pq < 0) {
+          fail(i, b, token, fmt::format("negative query position {}", pq));
+          break;
+        }
         const bool windowed = p.kind != PolicyKind::full && p.prefill == Prefill::streaming;
         if (windowed && static_cast<std::int64_t>(keys.size()) > p.window) {
           fail(i, b, token, fmt::format("sees {} keys, more than the window {}", keys.size(), p.window));

@@ -16,10 +16,18 @@ ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
     StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
     try {
       switch (step.op) {
-        case StepOp::append: record.append = model.append(step.tokens); break;
-        case StepOp::reorder: model.reorder(step.rows); break;
-        case StepOp::reset: model.reset(*step.batch); break;
-        case StepOp::crop: model.crop(step.length); break;
+        case StepOp::append:
+          record.append = model.append(step.tokens);
+          break;
+        case StepOp::reorder:
+          model.reorder(step.rows);
+          break;
+        case StepOp::reset:
+          model.reset(*step.batch);
+          break;
+        case StepOp::crop:
+          model.crop(step.length);
+          break;
       }
       if (!step.expect_error.empty())
         run.problems.push_back(fmt::format("{}: expected the error \"{}\", but the step was accepted",

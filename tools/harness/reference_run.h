@@ -14,10 +14,10 @@ namespace kvcheck {
 struct StepRecord {
   Step step;
   int batch_before = 0;
-  std::optional<reference::AppendResult> append;       // append steps
-  std::vector<reference::RowRetained> retained;        // per row, after the step
-  std::vector<std::vector<std::uint64_t>> histories;   // per row, uid of each token index, after the step
-  std::string refused;                                 // the code when the step was refused
+  std::optional<reference::AppendResult> append;      // append steps
+  std::vector<reference::RowRetained> retained;       // per row, after the step
+  std::vector<std::vector<std::uint64_t>> histories;  // per row, uid of each token index, after the step
+  std::string refused;                                // the code when the step was refused
   std::string refusal_message;
 };
 

@@ -1,32 +1,38 @@
 #include "tools/harness/scenario.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 namespace kvcheck {
 
 using json = nlohmann::json;
 
 InputError::InputError(std::string file_, std::string path_, std::string reason_)
-    : std::runtime_error(path_.empty() ? fmt::format("{}: {}", file_.empty() ? "<scenario>" : file_, reason_)
-                                       : fmt::format("{}: {}: {}", file_.empty() ? "<scenario>" : file_, path_,
-                                                     reason_)),
-      file(std::move(file_)), path(std::move(path_)), reason(std::move(reason_)) {}
+    : std::runtime_error(path_.empty()
+                             ? fmt::format("{}: {}", file_.empty() ? "<scenario>" : file_, reason_)
+                             : fmt::format("{}: {}: {}", file_.empty() ? "<scenario>" : file_, path_, reason_)),
+      file(std::move(file_)),
+      path(std::move(path_)),
+      reason(std::move(reason_)) {}
 
 const char* to_string(StepOp op) {
   switch (op) {
-    case StepOp::append: return "append";
-    case StepOp::reorder: return "reorder";
-    case StepOp::reset: return "reset";
-    case StepOp::crop: return "crop";
+    case StepOp::append:
+      return "append";
+    case StepOp::reorder:
+      return "reorder";
+    case StepOp::reset:
+      return "reset";
+    case StepOp::crop:
+      return "crop";
   }
   return "?";
 }
@@ -120,8 +126,7 @@ Dims parse_dims(const Reader& r, const json& j) {
   d.layers = static_cast<int>(r.integer(r.field(j, p, "layers"), p + "/layers", 1, 1024));
   d.batch = static_cast<int>(r.integer(r.field(j, p, "batch"), p + "/batch", 1, 4096));
   d.heads = static_cast<int>(r.integer(r.field(j, p, "heads"), p + "/heads", 1, 4096));
-  d.kv_heads =
-      j.contains("kv_heads") ? static_cast<int>(r.integer(j["kv_heads"], p + "/kv_heads", 1, 4096)) : d.heads;
+  d.kv_heads = j.contains("kv_heads") ? static_cast<int>(r.integer(j["kv_heads"], p + "/kv_heads", 1, 4096)) : d.heads;
   d.head_dim = static_cast<int>(r.integer(r.field(j, p, "head_dim"), p + "/head_dim", 2, 4096));
   if (d.heads % d.kv_heads != 0)
     r.fail(p + "/kv_heads", fmt::format("heads ({}) must be a multiple of kv_heads ({})", d.heads, d.kv_heads));
@@ -138,8 +143,8 @@ Rope parse_rope(const Reader& r, const json& j) {
     rope.layout = r.choice(j["layout"], p + "/layout", {"half", "interleaved"}) == "half" ? RopeLayout::half
                                                                                           : RopeLayout::interleaved;
   if (j.contains("scaling"))
-    rope.scaling = r.choice(j["scaling"], p + "/scaling", {"none", "linear"}) == "none" ? RopeScaling::none
-                                                                                         : RopeScaling::linear;
+    rope.scaling =
+        r.choice(j["scaling"], p + "/scaling", {"none", "linear"}) == "none" ? RopeScaling::none : RopeScaling::linear;
   if (rope.scaling == RopeScaling::linear) {
     rope.factor = r.number(r.field(j, p, "factor"), p + "/factor", false);
   } else if (j.contains("factor")) {
@@ -244,8 +249,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
     const json& s = j[i];
     const std::string p = "/steps/" + std::to_string(i);
     if (!s.is_object()) r.fail(p, "expected an object, got " + describe(s));
-    const std::string op =
-        r.choice(r.field(s, p, "op"), p + "/op", {"append", "decode", "reorder", "reset", "crop"});
+    const std::string op = r.choice(r.field(s, p, "op"), p + "/op", {"append", "decode", "reorder", "reset", "crop"});
     Step step;
     step.source_index = static_cast<int>(i);
     step.source_op = op;
@@ -301,7 +305,6 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
   return steps;
 }
 
-
 // JSON allows a key twice and keeps the last; a scenario that says "seed" twice is a
 // mistake, so the parser's callback refuses it, naming the path.
 class DuplicateKeys {
@@ -310,8 +313,12 @@ class DuplicateKeys {
   bool operator()(int, json::parse_event_t event, json& parsed) {
     using E = json::parse_event_t;
     switch (event) {
-      case E::object_start: enter(true); break;
-      case E::array_start: enter(false); break;
+      case E::object_start:
+        enter(true);
+        break;
+      case E::array_start:
+        enter(false);
+        break;
       case E::key: {
         Frame& f = frames_.back();
         f.name = parsed.get<std::string>();
@@ -323,7 +330,9 @@ class DuplicateKeys {
         frames_.pop_back();
         done_value();
         break;
-      case E::value: done_value(); break;
+      case E::value:
+        done_value();
+        break;
     }
     return true;
   }
@@ -370,14 +379,15 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
       what = what.substr(close + 2);
     r.fail("", "not valid JSON: " + what);
   }
-  r.object(j, "", {"name", "description", "dimensions", "rope", "policy", "seed", "inputs", "steps", "tolerance",
-                   "scale"});
+  r.object(j, "",
+           {"name", "description", "dimensions", "rope", "policy", "seed", "inputs", "steps", "tolerance", "scale"});
   Scenario s;
   s.file = file;
   s.source_json = j.dump(2);
   s.name = r.string(r.field(j, "", "name"), "/name");
   if (s.name.empty() || s.name[0] == '.' ||
-      s.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+      s.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") !=
+          std::string::npos)
     r.fail("/name", "expected letters, digits, '_', '-' or '.', not starting with '.' (the name names output folders)");
   if (j.contains("description")) s.description = r.string(j["description"], "/description");
   s.dims = parse_dims(r, r.field(j, "", "dimensions"));
@@ -387,8 +397,8 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);
   // The reference keeps every input and output: refuse what would not fit in memory.
-  const double floats = static_cast<double>(count_uids(s)) * s.dims.layers *
-                        (s.dims.heads + 2.0 * s.dims.kv_heads) * s.dims.head_dim;
+  const double floats =
+      static_cast<double>(count_uids(s)) * s.dims.layers * (s.dims.heads + 2.0 * s.dims.kv_heads) * s.dims.head_dim;
   if (floats > 1e9)
     r.fail("/steps", fmt::format("the scenario needs {:.3g} input values; kvcheck accepts up to 1e9", floats));
   if (j.contains("seed") && j.contains("inputs")) r.fail("/inputs", "give either \"seed\" or \"inputs\", not both");

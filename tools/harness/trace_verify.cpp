@@ -1,14 +1,14 @@
 #include "tools/harness/trace_verify.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "reference/policy.h"
 #include "reference/rope.h"
@@ -57,18 +57,22 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
   if (!m.contains("scenario") || m["scenario"] != s.name)
     fail("/scenario", fmt::format("expected the scenario's name \"{}\", got {}", s.name, got("scenario")));
   const std::string kp = m.value("key_positions", "");
-  if (kp == "cache-relative") t.positions = KeyPositions::cache_relative;
-  else if (kp == "absolute") t.positions = KeyPositions::absolute;
-  else if (kp == "unrotated") t.positions = KeyPositions::unrotated;
-  else fail("/key_positions", "expected one of cache-relative, absolute, unrotated, got " + got("key_positions"));
+  if (kp == "cache-relative")
+    t.positions = KeyPositions::cache_relative;
+  else if (kp == "absolute")
+    t.positions = KeyPositions::absolute;
+  else if (kp == "unrotated")
+    t.positions = KeyPositions::unrotated;
+  else
+    fail("/key_positions", "expected one of cache-relative, absolute, unrotated, got " + got("key_positions"));
   for (const auto& [key, value] : m.items())
     if (key != "format" && key != "scenario" && key != "producer" && key != "key_positions" && key != "steps")
       fail("/" + key, "unknown key (expected format, scenario, producer, key_positions, steps)");
   if (!m.contains("steps") || !m["steps"].is_array() || m["steps"].size() != steps)
-    fail("/steps", fmt::format("expected an array of {} steps (decode expanded into single-token steps), got {}",
-                               steps, m.contains("steps") && m["steps"].is_array()
-                                          ? std::to_string(m["steps"].size()) + " steps"
-                                          : got("steps")));
+    fail("/steps",
+         fmt::format("expected an array of {} steps (decode expanded into single-token steps), got {}", steps,
+                     m.contains("steps") && m["steps"].is_array() ? std::to_string(m["steps"].size()) + " steps"
+                                                                  : got("steps")));
   for (std::size_t i = 0; i < steps; ++i) {
     const json& step = m["steps"][i];
     const std::string p = fmt::format("/steps/{}", i);
@@ -104,8 +108,7 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
   return t;
 }
 
-NpyArray<double> load(const std::string& path, std::vector<std::size_t> expected, const char* what,
-                      bool any_third) {
+NpyArray<double> load(const std::string& path, std::vector<std::size_t> expected, const char* what, bool any_third) {
   NpyArray<double> a = read_npy_as_double(path);
   bool ok = a.shape.size() == expected.size();
   for (std::size_t i = 0; ok && i < expected.size(); ++i) ok = (any_third && i == 2) || a.shape[i] == expected[i];
@@ -164,13 +167,14 @@ class Verifier {
     auto add = [&](const char* name, const Tally& t, const std::string& ok) {
       o.checks.push_back({name, t.failures == 0, t.failures == 0 ? ok : t.first});
     };
-    const auto recorded = std::count_if(trace_.steps.begin(), trace_.steps.end(), [](const auto& s) { return !s.empty(); });
+    const auto recorded =
+        std::count_if(trace_.steps.begin(), trace_.steps.end(), [](const auto& s) { return !s.empty(); });
     o.checks.push_back({"steps recorded", true, fmt::format("{} of {} steps", recorded, trace_.steps.size())});
     add("outputs", outputs_, outputs_seen_ ? "within tolerance" : "no outputs in the trace");
     add("retained set", retained_, "every slot identified, the retained set, nothing stale or duplicated");
     add("key positions", keys_, "every key a rotation at the expected position");
     add("query positions", queries_,
-        queries_seen_ ? "every query at the expected distance"
+        queries_seen_                         ? "every query at the expected distance"
         : s_.policy.prefill == Prefill::dense ? "not checked: under dense prefill a chunk's queries see a state "
                                                 "the trace does not show"
                                               : "no queries in the trace");
@@ -243,9 +247,9 @@ class Verifier {
           row.uid = uid;
           row.index = index;
           if (index < 0) {
-            retained_.fail(fmt::format("{} slot {} holds {}", where, slot,
-                                       uid < 0 ? std::string("values of no token")
-                                               : fmt::format("uid {}, not this row's token", uid)));
+            retained_.fail(fmt::format(
+                "{} slot {} holds {}", where, slot,
+                uid < 0 ? std::string("values of no token") : fmt::format("uid {}, not this row's token", uid)));
             SlotIssue issue = SlotIssue::of(SlotIssue::Kind::stale, static_cast<int>(b), uid, -1);
             issue.slot = static_cast<std::int64_t>(slot);
             evidence.slots.push_back(issue);
@@ -289,8 +293,10 @@ class Verifier {
           row.distance_expected = it->second;
         }
         if (query_position && recovered.count(row.uid)) row.distance_actual = *query_position - recovered[row.uid];
-        if (row.verdict == "ok" && row.visible_actual && !row.visible_expected) row.verdict = "held, should have been evicted";
-        if (row.verdict == "ok" && row.distance_expected && row.distance_actual && row.distance_expected != row.distance_actual)
+        if (row.verdict == "ok" && row.visible_actual && !row.visible_expected)
+          row.verdict = "held, should have been evicted";
+        if (row.verdict == "ok" && row.distance_expected && row.distance_actual &&
+            row.distance_expected != row.distance_actual)
           row.verdict = fmt::format("distance off by {}", *row.distance_actual - *row.distance_expected);
       }
     }
@@ -314,28 +320,32 @@ class Verifier {
       if (static_cast<std::int64_t>(key.uid) == uid) expected = key.position;
     row.position_expected = expected;
     const std::int64_t declared = trace_.positions == KeyPositions::cache_relative ? expected
-                                  : trace_.positions == KeyPositions::absolute   ? index
-                                                                                 : 0;
+                                  : trace_.positions == KeyPositions::absolute     ? index
+                                                                                   : 0;
     row.position_claimed = declared;
     const double* stored = keys.data.data() + ((b * Hkv + g) * slots + slot) * D;
     const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(uid), static_cast<int>(g));
-    const auto back = reference::rotate(std::vector<double>(stored, stored + D), -static_cast<double>(declared), s_.rope);
+    const auto back =
+        reference::rotate(std::vector<double>(stored, stored + D), -static_cast<double>(declared), s_.rope);
     double worst = 0.0;
     for (std::size_t d = 0; d < D; ++d) worst = std::max(worst, std::abs(back[d] - raw[d]));
     const std::vector<float> stored_f(stored, stored + D);
     const RecoveredPosition r = recover_position(raw, stored_f.data(), static_cast<int>(D), s_.rope, max_position_);
     if (g == 0) {
       row.position_recovered = describe(r);
-      if (worst <= 1e-3) recovered[uid] = declared;
-      else if (r.status != RecoveredPosition::Status::not_rotation) recovered[uid] = r.position;
+      if (worst <= 1e-3)
+        recovered[uid] = declared;
+      else if (r.status != RecoveredPosition::Status::not_rotation)
+        recovered[uid] = r.position;
     }
     if (worst <= 1e-3) {
       row.verdict = "ok";
       return;
     }
-    keys_.fail(fmt::format("{}: layer {} row {} kv head {} slot {} (uid {}, token {}): key at position {}, "
-                           "expected {}",
-                           evidence.label, l, b, g, slot, uid, index, describe(r), declared));
+    keys_.fail(
+        fmt::format("{}: layer {} row {} kv head {} slot {} (uid {}, token {}): key at position {}, "
+                    "expected {}",
+                    evidence.label, l, b, g, slot, uid, index, describe(r), declared));
     SlotIssue issue = SlotIssue::of(SlotIssue::Kind::rotation, static_cast<int>(b), uid, index);
     issue.slot = static_cast<std::int64_t>(slot);
     issue.claimed_index = index;
@@ -350,8 +360,8 @@ class Verifier {
   // The row's last query: its recovered position against the keys' recovered positions
   // gives the distances it used; then the outputs.
   // Returns the last query's recovered position, when the trace has queries.
-  std::optional<std::int64_t> check_query_and_output(const StepRecord& rec, int l, std::size_t b,
-                                                     const TraceFiles& f, std::size_t H, std::size_t D,
+  std::optional<std::int64_t> check_query_and_output(const StepRecord& rec, int l, std::size_t b, const TraceFiles& f,
+                                                     std::size_t H, std::size_t D,
                                                      const std::map<std::int64_t, std::int64_t>& recovered,
                                                      StepEvidence& evidence) {
     const auto& tokens = rec.append->rows[b];
@@ -379,9 +389,10 @@ class Verifier {
         if (it == recovered.end() || r.status == RecoveredPosition::Status::not_rotation) continue;
         const std::int64_t want = last.view.query_position - key.position, got = r.position - it->second;
         if (want == got) continue;
-        queries_.fail(fmt::format("{}: layer {} row {} token {}: query at {}, key uid {} at {}: distance {}, "
-                                  "expected {}",
-                                  evidence.label, l, b, last.index, r.position, uid, it->second, got, want));
+        queries_.fail(
+            fmt::format("{}: layer {} row {} token {}: query at {}, key uid {} at {}: distance {}, "
+                        "expected {}",
+                        evidence.label, l, b, last.index, r.position, uid, it->second, got, want));
         if (l == 0)
           evidence.pairs.push_back({static_cast<int>(b), last.index, uid, key.index, want, got, r.position,
                                     reference::evicted_count(s_.policy, last.index)});

@@ -11,7 +11,9 @@ namespace {
 class FaultyCache : public KvCache {
  public:
   FaultyCache(const CacheConfig& config, Fault fault)
-      : config_(config), fault_(fault), rope_(rope_spec(config, fault)),
+      : config_(config),
+        fault_(fault),
+        rope_(rope_spec(config, fault)),
         store_(config.layers, config.kv_heads, config.head_dim) {
     if (fault == Fault::window_off_by_one) ++config_.window;
     store_.reset(config_.batch, config_.window + 1);
@@ -144,8 +146,10 @@ class FaultyCache : public KvCache {
     const std::int64_t window_begin = (fault_ == Fault::mask_past_cache || !keep) ? 0 : S + e;
     const QueryPlan plan{t, S, window_begin, rotation_of(query), rotation_of(query)};
     attend_all_layers(config_, rope_, chunk, out, b, {{chunk_pos, plan}}, {{&store_, b}}, log);
-    if (keep) ++row.used;
-    else store_.clear_slot(b, slot);
+    if (keep)
+      ++row.used;
+    else
+      store_.clear_slot(b, slot);
     row.length = t + 1;
   }
 

@@ -8,18 +8,18 @@
 namespace kvcheck::zoo {
 
 enum class Fault {
-  new_key_not_shifted,       // the newest key keeps its absolute rotation; old keys are re-rotated
-  absolute_positions,        // new keys and queries at absolute positions: positions grow past the cache
-  long_prompt_keeps_head,    // a prompt longer than the window keeps its first tokens, drops the newest
-  short_prompt_sinks,        // the sinks are whatever the first chunk had: a short prompt leaves fewer
-  window_off_by_one,         // the window holds W + 1 keys (own token not counted)
-  stale_rows_on_resize,      // a reset to another batch size keeps the old rows
-  reorder_keeps_row_state,   // reorder moves the keys but not the rows' lengths and offsets
-  padding_as_positions,      // left padding takes token indices, so sinks and positions shift
-  layout_swapped,            // interleaved RoPE where rotate_half is expected (or the reverse)
-  rope_table_wraps,          // the cos/sin table has W rows: position p is rotated at p mod W
-  shift_one_early,           // "still growing" tested with < : kept keys re-rotated one token early
-  mask_past_cache,           // evicted slots are not cleared and the mask does not stop at the window
+  new_key_not_shifted,      // the newest key keeps its absolute rotation; old keys are re-rotated
+  absolute_positions,       // new keys and queries at absolute positions: positions grow past the cache
+  long_prompt_keeps_head,   // a prompt longer than the window keeps its first tokens, drops the newest
+  short_prompt_sinks,       // the sinks are whatever the first chunk had: a short prompt leaves fewer
+  window_off_by_one,        // the window holds W + 1 keys (own token not counted)
+  stale_rows_on_resize,     // a reset to another batch size keeps the old rows
+  reorder_keeps_row_state,  // reorder moves the keys but not the rows' lengths and offsets
+  padding_as_positions,     // left padding takes token indices, so sinks and positions shift
+  layout_swapped,           // interleaved RoPE where rotate_half is expected (or the reverse)
+  rope_table_wraps,         // the cos/sin table has W rows: position p is rotated at p mod W
+  shift_one_early,          // "still growing" tested with < : kept keys re-rotated one token early
+  mask_past_cache,          // evicted slots are not cleared and the mask does not stop at the window
 };
 
 std::unique_ptr<optimized::KvCache> make_faulty_cache(const optimized::CacheConfig& config, Fault fault);
