@@ -242,6 +242,10 @@ int main(int argc, char** argv) {
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
   zoo->add_option("--mutant", zoo_only, "only this mutant (zoo/NAME; repeatable)")->allow_extra_args(false);
 
+  if (argc == 1) {  // no command: show what there is
+    fmt::print(stderr, "{}", app.help());
+    return kBadInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
