@@ -176,6 +176,24 @@ class KvtraceTest(unittest.TestCase):
         result = kvcheck("verify", os.path.join(DATA, "gqa_sliding_uniform.json"), "--trace", trace)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
 
+    def test_a_bug_in_one_layer_is_shown_in_that_layer(self):
+        class SecondLayerOff(SlidingWindowCache):
+            """Layer 1 rotates each incoming key one position further than it came."""
+            def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+                if layer_idx == 1:
+                    key_states = cache_kwargs["rotate"](key_states, 1.0)
+                return super().update(key_states, value_states, layer_idx)
+
+        exp = export(self.work, "gqa_sliding_uniform", DATA)
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: SecondLayerOff(exp.policy["window"]), trace)
+        result = kvcheck("verify", os.path.join(DATA, "gqa_sliding_uniform.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0), row 0, layer 1", result.stdout)
+        # Token 0 of the prompt: expected at 0, found at 1, and the table is layer 1's.
+        self.assertIn("slot 0, uid 0 (token 0): visible expected yes, actual yes; position expected 0, claimed 0, "
+                      "recovered 1", result.stdout)
+
     def test_a_reorder_is_recorded_from_the_cache_itself(self):
         class Beams(SlidingWindowCache):
             """Exposes its state like transformers' caches, and reorders rows wrongly

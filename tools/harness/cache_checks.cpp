@@ -343,6 +343,7 @@ class CacheRun {
                         evidence.label, l, b, slot, m.uid, m.position, describe(r)));
         SlotIssue rotated = SlotIssue::of(SlotIssue::Kind::rotation, b, m.uid, true_index);
         rotated.slot = slot;
+        rotated.layer = l;
         rotated.claimed_index = m.index;
         rotated.claimed_position = m.position;
         rotated.newest = newest;
@@ -360,6 +361,9 @@ class CacheRun {
     FirstDivergence f;
     f.evidence = evidence;
     f.context = context;
+    f.layer = !evidence.slots.empty() ? evidence.slots.front().layer
+              : !evidence.outputs.empty() ? evidence.outputs.front().layer
+                                          : 0;
     f.bug = classify(s_, evidence, context);
     if (!evidence.pairs.empty()) {
       f.row = evidence.pairs.front().row;
@@ -374,7 +378,8 @@ class CacheRun {
     if (rec.append && f.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[f.row].empty())
       f.table_query_index = rec.append->rows[f.row].back().index;
     if (f.row < cache.batch() && f.row < static_cast<int>(rec.histories.size()))
-      f.slots = slot_table(s_, inputs_, largest_position(run_), cache.slots(), log_, rec, f.row, f.table_query_index);
+      f.slots = slot_table(s_, inputs_, largest_position(run_), cache.slots(), log_, rec, f.row, f.table_query_index,
+                           f.layer);
     trace_.first = std::move(f);
   }
 

@@ -20,6 +20,7 @@ struct FirstDivergence {
   StepContext context;
   BugClass bug = BugClass::none;
   int row = 0;
+  int layer = 0;  // of the first slot issue, else of the first wrong output; the table shows it
   std::int64_t query_index = -1;  // the first divergent query; -1: none (a reorder, reset or crop)
   // The row's slots after that step, with visibility and distances as seen by the row's
   // last token of the step (whose view is the state the step leaves behind).

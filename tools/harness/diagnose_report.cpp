@@ -31,7 +31,8 @@ const SlotRow* culprit(const FirstDivergence& f) {
 std::string headline(const FirstDivergence& f) {
   const StepEvidence& e = f.evidence;
   std::string where = fmt::format("{}, row {}", e.label, f.row);
-  if (!e.outputs.empty()) where += fmt::format(", layer {}, head {}", e.outputs.front().layer, e.outputs.front().head);
+  where += fmt::format(", layer {}", f.layer);
+  if (!e.outputs.empty() && e.outputs.front().layer == f.layer) where += fmt::format(", head {}", e.outputs.front().head);
   if (f.query_index >= 0) where += fmt::format(", query token {}", f.query_index);
   return where;
 }

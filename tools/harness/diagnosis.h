@@ -53,6 +53,7 @@ struct PairMismatch {
 struct SlotIssue {
   enum class Kind { stale, duplicated, lost, extra, wrong_index, rotation } kind;
   int row;
+  int layer = 0;  // where it was seen (slots, and so most issues, are shared by every layer)
   std::int64_t slot = -1;
   std::int64_t uid = -1;
   std::int64_t claimed_index = -1, true_index = -1;

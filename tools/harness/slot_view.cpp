@@ -29,7 +29,7 @@ reference::QueryView expected_view(const StepRecord& rec, int row, std::int64_t 
 
 std::vector<SlotRow> slot_table(const Scenario& s, const InputTable& inputs, std::int64_t max_position,
                                 const optimized::SlotStore& store, const optimized::AttentionLog& log,
-                                const StepRecord& rec, int row, std::int64_t query_index) {
+                                const StepRecord& rec, int row, std::int64_t query_index, int layer) {
   const auto& history = rec.histories[row];
   const reference::QueryView view = expected_view(rec, row, query_index);
   std::map<std::int64_t, reference::VisibleKey> expected;  // uid -> key
@@ -50,7 +50,7 @@ std::vector<SlotRow> slot_table(const Scenario& s, const InputTable& inputs, std
     r.position_claimed = m.position;
     if (m.uid < inputs.uids)
       r.position_recovered =
-          describe(recover_position(inputs.k_at(0, static_cast<std::uint64_t>(m.uid), 0), store.key(0, row, 0, slot),
+          describe(recover_position(inputs.k_at(layer, static_cast<std::uint64_t>(m.uid), 0), store.key(layer, row, 0, slot),
                                     s.dims.head_dim, s.rope, max_position));
     if (const auto it = expected.find(m.uid); it != expected.end()) {
       r.visible_expected = true;

@@ -18,6 +18,7 @@ namespace kvcheck {
 
 // One slot of the diagnosed row, as the table and the picture show it.
 struct SlotRow {
+  int row = 0;
   std::int64_t slot = -1;  // -1: a token the cache should hold but does not
   std::int64_t uid = -1;
   std::int64_t index = -1;  // the reference's token index of that uid (-1: not in the row)
@@ -37,10 +38,11 @@ struct PictureCell {
 };
 
 // The row's slots, with visibility and Pq - Pk as seen by token `query_index`, and the
-// retained tokens the cache no longer holds; positions recovered up to max_position.
+// retained tokens the cache no longer holds; positions recovered (from `layer`'s keys) up
+// to max_position.
 std::vector<SlotRow> slot_table(const Scenario& scenario, const InputTable& inputs, std::int64_t max_position,
                                 const optimized::SlotStore& store, const optimized::AttentionLog& log,
-                                const StepRecord& record, int row, std::int64_t query_index);
+                                const StepRecord& record, int row, std::int64_t query_index, int layer);
 
 // The row's slots judged by the distance its last query of the step used.
 std::vector<PictureCell> picture_column(const optimized::SlotStore& store, const optimized::AttentionLog& log,

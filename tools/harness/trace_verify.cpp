@@ -143,8 +143,12 @@ class Verifier {
       StepEvidence evidence;
       evidence.step = i;
       evidence.label = step_label(rec.step, i);
-      std::vector<SlotRow> table;
-      for (int l = 0; l < s_.dims.layers; ++l) check_layer(rec, l, evidence, l == 0 ? &table : nullptr);
+      std::vector<std::vector<SlotRow>> tables(static_cast<std::size_t>(s_.dims.layers));
+      for (int l = 0; l < s_.dims.layers; ++l) {
+        const std::size_t before = evidence.slots.size();
+        check_layer(rec, l, evidence, tables[static_cast<std::size_t>(l)]);
+        for (std::size_t i = before; i < evidence.slots.size(); ++i) evidence.slots[i].layer = l;
+      }
       if (!evidence.empty() && !result_.first) {
         FirstDivergence f;
         f.evidence = evidence;
@@ -154,11 +158,13 @@ class Verifier {
         if (rec.append && f.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[f.row].empty())
           f.query_index = f.table_query_index = rec.append->rows[f.row].back().index;
         if (evidence.pairs.empty() && !evidence.outputs.empty()) f.query_index = evidence.outputs.front().query_index;
-        for (std::size_t r = 0; r < table.size(); ++r)
-          if (row_of_[static_cast<std::ptrdiff_t>(r)] == f.row) f.slots.push_back(table[r]);
+        f.layer = !evidence.slots.empty() ? evidence.slots.front().layer
+                  : !evidence.outputs.empty() ? evidence.outputs.front().layer
+                                              : 0;
+        for (const SlotRow& r : tables[static_cast<std::size_t>(f.layer)])
+          if (r.row == f.row) f.slots.push_back(r);
         result_.first = std::move(f);
       }
-      row_of_.clear();
     }
     Outcome& o = result_.outcome;
     o.scenario = s_.name;
@@ -210,7 +216,8 @@ class Verifier {
     return -1;
   }
 
-  void check_layer(const StepRecord& rec, int l, StepEvidence& evidence, std::vector<SlotRow>* table) {
+  // Checks layer l's files; the slots of kv head 0 go to `table`, one SlotRow each.
+  void check_layer(const StepRecord& rec, int l, StepEvidence& evidence, std::vector<SlotRow>& table) {
     const TraceFiles& f = trace_.steps[evidence.step][static_cast<std::size_t>(l)];
     const auto B = rec.retained.size();
     const auto Hkv = static_cast<std::size_t>(s_.dims.kv_heads), H = static_cast<std::size_t>(s_.dims.heads),
@@ -230,10 +237,10 @@ class Verifier {
       }
       std::map<std::int64_t, std::int64_t> want;  // uid -> token index
       for (const auto& key : rec.retained[b].keys) want[static_cast<std::int64_t>(key.uid)] = key.index;
-      const std::size_t table_start = table ? table->size() : 0;
+      const std::size_t table_start = table.size();
       std::map<std::int64_t, std::int64_t> recovered;  // uid -> key position (kv head 0)
       for (std::size_t g = 0; g < Hkv; ++g) {
-        std::vector<SlotRow>* rows = g == 0 ? table : nullptr;
+        std::vector<SlotRow>* rows = g == 0 ? &table : nullptr;
         const std::string where = fmt::format("{}: layer {} row {}{}", evidence.label, l, b,
                                               Hkv > 1 ? fmt::format(" kv head {}", g) : std::string());
         std::map<std::int64_t, std::int64_t> held;  // uid -> slot
@@ -285,8 +292,8 @@ class Verifier {
       }
       std::optional<std::int64_t> query_position;
       if (rec.append) query_position = check_query_and_output(rec, l, b, f, H, D, recovered, evidence);
-      for (std::size_t r = table_start; table && r < table->size(); ++r) {
-        SlotRow& row = (*table)[r];
+      for (std::size_t r = table_start; r < table.size(); ++r) {
+        SlotRow& row = table[r];
         row.visible_actual = row_attended;  // a cache attends to every slot it returns
         if (const auto it = expected_distance.find(row.uid); it != expected_distance.end()) {
           row.visible_expected = true;
@@ -302,9 +309,9 @@ class Verifier {
     }
   }
 
-  void push(std::vector<SlotRow>* table, const SlotRow& row, int b) {
+  static void push(std::vector<SlotRow>* table, SlotRow row, int b) {
     if (table == nullptr) return;
-    row_of_[static_cast<std::ptrdiff_t>(table->size())] = b;
+    row.row = b;
     table->push_back(row);
   }
 
@@ -428,7 +435,6 @@ class Verifier {
   const Trace& trace_;
   const std::int64_t max_position_;  // bounds position recovery
   CacheTrace result_;
-  std::map<std::ptrdiff_t, int> row_of_;
   Tally outputs_, retained_, keys_, queries_;
   bool outputs_seen_ = false, queries_seen_ = false;
   double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;
