@@ -53,8 +53,6 @@ class SlotStore {
   int layers() const { return layers_; }
   int kv_heads() const { return kv_heads_; }
   int head_dim() const { return head_dim_; }
-  // Floats between kv head g and g + 1 of one row.
-  std::size_t head_stride() const { return static_cast<std::size_t>(capacity_) * head_dim_; }
 
  private:
   float* at(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot) {

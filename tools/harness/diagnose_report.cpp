@@ -32,7 +32,8 @@ std::string headline(const FirstDivergence& f) {
   const StepEvidence& e = f.evidence;
   std::string where = fmt::format("{}, row {}", e.label, f.row);
   where += fmt::format(", layer {}", f.layer);
-  if (!e.outputs.empty() && e.outputs.front().layer == f.layer) where += fmt::format(", head {}", e.outputs.front().head);
+  if (!e.outputs.empty() && e.outputs.front().layer == f.layer)
+    where += fmt::format(", head {}", e.outputs.front().head);
   if (f.query_index >= 0) where += fmt::format(", query token {}", f.query_index);
   return where;
 }
@@ -85,8 +86,6 @@ std::string colour(const PictureCell& c) {
       return "#ff9800";
     case PictureCell::State::duplicated:
       return "#9c27b0";
-    case PictureCell::State::missing:
-      return "#000000";
     case PictureCell::State::wrong_position: {
       // Redder as the position error grows (1 light, 8 or more full).
       const int level = static_cast<int>(std::min<std::int64_t>(8, std::abs(c.error)));

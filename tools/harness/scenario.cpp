@@ -232,7 +232,6 @@ void parse_inputs(const Reader& r, const json& j, Scenario& s) {
   flatten(r, j["q"], p + "/q", {d.layers, uids, d.heads, d.head_dim}, 0, s.inputs.q);
   flatten(r, j["k"], p + "/k", {d.layers, uids, d.kv_heads, d.head_dim}, 0, s.inputs.k);
   flatten(r, j["v"], p + "/v", {d.layers, uids, d.kv_heads, d.head_dim}, 0, s.inputs.v);
-  s.inputs.inline_uids = uids;
 }
 
 std::string expect_error(const Reader& r, const json& step, const std::string& path) {

@@ -44,7 +44,6 @@ struct InputSource {
   std::uint64_t seed = 0;
   std::string q_path, k_path, v_path;  // npy: resolved paths
   std::vector<float> q, k, v;          // inline: flattened [L, U, H|Hkv, D]
-  std::int64_t inline_uids = 0;
 };
 
 struct Scenario {

@@ -32,7 +32,7 @@ struct SlotRow {
 
 // The picture: per step, per slot of the diagnosed row.
 struct PictureCell {
-  enum class State { empty, ok, wrong_position, not_retained, duplicated, missing } state = State::empty;
+  enum class State { empty, ok, wrong_position, not_retained, duplicated } state = State::empty;
   std::int64_t uid = -1;
   std::int64_t error = 0;  // actual - expected distance, for wrong_position
 };
