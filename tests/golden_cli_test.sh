@@ -6,9 +6,12 @@ kvcheck=$1 scenarios=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# A temporary folder left by a killed run (its pid is gone) is cleared by the next run.
+mkdir -p "$work/.a.tmp-999999999/junk"
 "$kvcheck" golden generate "$scenarios" --out "$work/a" >/dev/null
 "$kvcheck" golden generate "$scenarios" --out "$work/b" >/dev/null
 diff -r "$work/a" "$work/b" || { echo "FAIL: two runs differ"; exit 1; }
+[ ! -e "$work/.a.tmp-999999999" ] || { echo "FAIL: a killed run's temporary folder is still there"; exit 1; }
 
 # Tamper with one output: a rerun must refuse, say which step changed, and write nothing.
 golden="$work/a/sink_decode_through_windows"
