@@ -43,10 +43,7 @@ void DenseCache::reorder(const std::vector<int>& rows) {
 
 void DenseCache::reset(int batch) {
   const std::int64_t capacity = growth_ == Growth::fixed ? config_.capacity : kInitialDynamicSlots;
-  if (batch == store_.batch() && store_.capacity() == capacity)
-    store_.clear_all();  // no stale row can be read: every slot is empty
-  else
-    store_.reset(batch, capacity);
+  store_.make_empty(batch, capacity);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 

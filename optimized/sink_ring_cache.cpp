@@ -20,10 +20,7 @@ std::int64_t SinkRingCache::slot_of(std::int64_t index) const {
 void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
   const int B = batch();
   const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
-  if (chunk_.batch() != B || chunk_.capacity() != chunk.length)
-    chunk_.reset(B, chunk.length);
-  else
-    chunk_.clear_all();
+  chunk_.make_empty(B, chunk.length);
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b], first = lengths_[b];
     std::vector<std::pair<std::int64_t, QueryPlan>> plans;
@@ -50,10 +47,7 @@ void SinkRingCache::reorder(const std::vector<int>& rows) {
 }
 
 void SinkRingCache::reset(int batch) {
-  if (batch == store_.batch())
-    store_.clear_all();
-  else
-    store_.reset(batch, config_.window);
+  store_.make_empty(batch, config_.window);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 

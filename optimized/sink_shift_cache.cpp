@@ -71,10 +71,7 @@ void SinkShiftCache::reorder(const std::vector<int>& rows) {
 }
 
 void SinkShiftCache::reset(int batch) {
-  if (batch == store_.batch())
-    store_.clear_all();
-  else
-    store_.reset(batch, config_.window);
+  store_.make_empty(batch, config_.window);
   rows_.assign(static_cast<std::size_t>(batch), RowState{});
 }
 

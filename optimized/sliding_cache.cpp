@@ -15,10 +15,7 @@ SlidingCache::SlidingCache(const CacheConfig& config)
 void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
   const int B = batch();
   const std::int64_t W = config_.window;
-  if (chunk_.batch() != B || chunk_.capacity() != chunk.length)
-    chunk_.reset(B, chunk.length);
-  else
-    chunk_.clear_all();
+  chunk_.make_empty(B, chunk.length);
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
     std::vector<std::pair<std::int64_t, QueryPlan>> plans;
@@ -41,10 +38,7 @@ void SlidingCache::reorder(const std::vector<int>& rows) {
 }
 
 void SlidingCache::reset(int batch) {
-  if (batch == ring_.batch())
-    ring_.clear_all();
-  else
-    ring_.reset(batch, config_.window);
+  ring_.make_empty(batch, config_.window);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 

@@ -18,6 +18,13 @@ void SlotStore::reset(int batch, std::int64_t capacity) {
   meta_.assign(static_cast<std::size_t>(batch) * capacity, SlotMeta{});
 }
 
+void SlotStore::make_empty(int batch, std::int64_t capacity) {
+  if (batch == batch_ && capacity == capacity_)
+    meta_.assign(meta_.size(), SlotMeta{});
+  else
+    reset(batch, capacity);
+}
+
 void SlotStore::grow(std::int64_t capacity) {
   if (capacity <= capacity_) return;
   SlotStore bigger(layers_, kv_heads_, head_dim_);

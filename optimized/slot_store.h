@@ -26,8 +26,9 @@ class SlotStore {
   void grow(std::int64_t capacity);
   // New row b becomes a copy of old row rows[b] (beam reorder; the batch may change).
   void gather_rows(const std::vector<int>& rows);
-  // Empties every slot, keeping the memory (a reset to the same batch size).
-  void clear_all() { meta_.assign(meta_.size(), SlotMeta{}); }
+  // Empty slots of this shape: reallocated only when the shape changes, otherwise just
+  // every slot emptied (no stale row can be read either way).
+  void make_empty(int batch, std::int64_t capacity);
   // Copies slot `from_slot` of `from_row` in `src` to slot `to` of `row` here.
   void copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to);
   // Copies slot `from` to slot `to` in the same row, every layer and head.
