@@ -62,4 +62,10 @@ QueryView retained_view(const Policy& policy, std::int64_t length) {
   return streaming_view(policy, length - 1);
 }
 
+QueryView live_view(const Policy& policy, std::int64_t length) {
+  QueryView view = streaming_view(policy, length);
+  view.keys.pop_back();  // the next token itself is not in the cache yet
+  return view;
+}
+
 }  // namespace kvcheck::reference

@@ -34,4 +34,9 @@ QueryView chunk_view(const Policy& policy, std::int64_t chunk_start, std::int64_
 // streaming rule, with the positions that token sees. Empty for length 0.
 QueryView retained_view(const Policy& policy, std::int64_t length);
 
+// The live set of a row of `length` tokens (SPEC 3): the retained tokens that the next
+// token, index `length`, will still see, with the positions that token sees them at
+// (query_position is that token's Pq). A cache may drop the others (dead) early.
+QueryView live_view(const Policy& policy, std::int64_t length);
+
 }  // namespace kvcheck::reference

@@ -106,6 +106,9 @@ RowRetained ReferenceModel::retained(int row) const {
   RowRetained out;
   out.query_position = view.query_position;
   for (const VisibleKey& key : view.keys) out.keys.push_back({history[key.index], key.index, key.position});
+  const QueryView next = live_view(policy_, static_cast<std::int64_t>(history.size()));
+  out.next_query_position = next.query_position;
+  for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index], key.index, key.position});
   return out;
 }
 

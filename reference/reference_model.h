@@ -40,6 +40,10 @@ struct RetainedKey {
 struct RowRetained {
   std::vector<RetainedKey> keys;
   std::int64_t query_position = 0;  // Pq of the row's last token (0 for an empty row)
+  // The live set (SPEC 3): the kept tokens the next token still sees, with Pk as that
+  // token sees them (a cache that drops dead tokens early may re-encode keys for it).
+  std::vector<RetainedKey> live;
+  std::int64_t next_query_position = 0;
 };
 
 class ReferenceModel {

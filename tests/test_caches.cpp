@@ -8,7 +8,7 @@
 
 #include "tests/random_scenario.h"
 #include "tools/harness/cache_checks.h"
-#include "tools/harness/cache_registry.h"
+#include "tools/catalog/catalog.h"
 #include "tools/harness/inputs.h"
 
 using namespace kvcheck;

@@ -100,3 +100,17 @@ TEST(Policy, RetainedSetIsWhatTheLastTokenSees) {
   EXPECT_TRUE(retained_view(p, 0).keys.empty());
   expect_view(retained_view(p, 1), {{0, 0}}, 0);
 }
+
+TEST(Policy, LiveSetIsWhatTheNextTokenStillSees) {
+  // S = 2, W = 5, 8 tokens held as {0, 1, 5, 6, 7}: token 8 drops 5 and sees 6 and 7 one
+  // place lower (E(8) = 4 against E(7) = 3).
+  const Policy p = sink(2, 5);
+  expect_view(live_view(p, 8), {{0, 0}, {1, 1}, {6, 2}, {7, 3}}, 4);
+  // Before the window fills nothing is dead: the live set is the retained set.
+  expect_view(live_view(p, 3), {{0, 0}, {1, 1}, {2, 2}}, 3);
+  EXPECT_TRUE(live_view(p, 0).keys.empty());
+  Policy sliding;
+  sliding.kind = PolicyKind::sliding;
+  sliding.window = 3;
+  expect_view(live_view(sliding, 5), {{3, 3}, {4, 4}}, 5);  // token 5 sees 3, 4 and itself
+}

@@ -85,7 +85,7 @@ TEST(Recovery, NamesTheLayoutThatFits) {
   const auto stored = stored_key(raw, 37, rope_of(RopeLayout::interleaved));
   const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
   EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
-  EXPECT_EQ(got.fits, "layout interleaved at position 37");
+  EXPECT_EQ(got.fits.to_string(), "layout interleaved at position 37");
 }
 
 TEST(Recovery, NamesTheThetaThatFits) {
@@ -94,7 +94,7 @@ TEST(Recovery, NamesTheThetaThatFits) {
   const auto stored = stored_key(raw, 300, rope_of(RopeLayout::half, 500000.0));
   const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
   EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
-  EXPECT_EQ(got.fits, "theta 500000 at position 300");
+  EXPECT_EQ(got.fits.to_string(), "theta 500000 at position 300");
 }
 
 TEST(Recovery, NamesALinearScalingThatFits) {
@@ -107,7 +107,7 @@ TEST(Recovery, NamesALinearScalingThatFits) {
   // x 200.5 would not either; 800 would, as position 200: the two ropes agree there).
   const auto stored = stored_key(raw, 801, scaled);
   const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
-  EXPECT_EQ(got.fits, "linear scaling 4 at position 801");
+  EXPECT_EQ(got.fits.to_string(), "linear scaling 4 at position 801");
 }
 
 TEST(Recovery, CorruptedKeyIsNoRotation) {
@@ -117,7 +117,7 @@ TEST(Recovery, CorruptedKeyIsNoRotation) {
   stored[3] += 0.25f;  // one element changed: the pair's length changes
   const auto got = recover_position(raw.data(), stored.data(), d, rope_of(RopeLayout::half));
   EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
-  EXPECT_EQ(got.fits, "");
+  EXPECT_EQ(got.fits.to_string(), "");
   EXPECT_EQ(describe(got), "not a rotation");
 }
 

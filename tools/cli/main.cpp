@@ -1,5 +1,6 @@
 // kvcheck: checks KV caches against the naive reference (see README.md and SPEC.md).
-// Exit status: 0 every check passed, 1 a check failed, 2 bad input or usage.
+// Exit status: 0 every check passed, 1 a check failed (a cache that raised included), 2 bad
+// input or usage, 3 an internal error of kvcheck itself.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -7,12 +8,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "tools/catalog/catalog.h"
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/cache_checks.h"
-#include "tools/harness/cache_registry.h"
 #include "tools/harness/diagnose_report.h"
 #include "tools/harness/export.h"
 #include "tools/harness/golden.h"
@@ -28,7 +30,7 @@ namespace {
 
 using namespace kvcheck;
 
-constexpr int kPass = 0, kFail = 1, kBadInput = 2;
+constexpr int kPass = 0, kFail = 1, kBadInput = 2, kInternal = 3;
 
 std::string default_scenarios() { return std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios"; }
 
@@ -40,6 +42,30 @@ std::vector<std::string> collect(const std::vector<std::string>& paths) {
   for (const std::string& path : paths.empty() ? std::vector<std::string>{default_scenarios()} : paths)
     for (std::string& f : scenario_files(path)) files.push_back(std::move(f));
   return files;
+}
+
+// Writes the HTML page of one diagnosis: page.html for one target, page.<tag>.html for several.
+void write_html(const std::string& html, const std::string& tag_name, bool several, const Scenario& scenario,
+                const std::string& target, const CacheTrace& trace) {
+  std::filesystem::path page = html;
+  if (several) {
+    std::string tag = tag_name;
+    std::replace(tag.begin(), tag.end(), '/', '_');
+    page.replace_extension("." + tag + page.extension().string());
+  }
+  write_file_atomically(page, diagnosis_html(scenario, target, trace));
+  fmt::print("wrote {}\n", page.string());
+}
+
+int cmd_verify(const std::string& path, const std::string& trace_dir, const VerifyOptions& options,
+               const std::string& html, const std::string& junit, const std::string& json) {
+  const Scenario scenario = load_scenario(path);
+  const CacheTrace trace = verify_trace(scenario, trace_dir, options);
+  print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir), trace);
+  if (!html.empty()) write_html(html, "trace", false, scenario, "the trace in " + trace_dir, trace);
+  if (!junit.empty()) write_junit(junit, {trace.outcome});
+  if (!json.empty()) write_json_report(json, {trace.outcome});
+  return trace.outcome.passed() ? kPass : kFail;
 }
 
 int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, const std::string& junit,
@@ -107,7 +133,8 @@ int cmd_list(const std::vector<std::string>& paths) {
   return kPass;
 }
 
-int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const std::string& html) {
+int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const std::string& html,
+                 std::optional<std::size_t> step) {
   const Scenario scenario = load_scenario(path);
   if (caches.empty())
     for (const CacheEntry& c : real_caches())
@@ -126,19 +153,9 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
       throw InputError(
           path, "/policy",
           fmt::format("cache {} does not serve the {} policy of this scenario", name, to_string(scenario.policy.kind)));
-    const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty());
+    const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty(), step);
     print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
-    if (!html.empty()) {
-      // One page per cache: page.html for one cache, page.<cache>.html for several.
-      std::filesystem::path page = html;
-      if (caches.size() > 1) {
-        std::string tag = name;
-        std::replace(tag.begin(), tag.end(), '/', '_');
-        page.replace_extension("." + tag + page.extension().string());
-      }
-      write_file_atomically(page, diagnosis_html(scenario, name, trace));
-      fmt::print("wrote {}\n", page.string());
-    }
+    if (!html.empty()) write_html(html, name, caches.size() > 1, scenario, name, trace);
     diverged = diverged || trace.first.has_value();
   }
   return diverged ? kFail : kPass;
@@ -186,7 +203,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvcheck: checks transformer KV caches against a naive full-recompute reference"};
   app.require_subcommand(1);
 
-  std::vector<std::string> run_paths;
+  std::vector<std::string> run_paths, run_caches;
   std::string junit, json;
   RunOptions options;
   CLI::App* run = app.add_subcommand("run", "run scenarios (files or folders; default: the built-in suite)");
@@ -194,7 +211,7 @@ int main(int argc, char** argv) {
   run->add_option("--junit", junit, "write a JUnit XML report to FILE");
   run->add_option("--json", json, "write a JSON report to FILE");
   // One value per --cache, so scenario paths after it stay paths.
-  run->add_option("--cache", options.caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
+  run->add_option("--cache", run_caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
       ->allow_extra_args(false);
   run->add_flag(
       "--no-reference", [&](std::int64_t) { options.reference_checks = false; },
@@ -218,6 +235,8 @@ int main(int argc, char** argv) {
                    "cache to diagnose (repeatable; default: every cache serving the policy)")
       ->allow_extra_args(false);
   diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
+  std::optional<std::size_t> diagnose_step, verify_step;
+  diagnose->add_option("--step", diagnose_step, "also show step N's evidence and slot table (as numbered in reports)");
 
   GoldenOptions golden_options;
   std::vector<std::string> golden_paths;
@@ -237,6 +256,11 @@ int main(int argc, char** argv) {
       app.add_subcommand("verify", "check an external trace (a cache's dumped state) against the reference");
   verify->add_option("scenario", verify_path, "scenario file the trace ran")->required();
   verify->add_option("--trace", trace_dir, "trace folder (manifest.json with format kvcheck-trace-1)")->required();
+  std::string verify_html, verify_junit, verify_json;
+  verify->add_option("--html", verify_html, "also write a self-contained HTML page with a picture of the slots");
+  verify->add_option("--junit", verify_junit, "write a JUnit XML report to FILE");
+  verify->add_option("--json", verify_json, "write a JSON report to FILE");
+  verify->add_option("--step", verify_step, "also show step N's evidence and slot table (as numbered in reports)");
 
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
@@ -255,22 +279,24 @@ int main(int argc, char** argv) {
 
   try {
     if (*run) {
-      validate_cache_names(options.caches);
+      validate_cache_names(run_caches);
+      for (const std::string& name : run_caches) options.caches.push_back(find_cache(name));
       if (!options.caches.empty()) options.reference_checks = false;  // show the asked-for caches only
+      if (options.caches.empty())
+        for (const CacheEntry& c : real_caches()) options.caches.push_back(&c);
       return cmd_run(run_paths, options, junit, json);
     }
     if (*exp) return cmd_export(export_path, export_out);
     if (*diagnose) {
       validate_cache_names(diagnose_caches);
-      return cmd_diagnose(diagnose_path, diagnose_caches, html);
+      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_step);
     }
     if (*zoo) return cmd_zoo(zoo_only);
     if (*verify) {
-      const Scenario scenario = load_scenario(verify_path);
-      const CacheTrace trace = verify_trace(scenario, trace_dir);
-      print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir),
-                      trace);
-      return trace.outcome.passed() ? kPass : kFail;
+      VerifyOptions verify_options;
+      verify_options.picture = !verify_html.empty();
+      verify_options.focus_step = verify_step;
+      return cmd_verify(verify_path, trace_dir, verify_options, verify_html, verify_junit, verify_json);
     }
     if (*golden) {
       golden_options.scenario_files = collect(golden_paths);
@@ -284,7 +310,7 @@ int main(int argc, char** argv) {
     return kBadInput;
   } catch (const std::exception& e) {
     fmt::print(stderr, "kvcheck: internal error: {}\n", e.what());
-    return kBadInput;
+    return kInternal;
   }
   return kBadInput;
 }

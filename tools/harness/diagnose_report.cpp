@@ -10,25 +10,15 @@ namespace {
 std::string opt(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : "-"; }
 const char* yes(bool b) { return b ? "yes" : "no"; }
 
-// How directly a verdict points at the bug: a slot's own content first (stale, duplicated,
-// missing, its key rotated elsewhere), then what is visible, then distances, which a wrong
-// query position shifts for every slot at once.
-int severity(const std::string& verdict) {
-  for (const char* direct : {"stale", "duplicated", "missing", "claims token", "key not at", "unknown"})
-    if (verdict.rfind(direct, 0) == 0) return 3;
-  if (verdict.rfind("distance off", 0) == 0) return 1;
-  return verdict == "ok" ? 0 : 2;
-}
-
 // The slot the report points at: the most direct evidence, the first slot among equals.
-const SlotRow* culprit(const FirstDivergence& f) {
+const SlotRow* culprit(const StepDiagnosis& f) {
   const SlotRow* best = nullptr;
   for (const SlotRow& r : f.slots)
     if (severity(r.verdict) > (best ? severity(best->verdict) : 0)) best = &r;
   return best;
 }
 
-std::string headline(const FirstDivergence& f) {
+std::string headline(const StepDiagnosis& f) {
   const StepEvidence& e = f.evidence;
   std::string where = fmt::format("{}, row {}", e.label, f.row);
   where += fmt::format(", layer {}", f.layer);
@@ -38,25 +28,29 @@ std::string headline(const FirstDivergence& f) {
   return where;
 }
 
-std::string culprit_line(const FirstDivergence& f) {
+std::string culprit_line(const StepDiagnosis& f) {
   const SlotRow* r = culprit(f);
+  if (!f.evidence.refusal.empty()) return f.evidence.refusal;
   if (r == nullptr) {
-    if (!f.evidence.refusal.empty()) return f.evidence.refusal;
+    if (!f.evidence.slots.empty()) {
+      const SlotIssue& i = f.evidence.slots.front();
+      return fmt::format("layer {} row {}: uid {} (token {}) {}", i.layer, i.row, i.uid, i.true_index,
+                         i.kind == SlotIssue::Kind::lost ? "is no longer held" : "is held where it should not be");
+    }
     if (!f.evidence.outputs.empty()) {
       const OutputMismatch& o = f.evidence.outputs.front();
       return fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; every slot checks out",
                          o.query_index, o.uid, o.dim, o.expected, o.actual);
     }
-    return "no single slot stands out";
+    return f.evidence.empty() ? "every check passes at this step" : "no single slot stands out";
   }
   return fmt::format(
       "{}, uid {} (token {}): visible expected {}, actual {}; position expected {}, claimed {}, "
       "recovered {}; Pq-Pk expected {}, actual {}: {}",
       r->slot < 0 ? std::string("no slot") : fmt::format("slot {}", r->slot), r->uid, r->index,
-      yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected),
-      r->slot < 0 ? std::string("-") : std::to_string(r->position_claimed),
+      yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected), opt(r->position_claimed),
       r->position_recovered.empty() ? "-" : r->position_recovered, opt(r->distance_expected), opt(r->distance_actual),
-      r->verdict);
+      verdict_text(*r));
 }
 
 std::string escape(const std::string& s) {
@@ -82,6 +76,10 @@ std::string colour(const PictureCell& c) {
       return "#eeeeee";
     case PictureCell::State::ok:
       return "#4caf50";
+    case PictureCell::State::dead:
+      return "#a5d6a7";
+    case PictureCell::State::stale:
+      return "#607d8b";
     case PictureCell::State::not_retained:
       return "#ff9800";
     case PictureCell::State::duplicated:
@@ -96,28 +94,14 @@ std::string colour(const PictureCell& c) {
   return "#ffffff";
 }
 
-}  // namespace
-
-void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace& trace) {
-  fmt::print(out, "{}\n", title);
-  if (!trace.first) {
-    fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
-               trace.outcome.max_abs_error, trace.outcome.nmse);
-    for (const Check& c : trace.outcome.checks) fmt::print(out, "  {}: {}\n", c.name, c.detail);
-    return;
-  }
-  const FirstDivergence& f = *trace.first;
-  std::string failed;
-  for (const Check& c : trace.outcome.checks)
-    if (!c.passed) failed += (failed.empty() ? "" : ", ") + c.name;
-  fmt::print(out, "checks failed: {} ({} position mismatches, {} retained-set mismatches)\n\n", failed,
-             trace.outcome.position_mismatches, trace.outcome.retained_mismatches);
-  fmt::print(out, "first divergence: {}\n", headline(f));
+void print_step(std::FILE* out, const char* what, const StepDiagnosis& f) {
+  fmt::print(out, "{}: {}\n", what, headline(f));
   fmt::print(out, "  {}\n", culprit_line(f));
-  fmt::print(out, "class: {}\n  {}\n\n", class_name(f.bug), class_explanation(f.bug));
+  if (f.bug != BugClass::none) fmt::print(out, "class: {}\n  {}\n", class_name(f.bug), class_explanation(f.bug));
+  fmt::print(out, "\n");
   if (f.slots.empty()) return;
   fmt::print(
-      out, "slots of row {} after {}{}:\n", f.row, f.evidence.label,
+      out, "slots of row {} in layer {} after {}{}:\n", f.row, f.layer, f.evidence.label,
       f.table_query_index >= 0
           ? fmt::format(" (visibility and Pq-Pk as seen by token {}, the row's last of the step)", f.table_query_index)
           : "");
@@ -128,8 +112,31 @@ void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace&
                r.slot < 0 ? std::string("-") : std::to_string(r.slot), r.uid, r.index,
                fmt::format("{}/{}", yes(r.visible_expected), yes(r.visible_actual)),
                fmt::format("{}/{}", opt(r.distance_expected), opt(r.distance_actual)), opt(r.position_expected),
-               r.slot < 0 ? std::string("-") : std::to_string(r.position_claimed),
-               r.position_recovered.empty() ? "-" : r.position_recovered, r.verdict);
+               opt(r.position_claimed), r.position_recovered.empty() ? "-" : r.position_recovered, verdict_text(r));
+}
+
+}  // namespace
+
+void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace& trace) {
+  fmt::print(out, "{}\n", title);
+  if (!trace.first) {
+    fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
+               trace.outcome.max_abs_error, trace.outcome.nmse);
+    for (const Check& c : trace.outcome.checks) fmt::print(out, "  {}: {}\n", c.name, c.detail);
+  } else {
+    const StepDiagnosis& f = *trace.first;
+    std::string failed;
+    for (const Check& c : trace.outcome.checks)
+      if (!c.passed) failed += (failed.empty() ? "" : ", ") + c.name;
+    fmt::print(out, "checks failed: {} ({} position mismatches, {} retained-set mismatches)\n", failed,
+               trace.outcome.position_mismatches, trace.outcome.retained_mismatches);
+    for (const Check& c : trace.outcome.checks)
+      if (!c.passed) fmt::print(out, "  {}: {}\n", c.name, c.detail);
+    fmt::print(out, "\n");
+    print_step(out, "first divergence", f);
+    if (!trace.drift.points.empty()) fmt::print(out, "after it: {}\n\n", trace.drift.to_string());
+  }
+  if (trace.focus) print_step(out, "asked for", *trace.focus);
 }
 
 std::string diagnosis_html(const Scenario& s, const std::string& cache, const CacheTrace& trace) {
@@ -141,12 +148,14 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
   if (!trace.first) {
     body += "<p class=\"ok\">No divergence: every check passed.</p>\n";
   } else {
-    const FirstDivergence& f = *trace.first;
+    const StepDiagnosis& f = *trace.first;
     divergent_step = f.evidence.step;
     row = f.row;
     body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(headline(f)), escape(culprit_line(f)));
     body += fmt::format("<h2 class=\"bad\">Class: {}</h2>\n<p>{}</p>\n", escape(class_name(f.bug)),
                         escape(class_explanation(f.bug)));
+    if (!trace.drift.points.empty())
+      body += fmt::format("<p><b>After it:</b> {}</p>\n", escape(trace.drift.to_string()));
   }
 
   // The picture: steps across, slots down.
@@ -184,6 +193,8 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
       "<span style=\"background:#ff6464\">&#160;&#160;&#160;</span> wrong position (darker: further off) "
       "<span style=\"background:#ff9800\">&#160;&#160;&#160;</span> should have been evicted "
       "<span style=\"background:#9c27b0\">&#160;&#160;&#160;</span> duplicated "
+      "<span style=\"background:#a5d6a7\">&#160;&#160;&#160;</span> dead (no later query sees it; fine) "
+      "<span style=\"background:#607d8b\">&#160;&#160;&#160;</span> stale "
       "<span style=\"background:#eeeeee\">&#160;&#160;&#160;</span> empty. "
       "The framed column is the first divergent step; positions are judged by the distance Pq - Pk that the "
       "row's last query of each step used.</p>\n";
@@ -197,10 +208,10 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
       body += fmt::format(
           "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}/{}</td><td>{}/{}</td><td>{}</td><td>{}</td>"
           "<td>{}</td><td>{}</td></tr>\n",
-          r.verdict == "ok" ? "ok" : "bad", r.slot < 0 ? std::string("-") : std::to_string(r.slot), r.uid, r.index,
+          is_fine(r.verdict) ? "ok" : "bad", r.slot < 0 ? std::string("-") : std::to_string(r.slot), r.uid, r.index,
           yes(r.visible_expected), yes(r.visible_actual), opt(r.distance_expected), opt(r.distance_actual),
-          opt(r.position_expected), r.slot < 0 ? std::string("-") : std::to_string(r.position_claimed),
-          escape(r.position_recovered.empty() ? "-" : r.position_recovered), escape(r.verdict));
+          opt(r.position_expected), opt(r.position_claimed),
+          escape(r.position_recovered.empty() ? "-" : r.position_recovered), escape(verdict_text(r)));
     body += "</table>\n";
   }
   return "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>kvcheck diagnose</title>\n<style>\n"

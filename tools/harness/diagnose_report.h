@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <string>
 
-#include "tools/harness/cache_checks.h"
+#include "tools/harness/step_checker.h"
 
 namespace kvcheck {
 

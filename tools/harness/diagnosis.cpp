@@ -1,5 +1,7 @@
 #include "tools/harness/diagnosis.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <set>
 
@@ -11,6 +13,10 @@ const char* class_name(BugClass c) {
       return "none";
     case BugClass::refusal_mismatch:
       return "refusal mismatch";
+    case BugClass::cache_raised:
+      return "the cache raised";
+    case BugClass::prompt_kept_whole:
+      return "prompt longer than the window kept whole";
     case BugClass::stale_row_after_batch_change:
       return "stale row after batch change";
     case BugClass::reorder_lost_positions:
@@ -41,6 +47,8 @@ const char* class_name(BugClass c) {
       return "window off by one";
     case BugClass::evicted_wrong_token:
       return "evicted the wrong token";
+    case BugClass::dropped_live_token:
+      return "dropped a live token";
     case BugClass::shift_one_token_early:
       return "shift one token early";
     case BugClass::positions_wrong:
@@ -55,6 +63,12 @@ const char* class_explanation(BugClass c) {
   switch (c) {
     case BugClass::none:
       return "The cache matches the reference.";
+    case BugClass::cache_raised:
+      return "The cache under test raised an exception at a step the policy accepts: its own words are above "
+             "(Hugging Face SinkCache raised a shape error on a second chunk of more than one token).";
+    case BugClass::prompt_kept_whole:
+      return "A chunk longer than the window was kept whole after its forward: the cache stores the prompt "
+             "as it comes and trims only when later tokens arrive (Hugging Face SinkCache on a long prompt).";
     case BugClass::refusal_mismatch:
       return "The cache accepted a step its policy must refuse, or refused one it must accept: look at the "
              "crop/rollback path and the test of which tokens are still held.";
@@ -102,6 +116,9 @@ const char* class_explanation(BugClass c) {
     case BugClass::evicted_wrong_token:
       return "The cache dropped tokens the policy keeps and kept tokens it drops: typically a prompt longer "
              "than the window is trimmed from the wrong end, or eviction runs after the forward.";
+    case BugClass::dropped_live_token:
+      return "The cache no longer holds a token that the next query still sees: it evicts too early or "
+             "too many at once (a token no later query sees may go early; this one may not).";
     case BugClass::shift_one_token_early:
       return "Kept keys were re-rotated although nothing was evicted: the \"is the cache full\" test fires one "
              "token early (< where <= belongs).";
@@ -145,6 +162,7 @@ bool off_by_one(const StepEvidence& e) {
 BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& ctx) {
   using K = SlotIssue::Kind;
   if (e.empty()) return BugClass::none;
+  if (e.raised) return BugClass::cache_raised;
   if (!e.refusal.empty()) return BugClass::refusal_mismatch;
 
   const bool stale = any(e.slots, [](const SlotIssue& i) { return i.kind == K::stale; }) ||
@@ -155,11 +173,33 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     return BugClass::stale_slot;
   }
 
+  // A long chunk kept whole: every extra token came in this step's chunk, nothing lost.
+  if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::extra; }) &&
+      std::all_of(e.slots.begin(), e.slots.end(),
+                  [](const SlotIssue& i) { return i.kind == K::rotation || (i.kind == K::extra && i.in_chunk); }) &&
+      e.chunk_kept_whole)
+    return BugClass::prompt_kept_whole;
+
   // What the tensors say about rotations.
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation) continue;
-    if (i.fits.rfind("layout", 0) == 0) return BugClass::wrong_rope_layout;
-    if (!i.fits.empty()) return BugClass::wrong_rope_theta_or_scaling;
+    if (i.fits.kind == OtherRope::Kind::layout) return BugClass::wrong_rope_layout;
+    if (i.fits.kind != OtherRope::Kind::none) return BugClass::wrong_rope_theta_or_scaling;
+  }
+  // Kept window keys moved back by the same amount while the policy has evicted nothing
+  // yet: the shift fired before the cache was full.
+  {
+    std::optional<std::int64_t> shift;
+    bool early = e.evicted_before_last == 0 && s.policy.kind == PolicyKind::sink;
+    for (const SlotIssue& i : e.slots) {
+      if (!early) break;
+      if (i.kind != K::rotation) continue;
+      early = i.recovered_position && !i.newest && i.true_index >= s.policy.sinks &&
+              *i.recovered_position < i.claimed_position &&
+              (!shift || *shift == i.claimed_position - *i.recovered_position);
+      if (early) shift = i.claimed_position - *i.recovered_position;
+    }
+    if (early && shift) return BugClass::shift_one_token_early;
   }
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation || !i.recovered_position) continue;
@@ -212,6 +252,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
 
   const bool lost = any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; });
   const bool extra = any(e.slots, [](const SlotIssue& i) { return i.kind == K::extra; });
+  if (lost && !extra && e.pairs.empty()) return BugClass::dropped_live_token;
   // Nothing lost, and every extra token the one just before the window: W + 1 kept.
   if (extra && !lost && std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
         return i.kind != K::extra || i.window_gap == 1;
@@ -230,6 +271,50 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (!e.pairs.empty()) return BugClass::positions_wrong;
   if (lost || extra) return BugClass::evicted_wrong_token;
   return BugClass::output_mismatch_positions_correct;
+}
+
+}  // namespace kvcheck
+
+namespace kvcheck {
+
+Drift summarize_drift(std::vector<Drift::Point> points) {
+  Drift d;
+  d.points = std::move(points);
+  if (d.points.size() < 2) return d;
+  const auto& p = d.points;
+  auto all = [&](auto f) { return std::all_of(p.begin(), p.end(), f); };
+  bool growing = true;
+  for (std::size_t i = 1; i < p.size(); ++i) growing = growing && std::abs(p[i].error) == std::abs(p[i - 1].error) + 1;
+  if (p.front().error != 0 && all([&](const Drift::Point& x) { return x.error == p.front().error; }))
+    d.shape = Drift::Shape::constant;
+  else if (growing)
+    d.shape = Drift::Shape::growing_by_one;
+  else if (any(p, [](const Drift::Point& x) { return x.error != 0; }) &&
+           all([](const Drift::Point& x) { return x.error == 0 || x.evicted; }))
+    d.shape = Drift::Shape::only_at_evictions;
+  else
+    d.shape = Drift::Shape::varies;
+  return d;
+}
+
+std::string Drift::to_string() const {
+  std::string seen;
+  for (std::size_t i = 0; i < points.size() && i < 8; ++i)
+    seen += fmt::format("{}{:+d} at step {}", i ? ", " : "", points[i].error, points[i].step);
+  if (points.size() > 8) seen += fmt::format(", ... ({} steps)", points.size());
+  switch (shape) {
+    case Shape::none:
+      return points.empty() ? "" : "seen at one step only: " + seen;
+    case Shape::constant:
+      return fmt::format("the error stays at {:+d} over the following steps: {}", points.front().error, seen);
+    case Shape::growing_by_one:
+      return "the error grows by one per step: " + seen;
+    case Shape::only_at_evictions:
+      return "the error appears only at steps that evict: " + seen;
+    case Shape::varies:
+      return "the error varies: " + seen;
+  }
+  return seen;
 }
 
 }  // namespace kvcheck

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/harness/recovery.h"
 #include "tools/harness/scenario.h"
 
 namespace kvcheck {
@@ -14,6 +15,8 @@ namespace kvcheck {
 enum class BugClass {
   none,
   refusal_mismatch,
+  cache_raised,
+  prompt_kept_whole,
   stale_row_after_batch_change,
   reorder_lost_positions,
   stale_slot,
@@ -29,6 +32,7 @@ enum class BugClass {
   sink_count_wrong,
   window_off_by_one,
   evicted_wrong_token,
+  dropped_live_token,
   shift_one_token_early,
   positions_wrong,
   output_mismatch_positions_correct,
@@ -59,9 +63,10 @@ struct SlotIssue {
   std::int64_t claimed_index = -1, true_index = -1;
   std::int64_t claimed_position = 0;
   std::optional<std::int64_t> recovered_position;  // exact or ambiguous recovery
-  std::string fits;                                // another rope that fits, if any
+  OtherRope fits;                                  // another rope that fits, if any
   std::int64_t window_gap = 0;                     // extra: how far before the window start
   bool newest = false;                             // the token is the row's newest
+  bool in_chunk = false;                           // the token came in this step's chunk
 
   static SlotIssue of(Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
     SlotIssue i{};
@@ -83,10 +88,13 @@ struct StepEvidence {
   std::size_t step = 0;
   std::string label;
   std::string refusal;  // non-empty: the cache and the policy disagree on a refusal
+  bool raised = false;  // the cache raised where the policy accepts the step
   std::vector<OutputMismatch> outputs;
   std::vector<PairMismatch> pairs;
   std::vector<SlotIssue> slots;
-  bool empty() const { return refusal.empty() && outputs.empty() && pairs.empty() && slots.empty(); }
+  std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
+  bool chunk_kept_whole = false;         // a row holds all of a chunk longer than the policy keeps
+  bool empty() const { return !raised && refusal.empty() && outputs.empty() && pairs.empty() && slots.empty(); }
 };
 
 // What led up to the step: ops since the last reset, padding seen.
@@ -97,5 +105,20 @@ struct StepContext {
 };
 
 BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);
+
+// How the position error of the diagnosed row evolves from the first divergence on: the
+// signed error (actual - expected Pq - Pk, or recovered - claimed key position) per step.
+struct Drift {
+  enum class Shape { none, constant, growing_by_one, only_at_evictions, varies } shape = Shape::none;
+  struct Point {
+    std::size_t step;
+    std::int64_t error;
+    bool evicted;  // the row evicted at this step
+  };
+  std::vector<Point> points;
+  std::string to_string() const;  // one sentence
+};
+
+Drift summarize_drift(std::vector<Drift::Point> points);
 
 }  // namespace kvcheck

@@ -18,8 +18,9 @@ struct NpyArray {
 NpyArray<float> read_npy_f32(const std::string& path);
 NpyArray<double> read_npy_f64(const std::string& path);
 
-// float32 or float64, widened to double (for traces written by other tools).
-NpyArray<double> read_npy_as_double(const std::string& path);
+// float16, float32 or float64 as float (traces written by other tools); `roundoff` gets
+// the unit roundoff of what the file stored (float64 counts as float32, the inputs' own).
+NpyArray<float> read_npy_floats(const std::string& path, double* roundoff);
 
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data);
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<double>& data);

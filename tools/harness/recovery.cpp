@@ -22,31 +22,42 @@ struct Pair {
   double omega;   // angle per position
   double angle;   // measured rotation in [0, 2 pi)
   double weight;  // the pair's length: a pair of (almost) zeros has no angle to measure
+  double noise;   // how far storage rounding may move the measured angle
 };
 
 enum class Measured { rotation, length_changed, zero_key };
 
 // The measured rotation of each pair. A rotation keeps every pair's length.
-Measured measure(const float* raw, const float* stored, int d, const Rope& rope, std::vector<Pair>& pairs) {
+Measured measure(const float* raw, const float* stored, int d, const Rope& rope, double roundoff,
+                 std::vector<Pair>& pairs) {
   pairs.clear();
   const int half = d / 2;
   double longest = 0.0;
+  // A stored element is off by up to `roundoff` of the key's largest element; float32
+  // keys re-rotated many times drift further, hence the floor.
+  double largest = 0.0;
+  for (int i = 0; i < d; ++i) largest = std::max(largest, std::abs(static_cast<double>(raw[i])));
+  const double noise = std::max(1e-4 * std::max(1.0, largest), 8.0 * roundoff * largest);
   for (int i = 0; i < half; ++i) {
     const int ia = rope.layout == RopeLayout::half ? i : 2 * i;
     const int ib = rope.layout == RopeLayout::half ? i + half : 2 * i + 1;
     const double ra = raw[ia], rb = raw[ib], sa = stored[ia], sb = stored[ib];
     const double rn = std::hypot(ra, rb), sn = std::hypot(sa, sb);
-    if (std::abs(rn - sn) > 1e-4 * std::max(1.0, rn)) return Measured::length_changed;
+    if (std::abs(rn - sn) > std::max(1e-4 * std::max(1.0, rn), 8.0 * roundoff * largest))
+      return Measured::length_changed;
     const double divisor = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
     const double omega = std::pow(rope.theta, -2.0 * i / d) / divisor;
     double angle = std::atan2(ra * sb - rb * sa, ra * sa + rb * sb);
     if (angle < 0) angle += kTwoPi;
-    pairs.push_back({omega, angle, rn});
+    pairs.push_back({omega, angle, rn, 0.0});
     longest = std::max(longest, rn);
   }
-  // Pairs far shorter than the key measure their angle from rounding noise: leave them out.
-  for (Pair& p : pairs)
-    if (p.weight < 1e-4 * longest) p.weight = 0.0;
+  // Pairs far shorter than the key measure their angle from rounding noise: leave them
+  // out; the others may be off by the noise over their length.
+  for (Pair& p : pairs) {
+    if (p.weight < 1e-4 * longest || p.weight < 4.0 * noise) p.weight = 0.0;
+    if (p.weight > 0.0) p.noise = 2.0 * noise / p.weight;
+  }
   return longest > 0.0 ? Measured::rotation : Measured::zero_key;
 }
 
@@ -54,8 +65,8 @@ Measured measure(const float* raw, const float* stored, int d, const Rope& rope,
 // the angle p * omega when an engine computes it in float32 (the product and inv_freq
 // each rounded: 3 ulps of p * omega leaves room).
 // A position off by one moves the fastest pair by a whole radian.
-double tolerance(double position, double omega) {
-  return std::min(0.25, 1e-4 + 3.0 * 5.96e-8 * std::abs(position * omega));
+double tolerance(double position, const Pair& p) {
+  return std::min(0.25, 1e-4 + p.noise + 3.0 * 5.96e-8 * std::abs(position * p.omega));
 }
 
 // Unwraps from the lowest frequency to the highest, starting from `start`, and says
@@ -71,7 +82,7 @@ bool unwrap(const std::vector<Pair>& pairs, double start, std::int64_t& position
   for (const Pair& p : pairs) {
     if (p.weight == 0.0) continue;
     const double residual = wrap(static_cast<double>(position) * p.omega - p.angle);
-    if (std::abs(residual) > tolerance(static_cast<double>(position), p.omega)) return false;
+    if (std::abs(residual) > tolerance(static_cast<double>(position), p)) return false;
   }
   return true;
 }
@@ -79,10 +90,10 @@ bool unwrap(const std::vector<Pair>& pairs, double start, std::int64_t& position
 // Every position up to max_position that fits: one candidate per turn of the lowest
 // frequency, each refined by the faster pairs.
 RecoveredPosition recover_with(const float* raw, const float* stored, int d, const Rope& rope,
-                               std::int64_t max_position) {
+                               std::int64_t max_position, double roundoff) {
   RecoveredPosition r;
   std::vector<Pair> pairs;
-  switch (measure(raw, stored, d, rope, pairs)) {
+  switch (measure(raw, stored, d, rope, roundoff, pairs)) {
     case Measured::length_changed:
       return r;
     case Measured::zero_key:
@@ -90,6 +101,10 @@ RecoveredPosition recover_with(const float* raw, const float* stored, int d, con
       return r;  // every position fits
     case Measured::rotation:
       break;
+  }
+  if (std::all_of(pairs.begin(), pairs.end(), [](const Pair& p) { return p.weight == 0.0; })) {
+    r.status = RecoveredPosition::Status::ambiguous;  // no pair long enough to measure
+    return r;
   }
   const Pair* lowest = nullptr;
   for (auto it = pairs.rbegin(); it != pairs.rend() && lowest == nullptr; ++it)
@@ -117,19 +132,24 @@ double lowest_frequency_period(int head_dim, const Rope& rope) {
 }
 
 RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope,
-                                   std::int64_t max_position) {
-  RecoveredPosition r = recover_with(raw, stored, head_dim, rope, max_position);
+                                   std::int64_t max_position, double roundoff) {
+  RecoveredPosition r = recover_with(raw, stored, head_dim, rope, max_position, roundoff);
   if (r.status != RecoveredPosition::Status::not_rotation) return r;
   // Which rope would fit instead: the other layout, a common theta, a linear scaling.
-  std::vector<std::pair<Rope, std::string>> guesses;
+  struct Guess {
+    Rope rope;
+    OtherRope::Kind kind;
+    std::string name;
+  };
+  std::vector<Guess> guesses;
   Rope other = rope;
   other.layout = rope.layout == RopeLayout::half ? RopeLayout::interleaved : RopeLayout::half;
-  guesses.push_back({other, fmt::format("layout {}", to_string(other.layout))});
+  guesses.push_back({other, OtherRope::Kind::layout, fmt::format("layout {}", to_string(other.layout))});
   for (double theta : {10000.0, 500000.0, 1000000.0, 100000.0, 1000.0, 100.0}) {
     if (theta == rope.theta) continue;
     Rope t = rope;
     t.theta = theta;
-    guesses.push_back({t, fmt::format("theta {:g}", theta)});
+    guesses.push_back({t, OtherRope::Kind::theta, fmt::format("theta {:g}", theta)});
   }
   for (double factor : {1.0, 2.0, 4.0, 8.0}) {
     const double current = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
@@ -137,17 +157,22 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
     Rope s = rope;
     s.scaling = factor == 1.0 ? RopeScaling::none : RopeScaling::linear;
     s.factor = factor;
-    guesses.push_back({s, factor == 1.0 ? std::string("no scaling") : fmt::format("linear scaling {:g}", factor)});
+    guesses.push_back({s, OtherRope::Kind::scaling,
+                       factor == 1.0 ? std::string("no scaling") : fmt::format("linear scaling {:g}", factor)});
   }
-  for (const auto& [guess, name] : guesses) {
-    const RecoveredPosition g = recover_with(raw, stored, head_dim, guess, max_position);
+  for (const Guess& guess : guesses) {
+    const RecoveredPosition g = recover_with(raw, stored, head_dim, guess.rope, max_position, roundoff);
     if (g.status != RecoveredPosition::Status::not_rotation) {
-      r.fits =
-          fmt::format("{} at position {}{}", name, g.position, g.status == RecoveredPosition::Status::exact ? "" : "?");
+      r.fits = {guess.kind, guess.name, g.position, g.status == RecoveredPosition::Status::exact};
       break;
     }
   }
   return r;
+}
+
+std::string OtherRope::to_string() const {
+  if (kind == Kind::none) return "";
+  return fmt::format("{} at position {}{}", name, position, exact ? "" : "?");
 }
 
 std::string describe(const RecoveredPosition& r) {
@@ -157,7 +182,7 @@ std::string describe(const RecoveredPosition& r) {
     case RecoveredPosition::Status::ambiguous:
       return fmt::format("{}?", r.position);
     case RecoveredPosition::Status::not_rotation:
-      return r.fits.empty() ? std::string("not a rotation") : "fits " + r.fits;
+      return r.fits.kind == OtherRope::Kind::none ? std::string("not a rotation") : "fits " + r.fits.to_string();
   }
   return "?";
 }

@@ -11,6 +11,15 @@
 
 namespace kvcheck {
 
+// A rope other than the declared one under which a key is a pure rotation.
+struct OtherRope {
+  enum class Kind { none, layout, theta, scaling } kind = Kind::none;
+  std::string name;  // "layout interleaved", "theta 500000", "linear scaling 4"
+  std::int64_t position = 0;
+  bool exact = false;
+  std::string to_string() const;  // "layout interleaved at position 37" ("...37?" when ambiguous)
+};
+
 struct RecoveredPosition {
   enum class Status {
     exact,         // the only position up to max_position that fits, and below the lowest frequency's period
@@ -18,16 +27,21 @@ struct RecoveredPosition {
     not_rotation,  // no pure rotation of the raw key under this rope, at any position up to max_position
   } status = Status::not_rotation;
   std::int64_t position = 0;
-  std::string fits;  // for not_rotation: the rope that fits instead, e.g. "layout interleaved at 7"
+  OtherRope fits;  // for not_rotation: the rope that fits instead, if any
 };
+
+// The unit roundoff of a storage format: what a stored element may be off by, relative.
+constexpr double kFloat32Roundoff = 0x1p-24, kFloat16Roundoff = 0x1p-11, kBfloat16Roundoff = 0x1p-8;
 
 // The integer position p with stored = R(p) raw under `rope`, among 0 .. max_position:
 // the pair angles are unwrapped from the lowest frequency to the highest, starting from
 // every turn of the lowest frequency that stays below max_position. Float32 keys, even
 // with angles computed in float32 and re-rotated many times, are expected to fit. Give
 // the largest position the scenario can reach: a looser bound admits false fits.
+// `roundoff` is the unit roundoff of the stored key's format (float16 traces: 2^-11).
 RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope,
-                                   std::int64_t max_position = std::int64_t{1} << 17);
+                                   std::int64_t max_position = std::int64_t{1} << 17,
+                                   double roundoff = kFloat32Roundoff);
 
 // The period of the lowest frequency, in positions: below it a position is unique.
 double lowest_frequency_period(int head_dim, const Rope& rope);

@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "tools/harness/cache_checks.h"
-#include "tools/harness/cache_registry.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_checks.h"
 #include "tools/harness/reference_run.h"
@@ -19,12 +18,7 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
     outcomes.push_back(check_reference(scenario, inputs, run));
     outcomes.back().seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
-  std::vector<const CacheEntry*> caches;
-  if (options.caches.empty())
-    for (const CacheEntry& e : real_caches()) caches.push_back(&e);
-  else
-    for (const std::string& name : options.caches) caches.push_back(find_cache(name));
-  for (const CacheEntry* cache : caches) {
+  for (const CacheEntry* cache : options.caches) {
     if (cache == nullptr || !cache->serves(scenario.policy)) continue;
     const auto cache_start = std::chrono::steady_clock::now();
     outcomes.push_back(check_cache(scenario, inputs, run, *cache));

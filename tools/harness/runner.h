@@ -4,13 +4,14 @@
 #include <string>
 #include <vector>
 
+#include "tools/harness/cache_entry.h"
 #include "tools/harness/report.h"
 #include "tools/harness/scenario.h"
 
 namespace kvcheck {
 
 struct RunOptions {
-  std::vector<std::string> caches;  // names to run; empty: every cache that serves the policy
+  std::vector<const CacheEntry*> caches;  // the caches to run, each where it serves the policy
   bool reference_checks = true;
 };
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/harness/cache_registry.h"
+#include "tools/harness/cache_entry.h"
 #include "tools/harness/diagnosis.h"
 
 namespace kvcheck {

@@ -1,14 +1,14 @@
-// The caches kvcheck knows by name: the real ones of optimized/ and the bug zoo's mutants
-// (named zoo/...), each with the policies it serves.
+// A cache kvcheck can run by name: how to make it and which policies it serves. The real
+// caches and the zoo's mutants are both listed this way (tools/catalog).
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "optimized/cache.h"
-#include "tools/harness/scenario.h"
+#include "reference/model.h"
+#include "tools/harness/cache_view.h"
 
 namespace kvcheck {
 
@@ -17,13 +17,10 @@ struct CacheEntry {
   std::string description;
   std::function<bool(const Policy&)> serves;
   std::function<std::unique_ptr<optimized::KvCache>(const optimized::CacheConfig&)> make;
+  Eviction eviction = Eviction::lazy;  // every cache here drops tokens when the next arrives
 };
 
-// The real caches, in display order.
-const std::vector<CacheEntry>& real_caches();
-// A real cache or a zoo mutant by name; null when unknown.
-const CacheEntry* find_cache(const std::string& name);
-
+struct Scenario;
 // The optimized caches' own configuration for a scenario; `capacity` sizes a static cache.
 optimized::CacheConfig cache_config(const Scenario& scenario, std::int64_t capacity);
 

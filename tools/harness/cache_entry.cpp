@@ -1,0 +1,32 @@
+#include "tools/harness/cache_entry.h"
+
+#include "tools/harness/scenario.h"
+
+namespace kvcheck {
+
+using optimized::CacheConfig;
+using optimized::PairLayout;
+
+CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
+  CacheConfig c;
+  c.layers = s.dims.layers;
+  c.heads = s.dims.heads;
+  c.kv_heads = s.dims.kv_heads;
+  c.head_dim = s.dims.head_dim;
+  c.batch = s.dims.batch;
+  c.rope.head_dim = s.dims.head_dim;
+  c.rope.theta = s.rope.theta;
+  c.rope.layout = s.rope.layout == RopeLayout::half ? PairLayout::half : PairLayout::interleaved;
+  c.rope.position_divisor = s.rope.scaling == RopeScaling::linear ? s.rope.factor : 1.0;
+  c.softmax_scale = static_cast<float>(s.softmax_scale());
+  c.window = s.policy.window;
+  c.sinks = s.policy.sinks;
+  c.evict = s.policy.evict;
+  // A sliding window keeps absolute positions: it is a sink cache without sinks that never shifts.
+  c.shift_positions = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache;
+  c.dense_prefill = s.policy.prefill == Prefill::dense;
+  c.capacity = capacity;
+  return c;
+}
+
+}  // namespace kvcheck

@@ -1,0 +1,70 @@
+// What a cache under test shows after one step, whatever the source: an in-process cache
+// (slot metadata and the kernel's log of visible pairs) or an external trace (tensors
+// only). The one checker (step_checker.h) compares it with the reference.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvcheck {
+
+// How a source says at which position each stored key is rotated.
+enum class KeyPositions {
+  claimed,         // per-slot metadata (in-process caches)
+  cache_relative,  // Pk of the policy (traces)
+  absolute,        // the token index (traces)
+  unrotated,       // not rotated: position 0 (traces)
+};
+const char* to_string(KeyPositions p);
+
+// When a cache drops the tokens no later query sees (SPEC 3, live set).
+enum class Eviction {
+  any,    // either, per row and step
+  lazy,   // at the next token: the cache holds the retained set between steps
+  eager,  // right after the forward: it holds the live set
+};
+const char* to_string(Eviction e);
+
+// One slot of one kv head of one row in one layer.
+struct ViewSlot {
+  std::int64_t slot = -1;
+  std::int64_t uid = -1;                         // -1: its values are no token's
+  std::optional<std::int64_t> claimed_index;     // slot metadata, when the cache keeps it
+  std::optional<std::int64_t> claimed_position;  // likewise
+  const float* key = nullptr;                    // head_dim floats as stored (rotated)
+};
+
+struct ViewLayer {
+  std::vector<std::vector<std::vector<ViewSlot>>> slots;  // [row][kv_head]: the slots in use
+  const float* out = nullptr;                             // outputs [B, n, H, D] of an append step; null: none
+  const float* q = nullptr;  // rotated queries [B, n, H, D]; null: none (in-process caches)
+};
+
+// A visible (query, key) pair as the cache used it: the integers of SPEC 5.3.
+struct UsedPair {
+  int row;
+  std::int64_t query_index;
+  std::int64_t query_position;
+  std::int64_t key_uid;
+  std::int64_t key_position;
+};
+
+struct CacheView {
+  bool recorded = true;  // false: the source did not record this step (nothing to check)
+  std::string note;      // why not, when the source says
+  // The cache raised (or refused) at this step: its words, and a refusal's code if any.
+  std::optional<std::string> error;
+  std::string refusal_code;
+  int batch = 0;
+  bool slots_shared = false;  // one set of slot metadata for every layer and kv head
+  std::vector<ViewLayer> layers;
+  // Every visible pair the kernel used in layer 0, when the source logs them; without a
+  // log, pairs are derived from recovered query and key positions.
+  std::optional<std::vector<UsedPair>> pairs;
+  double roundoff = 0x1p-24;                // unit roundoff of the stored keys and values
+  std::vector<std::vector<float>> storage;  // what the pointers point into, when owned
+};
+
+}  // namespace kvcheck

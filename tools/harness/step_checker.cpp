@@ -1,0 +1,702 @@
+#include "tools/harness/step_checker.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "reference/policy.h"
+#include "reference/rope.h"
+#include "tools/harness/recovery.h"
+
+namespace kvcheck {
+
+std::int64_t longest_row(const ReferenceRun& run) {
+  std::int64_t longest = 1;
+  for (const StepRecord& r : run.steps)
+    if (r.append)
+      for (const auto& row : r.append->rows)
+        if (!row.empty()) longest = std::max(longest, row.back().index + 1);
+  return longest;
+}
+
+std::int64_t largest_position(const ReferenceRun& run) { return 2 * longest_row(run) + 16; }
+
+std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid) {
+  const auto it = std::find(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
+  return it == history.end() ? -1 : it - history.begin();
+}
+
+// Outputs from half-precision keys and values. A stored element is off by at most u of
+// itself, so each value by u |v|max, and each score (scale <q, k>) by u scale |q| |k|,
+// which moves a softmax weight by at most twice that, relatively: the output moves by at
+// most u |v|max (1 + 2 scale |q|max |k|max), where |q| and |k| are the largest vector
+// norms of the inputs. Doubled for the rounding of the output itself and of the
+// attention's own arithmetic; rtol covers an output rounded to the same format.
+Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double roundoff) {
+  if (roundoff <= kFloat32Roundoff) return s.tolerance;
+  const int D = inputs.head_dim;
+  auto largest_norm = [D](const std::vector<float>& x) {
+    double best = 0.0;
+    for (std::size_t at = 0; at + D <= x.size(); at += static_cast<std::size_t>(D)) {
+      double sum = 0.0;
+      for (int d = 0; d < D; ++d) sum += static_cast<double>(x[at + d]) * x[at + d];
+      best = std::max(best, std::sqrt(sum));
+    }
+    return best;
+  };
+  double vmax = 0.0;
+  for (float v : inputs.v) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
+  const double bound =
+      roundoff * vmax * (1.0 + 2.0 * s.softmax_scale() * largest_norm(inputs.q) * largest_norm(inputs.k));
+  Tolerance t;
+  t.atol = std::max(s.tolerance.atol, 2.0 * bound);
+  t.rtol = std::max(s.tolerance.rtol, 2.0 * roundoff);
+  return t;
+}
+
+namespace {
+
+// How many problems a check saw, and the first one in words.
+struct Tally {
+  std::int64_t failures = 0;
+  std::string first;
+  void fail(std::string detail) {
+    if (failures++ == 0) first = std::move(detail);
+  }
+};
+
+// A stored key rotated back by its claimed position is its raw key, up to the storage's
+// rounding; float32 keys re-rotated at every shift drift further (about 1e-5 after
+// thousands of shifts), hence the floor. A position off by one moves the fastest pair by
+// about a radian, far beyond either.
+double rotation_tolerance(const float* raw, int d, double roundoff) {
+  double largest = 1.0;
+  for (int i = 0; i < d; ++i) largest = std::max(largest, static_cast<double>(std::abs(raw[i])));
+  return (1e-3 + 8.0 * roundoff) * largest;
+}
+
+double rotation_error(const float* stored, const float* raw, int d, std::int64_t position, const Rope& rope) {
+  const auto back = reference::rotate(std::vector<double>(stored, stored + d), -static_cast<double>(position), rope);
+  double worst = 0.0;
+  for (int i = 0; i < d; ++i) {
+    const double e = std::abs(back[i] - raw[i]);
+    worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
+  }
+  return worst;
+}
+
+void advance(StepContext& c, const StepRecord& rec) {
+  if (rec.step.op == StepOp::reset)
+    c.last_row_change = rec.batch_before != *rec.step.batch ? StepContext::RowChange::reset_new_batch
+                                                            : StepContext::RowChange::reset_same_batch;
+  if (rec.step.op == StepOp::reorder) c.last_row_change = StepContext::RowChange::reorder;
+  if (rec.append)
+    for (const auto& row : rec.append->rows)
+      if (static_cast<std::int64_t>(row.size()) < rec.append->chunk) c.padded = true;
+}
+
+// The first token index of the retained window (after the sinks).
+std::int64_t window_start(const Policy& policy, const reference::RowRetained& retained) {
+  for (const auto& key : retained.keys)
+    if (policy.kind != PolicyKind::sink || key.index >= policy.sinks) return key.index;
+  return retained.keys.empty() ? 0 : retained.keys.back().index + 1;
+}
+
+// What one (layer, row, kv head 0) looked like in a step: its table rows and, per uid,
+// the position its key was used at (for distances derived from recovered queries).
+struct RowState {
+  std::vector<SlotRow> table;
+  std::map<std::int64_t, const float*> keys;          // uid -> stored key, for recovery on demand
+  std::map<std::int64_t, std::int64_t> key_position;  // uid -> position at attention time
+  std::optional<std::int64_t> query_position;         // recovered from the trace's q
+};
+
+class Checker {
+ public:
+  Checker(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CheckOptions& options)
+      : s_(s), inputs_(inputs), run_(run), options_(options), max_position_(largest_position(run)) {}
+
+  CacheTrace operator()(const Observe& observe) {
+    StepContext context;
+    std::vector<std::vector<std::vector<PictureCell>>> columns;  // [row][step][slot]
+    std::vector<Drift::Point> drift;
+    for (std::size_t i = 0; i < run_.steps.size(); ++i) {
+      const StepRecord& rec = run_.steps[i];
+      const CacheView view = observe(i, rec);
+      advance(context, rec);  // what led up to the end of this step, this step included
+      if (!view.recorded) continue;
+      ++recorded_;
+      StepEvidence evidence;
+      evidence.step = i;
+      evidence.label = step_label(rec.step, i);
+      std::vector<std::vector<RowState>> rows;  // [layer][row]
+      const bool go_on = check(rec, view, evidence, rows);
+      const bool focus = options_.focus_step && *options_.focus_step == i;
+      if ((!evidence.empty() && !trace_.first) || focus) {
+        StepDiagnosis d = diagnose(rec, view, evidence, context, rows);
+        if (!evidence.empty() && !trace_.first) trace_.first = d;
+        if (focus) trace_.focus = std::move(d);
+      }
+      if (trace_.first && rec.append && trace_.first->evidence.step <= i)
+        drift.push_back(drift_point(rec, evidence, trace_.first->row));
+      if (options_.picture && !rows.empty()) {
+        columns.resize(std::max(columns.size(), rows[0].size()));
+        for (std::size_t b = 0; b < rows[0].size(); ++b) {
+          columns[b].resize(i);  // one column per step, empty where nothing was seen
+          columns[b].push_back(picture_column(rows[0][b].table));
+        }
+      }
+      if (!go_on) break;  // the cache and the reference no longer hold the same rows
+    }
+    if (options_.focus_step && !trace_.focus)
+      throw InputError("--step", "",
+                       fmt::format("step {} is not a recorded step of this run (steps 0 to {}{})", *options_.focus_step,
+                                   run_.steps.size() - 1, trace_.first ? ", checked up to the first failure" : ""));
+    if (trace_.first) trace_.drift = summarize_drift(std::move(drift));
+    if (options_.picture) {
+      const std::size_t row = trace_.first ? static_cast<std::size_t>(trace_.first->row) : 0;
+      if (row < columns.size()) trace_.picture = std::move(columns[row]);
+    }
+    trace_.outcome = outcome();
+    return std::move(trace_);
+  }
+
+ private:
+  // Every check of one step. False when the run cannot go on (the cache raised, or holds
+  // other rows than the reference).
+  bool check(const StepRecord& rec, const CacheView& view, StepEvidence& evidence,
+             std::vector<std::vector<RowState>>& rows) {
+    bool go_on = true;
+    if (!rec.refused.empty()) {
+      if (!view.error)
+        evidence.refusal =
+            fmt::format("the cache accepted a step the policy refuses ({}: {})", rec.refused, rec.refusal_message);
+      else if (!view.refusal_code.empty() && view.refusal_code != rec.refused)
+        evidence.refusal = fmt::format("the cache refused with \"{}\" ({}), the policy refuses with \"{}\"",
+                                       view.refusal_code, *view.error, rec.refused);
+    } else if (view.error) {
+      evidence.raised = view.refusal_code.empty();
+      evidence.refusal = evidence.raised
+                             ? fmt::format("the cache raised: {}", *view.error)
+                             : fmt::format("the cache refused with \"{}\" ({}), the policy accepts the step",
+                                           view.refusal_code, *view.error);
+      go_on = false;
+    }
+    if (!evidence.refusal.empty()) refusals_.fail(evidence.label + ": " + evidence.refusal);
+    if (!go_on || view.layers.empty()) return go_on;
+    if (view.batch != static_cast<int>(rec.retained.size())) {
+      retained_.fail(
+          fmt::format("{}: the cache has {} rows, the reference {}", evidence.label, view.batch, rec.retained.size()));
+      return false;
+    }
+    const Tolerance tolerance = output_tolerance(s_, inputs_, view.roundoff);
+    rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
+    for (std::size_t l = 0; l < view.layers.size(); ++l) {
+      const ViewLayer& layer = view.layers[l];
+      for (int b = 0; b < static_cast<int>(rec.retained.size()); ++b) {
+        const std::size_t before = evidence.slots.size();
+        check_row(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
+        for (std::size_t k = before; k < evidence.slots.size(); ++k) evidence.slots[k].layer = static_cast<int>(l);
+        if (rec.append && layer.out) compare_outputs(rec, static_cast<int>(l), b, layer.out, tolerance, evidence);
+        if (rec.append && layer.q && !view.pairs) derive_pairs(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
+      }
+    }
+    if (rec.append && view.pairs) compare_pairs(rec, *view.pairs, evidence);
+    if (rec.append)
+      for (std::size_t b = 0; b < rec.append->rows.size(); ++b) {
+        const auto& chunk = rec.append->rows[b];
+        if (chunk.size() <= rec.retained[b].keys.size()) continue;
+        const auto& table = rows[0][b].table;
+        evidence.chunk_kept_whole |= std::all_of(chunk.begin(), chunk.end(), [&](const auto& token) {
+          return std::any_of(table.begin(), table.end(), [&](const SlotRow& r) {
+            return r.slot >= 0 && r.uid == static_cast<std::int64_t>(token.uid);
+          });
+        });
+      }
+    for (std::size_t l = 0; l < rows.size(); ++l)
+      for (std::size_t b = 0; b < rows[l].size(); ++b) fill_distances(rec, view, static_cast<int>(b), rows[l][b]);
+    return true;
+  }
+
+  // SPEC 5.2 and 5.4 for one row of one layer: every kv head's slots identified, the set
+  // between the live set and the retained set, each key its raw key rotated by the
+  // position it claims (or the trace declares).
+  void check_row(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence, RowState& state) {
+    const auto& history = rec.histories[b];
+    const reference::RowRetained& ret = rec.retained[b];
+    std::map<std::int64_t, const reference::RetainedKey*> retained, live;
+    for (const auto& key : ret.keys) retained[static_cast<std::int64_t>(key.uid)] = &key;
+    for (const auto& key : ret.live) live[static_cast<std::int64_t>(key.uid)] = &key;
+    const auto& heads = view.layers[static_cast<std::size_t>(l)].slots[static_cast<std::size_t>(b)];
+    for (std::size_t g = 0; g < heads.size(); ++g) {
+      const bool check_set = !view.slots_shared || (l == 0 && g == 0);
+      const std::string where = fmt::format("{}: layer {} row {}{}", evidence.label, l, b,
+                                            heads.size() > 1 ? fmt::format(" kv head {}", g) : std::string());
+      // The set first: it says which convention (lazy or eager) the row follows.
+      std::map<std::int64_t, int> held;
+      for (const ViewSlot& v : heads[g])
+        if (v.uid >= 0 && index_of(history, v.uid) >= 0) ++held[v.uid];
+      bool is_lazy = true, is_eager = true;
+      for (const auto& [uid, key] : retained) is_lazy = is_lazy && held.count(uid);
+      for (const auto& [uid, count] : held) is_eager = is_eager && live.count(uid);
+      for (const auto& [uid, key] : live) is_eager = is_eager && held.count(uid);
+      for (const auto& [uid, count] : held) is_lazy = is_lazy && retained.count(uid);
+      const bool eager =
+          options_.eviction == Eviction::eager || (options_.eviction == Eviction::any && !is_lazy && is_eager);
+      if (check_set && retained.size() != live.size()) (eager ? eager_rows_ : lazy_rows_) += is_lazy || is_eager;
+
+      std::map<std::int64_t, int> seen;
+      for (const ViewSlot& v : heads[g]) {
+        SlotRow row;
+        row.row = b;
+        row.slot = v.slot;
+        row.uid = v.uid;
+        row.index = v.uid < 0 ? -1 : index_of(history, v.uid);
+        row.claimed_index = v.claimed_index;
+        const bool first_time = row.index >= 0 && ++seen[v.uid] == 1;
+        if (row.index < 0) {
+          row.verdict = v.uid < 0 ? SlotVerdict::unknown_values : SlotVerdict::stale;
+          if (check_set) {
+            retained_.fail(fmt::format("{} slot {} holds {}", where, v.slot,
+                                       v.uid < 0 ? std::string("values of no token")
+                                                 : fmt::format("uid {}, not this row's token (stale)", v.uid)));
+            SlotIssue issue = SlotIssue::of(SlotIssue::Kind::stale, b, v.uid, -1);
+            issue.slot = v.slot;
+            evidence.slots.push_back(issue);
+          }
+        } else if (!first_time) {
+          row.verdict = SlotVerdict::duplicated;
+          if (check_set) {
+            retained_.fail(fmt::format("{} holds uid {} (token {}) in more than one slot", where, v.uid, row.index));
+            evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::duplicated, b, v.uid, row.index));
+          }
+        } else if (v.claimed_index && *v.claimed_index != row.index) {
+          row.verdict = SlotVerdict::claims_other_index;
+          if (check_set) {
+            retained_.fail(fmt::format("{} slot {} says uid {} is token {}, it is token {}", where, v.slot, v.uid,
+                                       *v.claimed_index, row.index));
+            SlotIssue wrong = SlotIssue::of(SlotIssue::Kind::wrong_index, b, v.uid, row.index);
+            wrong.slot = v.slot;
+            wrong.claimed_index = *v.claimed_index;
+            wrong.claimed_position = v.claimed_position.value_or(0);
+            evidence.slots.push_back(wrong);
+          }
+        } else if (!retained.count(v.uid)) {
+          row.verdict = SlotVerdict::not_retained;
+          if (check_set) {
+            retained_.fail(fmt::format("{} slot {} still holds uid {} (token {}), which the policy evicted", where,
+                                       v.slot, v.uid, row.index));
+            SlotIssue extra = SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index);
+            extra.slot = v.slot;
+            extra.window_gap = window_start(s_.policy, ret) - row.index;
+            extra.in_chunk =
+                rec.append && !rec.append->rows[b].empty() && row.index >= rec.append->rows[b].front().index;
+            evidence.slots.push_back(extra);
+          }
+        } else if (!live.count(v.uid) && eager && options_.eviction == Eviction::eager) {
+          row.verdict = SlotVerdict::not_retained;
+          if (check_set) {
+            retained_.fail(
+                fmt::format("{} slot {} still holds uid {} (token {}), which no later query sees, and "
+                            "the trace declares eager eviction",
+                            where, v.slot, v.uid, row.index));
+            evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index));
+          }
+        } else {
+          row.verdict = live.count(v.uid) || retained.size() == live.size() ? SlotVerdict::ok : SlotVerdict::dead_held;
+        }
+        const bool judged = row.index >= 0 || options_.key_positions == KeyPositions::claimed;
+        if (judged && v.uid >= 0 && v.uid < inputs_.uids && v.key != nullptr)
+          check_key(rec, view, l, b, static_cast<int>(g), v, row, eager, retained, live, evidence, state, where);
+        if (g == 0) {
+          row.row = b;
+          state.table.push_back(row);
+        }
+      }
+      // Tokens the cache should hold but does not.
+      for (const auto& [uid, key] : retained) {
+        if (held.count(uid)) continue;
+        const bool dead = !live.count(uid);
+        const bool fine = dead && options_.eviction != Eviction::lazy;
+        if (g == 0) {
+          SlotRow row;
+          row.row = b;
+          row.uid = uid;
+          row.index = key->index;
+          row.verdict = fine ? SlotVerdict::dead_dropped : SlotVerdict::missing;
+          state.table.push_back(row);
+        }
+        if (fine || !check_set) continue;
+        retained_.fail(fmt::format("{} lost uid {} (token {}){}", where, uid, key->index,
+                                   dead ? ", which the trace declares it keeps until the next token (lazy)"
+                                        : ", which the next token still sees"));
+        evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, b, uid, key->index));
+      }
+    }
+  }
+
+  // The key of slot v: rotated back by the position it claims, it must be its raw key.
+  void check_key(const StepRecord& rec, const CacheView& view, int l, int b, int g, const ViewSlot& v, SlotRow& row,
+                 bool eager, const std::map<std::int64_t, const reference::RetainedKey*>& retained,
+                 const std::map<std::int64_t, const reference::RetainedKey*>& live, StepEvidence& evidence,
+                 RowState& state, const std::string& where) {
+    const int D = s_.dims.head_dim;
+    const auto lazy_it = retained.find(v.uid);
+    const auto eager_it = live.find(v.uid);
+    // Where the policy puts the key under the row's convention, and where it was used.
+    std::optional<std::int64_t> expected, used_at;
+    if (lazy_it != retained.end()) expected = used_at = lazy_it->second->position;
+    if (eager && eager_it != live.end()) expected = eager_it->second->position;
+    std::int64_t claim = 0;
+    switch (options_.key_positions) {
+      case KeyPositions::claimed:
+        claim = v.claimed_position.value_or(0);
+        break;
+      case KeyPositions::cache_relative:
+        if (!expected) return;  // nothing to expect of a token the policy does not keep
+        claim = *expected;
+        break;
+      case KeyPositions::absolute:
+        claim = row.index;
+        break;
+      case KeyPositions::unrotated:
+        claim = 0;
+        break;
+    }
+    if (g == 0) {
+      row.position_claimed = claim;
+      if (lazy_it != retained.end()) row.position_expected = lazy_it->second->position;
+      state.keys[v.uid] = v.key;
+    }
+    const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
+    // A re-encoded (eager, cache-relative) key was used at its lazy position.
+    const std::int64_t shift =
+        options_.key_positions == KeyPositions::cache_relative && used_at && expected ? *used_at - *expected : 0;
+    if (rotation_error(v.key, raw, D, claim, s_.rope) <= rotation_tolerance(raw, D, view.roundoff)) {
+      if (g == 0) state.key_position[v.uid] = claim + shift;
+      return;
+    }
+    const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope, max_position_, view.roundoff);
+    if (g == 0 && r.status != RecoveredPosition::Status::not_rotation) state.key_position[v.uid] = r.position + shift;
+    if (g == 0 && is_fine(row.verdict)) row.verdict = SlotVerdict::key_off_claim;
+    rotation_.fail(
+        fmt::format("{} slot {} (uid {}, token {}): the key is not its raw key rotated by {} {} "
+                    "(recovered: {})",
+                    where, v.slot, v.uid, row.index,
+                    options_.key_positions == KeyPositions::claimed ? "its claimed position" : "the expected position",
+                    claim, describe(r)));
+    SlotIssue issue = SlotIssue::of(SlotIssue::Kind::rotation, b, v.uid, row.index);
+    issue.slot = v.slot;
+    issue.claimed_index = v.claimed_index.value_or(row.index);
+    issue.claimed_position = claim;
+    issue.newest = row.index + 1 == static_cast<std::int64_t>(rec.histories[b].size());
+    if (r.status != RecoveredPosition::Status::not_rotation) issue.recovered_position = r.position;
+    issue.fits = r.fits;
+    evidence.slots.push_back(issue);
+  }
+
+  void compare_outputs(const StepRecord& rec, int l, int b, const float* out, const Tolerance& tol,
+                       StepEvidence& evidence) {
+    const reference::AppendResult& ref = *rec.append;
+    const int H = s_.dims.heads, D = s_.dims.head_dim;
+    const auto B = ref.rows.size();
+    const std::int64_t n = ref.chunk;
+    const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
+    outputs_seen_ = true;
+    for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) {
+          const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;
+          const double want = ref.out[static_cast<std::size_t>(l) * B * n * H * D + at];
+          const double got = out[at];
+          const double err = std::abs(got - want);
+          sum_sq_err_ += std::isnan(err) ? 0.0 : err * err;
+          sum_sq_ref_ += want * want;
+          max_abs_ = std::max(max_abs_, std::isnan(err) ? std::numeric_limits<double>::infinity() : err);
+          if (err <= tol.atol + tol.rtol * std::abs(want)) continue;
+          const auto& token = ref.rows[b][i];
+          outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got {:.9g}",
+                                    evidence.label, l, b, token.index, token.uid, h, d, want, got));
+          if (evidence.outputs.size() < 64)
+            evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
+        }
+  }
+
+  // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
+  // integers, and exactly the reference's visible tokens.
+  void compare_pairs(const StepRecord& rec, const std::vector<UsedPair>& log, StepEvidence& evidence) {
+    pairs_seen_ = true;
+    std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>> used;
+    for (const UsedPair& e : log) {
+      auto& pairs = used[{e.row, e.query_index}];
+      if (pairs.count(e.key_uid)) {
+        positions_.fail(fmt::format("{}: row {} token {}: the cache used uid {} twice", evidence.label, e.row,
+                                    e.query_index, e.key_uid));
+        evidence.slots.push_back(
+            SlotIssue::of(SlotIssue::Kind::duplicated, e.row, e.key_uid, index_of(rec.histories[e.row], e.key_uid)));
+      }
+      pairs[e.key_uid] = {e.query_position - e.key_position, e.query_position};
+    }
+    for (int b = 0; b < static_cast<int>(rec.append->rows.size()); ++b) {
+      const auto& history = rec.histories[b];
+      for (const auto& token : rec.append->rows[b]) {
+        const std::int64_t e = reference::evicted_count(s_.policy, token.index);
+        std::map<std::int64_t, std::int64_t> want;
+        for (const auto& key : token.view.keys)
+          want[static_cast<std::int64_t>(history[key.index])] = token.view.query_position - key.position;
+        const auto& got = used[{b, token.index}];
+        auto note = [&](std::int64_t uid, std::optional<std::int64_t> w, std::optional<std::int64_t> a,
+                        std::optional<std::int64_t> qpos, const std::string& text) {
+          positions_.fail(fmt::format("{}: row {} token {}: {}", evidence.label, b, token.index, text));
+          evidence.pairs.push_back({b, token.index, uid, index_of(history, uid), w, a, qpos, e});
+        };
+        for (const auto& [uid, distance] : want) {
+          const auto it = got.find(uid);
+          if (it == got.end())
+            note(uid, distance, std::nullopt, std::nullopt,
+                 fmt::format("uid {} should be visible at distance {}, the cache did not use it", uid, distance));
+          else if (it->second.first != distance)
+            note(uid, distance, it->second.first, it->second.second,
+                 fmt::format("uid {} at distance {}, expected {}", uid, it->second.first, distance));
+        }
+        for (const auto& [uid, pair] : got)
+          if (!want.count(uid))
+            note(uid, std::nullopt, pair.first, pair.second,
+                 fmt::format("the cache used uid {} (distance {}), which the policy does not make visible", uid,
+                             pair.first));
+      }
+    }
+    used_ = std::move(used);
+  }
+
+  // SPEC 5.3 from tensors alone: the row's last query's position recovered from its
+  // rotated q, against the positions its keys were used at.
+  void derive_pairs(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence,
+                    RowState& state) {
+    const auto& tokens = rec.append->rows[b];
+    if (tokens.empty() || s_.policy.prefill != Prefill::streaming) return;
+    pairs_seen_ = true;
+    const int H = s_.dims.heads, D = s_.dims.head_dim;
+    const std::int64_t n = rec.append->chunk;
+    const auto& last = tokens.back();
+    const float* rotated = view.layers[l].q + ((static_cast<std::size_t>(b) * n + n - 1) * H + 0) * D;
+    const RecoveredPosition r =
+        recover_position(inputs_.q_at(l, last.uid, 0), rotated, D, s_.rope, max_position_, view.roundoff);
+    if (r.status == RecoveredPosition::Status::not_rotation) return;
+    state.query_position = r.position;
+    // A cache that keeps keys at original positions rotates the query twice (sink_ring);
+    // one rotated q shows only the window rotation, so sinks are judged by keys alone.
+    const bool skip_sinks =
+        s_.policy.kind == PolicyKind::sink && options_.key_positions != KeyPositions::cache_relative;
+    for (const auto& key : last.view.keys) {
+      if (skip_sinks && key.index < s_.policy.sinks) continue;
+      const auto uid = static_cast<std::int64_t>(rec.histories[b][key.index]);
+      const auto it = state.key_position.find(uid);
+      if (it == state.key_position.end()) continue;
+      const std::int64_t want = last.view.query_position - key.position, got = r.position - it->second;
+      if (want == got) continue;
+      positions_.fail(
+          fmt::format("{}: layer {} row {} token {}: query at {}, key uid {} at {}: distance {}, expected {}",
+                      evidence.label, l, b, last.index, r.position, uid, it->second, got, want));
+      if (l == 0)
+        evidence.pairs.push_back(
+            {b, last.index, uid, key.index, want, got, r.position, reference::evicted_count(s_.policy, last.index)});
+    }
+  }
+
+  // The table's visibility and distances, as seen by the row's last token of the step.
+  void fill_distances(const StepRecord& rec, const CacheView& view, int b, RowState& state) {
+    const bool attended = rec.append && !rec.append->rows[b].empty();
+    std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> expected;  // uid -> (distance, Pk)
+    if (attended) {
+      const auto& last = rec.append->rows[b].back();
+      for (const auto& key : last.view.keys)
+        expected[static_cast<std::int64_t>(rec.histories[b][key.index])] = {last.view.query_position - key.position,
+                                                                            key.position};
+    }
+    const std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>* used = nullptr;
+    if (attended && view.pairs)
+      if (const auto it = used_.find({b, rec.append->rows[b].back().index}); it != used_.end()) used = &it->second;
+    for (SlotRow& r : state.table) {
+      if (const auto it = expected.find(r.uid); it != expected.end()) {
+        r.visible_expected = true;
+        r.distance_expected = it->second.first;
+        r.position_expected = it->second.second;
+      }
+      if (r.slot < 0) continue;
+      if (view.pairs) {
+        if (used != nullptr)
+          if (const auto it = used->find(r.uid); it != used->end()) {
+            r.visible_actual = true;
+            r.distance_actual = it->second.first;
+          }
+      } else {
+        r.visible_actual = attended;  // a trace's cache attends to every slot it returns
+        if (state.query_position && state.key_position.count(r.uid))
+          r.distance_actual = *state.query_position - state.key_position[r.uid];
+      }
+      if (!is_fine(r.verdict) && r.verdict != SlotVerdict::distance_off) continue;
+      if (attended && r.visible_expected != r.visible_actual && r.verdict != SlotVerdict::dead_held)
+        r.verdict = r.visible_actual ? SlotVerdict::visible_should_not_be : SlotVerdict::not_used_should_be;
+      else if (r.distance_expected && r.distance_actual && *r.distance_expected != *r.distance_actual)
+        r.verdict = SlotVerdict::distance_off;
+    }
+  }
+
+  StepDiagnosis diagnose(const StepRecord& rec, const CacheView& view, StepEvidence evidence,
+                         const StepContext& context, const std::vector<std::vector<RowState>>& rows) {
+    StepDiagnosis d;
+    d.context = context;
+    d.layer = !evidence.slots.empty()     ? evidence.slots.front().layer
+              : !evidence.outputs.empty() ? evidence.outputs.front().layer
+                                          : 0;
+    if (!evidence.pairs.empty()) {
+      d.row = evidence.pairs.front().row;
+      d.query_index = evidence.pairs.front().query_index;
+    } else if (!evidence.slots.empty()) {
+      d.row = evidence.slots.front().row;
+    } else if (!evidence.outputs.empty()) {
+      d.row = evidence.outputs.front().row;
+      d.query_index = evidence.outputs.front().query_index;
+    }
+    if (rec.append && d.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[d.row].empty()) {
+      d.table_query_index = rec.append->rows[d.row].back().index;
+      if (d.query_index < 0) d.query_index = d.table_query_index;
+      evidence.evicted_before_last = reference::evicted_count(s_.policy, d.table_query_index);
+    }
+    d.bug = classify(s_, evidence, context);
+    d.evidence = std::move(evidence);
+    if (static_cast<std::size_t>(d.layer) < rows.size() && static_cast<std::size_t>(d.row) < rows[d.layer].size()) {
+      const RowState& state = rows[d.layer][d.row];
+      d.slots = state.table;
+      for (SlotRow& r : d.slots)
+        if (const auto it = state.keys.find(r.uid); it != state.keys.end())
+          r.position_recovered =
+              describe(recover_position(inputs_.k_at(d.layer, static_cast<std::uint64_t>(r.uid), 0), it->second,
+                                        s_.dims.head_dim, s_.rope, max_position_, view.roundoff));
+    }
+    return d;
+  }
+
+  static std::vector<PictureCell> picture_column(const std::vector<SlotRow>& table) {
+    std::vector<PictureCell> column;
+    for (const SlotRow& r : table) {
+      if (r.slot < 0) continue;
+      if (static_cast<std::size_t>(r.slot) >= column.size()) column.resize(static_cast<std::size_t>(r.slot) + 1);
+      column[static_cast<std::size_t>(r.slot)] = picture_cell(r);
+    }
+    return column;
+  }
+
+  // The diagnosed row's signed position error at this step: the largest distance error
+  // its queries saw, else the largest key rotation error.
+  Drift::Point drift_point(const StepRecord& rec, const StepEvidence& e, int row) const {
+    Drift::Point p{e.step, 0, false};
+    auto bigger = [&](std::int64_t error) {
+      if (std::abs(error) > std::abs(p.error)) p.error = error;
+    };
+    for (const PairMismatch& m : e.pairs)
+      if (m.row == row && m.expected && m.actual) bigger(*m.actual - *m.expected);
+    if (p.error == 0)
+      for (const SlotIssue& i : e.slots)
+        if (i.row == row && i.kind == SlotIssue::Kind::rotation && i.recovered_position)
+          bigger(*i.recovered_position - i.claimed_position);
+    if (row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[row].empty()) {
+      const auto& tokens = rec.append->rows[row];
+      p.evicted = reference::evicted_count(s_.policy, tokens.back().index) !=
+                  reference::evicted_count(s_.policy, tokens.front().index - 1);
+    }
+    return p;
+  }
+
+  Outcome outcome() const {
+    Outcome o;
+    o.scenario = s_.name;
+    o.file = s_.file;
+    o.target = options_.target;
+    auto add = [&](const char* name, const Tally& t, const std::string& ok) {
+      o.checks.push_back({name, t.failures == 0, t.failures == 0 ? ok : t.first});
+    };
+    if (options_.trace)
+      o.checks.push_back({"steps recorded", true, fmt::format("{} of {} steps", recorded_, run_.steps.size())});
+    add("refusals", refusals_, "as the policy says");
+    add("outputs", outputs_,
+        outputs_seen_ ? fmt::format("within atol {:.3g} + rtol {:.3g}", s_.tolerance.atol, s_.tolerance.rtol)
+                      : "no outputs to compare");
+    add("positions", positions_,
+        pairs_seen_                           ? "every visible pair at the reference's distance"
+        : s_.policy.prefill == Prefill::dense ? "not checked: under dense prefill a chunk's queries see a state the "
+                                                "trace does not show"
+                                              : "no queries to check");
+    std::string eviction = "no token died early";
+    if (lazy_rows_ && eager_rows_)
+      eviction = "dead tokens kept until the next token in some steps, dropped right away in others";
+    else if (lazy_rows_)
+      eviction = "lazy: dead tokens kept until the next token";
+    else if (eager_rows_)
+      eviction = "eager: dead tokens dropped right after the forward";
+    add("retained set", retained_,
+        "between the live and the retained set, nothing stale or duplicated (" + eviction + ")");
+    add("rotation", rotation_,
+        options_.key_positions == KeyPositions::claimed
+            ? std::string("every stored key is its raw key rotated by its claimed position")
+            : fmt::format("every stored key is its raw key rotated at its {} position",
+                          to_string(options_.key_positions)));
+    o.max_abs_error = max_abs_;
+    o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
+    o.position_mismatches = positions_.failures + rotation_.failures;
+    o.retained_mismatches = retained_.failures;
+    return o;
+  }
+
+  const Scenario& s_;
+  const InputTable& inputs_;
+  const ReferenceRun& run_;
+  const CheckOptions& options_;
+  const std::int64_t max_position_;
+  CacheTrace trace_;
+  Tally refusals_, outputs_, positions_, retained_, rotation_;
+  std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>> used_;
+  std::int64_t lazy_rows_ = 0, eager_rows_ = 0, recorded_ = 0;
+  bool outputs_seen_ = false, pairs_seen_ = false;
+  double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;
+};
+
+}  // namespace
+
+const char* to_string(KeyPositions p) {
+  switch (p) {
+    case KeyPositions::claimed:
+      return "claimed";
+    case KeyPositions::cache_relative:
+      return "cache-relative";
+    case KeyPositions::absolute:
+      return "absolute";
+    case KeyPositions::unrotated:
+      return "unrotated";
+  }
+  return "?";
+}
+
+const char* to_string(Eviction e) {
+  switch (e) {
+    case Eviction::any:
+      return "any";
+    case Eviction::lazy:
+      return "lazy";
+    case Eviction::eager:
+      return "eager";
+  }
+  return "?";
+}
+
+CacheTrace check_steps(const Scenario& s, const InputTable& inputs, const ReferenceRun& run,
+                       const CheckOptions& options, const Observe& observe) {
+  return Checker(s, inputs, run, options)(observe);
+}
+
+}  // namespace kvcheck

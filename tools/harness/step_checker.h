@@ -1,0 +1,75 @@
+// The one checker (SPEC 5): what a cache under test shows after each step, from an
+// in-process run or from a trace (cache_view.h), compared with the reference. It tallies
+// every failure, keeps the evidence of the first divergent step (and of a step asked
+// for), names the class, and summarizes how the error evolves afterwards.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reference/model.h"
+#include "tools/harness/cache_view.h"
+#include "tools/harness/diagnosis.h"
+#include "tools/harness/reference_run.h"
+#include "tools/harness/report.h"
+#include "tools/harness/scenario.h"
+#include "tools/harness/slot_view.h"
+
+namespace kvcheck {
+
+// One step looked at closely: its evidence, its class, and the slot table of one row.
+struct StepDiagnosis {
+  StepEvidence evidence;
+  StepContext context;
+  BugClass bug = BugClass::none;
+  int row = 0;
+  int layer = 0;                  // of the first slot issue, else of the first wrong output
+  std::int64_t query_index = -1;  // the first divergent query; -1: none (a reorder, reset or crop)
+  // The row's slots after the step, with visibility and distances as seen by the row's
+  // last token of the step (whose view is the state the step leaves behind).
+  std::int64_t table_query_index = -1;
+  std::vector<SlotRow> slots;
+};
+using FirstDivergence = StepDiagnosis;
+
+struct CacheTrace {
+  Outcome outcome;
+  std::optional<StepDiagnosis> first;
+  std::optional<StepDiagnosis> focus;             // the step asked for (--step), divergent or not
+  Drift drift;                                    // from the first divergence on, for its row
+  std::vector<std::vector<PictureCell>> picture;  // [step][slot] of first->row (when asked)
+};
+
+struct CheckOptions {
+  std::string target;  // a cache name, or "trace"
+  KeyPositions key_positions = KeyPositions::claimed;
+  Eviction eviction = Eviction::any;
+  bool trace = false;  // the views come from a trace: report how many steps it recorded
+  bool picture = false;
+  std::optional<std::size_t> focus_step;
+};
+
+// Applies step `index` to the cache under test and returns what it shows; the view's
+// pointers must stay valid until the next call.
+using Observe = std::function<CacheView(std::size_t index, const StepRecord& record)>;
+
+CacheTrace check_steps(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
+                       const CheckOptions& options, const Observe& observe);
+
+// A bound for position recovery: twice the longest row the scenario reaches, plus room.
+std::int64_t largest_position(const ReferenceRun& run);
+// The largest token count any row reaches: a static cache's capacity.
+std::int64_t longest_row(const ReferenceRun& run);
+
+// The token index of `uid` in a row's history, or -1.
+std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid);
+
+// Output tolerance for outputs computed from keys and values stored with unit roundoff
+// `roundoff`: the scenario's for float32, derived from the inputs' magnitudes for half
+// precision (see the definition).
+Tolerance output_tolerance(const Scenario& scenario, const InputTable& inputs, double roundoff);
+
+}  // namespace kvcheck
