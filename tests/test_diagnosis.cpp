@@ -61,3 +61,50 @@ TEST(Diagnosis, OutputsAloneMeanTheArithmetic) {
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::output_mismatch_positions_correct);
   EXPECT_EQ(classify(sink_scenario(), StepEvidence{}, {}), BugClass::none);
 }
+
+TEST(Diagnosis, KeptKeysMovedBackBeforeAnyEvictionIsAShiftOneTokenEarly) {
+  // Hugging Face SinkCache at the step the window fills (S = 2, W = 6, token 5 arrives):
+  // nothing is evicted yet, but window keys 2..4 were re-rotated one position back.
+  StepEvidence e;
+  for (std::int64_t index : {2, 3, 4}) {
+    SlotIssue i = SlotIssue::of(SlotIssue::Kind::rotation, 0, index, index);
+    i.claimed_position = index;
+    i.recovered_position = index - 1;
+    e.slots.push_back(i);
+  }
+  e.evicted_before_last = 0;
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::shift_one_token_early);
+  e.evicted_before_last = 1;  // after an eviction the same keys are merely at a wrong position
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::key_at_wrong_position);
+}
+
+TEST(Diagnosis, ALongChunkHeldWholeIsItsOwnClass) {
+  // A 12-token prompt in a window of 6, all 12 held: tokens 2..7 are extra, all from the chunk.
+  StepEvidence e;
+  for (std::int64_t index = 2; index < 8; ++index) {
+    SlotIssue extra = SlotIssue::of(SlotIssue::Kind::extra, 0, index, index);
+    extra.in_chunk = true;
+    e.slots.push_back(extra);
+  }
+  e.chunk_kept_whole = true;
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::prompt_kept_whole);
+  e.chunk_kept_whole = false;  // some of the chunk went: not kept whole
+  EXPECT_NE(classify(sink_scenario(), e, {}), BugClass::prompt_kept_whole);
+}
+
+TEST(Diagnosis, ALostLiveTokenAloneIsDroppedEarly) {
+  StepEvidence e;
+  e.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, 0, 4, 4));
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::dropped_live_token);
+}
+
+TEST(Diagnosis, TheDriftSummaryNamesHowTheErrorEvolves) {
+  using P = Drift::Point;
+  EXPECT_EQ(summarize_drift({{4, 1, false}, {5, 2, true}, {6, 3, true}}).shape, Drift::Shape::growing_by_one);
+  EXPECT_EQ(summarize_drift({{4, -1, true}, {5, -1, true}, {6, -1, false}}).shape, Drift::Shape::constant);
+  EXPECT_EQ(summarize_drift({{4, 1, true}, {5, 0, false}, {6, 2, true}}).shape, Drift::Shape::only_at_evictions);
+  EXPECT_EQ(summarize_drift({{4, 1, true}, {5, 0, false}, {6, 5, false}}).shape, Drift::Shape::varies);
+  EXPECT_EQ(summarize_drift({P{4, 1, true}}).shape, Drift::Shape::none);
+  EXPECT_EQ(summarize_drift({{4, 1, false}, {5, 2, true}}).to_string(),
+            "the error grows by one per step: +1 at step 4, +2 at step 5");
+}

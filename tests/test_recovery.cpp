@@ -141,3 +141,46 @@ TEST(Recovery, FloatAnglesOfAnEngineStillFit) {
     EXPECT_EQ(got.position, p);
   }
 }
+
+namespace {
+
+// x rounded to float16's 11 significant bits (normal range: these keys stay within it).
+float to_half(float x) {
+  int e = 0;
+  const double m = std::frexp(static_cast<double>(x), &e);
+  return static_cast<float>(std::ldexp(std::round(std::ldexp(m, 11)), e - 11));
+}
+
+}  // namespace
+
+TEST(Recovery, Float16KeysAtLlamaShapeUpTo100000) {
+  // D = 128, theta 500000 (Llama 3): the lowest frequency's period is about 2.6 million
+  // positions, so every position below 100000 is unique; float16 storage moves each
+  // element by up to 2^-11 of itself, which recovery must tolerate without a false fit.
+  const int d = 128;
+  const Rope rope = rope_of(RopeLayout::half, 500000.0);
+  for (int uid = 0; uid < 8; ++uid)
+    for (std::int64_t position : {0, 1, 7, 4095, 4096, 8193, 32767, 65536, 99999}) {
+      const std::vector<float> raw = raw_key(d, uid);
+      std::vector<float> stored = stored_key(raw, static_cast<double>(position), rope);
+      for (float& x : stored) x = to_half(x);
+      const RecoveredPosition got = recover_position(raw.data(), stored.data(), d, rope, 200000, kFloat16Roundoff);
+      EXPECT_EQ(got.status, RecoveredPosition::Status::exact) << "uid " << uid << " position " << position;
+      EXPECT_EQ(got.position, position) << "uid " << uid;
+      // One position off is told apart: the key stored at p + 1 does not fit p.
+      std::vector<float> next = stored_key(raw, static_cast<double>(position + 1), rope);
+      for (float& x : next) x = to_half(x);
+      EXPECT_EQ(recover_position(raw.data(), next.data(), d, rope, 200000, kFloat16Roundoff).position, position + 1);
+    }
+}
+
+TEST(Recovery, Float16KeysOfAnotherLayoutAreNoRotation) {
+  const int d = 128;
+  const Rope rope = rope_of(RopeLayout::half, 500000.0);
+  const std::vector<float> raw = raw_key(d, 3);
+  std::vector<float> stored = stored_key(raw, 5000.0, rope_of(RopeLayout::interleaved, 500000.0));
+  for (float& x : stored) x = to_half(x);
+  const RecoveredPosition got = recover_position(raw.data(), stored.data(), d, rope, 200000, kFloat16Roundoff);
+  EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(got.fits.kind, OtherRope::Kind::layout);
+}

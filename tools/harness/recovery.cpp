@@ -111,7 +111,8 @@ RecoveredPosition recover_with(const float* raw, const float* stored, int d, con
     if (it->weight > 0.0) lowest = &*it;
   const double period = kTwoPi / lowest->omega;
   std::vector<std::int64_t> found;
-  for (std::int64_t turn = 0; turn * period <= static_cast<double>(max_position) + 1.0; ++turn) {
+  // From turn -1: a small position whose measured angle fell just below zero wraps to 2 pi.
+  for (std::int64_t turn = -1; turn * period <= static_cast<double>(max_position) + 1.0; ++turn) {
     std::int64_t p = 0;
     if (unwrap(pairs, lowest->angle / lowest->omega + period * static_cast<double>(turn), p) && p >= 0 &&
         p <= max_position && std::find(found.begin(), found.end(), p) == found.end())
