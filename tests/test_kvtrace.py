@@ -1,6 +1,7 @@
 """tools/kvtrace.py with `kvcheck verify`, end to end: NumPy caches written here are
 driven through the Hugging Face update() protocol, traced, and verified by kvcheck."""
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,81 @@ class ShiftingSinkCache:
         self.keys[layer_idx] = np.concatenate([keys, key_states], axis=2)
         self.values[layer_idx] = np.concatenate([values, value_states], axis=2)
         return self.keys[layer_idx], self.values[layer_idx]
+
+
+class UnrotatedCache:
+    """Stores keys unrotated and rotates them at their place in the cache for attention, as
+    StreamingLLM's patched attention does (enable_streaming_llm); StartRecent trims it."""
+
+    def __init__(self):
+        self.key_cache, self.value_cache = [], []
+
+    def get_seq_length(self, layer_idx=0):
+        return self.key_cache[layer_idx].shape[2] if layer_idx < len(self.key_cache) else 0
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        rotate = cache_kwargs["rotate"]
+        raw = rotate(key_states, -cache_kwargs["positions"][:, None, :])
+        if layer_idx == len(self.key_cache):
+            self.key_cache.append(raw)
+            self.value_cache.append(value_states)
+        else:
+            self.key_cache[layer_idx] = np.concatenate([self.key_cache[layer_idx], raw], axis=2)
+            self.value_cache[layer_idx] = np.concatenate([self.value_cache[layer_idx], value_states], axis=2)
+        keys = self.key_cache[layer_idx]
+        return rotate(keys, np.arange(keys.shape[2])), self.value_cache[layer_idx]
+
+
+class StartRecent:
+    """StreamingLLM's StartRecentKVCache: after each forward, the first `start` and the
+    last `recent` tokens stay (W - 1 tokens between steps, W = start + recent + 1)."""
+
+    def __init__(self, start, recent):
+        self.start, self.recent = start, recent
+
+    def __call__(self, cache):
+        for store in (cache.key_cache, cache.value_cache):
+            for l, x in enumerate(store):
+                if x.shape[2] > self.start + self.recent:
+                    store[l] = np.concatenate([x[:, :, :self.start], x[:, :, -self.recent:]], axis=2)
+
+
+class GrowingCache:
+    """Keeps every key and value as given (rotated where the driver rotated them) and
+    exposes them like transformers' caches; an after_forward hook trims it."""
+
+    def __init__(self):
+        self.key_cache, self.value_cache = [], []
+
+    def get_seq_length(self, layer_idx=0):
+        return self.key_cache[layer_idx].shape[2] if layer_idx < len(self.key_cache) else 0
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx == len(self.key_cache):
+            self.key_cache.append(key_states)
+            self.value_cache.append(value_states)
+        else:
+            self.key_cache[layer_idx] = np.concatenate([self.key_cache[layer_idx], key_states], axis=2)
+            self.value_cache[layer_idx] = np.concatenate([self.value_cache[layer_idx], value_states], axis=2)
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+
+class StartRecentShifted:
+    """StartRecent for keys stored at cache positions: after the forward the dead tokens
+    go and the kept window keys are re-rotated back by as many, ready for the next token
+    (the other convention SPEC 3 allows). `recent` below W - S - 1 drops a live token."""
+
+    def __init__(self, start, recent, rope):
+        self.start, self.recent, self.rope = start, recent, rope
+
+    def __call__(self, cache):
+        for l, (k, v) in enumerate(zip(cache.key_cache, cache.value_cache)):
+            drop = k.shape[2] - self.start - self.recent
+            if drop <= 0:
+                continue
+            window = kvtrace.rotate(k[:, :, -self.recent:], [-float(drop)] * self.recent, self.rope)
+            cache.key_cache[l] = np.concatenate([k[:, :, :self.start], window], axis=2)
+            cache.value_cache[l] = np.concatenate([v[:, :, :self.start], v[:, :, -self.recent:]], axis=2)
 
 
 class KvtraceTest(unittest.TestCase):
@@ -228,21 +304,124 @@ class KvtraceTest(unittest.TestCase):
         self.assertTrue(os.path.exists(os.path.join(precious, "notes.txt")))
 
     def test_a_failing_cache_leaves_no_partial_trace(self):
+        # An exception from the cache is a finding: the trace is complete, with the error at
+        # its step and nothing after it. (A failing driver leaves nothing: the next test.)
         class Broken(SlidingWindowCache):
-            def update(self, *args):
-                raise RuntimeError("cache bug")
+            def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+                if self.keys:
+                    raise RuntimeError("cache bug")
+                return super().update(key_states, value_states, layer_idx)
 
         exp = export(self.work, "sliding_baseline")
         trace = os.path.join(self.work, "trace")
-        with self.assertRaises(RuntimeError):
-            kvtrace.drive_hf_cache(exp, lambda: Broken(6), trace)
-        self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no trace, no temporary folder
+        result = kvtrace.drive_hf_cache(exp, lambda: Broken(6), trace)
+        self.assertEqual((result.error_step, result.error), (1, "RuntimeError: cache bug"))
+        with open(os.path.join(trace, "manifest.json")) as f:
+            steps = json.load(f)["steps"]
+        self.assertEqual(steps[1:], [{"error": "RuntimeError: cache bug"}] + [{}] * 9)
+        self.assertEqual(sorted(os.listdir(self.work)), ["export", "trace"])  # no temporary folder
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sliding_baseline.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("RuntimeError: cache bug", result.stdout)
 
     def test_a_chunk_longer_than_the_cache_is_a_clear_error(self):
         exp = export(self.work, "sliding_prompt_longer_than_window")
         with self.assertRaisesRegex(ValueError, "cannot serve a chunk longer than itself"):
             kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]),
                                    os.path.join(self.work, "trace"))
+        self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no trace, no temporary folder
+
+    def test_cache_evicting_after_the_forward_passes_verify(self):
+        # StreamingLLM: start S = 2, recent R = 3, so W = 6 (sink_decode_through_windows);
+        # the dead token goes right after each forward, so 5 tokens stay between steps.
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, UnrotatedCache, trace, positions="cache", key_positions="unrotated",
+                               eviction="eager", after_forward=StartRecent(2, 3))
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("steps recorded: 31 of 31 steps", result.stdout)
+
+    def test_cache_relative_keys_reencoded_after_the_forward_pass_verify(self):
+        # The same eviction with keys at cache positions: kept keys re-rotated for the next
+        # token right away (E(n) instead of E(n-1)), new ones at their place in the cache.
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, GrowingCache, trace, positions="cache", key_positions="cache-relative",
+                               after_forward=StartRecentShifted(2, 3, exp.rope))
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("eager: dead tokens dropped right after the forward", result.stdout)
+
+    def test_a_cache_dropping_a_live_token_fails_with_its_class(self):
+        # recent = 2 instead of 3: after each forward a token the next query needs is gone.
+        # S = 2, W = 6, prompt of 3 (step 0), one token per step: token 5 (step 3) is the
+        # first forward after which 5 tokens are held, so token 2 (live for token 6) goes.
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, GrowingCache, trace, positions="cache", key_positions="cache-relative",
+                               after_forward=StartRecentShifted(2, 2, exp.rope))
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("first divergence: step 2 (decode, /steps/1)", result.stdout)
+        self.assertIn("class: dropped a live token", result.stdout)
+        self.assertIn("missing: the cache dropped it", result.stdout)
+
+    def test_declared_lazy_eviction_is_held_to_it(self):
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, UnrotatedCache, trace, positions="cache", key_positions="unrotated",
+                               eviction="lazy", after_forward=StartRecent(2, 3))
+        result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("which the trace declares it keeps until the next token (lazy)", result.stdout)
+
+    def test_float16_traces_are_judged_like_float32(self):
+        # A correct cache passes in float16, and the buggy SinkCache is diagnosed as in
+        # float32: same class, step and slot.
+        scenario = os.path.join(SCENARIOS, "sink_decode_through_windows.json")
+        exp = export(self.work, "sink_decode_through_windows")
+        make = lambda: ShiftingSinkCache(exp.policy["sinks"], exp.policy["window"])
+        good = os.path.join(self.work, "good16")
+        kvtrace.drive_hf_cache(exp, make, good, positions="policy", key_positions="cache-relative", dtype="float16")
+        result = kvcheck("verify", scenario, "--trace", good)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        verdicts = []
+        for dtype in ("float32", "float16"):
+            bad = os.path.join(self.work, "bad" + dtype)
+            kvtrace.drive_hf_cache(exp, make, bad, positions="absolute", key_positions="cache-relative", dtype=dtype)
+            result = kvcheck("verify", scenario, "--trace", bad)
+            self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+            verdicts.append([line for line in result.stdout.splitlines()
+                             if line.startswith(("first divergence", "class", "  slot"))])
+        self.assertEqual(verdicts[0], verdicts[1])
+        self.assertIn("class: new key not shifted", verdicts[1])
+
+    def test_verify_writes_reports_and_shows_a_step_asked_for(self):
+        scenario = os.path.join(SCENARIOS, "sink_decode_through_windows.json")
+        exp = export(self.work, "sink_decode_through_windows")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: ShiftingSinkCache(exp.policy["sinks"], exp.policy["window"]), trace,
+                               positions="absolute", key_positions="cache-relative")
+        page, junit, report = (os.path.join(self.work, name) for name in ("page.html", "r.xml", "r.json"))
+        result = kvcheck("verify", scenario, "--trace", trace, "--html", page, "--junit", junit, "--json", report,
+                         "--step", "6")
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        # The step asked for gets its own table, with the distances the trace's queries used.
+        self.assertIn("asked for: step 6 (decode, /steps/1), row 0", result.stdout)
+        self.assertIn("after it: the error grows by one per step", result.stdout)
+        with open(page) as f:
+            html = f.read()
+        self.assertIn("<svg", html)
+        self.assertIn("Class: new key not shifted", html)
+        with open(junit) as f:
+            self.assertIn('failures="1"', f.read())
+        import json
+        with open(report) as f:
+            self.assertEqual(json.load(f)["failed"], 1)
+        result = kvcheck("verify", scenario, "--trace", trace, "--step", "99")
+        self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
+        self.assertIn("--step: step 99 is not a recorded step", result.stderr)
 
     def test_rotate_matches_the_reference_convention(self):
         # D = 2: one pair turning one radian per position.

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """kvtrace: check a KV cache written in Python against kvcheck, through files.
 
-NumPy only (PyTorch tensors are accepted where arrays are, and converted). Three pieces:
+NumPy only at import (PyTorch is imported only when a cache is driven with as_tensor="torch";
+its tensors are accepted wherever arrays are). Three pieces:
 
 - Export: loads a `kvcheck export` folder: the scenario's raw q/k/v by uid and its schedule.
 - TraceWriter: writes a trace folder (format kvcheck-trace-1) that `kvcheck verify` reads.
 - drive_hf_cache: feeds an export's schedule to any cache object with Hugging Face's
-  `update(key_states, value_states, layer_idx, cache_kwargs) -> (keys, values)`, applies
-  RoPE at the positions the caller chooses, runs eager attention, and writes the trace.
+  `update(key_states, value_states, layer_idx, cache_kwargs) -> (keys, values)` (plus
+  `crop`, `reorder_cache`), applies RoPE at the positions the caller chooses, runs eager
+  attention with the mask the model would build, and writes the trace. An exception the
+  cache raises is a finding: it is written into the trace, not raised.
 
     exp = kvtrace.Export("out/sliding_baseline")          # kvcheck export SCENARIO --out DIR
     kvtrace.drive_hf_cache(exp, lambda: MyCache(window=6), "trace/", positions="policy",
@@ -15,10 +18,14 @@ NumPy only (PyTorch tensors are accepted where arrays are, and converted). Three
     # then: kvcheck verify SCENARIO --trace trace/
 """
 
+import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -26,7 +33,10 @@ import numpy as np
 def to_numpy(x):
     """A NumPy array from a NumPy array or a PyTorch tensor (without importing torch)."""
     if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":  # NumPy has none; float32 holds it exactly
+            x = x.float()
+        x = x.numpy()
     return np.asarray(x)
 
 
@@ -34,9 +44,23 @@ class Export:
     """A `kvcheck export` folder: q [L, U, H, D], k and v [L, U, Hkv, D], and the steps."""
 
     def __init__(self, path):
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError("%s does not exist: write it with `kvcheck export SCENARIO --out %s`"
+                                    % (path, path))
+        if not os.path.isdir(path):
+            hint = (" (a scenario: export it first with `kvcheck export %s --out DIR`)" % path
+                    if path.endswith(".json") else "")
+            raise ValueError("%s is a file%s; Export reads the folder `kvcheck export` writes" % (path, hint))
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                self.manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError("%s is not a kvcheck export (%s); write one with `kvcheck export SCENARIO --out DIR`"
+                             % (path, e)) from e
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != "kvcheck-export-1":
+            raise ValueError("%s/manifest.json is not a kvcheck export (format kvcheck-export-1)" % path)
         self.path = path
-        with open(os.path.join(path, "manifest.json")) as f:
-            self.manifest = json.load(f)
         self.q = np.load(os.path.join(path, "q.npy"))
         self.k = np.load(os.path.join(path, "k.npy"))
         self.v = np.load(os.path.join(path, "v.npy"))
@@ -50,6 +74,10 @@ class Export:
     def reference_output(self, step):
         """The reference's float64 output of an append step, [L, B, n, H, D] (NaN where padded)."""
         return np.load(os.path.join(self.path, self.steps[step]["out"]))
+
+    def layer_policy(self, layer):
+        """The policy of one layer (SPEC 7: `policy` may be a list, one per layer)."""
+        return self.policy[layer] if isinstance(self.policy, list) else self.policy
 
 
 def rotate(x, positions, rope):
@@ -70,6 +98,16 @@ def rotate(x, positions, rope):
     return out
 
 
+def hf_cos_sin(positions, rope, head_dim):
+    """cos and sin as Hugging Face's rotary embedding hands them to cache_kwargs:
+    [..., n, D], each frequency repeated for both halves (rotate_half layout)."""
+    factor = rope.get("factor", 1.0) if rope.get("scaling", "none") == "linear" else 1.0
+    inv_freq = rope["theta"] ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+    freqs = (np.asarray(positions, dtype=np.float64)[..., None] / factor) * inv_freq
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
 def _is_trace(path):
     try:
         with open(os.path.join(path, "manifest.json")) as f:
@@ -81,20 +119,35 @@ def _is_trace(path):
 class TraceWriter:
     """Writes a trace folder; nothing appears at `path` until close() succeeds, and a
     folder already there is replaced only if it is a trace. Use it as a context manager
-    (or call abort()) so a failure leaves no temporary folder behind."""
+    (or call abort()) so a failure leaves no temporary folder behind.
 
-    def __init__(self, path, scenario, producer, key_positions):
+    dtype: "float32" or "float16", the .npy type of every tensor written ("<f4" or "<f2").
+    eviction: None (not declared), "eager" (the cache drops dead tokens right after the
+    forward, as StreamingLLM's StartRecentKVCache does) or "lazy" (it keeps them until the
+    next token comes); written as the manifest's top-level "eviction"."""
+
+    DTYPES = {"float32": np.float32, "float16": np.float16}
+
+    def __init__(self, path, scenario, producer, key_positions, dtype="float32", eviction=None):
         if key_positions not in ("cache-relative", "absolute", "unrotated"):
-            raise ValueError("key_positions must be cache-relative, absolute or unrotated")
+            raise ValueError("key_positions must be cache-relative, absolute or unrotated, got %r" % (key_positions,))
+        if dtype not in self.DTYPES:
+            raise ValueError("dtype must be \"float32\" or \"float16\", got %r" % (dtype,))
+        if eviction not in (None, "eager", "lazy"):
+            raise ValueError("eviction must be None, \"eager\" or \"lazy\", got %r" % (eviction,))
         self.path = os.path.abspath(path)
         if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)) \
                 and not _is_trace(self.path):
             raise FileExistsError("%s exists and is not a kvcheck trace; refusing to replace it" % self.path)
+        self.dtype = self.DTYPES[dtype]
         parent = os.path.dirname(self.path)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=".kvtrace-", dir=parent)
         self.manifest = {"format": "kvcheck-trace-1", "scenario": scenario, "producer": producer,
-                         "key_positions": key_positions, "steps": []}
+                         "key_positions": key_positions}
+        if eviction is not None:
+            self.manifest["eviction"] = eviction
+        self.manifest["steps"] = []
 
     def step(self, layers):
         """One step: per layer a dict with keys and values [B, Hkv, slots, D], optional
@@ -107,7 +160,7 @@ class TraceWriter:
                 if tensors.get(name) is None:
                     continue
                 file = "step%03d_l%d_%s.npy" % (index, l, name)
-                np.save(os.path.join(self.tmp, file), np.ascontiguousarray(to_numpy(tensors[name]), dtype=np.float32))
+                np.save(os.path.join(self.tmp, file), np.ascontiguousarray(to_numpy(tensors[name]), dtype=self.dtype))
                 files[name] = file
             entry.append(files)
         self.manifest["steps"].append({"layers": entry})
@@ -115,6 +168,14 @@ class TraceWriter:
     def skip_step(self):
         """A step whose state was not recorded (kvcheck checks nothing there)."""
         self.manifest["steps"].append({})
+
+    def error_step(self, message):
+        """A step at which the cache failed (raised, or lacks the method the op needs)."""
+        self.manifest["steps"].append({"error": message})
+
+    def skipped_step(self, reason):
+        """A step the producer could not run, and why."""
+        self.manifest["steps"].append({"skipped": reason})
 
     def close(self):
         try:
@@ -150,130 +211,397 @@ class TraceWriter:
         return False
 
 
-def _attention(q, keys, values, scale, heads):
-    """Eager attention: q [B, H, n, D] over keys/values [B, Hkv, S, D], causal and
-    right-aligned (query i of n sees the first S - n + i + 1 slots)."""
-    b, hkv, s, d = keys.shape
-    if s < q.shape[2]:
-        raise ValueError("the cache returned %d slots for a chunk of %d tokens: a cache that trims before "
-                         "attention cannot serve a chunk longer than itself; feed shorter chunks or use a "
-                         "scenario whose chunks fit" % (s, q.shape[2]))
-    group = heads // hkv
-    keys = np.repeat(keys, group, axis=1)
-    values = np.repeat(values, group, axis=1)
-    scores = np.einsum("bhnd,bhsd->bhns", q, keys) * scale
-    n = q.shape[2]
-    visible = np.arange(s)[None, :] <= (s - n + np.arange(n))[:, None]
-    scores = np.where(visible, scores, -np.inf)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("bhns,bhsd->bhnd", weights, values)
+class UsageError(ValueError):
+    """A mistake in how the driver is called (never a finding about the cache)."""
 
 
-def hf_cos_sin(positions, rope, head_dim):
-    """cos and sin as Hugging Face's rotary embedding hands them to cache_kwargs:
-    [..., n, D], each frequency repeated for both halves (rotate_half layout)."""
-    factor = rope.get("factor", 1.0) if rope.get("scaling", "none") == "linear" else 1.0
-    inv_freq = rope["theta"] ** (-2.0 * np.arange(head_dim // 2) / head_dim)
-    freqs = (np.asarray(positions, dtype=np.float64)[..., None] / factor) * inv_freq
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb), np.sin(emb)
+@dataclass
+class DriveResult:
+    """What drive_hf_cache did. error: "ExceptionType: message" when the cache failed, at step
+    error_step (driving stopped there unless the step was a crop the policy refuses);
+    refusals: the refused crops the cache refused, as (step, message); skipped: the steps not
+    driven, as (step, reason); recorded: how many steps have tensors in the trace."""
+    error: Optional[str] = None
+    error_step: Optional[int] = None
+    refusals: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    recorded: int = 0
 
 
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",
-                   producer="kvtrace.drive_hf_cache", as_tensor=None):
-    """Runs the export's schedule through caches made by make_cache() and writes a trace.
+                   producer="kvtrace.drive_hf_cache", as_tensor=None, mask="auto", dtype="float32",
+                   eviction=None, after_forward=None):
+    """Runs the export's schedule through caches made by make_cache and writes a trace;
+    returns a DriveResult.
 
+    make_cache: a function returning a new cache, called as make_cache(batch) when it has
+    exactly one required positional parameter, else make_cache(); a reset makes a new one
+    with the reset's batch size.
     positions: where new keys and queries are rotated. "policy": the query position Pq the
     scenario's policy gives each token (for a correct cache-relative sink cache: t - E);
-    "absolute": the token index; "cache": slots held before the step plus the place in
-    the chunk; or a function (token_index, slots_held_before, place_in_chunk) -> position.
-    Attention is eager over what update() returns, causal and right-aligned, with no
-    window of its own: the cache must return exactly the keys a token sees (a cache that
-    returns the whole prefill and leaves the window to the model's mask is not driven).
-    Left padding is not supported (Hugging Face caches take it through masks); reorder
-    calls cache.reorder_cache(rows) and records the state only when the cache exposes
-    key_cache/value_cache; crop calls cache.crop(length) only for crops the policy
-    accepts (a refused crop is not offered to the cache); reset makes a new cache.
+    "absolute": the token index, as generate() computes position ids; "cache": slots held
+    before the step plus the place in the chunk; or a function (token_index,
+    slots_held_before, place_in_chunk) -> position.
+    cache_kwargs: Hugging Face's "cos" and "sin" [B, n, D] (rotate_half convention) and
+    "cache_position" (the new tokens' absolute indices, as generate() computes them: tokens
+    seen plus arange(n); a 1-D LongTensor with as_tensor="torch", else a NumPy int64 array),
+    plus "positions" [B, n], "rope" and a NumPy "rotate"(x, p) in the scenario's layout.
+    A scenario with the interleaved layout raises UsageError when the cache reads cos/sin:
+    they follow rotate_half, so a cache re-rotating with them would be judged on the
+    driver's convention instead of its own (re-rotate with cache_kwargs["rotate"]).
+    mask: how the driver's eager attention masks what update() returns, standing in for the
+    model. "causal": a growing cache: right-aligned causal, and a sliding policy's window
+    inside the chunk (key index > query index - W), so a long prompt is judged on the
+    sliding mask. "cache_position": a preallocated buffer (StaticCache, SlidingWindowCache):
+    slot j is visible to the query at cache position p iff j <= p, and for a sliding policy
+    also j > p - W when the buffer returned is longer than W (transformers' rule: its
+    SlidingWindowCache buffer of W slots is masked by j <= p alone). "auto" (default): per
+    cache object, "cache_position" once the cache has a `max_cache_len` attribute or returns
+    more slots than the row has tokens (get_max_cache_shape is no sign: SinkCache has it),
+    else "causal". In every mode a slot whose values are all zero is unwritten and never
+    attended (kvcheck verify skips such slots too).
+    Recorded per step and layer: the cache's own state when it exposes one (transformers'
+    key_cache/value_cache or layers[l].keys/values), else what update() returned (so a
+    preallocated buffer is recorded whole), with the outputs and the rotated queries (not
+    with key_positions="unrotated": stored keys then carry no position to compare a query
+    with). Reorder and crop go through cache.reorder_cache(beam_idx) and cache.crop(length),
+    their state recorded when exposed.
+    Findings, written into the trace instead of raised: an exception from update(),
+    crop(), reorder_cache() or after_forward, or a missing crop/reorder_cache, becomes the
+    step's {"error": "Type: message"}; driving stops there (later steps {}), except on a
+    crop the policy refuses, where refusing is right and driving goes on. A crop the policy
+    refuses is still offered to the cache. Left-padded steps (rows with different token
+    counts) are not driven: {"skipped": reason}, then {} up to the next reset.
     as_tensor: "torch" hands update() float32 torch tensors (a transformers cache), None
-    NumPy arrays, or any function array -> tensor. cache_kwargs carries Hugging Face's
-    "cos" and "sin" [B, n, D] plus "positions" [B, n] and a NumPy "rotate"(x, p).
+    NumPy arrays, or any function array -> tensor.
+    mask, dtype ("float32" or "float16" .npy files) and eviction ("eager", "lazy", or None
+    to leave it undeclared): see above and TraceWriter.
+    after_forward: a function called with the cache after every append step's forward (all
+    layers), as StreamingLLM's loop calls its kv_cache(past_key_values); what it returns,
+    when not None, replaces the cache.
+    Mistakes in the call raise TypeError or ValueError (UsageError) and leave no trace.
     """
-    as_index = np.asarray  # reorder_cache's beam indices
-    if as_tensor == "torch":
-        import torch  # only when asked for
-        as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        as_index = lambda rows: torch.as_tensor(rows, dtype=torch.long)
-    elif as_tensor is None:
-        as_tensor = lambda x: x
+    if not isinstance(export, Export):
+        if isinstance(export, (str, os.PathLike)):
+            what = os.fspath(export)
+            hint = ("a scenario file: run `kvcheck export %s --out DIR` and pass kvtrace.Export(DIR)" % what
+                    if what.endswith(".json") else "load it with kvtrace.Export(%r)" % what)
+            raise TypeError("export must be a kvtrace.Export, got the path %r: %s" % (what, hint))
+        raise TypeError("export must be a kvtrace.Export (a `kvcheck export` folder), got %s" % type(export).__name__)
+    driver = _Driver(export, make_cache, positions, as_tensor, mask, after_forward, key_positions != "unrotated")
+    with TraceWriter(trace_path, export.name, producer, key_positions, dtype, eviction) as writer:
+        return driver.run(writer)
+
+
+def _cache_factory(make_cache):
+    """make_cache as a function of the batch size (see drive_hf_cache)."""
+    if not callable(make_cache) or (hasattr(make_cache, "update") and not inspect.isclass(make_cache)):
+        raise TypeError("make_cache must be a function returning a new cache, such as lambda: MyCache(6) or "
+                        "lambda batch: MyCache(batch, 6), got a %s object: a reset needs a fresh cache"
+                        % type(make_cache).__name__)
+    try:
+        params = inspect.signature(make_cache).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: call them plainly
+        return lambda batch: make_cache()
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if len(required) > 1:
+        raise TypeError("make_cache must take no argument or one (the batch size), it requires %d" % len(required))
+    return (lambda batch: make_cache(batch)) if required else (lambda batch: make_cache())
+
+
+def _position_function(positions):
     if positions == "policy":
-        position_of = None  # read from the export, per token
-    elif positions == "absolute":
-        position_of = lambda t, held, i: t
-    elif positions == "cache":
-        position_of = lambda t, held, i: held + i
-    else:
-        position_of = positions
-    with TraceWriter(trace_path, export.name, producer, key_positions) as writer:
-        _drive(export, make_cache, writer, position_of, as_tensor, as_index)
+        return None  # read from the export, per token
+    if positions == "absolute":
+        return lambda t, held, i: t
+    if positions == "cache":
+        return lambda t, held, i: held + i
+    if callable(positions) and not isinstance(positions, str):
+        return positions
+    raise UsageError("positions must be \"policy\", \"absolute\", \"cache\" or a function (token_index, "
+                     "slots_held_before, place_in_chunk) -> position, got %r" % (positions,))
 
 
-def _drive(export, make_cache, writer, position_of, as_tensor, as_index):
-    layers, heads = export.dims["layers"], export.dims["heads"]
-    cache = make_cache()
-    held = None        # per layer (keys, values) the cache last returned
-    held_slots = 0     # how many slots it holds, for positions="cache"
-    for step in export.steps:
-        op = step["op"]
-        if op == "reset":
-            cache = make_cache()
-            held, held_slots = None, 0
-            writer.skip_step()
-            continue
-        if op == "reorder":
-            cache.reorder_cache(as_index(step["rows_from"]))
-            # What the cache holds now, if it says (transformers' key_cache/value_cache
-            # lists); otherwise the step is not recorded: guessing would check nothing.
-            if hasattr(cache, "key_cache") and hasattr(cache, "value_cache") and len(cache.key_cache) == layers:
-                held = [(to_numpy(k).astype(np.float64), to_numpy(v).astype(np.float64))
-                        for k, v in zip(cache.key_cache, cache.value_cache)]
-                writer.step([{"keys": k, "values": v} for k, v in held])
-            else:
+class _CacheKwargs(dict):
+    """cache_kwargs whose cos/sin raise UsageError when read (see drive_hf_cache)."""
+
+    def __init__(self, values, refusal):
+        super().__init__(values)
+        self.refusal = refusal
+
+    def __getitem__(self, key):
+        if key in ("cos", "sin"):
+            raise UsageError(self.refusal)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+class _CacheFailed(Exception):
+    """The cache failed at this step (the finding is already in the trace)."""
+
+
+class _Missing(Exception):
+    """The cache lacks the method an op needs."""
+
+
+def _cache_state(cache, layers):
+    """The cache's own (keys, values) per layer, float64, when it exposes them the way
+    transformers' caches do (key_cache/value_cache lists up to 4.5x, layers[l] later)."""
+    try:
+        if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):
+            pairs = list(zip(cache.key_cache, cache.value_cache))
+        elif hasattr(cache, "layers"):
+            pairs = [(layer.keys, layer.values) for layer in cache.layers]
+        else:
+            return None
+    except (AttributeError, TypeError):
+        return None
+    if len(pairs) != layers or any(k is None or v is None for k, v in pairs):
+        return None
+    return [(to_numpy(k).astype(np.float64), to_numpy(v).astype(np.float64)) for k, v in pairs]
+
+
+def _attention(q, keys, values, scale, visible):
+    """Eager attention: q [B, H, n, D] over keys/values [B, Hkv, S, D] where visible
+    [B, Hkv, n, S] allows; a query that sees nothing gets NaN."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values, visible = (np.repeat(x, group, axis=1) for x in (keys, values, visible))
+    scores = np.where(visible, np.einsum("bhnd,bhsd->bhns", q, keys) * scale, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+        weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhns,bhsd->bhnd", weights, values)
+
+
+class _Driver:
+    """The state of one drive_hf_cache run (one cache object at a time)."""
+
+    def __init__(self, export, make_cache, positions, as_tensor, mask, after_forward, record_q):
+        self.exp = export
+        self.make = _cache_factory(make_cache)
+        self.position_of = _position_function(positions)
+        if mask not in ("auto", "causal", "cache_position"):
+            raise UsageError("mask must be \"auto\", \"causal\" or \"cache_position\", got %r" % (mask,))
+        if after_forward is not None and not callable(after_forward):
+            raise TypeError("after_forward must be a function of the cache, got %s" % type(after_forward).__name__)
+        if export.rope.get("scaling", "none") not in ("none", "linear"):
+            raise UsageError("kvtrace rotates with no or linear RoPE scaling only, the scenario has %r"
+                             % export.rope["scaling"])
+        self.mask, self.after_forward, self.record_q = mask, after_forward, record_q
+        self.numpy_given = as_tensor is None
+        self.as_index = np.asarray  # beam indices for reorder_cache
+        self.as_position = lambda p: np.asarray(p, dtype=np.int64)
+        if as_tensor == "torch":
+            import torch  # only when asked for
+            self.as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            self.as_index = self.as_position = lambda p: torch.as_tensor(np.asarray(p), dtype=torch.long)
+        elif as_tensor is None:
+            self.as_tensor = lambda x: x
+        elif callable(as_tensor) and not isinstance(as_tensor, str):
+            self.as_tensor = as_tensor
+        else:
+            raise UsageError("as_tensor must be None (NumPy), \"torch\" or a function array -> tensor, got %r"
+                             % (as_tensor,))
+        self.cos_sin_refusal = None
+        if export.rope["layout"] != "half":
+            self.cos_sin_refusal = (
+                "the scenario uses the %s RoPE layout, but cache_kwargs cos/sin follow Hugging Face's rotate_half "
+                "convention: a cache re-rotating keys with them would be judged on the driver's convention, not its "
+                "own. Use a scenario with layout \"half\", or re-rotate with cache_kwargs[\"rotate\"], which follows "
+                "the scenario's layout" % export.rope["layout"])
+
+    def run(self, writer):
+        self.writer, self.result = writer, DriveResult()
+        self.new_cache(self.exp.dims["batch"])
+        stopped = False  # after a skipped step, until the next reset (after an error: to the end)
+        for index, step in enumerate(self.exp.steps):
+            op = step["op"]
+            if self.result.error is not None:
                 writer.skip_step()
-            continue
-        if op == "crop":
-            if "refused" not in step:
-                cache.crop(step["length"])
-                held, held_slots = None, min(held_slots, step["length"])
-            writer.skip_step()
-            continue
+            elif op == "reset":
+                self.new_cache(step.get("batch", self.batch))
+                stopped = False
+                writer.skip_step()
+            elif stopped:
+                writer.skip_step()
+            else:
+                try:
+                    stopped = self.run_step(index, step)
+                except _CacheFailed:
+                    pass
+        self.result.recorded = sum(1 for s in writer.manifest["steps"] if "layers" in s)
+        return self.result
+
+    def new_cache(self, batch):
+        self.cache, self.batch = self.make(batch), batch
+        self.held = 0            # slots held, for positions="cache" when the cache does not say
+        self.preallocated = None if self.mask == "auto" else self.mask == "cache_position"  # None: not known yet
+
+    def run_step(self, index, step):
+        """Drives one step and writes its entry; True when driving must pause until a reset."""
+        op = step["op"]
+        if op == "reorder":
+            self.call(index, "reorder_cache", "reorder", self.as_index(step["rows_from"]))
+            self.batch = len(step["rows_from"])
+            self.record_state()
+        elif op == "crop":
+            refused = "refused" in step
+            try:
+                self.call(index, "crop", "crop", step["length"], refusal=refused)
+            except _CacheFailed:
+                if not refused:
+                    raise
+                return False  # refusing is what the policy wants: the cache goes on intact
+            self.held = min(self.held, step["length"])
+            self.record_state()
+        else:
+            return self.append(index, step)
+        return False
+
+    def fail(self, index, message):
+        self.writer.error_step(message)
+        self.result.error, self.result.error_step = message, index
+        raise _CacheFailed()
+
+    def call(self, index, method, op, *args, refusal=False):
+        """cache.method(*args); a failure is written as the step's error."""
+        function = getattr(self.cache, method, None)
+        try:
+            if not callable(function):
+                raise _Missing("the cache does not support %s" % op)
+            function(*args)
+        except UsageError:
+            raise
+        except Exception as e:
+            message = str(e) if isinstance(e, _Missing) else "%s: %s" % (type(e).__name__, e)
+            if refusal:
+                self.writer.error_step(message)
+                self.result.refusals.append((index, message))
+                raise _CacheFailed() from e
+            self.fail(index, message)
+
+    def record_state(self):
+        state = _cache_state(self.cache, self.exp.dims["layers"])
+        if state is None:
+            self.writer.skip_step()  # guessing what the cache holds would check nothing
+        else:
+            self.writer.step([{"keys": k, "values": v} for k, v in state])
+
+    def append(self, index, step):
         rows = step["rows"]
-        counts = {len(r["uids"]) for r in rows}
-        if len(counts) != 1:
-            raise NotImplementedError("drive_hf_cache: left padding (rows with different counts) is not supported")
-        uids = np.asarray([r["uids"] for r in rows])                     # [B, n]
+        if len({tuple(r["indices"]) for r in rows}) != 1:
+            reason = ("left padding is not driven: rows with different token counts need Hugging Face's attention "
+                      "mask and position ids; nothing is driven until the next reset")
+            self.writer.skipped_step(reason)
+            self.result.skipped.append((index, reason))
+            return True
+        exp, layers = self.exp, self.exp.dims["layers"]
+        uids = np.asarray([r["uids"] for r in rows])                      # [B, n]
         n = uids.shape[1]
-        if hasattr(cache, "get_seq_length"):  # Hugging Face caches say it themselves
-            held_slots = int(cache.get_seq_length())
-        if position_of is None:
+        indices = rows[0]["indices"]
+        if hasattr(self.cache, "get_seq_length"):  # Hugging Face caches say it themselves
+            try:
+                self.held = int(self.cache.get_seq_length())
+            except Exception as e:
+                self.fail(index, "%s: %s" % (type(e).__name__, e))
+        if self.position_of is None:
             pos = np.asarray([r["query_positions"] for r in rows])
         else:
-            pos = np.asarray([[position_of(r["indices"][i], held_slots, i) for i in range(n)] for r in rows])
+            pos = np.asarray([[self.position_of(t, self.held, i) for i, t in enumerate(r["indices"])] for r in rows])
+        cos, sin = hf_cos_sin(pos, exp.rope, exp.dims["head_dim"])
+        cache_position = np.asarray(indices, dtype=np.int64)
         recorded = []
         for l in range(layers):
-            q = np.transpose(export.q[l][uids], (0, 2, 1, 3))              # [B, H, n, D]
-            k = np.transpose(export.k[l][uids], (0, 2, 1, 3))              # [B, Hkv, n, D]
-            v = np.transpose(export.v[l][uids], (0, 2, 1, 3))
-            q_rot = rotate(q, pos[:, None, :], export.rope)
-            k_rot = rotate(k, pos[:, None, :], export.rope)
-            cos, sin = hf_cos_sin(pos, export.rope, k.shape[-1])
-            kwargs = {"cos": as_tensor(cos), "sin": as_tensor(sin), "positions": pos, "rope": export.rope,
-                      "rotate": lambda x, p: rotate(x, p, export.rope)}
-            keys, values = cache.update(as_tensor(k_rot), as_tensor(v), l, kwargs)
-            keys, values = to_numpy(keys).astype(np.float64), to_numpy(values).astype(np.float64)
-            out = _attention(q_rot, keys, values, export.scale, heads)
-            recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot})
-        held = [(r["keys"], r["values"]) for r in recorded]
-        held_slots = held[0][0].shape[2]
-        writer.step(recorded)
+            q = np.transpose(exp.q[l][uids], (0, 2, 1, 3))                 # [B, H, n, D]
+            k = np.transpose(exp.k[l][uids], (0, 2, 1, 3))                 # [B, Hkv, n, D]
+            v = np.transpose(exp.v[l][uids], (0, 2, 1, 3))
+            q_rot = rotate(q, pos[:, None, :], exp.rope)
+            k_rot = rotate(k, pos[:, None, :], exp.rope)
+            kwargs = {"cos": self.as_tensor(cos), "sin": self.as_tensor(sin),
+                      "cache_position": self.as_position(cache_position), "positions": pos, "rope": exp.rope,
+                      "rotate": lambda x, p: rotate(x, p, exp.rope)}
+            if self.cos_sin_refusal:
+                kwargs = _CacheKwargs(kwargs, self.cos_sin_refusal)
+            keys, values = self.update(index, l, self.as_tensor(k_rot), self.as_tensor(v), kwargs, k.shape)
+            if self.preallocated is None and (hasattr(self.cache, "max_cache_len") or keys.shape[2] > indices[-1] + 1):
+                self.preallocated = True
+            visible = self.visible(l, keys.shape[2], n, cache_position, values)
+            out = _attention(q_rot, keys, values, exp.scale, visible)
+            recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot if self.record_q else None})
+        if self.preallocated is None:
+            self.preallocated = False  # decided by the first step: later growth must not flip it
+        if self.after_forward is not None:
+            try:
+                replacement = self.after_forward(self.cache)
+            except UsageError:
+                raise
+            except Exception as e:
+                self.fail(index, "%s: %s" % (type(e).__name__, e))
+            if replacement is not None:
+                self.cache = replacement
+        # What the cache holds between steps is what kvcheck checks; it may differ from what
+        # update() returned (a SlidingWindowCache returns a long prompt whole, keeps W of it).
+        state = _cache_state(self.cache, layers)
+        for layer, (k, v) in zip(recorded, state or []):
+            layer["keys"], layer["values"] = k, v
+        self.held = recorded[0]["keys"].shape[2]
+        self.writer.step(recorded)
+        return False
+
+    def update(self, index, layer, key_states, value_states, kwargs, shape):
+        """cache.update(); returns float64 (keys, values), or writes the failure."""
+        try:
+            returned = self.cache.update(key_states, value_states, layer, kwargs)
+        except UsageError:
+            raise
+        except Exception as e:
+            text = "%s: %s" % (type(e).__name__, e)
+            torch_words = ("Tensor", "torch", "numpy", "ndarray")
+            if self.numpy_given and "torch" in sys.modules and any(word in text for word in torch_words):
+                raise TypeError("update() failed on NumPy input (%s): a PyTorch cache needs "
+                                "drive_hf_cache(..., as_tensor=\"torch\")" % text) from e
+            self.fail(index, text)
+        if self.numpy_given and isinstance(returned, (tuple, list)) and any(hasattr(x, "detach") for x in returned):
+            raise TypeError("update() returned PyTorch tensors for NumPy input: drive a PyTorch cache with "
+                            "drive_hf_cache(..., as_tensor=\"torch\")")
+        b, hkv, _, d = shape
+        try:
+            keys, values = (to_numpy(x).astype(np.float64) for x in returned)
+            ok = keys.ndim == 4 and keys.shape[:2] == (b, hkv) and keys.shape[3] == d and values.shape == keys.shape
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            self.fail(index, "update() returned %s, expected (keys, values) of shape [%d, %d, slots, %d]"
+                      % (_describe(returned), b, hkv, d))
+        return keys, values
+
+    def visible(self, layer, slots, n, cache_position, values):
+        """The mask the model would build [B, Hkv, n, S] (see drive_hf_cache's `mask`)."""
+        policy = self.exp.layer_policy(layer)
+        window = policy.get("window") if policy.get("type") == "sliding" else None
+        j = np.arange(slots)[None, :]
+        if self.preallocated:
+            p = cache_position[:, None]
+            visible = j <= p
+            if window is not None and slots > window:
+                visible &= j > p - window
+        else:
+            if slots < n:
+                raise ValueError("the cache returned %d slots for a chunk of %d tokens: a cache that trims before "
+                                 "attention cannot serve a chunk longer than itself; feed shorter chunks or use a "
+                                 "scenario whose chunks fit" % (slots, n))
+            own = slots - n + np.arange(n)[:, None]  # right-aligned: the slot of each query's own token
+            visible = j <= own
+            if window is not None:
+                visible &= j > own - window
+        written = np.any(values != 0, axis=-1)    # [B, Hkv, S]
+        return visible[None, None] & written[:, :, None, :]
+
+
+def _describe(returned):
+    if isinstance(returned, (tuple, list)):
+        return "(%s)" % ", ".join("shape %s" % (list(getattr(x, "shape", ())),) for x in returned)
+    return "a %s" % type(returned).__name__

@@ -64,8 +64,9 @@ const char* class_explanation(BugClass c) {
     case BugClass::none:
       return "The cache matches the reference.";
     case BugClass::cache_raised:
-      return "The cache under test raised an exception at a step the policy accepts: its own words are above "
-             "(Hugging Face SinkCache raised a shape error on a second chunk of more than one token).";
+      return "The cache under test raised an exception (or lacks the operation) at a step the policy accepts: "
+             "its own words are above. A shape error on a second chunk usually means an update path written for "
+             "one token at a time.";
     case BugClass::prompt_kept_whole:
       return "A chunk longer than the window was kept whole after its forward: the cache stores the prompt "
              "as it comes and trims only when later tokens arrive (Hugging Face SinkCache on a long prompt).";
@@ -180,6 +181,16 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
       e.chunk_kept_whole)
     return BugClass::prompt_kept_whole;
 
+  // A token the next query still sees is gone, and nothing is held in its place: the
+  // root cause, whatever the cache then did to the positions of what it kept.
+  const bool lost_window_token = any(e.slots, [&](const SlotIssue& i) {
+    return i.kind == K::lost && (s.policy.kind != PolicyKind::sink || i.true_index >= s.policy.sinks);
+  });
+  if (lost_window_token && !any(e.slots, [](const SlotIssue& i) {
+        return i.kind == K::extra || i.kind == K::duplicated || (i.kind == K::lost && i.true_index < 0);
+      }))
+    return BugClass::dropped_live_token;
+
   // What the tensors say about rotations.
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation) continue;
@@ -252,7 +263,6 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
 
   const bool lost = any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; });
   const bool extra = any(e.slots, [](const SlotIssue& i) { return i.kind == K::extra; });
-  if (lost && !extra && e.pairs.empty()) return BugClass::dropped_live_token;
   // Nothing lost, and every extra token the one just before the window: W + 1 kept.
   if (extra && !lost && std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
         return i.kind != K::extra || i.window_gap == 1;

@@ -9,6 +9,11 @@ KVCHECK_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy
 )
+# tools/test also drives real PyTorch caches (python3-torch: about 200 MB, half a minute to
+# install here); tools/kvcheck alone does not need it.
+if [ "${KVCHECK_TEST_SETUP:-0}" = 1 ]; then
+  KVCHECK_PACKAGES+=(python3-torch)
+fi
 
 kvcheck_install_packages() {
   local missing=() p

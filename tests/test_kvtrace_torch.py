@@ -1,0 +1,361 @@
+"""tools/kvtrace.py driving PyTorch caches the way Hugging Face transformers does, checked by
+`kvcheck verify`. transformers itself is not installed: the caches below are written here
+to behave as transformers' caches do (4.46 unless said otherwise), so each test pins down
+what kvcheck says about one real cache design. Needs torch (Debian: python3-torch)."""
+
+import json
+import os
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+
+from test_kvtrace import DATA, SCENARIOS, export, kvcheck, kvtrace
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class DynamicCache:
+    """transformers' DynamicCache: grows by concatenation, returns everything it holds;
+    crop keeps the first n tokens, reorder_cache selects rows."""
+
+    def __init__(self):
+        self.key_cache, self.value_cache = [], []
+
+    def get_seq_length(self, layer_idx=0):
+        return self.key_cache[layer_idx].shape[-2] if layer_idx < len(self.key_cache) else 0
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx == len(self.key_cache):
+            self.key_cache.append(key_states)
+            self.value_cache.append(value_states)
+        else:
+            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def crop(self, max_length):
+        self.key_cache = [k[..., :max_length, :] for k in self.key_cache]
+        self.value_cache = [v[..., :max_length, :] for v in self.value_cache]
+
+    def reorder_cache(self, beam_idx):
+        self.key_cache = [k.index_select(0, beam_idx) for k in self.key_cache]
+        self.value_cache = [v.index_select(0, beam_idx) for v in self.value_cache]
+
+
+class WindowedDynamicCache(DynamicCache):
+    """A DynamicCache that keeps the last `window` tokens and refuses a crop once it has
+    dropped one (it could not give the cropped rows back their tokens)."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window, self.seen = window, 0
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx == 0:
+            self.seen += key_states.shape[-2]
+        keys, values = super().update(key_states, value_states, layer_idx)
+        self.key_cache[layer_idx] = keys[..., -self.window:, :]
+        self.value_cache[layer_idx] = values[..., -self.window:, :]
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def crop(self, max_length):
+        if self.seen > self.window and max_length < self.seen:
+            raise ValueError("cannot crop to %d tokens: tokens before %d were dropped"
+                             % (max_length, self.seen - self.window))
+        super().crop(max_length)
+        self.seen = min(self.seen, max_length)
+
+
+class StaticCache:
+    """transformers' StaticCache: max_cache_len zeroed slots per row, allocated for the batch
+    it is made for, written at cache_kwargs["cache_position"] and returned whole (the model
+    masks slot j for the query at cache position p unless j <= p). No crop, as in 4.46."""
+
+    def __init__(self, batch, max_cache_len):
+        self.batch, self.max_cache_len = batch, max_cache_len
+        self.key_cache, self.value_cache = [], []
+
+    def get_seq_length(self, layer_idx=0):
+        # transformers counts the written slots of row 0, head 0
+        return int(self.key_cache[layer_idx][0, 0].any(dim=-1).sum()) if layer_idx < len(self.key_cache) else 0
+
+    def buffers(self, key_states, layer_idx):
+        if layer_idx == len(self.key_cache):
+            _, heads, _, dim = key_states.shape
+            for store in (self.key_cache, self.value_cache):
+                store.append(torch.zeros(self.batch, heads, self.max_cache_len, dim, dtype=key_states.dtype))
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        keys, values = self.buffers(key_states, layer_idx)
+        keys.index_copy_(2, cache_kwargs["cache_position"], key_states)
+        values.index_copy_(2, cache_kwargs["cache_position"], value_states)
+        return keys, values
+
+    def reorder_cache(self, beam_idx):
+        self.key_cache = [k.index_select(0, beam_idx) for k in self.key_cache]
+        self.value_cache = [v.index_select(0, beam_idx) for v in self.value_cache]
+
+
+class SlidingWindowCache(StaticCache):
+    """transformers' SlidingWindowCache: a StaticCache of `window` slots. A chunk longer than
+    the buffer (a long prompt) is kept by its last `window` tokens and returned whole; other
+    chunks roll the buffer left by one slot when the chunk's last cache position reaches
+    the end, then are written at their cache positions clamped to the last slot.
+    transformers 4.52 rolls when that position is >= window; 4.46 (rolls_early) when it is
+    >= window - 1, which drops token 0 one token early and leaves a zeroed slot."""
+
+    def __init__(self, batch, window, rolls_early=False):
+        super().__init__(batch, window)
+        self.rolls_early = rolls_early
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        keys, values = self.buffers(key_states, layer_idx)
+        position, size = cache_kwargs["cache_position"], self.max_cache_len
+        if position.shape[0] > size:
+            keys.copy_(key_states[:, :, -size:])
+            values.copy_(value_states[:, :, -size:])
+            return key_states, value_states
+        last = int(position[-1])
+        roll = last >= size - 1 if self.rolls_early else last >= size
+        order = (torch.arange(size) + int(roll)) % size
+        rolled_keys, rolled_values = keys[:, :, order], values[:, :, order]
+        slots = position.clamp(0, size - 1)
+        rolled_keys.index_copy_(2, slots, key_states)
+        rolled_values.index_copy_(2, slots, value_states)
+        keys.copy_(rolled_keys)
+        values.copy_(rolled_values)
+        return rolled_keys, rolled_values
+
+
+class SinkCache:
+    """transformers 4.46's SinkCache(window_length, num_sink_tokens): the window counts the
+    sinks. It grows while held + n < window_length, else shifts: keeps the sinks and the
+    last window_length - sinks - n tokens, re-rotated back by n positions with cos/sin it
+    tabulates from cache_kwargs (row 0, positions in the order they came, up to the window),
+    and appends the new keys as they come. So it shifts one token early (when held + n ==
+    window_length nothing needs to go), and with generate()'s absolute positions the new
+    keys are not shifted. A second chunk of several tokens that crosses the window makes
+    the kept keys and the re-rotation table differ in length: torch raises."""
+
+    def __init__(self, window_length, num_sink_tokens):
+        self.window_length, self.num_sink_tokens = window_length, num_sink_tokens
+        self.key_cache, self.value_cache = [], []
+        self.cos_table = self.sin_table = None
+
+    def get_seq_length(self, layer_idx=0):
+        return self.key_cache[layer_idx].shape[-2] if layer_idx < len(self.key_cache) else 0
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        cos, sin = cache_kwargs.get("cos"), cache_kwargs.get("sin")
+        if layer_idx == 0:
+            if self.cos_table is None:
+                self.cos_table, self.sin_table = cos[0], sin[0]
+            elif self.cos_table.shape[0] < self.window_length:
+                self.cos_table = torch.cat([self.cos_table, cos[0]])
+                self.sin_table = torch.cat([self.sin_table, sin[0]])
+        n = key_states.shape[-2]
+        if layer_idx == len(self.key_cache):
+            self.key_cache.append(key_states)
+            self.value_cache.append(value_states)
+        elif self.get_seq_length(layer_idx) + n < self.window_length:
+            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+        else:
+            s, w = self.num_sink_tokens, self.window_length
+            keys, values = self.key_cache[layer_idx], self.value_cache[layer_idx]
+            kept_keys, kept_values = keys[:, :, -w + s + n:], values[:, :, -w + s + n:]
+            # Angle from where the kept keys are (positions s + n ..) to where they go (s ..).
+            cos_w, sin_w = self.cos_table[:w], self.sin_table[:w]
+            cos_from, sin_from, cos_to, sin_to = cos_w[s + n:], sin_w[s + n:], cos_w[s:w - n], sin_w[s:w - n]
+            back_cos = cos_from * cos_to + sin_from * sin_to
+            back_sin = cos_from * sin_to - sin_from * cos_to
+            kept_keys = kept_keys * back_cos + rotate_half(kept_keys) * back_sin
+            self.key_cache[layer_idx] = torch.cat([keys[:, :, :s], kept_keys, key_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat([values[:, :, :s], kept_values, value_states], dim=-2)
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+
+def manifest(trace):
+    with open(os.path.join(trace, "manifest.json")) as f:
+        return json.load(f)
+
+
+class KvtraceTorchTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="kvtrace-torch-test-")
+        self.trace = os.path.join(self.work, "trace")
+
+    def drive(self, scenario, make_cache, folder=SCENARIOS, **options):
+        """Exports the scenario, drives torch caches made by make_cache, verifies the trace."""
+        exp = export(self.work, scenario, folder)
+        options.setdefault("as_tensor", "torch")
+        result = kvtrace.drive_hf_cache(exp, make_cache, self.trace, **options)
+        return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
+
+    def test_sliding_window_cache_passes_verify(self):
+        # Two layers, GQA, W = 6: the buffer is returned whole and masked by cache position.
+        result, verify = self.drive("gqa_sliding_uniform", lambda batch: SlidingWindowCache(batch, 6), DATA,
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("steps recorded: 9 of 9 steps", verify.stdout)
+
+    def test_sliding_window_cache_long_prompt_passes_verify(self):
+        # A 21-token prompt, W = 8: attended whole on the sliding mask, the buffer keeps its last 8.
+        result, verify = self.drive("sliding_prompt_longer_than_window", lambda batch: SlidingWindowCache(batch, 8),
+                                    positions="absolute")
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_sliding_window_cache_chunk_crossing_the_window_is_caught(self):
+        # W = 8, 5 tokens then a chunk of 6 (cache positions 5..10): one roll, then tokens 7..10
+        # all written to the last slot. Token 0 is lost and slot 4 left empty at step 1.
+        _, verify = self.drive("sliding_chunk_crosses_window", lambda batch: SlidingWindowCache(batch, 8),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (append, /steps/1)", verify.stdout)
+
+    def test_sliding_window_cache_of_4_46_rolls_one_early(self):
+        # W = 6, 4-token prompt: at token 5 (step 2) 4.46 rolls although nothing is to go:
+        # token 0 is overwritten before token 5 attends to it (its slot is zeroed). Token 0
+        # is dead after step 2, so the state is acceptable: the output of token 5 shows it.
+        _, verify = self.drive("sliding_baseline", lambda batch: SlidingWindowCache(batch, 6, rolls_early=True),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 2 (decode, /steps/1), row 0, layer 0, head 0, query token 5",
+                      verify.stdout)
+        self.assertIn("output of token 5 (uid 10)", verify.stdout)
+
+    def test_static_cache_passes_verify(self):
+        result, verify = self.drive("full_baseline", lambda batch: StaticCache(batch, 32), positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("steps recorded: 7 of 7 steps", verify.stdout)
+
+    def test_static_cache_is_made_for_each_batch(self):
+        # Resets to batch 3, then 1, then 1 again: make_cache(batch) allocates for each.
+        batches = []
+
+        def make(batch):
+            batches.append(batch)
+            return StaticCache(batch, 16)
+
+        _, verify = self.drive("full_batch_resize_reset", make, positions="absolute")
+        self.assertEqual(batches, [2, 3, 1, 1])
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_static_cache_reorder_passes_verify(self):
+        # Steps: the prompt (0), two decodes (1, 2), the reorder (3, recorded from the
+        # cache's own buffers), two decodes (4, 5).
+        _, verify = self.drive("beam_swap_full", lambda batch: StaticCache(batch, 16), DATA, positions="absolute")
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("steps recorded: 6 of 6 steps", verify.stdout)
+
+    def test_dynamic_cache_crops_pass_verify(self):
+        result, verify = self.drive("full_crop_accepted", lambda: DynamicCache(), positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_sink_cache_shifts_one_token_early(self):
+        # sink_decode_through_windows: S = 2, W = 6, a 3-token prompt (step 0), then one token
+        # per step: token 3 at step 1, 4 at step 2, 5 at step 3. At step 3 the cache holds 5
+        # and 5 + 1 == W, so SinkCache shifts: tokens 2..4 are re-rotated back by one though
+        # the window has just filled and nothing is evicted (E(5) = 0).
+        _, verify = self.drive("sink_decode_through_windows", lambda: SinkCache(6, 2), positions="absolute",
+                               key_positions="cache-relative")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 3 (decode, /steps/1)", verify.stdout)
+        self.assertIn("class: shift one token early", verify.stdout)
+
+    def test_sink_cache_raising_on_a_second_chunk_is_recorded(self):
+        # sink_chunk_crosses_window: S = 2, W = 8, 5 tokens, then a chunk of 6: 5 + 6 >= 8
+        # shifts, keeping keys[-8 + 2 + 6:] (all 5) against a re-rotation table of 8 - 2 - 6 = 0.
+        error = ("RuntimeError: The size of tensor a (5) must match the size of tensor b (0) at non-singleton "
+                 "dimension 2")
+        result, verify = self.drive("sink_chunk_crosses_window", lambda: SinkCache(8, 2), positions="absolute",
+                                    key_positions="cache-relative")
+        self.assertEqual((result.error_step, result.error), (1, error))
+        steps = manifest(self.trace)["steps"]
+        self.assertIn("layers", steps[0])
+        self.assertEqual(steps[1], {"error": error})
+        self.assertEqual(steps[2:], [{}] * 3)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn(error, verify.stdout)
+
+    def test_cache_without_crop_is_an_error_entry(self):
+        # full_crop_accepted: 10 tokens (step 0), 3 decodes (1..3), then the crop (step 4).
+        result, _ = self.drive("full_crop_accepted", lambda batch: StaticCache(batch, 32), positions="absolute")
+        steps = manifest(self.trace)["steps"]
+        self.assertEqual(steps[4], {"error": "the cache does not support crop"})
+        self.assertEqual(steps[5:], [{}] * (len(steps) - 5))
+        self.assertEqual(result.error_step, 4)
+
+    def test_refused_crop_refused_by_the_cache_is_recorded(self):
+        # sliding_crop_refused_after_eviction: the crops at steps 9 and 10 need evicted
+        # tokens; the cache refuses both, stays intact, and driving goes on.
+        result, verify = self.drive("sliding_crop_refused_after_eviction", lambda: WindowedDynamicCache(6),
+                                    positions="absolute")
+        steps = manifest(self.trace)["steps"]
+        self.assertEqual(steps[9], {"error": "ValueError: cannot crop to 8 tokens: tokens before 4 were dropped"})
+        self.assertEqual(steps[10], {"error": "ValueError: cannot crop to 5 tokens: tokens before 4 were dropped"})
+        self.assertIsNone(result.error)
+        self.assertEqual([step for step, _ in result.refusals], [9, 10])
+        self.assertTrue(all("layers" in step for step in steps[11:]))
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_left_padding_is_skipped_until_the_next_reset(self):
+        # sink_batch_resize_reset: steps 0..2 driven, reset (3), a padded append (4) and its
+        # decodes (5..7) not driven, reset (8), then driven again (9..12).
+        result, _ = self.drive("sink_batch_resize_reset", lambda: DynamicCache(), positions="absolute")
+        steps = manifest(self.trace)["steps"]
+        self.assertEqual([i for i, step in enumerate(steps) if "layers" in step], [0, 1, 2, 9, 10, 11, 12])
+        self.assertIn("left padding is not driven", steps[4]["skipped"])
+        self.assertEqual([step for step, _ in result.skipped], [4])
+        self.assertIsNone(result.error)
+
+    def test_argument_errors_are_clear(self):
+        exp = export(self.work, "sliding_baseline")
+        scenario = os.path.join(SCENARIOS, "sliding_baseline.json")
+        drive = kvtrace.drive_hf_cache
+        with self.assertRaisesRegex(ValueError, "positions must be \"policy\", \"absolute\", \"cache\""):
+            drive(exp, lambda: DynamicCache(), self.trace, positions="absolut")
+        with self.assertRaisesRegex(TypeError, "make_cache must be a function returning a new cache"):
+            drive(exp, DynamicCache(), self.trace)
+        with self.assertRaisesRegex(TypeError, "a scenario file: run `kvcheck export"):
+            drive(scenario, lambda: DynamicCache(), self.trace)
+        with self.assertRaisesRegex(ValueError, "is a file \\(a scenario: export it first"):
+            kvtrace.Export(scenario)
+        with self.assertRaisesRegex(ValueError, "mask must be"):
+            drive(exp, lambda: DynamicCache(), self.trace, mask="static")
+        # A torch cache given NumPy arrays: caught when it returns tensors, or fails on arrays.
+        with self.assertRaisesRegex(TypeError, "as_tensor=\"torch\""):
+            drive(exp, lambda: DynamicCache(), self.trace)
+        with self.assertRaisesRegex(TypeError, "as_tensor=\"torch\""):
+            drive(exp, lambda batch: StaticCache(batch, 32), self.trace)
+        # An interleaved scenario and a cache that re-rotates with Hugging Face's cos/sin.
+        os.makedirs(os.path.join(self.work, "i"))
+        interleaved = export(os.path.join(self.work, "i"), "interleaved_sink")
+        with self.assertRaisesRegex(ValueError, "interleaved RoPE layout, but cache_kwargs cos/sin follow"):
+            drive(interleaved, lambda: SinkCache(8, 2), self.trace, as_tensor="torch")
+        self.assertFalse(os.path.exists(self.trace))
+        self.assertEqual(sorted(os.listdir(self.work)), ["export", "i"])  # no temporary folder left
+
+    def test_float16_trace_files(self):
+        _, verify = self.drive("full_baseline", lambda batch: StaticCache(batch, 32), positions="absolute",
+                               dtype="float16")
+        names = [name for name in os.listdir(self.trace) if name.endswith(".npy")]
+        self.assertEqual(len(names), 7 * 4)  # keys, values, out, q per step
+        for name in names:
+            with open(os.path.join(self.trace, name), "rb") as f:
+                self.assertIn(b"'descr': '<f2'", f.read(128))
+            self.assertEqual(np.load(os.path.join(self.trace, name)).dtype, np.float16)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
