@@ -104,7 +104,13 @@ TEST(Diagnosis, TheDriftSummaryNamesHowTheErrorEvolves) {
   EXPECT_EQ(summarize_drift({{4, -1, true}, {5, -1, true}, {6, -1, false}}).shape, Drift::Shape::constant);
   EXPECT_EQ(summarize_drift({{4, 1, true}, {5, 0, false}, {6, 2, true}}).shape, Drift::Shape::only_at_evictions);
   EXPECT_EQ(summarize_drift({{4, 1, true}, {5, 0, false}, {6, 5, false}}).shape, Drift::Shape::varies);
+  // One pause in five steps is still growth; two in four is not.
+  EXPECT_EQ(
+      summarize_drift({{3, 1, false}, {4, 2, true}, {5, 3, true}, {6, 3, true}, {7, 4, true}, {8, 5, true}}).shape,
+      Drift::Shape::growing_by_one);
+  EXPECT_EQ(summarize_drift({{3, 1, false}, {4, 2, true}, {5, 2, true}, {6, 2, true}, {7, 3, true}}).shape,
+            Drift::Shape::varies);
   EXPECT_EQ(summarize_drift({P{4, 1, true}}).shape, Drift::Shape::none);
   EXPECT_EQ(summarize_drift({{4, 1, false}, {5, 2, true}}).to_string(),
-            "the error grows by one per step: +1 at step 4, +2 at step 5");
+            "the error grows by about one per step: +1 at step 4, +2 at step 5");
 }

@@ -5,6 +5,7 @@ what kvcheck says about one real cache design. Needs torch (Debian: python3-torc
 
 import json
 import os
+import shutil
 import tempfile
 import unittest
 
@@ -189,6 +190,7 @@ def manifest(trace):
 class KvtraceTorchTest(unittest.TestCase):
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvtrace-torch-test-")
+        self.addCleanup(shutil.rmtree, self.work, True)
         self.trace = os.path.join(self.work, "trace")
 
     def drive(self, scenario, make_cache, folder=SCENARIOS, **options):
@@ -271,6 +273,15 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 3 (decode, /steps/1)", verify.stdout)
         self.assertIn("class: shift one token early", verify.stdout)
+
+    def test_sink_cache_keeps_a_long_prompt_whole(self):
+        # sink_prompt_longer_than_window: S = 4, W = 12, a 30-token prompt. SinkCache stores
+        # a first chunk as it comes, so all 30 tokens stay after the forward.
+        _, verify = self.drive("sink_prompt_longer_than_window", lambda: SinkCache(12, 4), positions="absolute",
+                               key_positions="cache-relative")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("class: prompt longer than the window kept whole", verify.stdout)
 
     def test_sink_cache_raising_on_a_second_chunk_is_recorded(self):
         # sink_chunk_crosses_window: S = 2, W = 8, 5 tokens, then a chunk of 6: 5 + 6 >= 8
