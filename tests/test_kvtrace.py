@@ -399,6 +399,24 @@ class KvtraceTest(unittest.TestCase):
         self.assertEqual(verdicts[0], verdicts[1])
         self.assertIn("class: new key not shifted", verdicts[1])
 
+    def test_float16_traces_at_head_dim_128(self):
+        # D = 128 as in Llama: float16 rounding of 128 values per slot must neither break
+        # identification nor recovery, and the new-key bug is still found at its step.
+        scenario = os.path.join(DATA, "llama_shape_sink_fp16.json")
+        exp = export(self.work, "llama_shape_sink_fp16", DATA)
+        make = lambda: ShiftingSinkCache(exp.policy["sinks"], exp.policy["window"])
+        good = os.path.join(self.work, "good")
+        kvtrace.drive_hf_cache(exp, make, good, positions="policy", key_positions="cache-relative", dtype="float16")
+        result = kvcheck("verify", scenario, "--trace", good)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        bad = os.path.join(self.work, "bad")
+        kvtrace.drive_hf_cache(exp, make, bad, positions="absolute", key_positions="cache-relative", dtype="float16")
+        result = kvcheck("verify", scenario, "--trace", bad)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        # Prompt 10 (step 0), then token 10 + k at step 1 + k: token 16 (step 7) is the first to evict.
+        self.assertIn("first divergence: step 7 (decode, /steps/1)", result.stdout)
+        self.assertIn("class: new key not shifted", result.stdout)
+
     def test_verify_writes_reports_and_shows_a_step_asked_for(self):
         scenario = os.path.join(SCENARIOS, "sink_decode_through_windows.json")
         exp = export(self.work, "sink_decode_through_windows")
