@@ -7,7 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include "tools/harness/atomic_dir.h"
+#include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
+#include "tools/harness/safe_file.h"
 
 namespace kvcheck {
 
@@ -54,10 +56,13 @@ json cache_json(std::size_t index, const StepRecord& record) {
 }  // namespace
 
 bool is_export_folder(const std::string& dir) {
-  std::ifstream in(std::filesystem::path(dir) / "manifest.json");
-  if (!in) return false;
-  const json manifest = json::parse(in, nullptr, false);
-  return manifest.is_object() && manifest.value("format", "") == "kvcheck-export-1";
+  try {
+    const std::string path = (std::filesystem::path(dir) / "manifest.json").string();
+    const json manifest = parse_json(read_file_checked(path, kMaxJsonBytes, "export manifest"), path);
+    return manifest.is_object() && manifest.contains("format") && manifest["format"] == "kvcheck-export-1";
+  } catch (const InputError&) {
+    return false;  // no manifest, or not ours: not an export folder
+  }
 }
 
 void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const std::string& out_dir) {

@@ -8,9 +8,48 @@ std::string step_label(const Step& step, std::size_t index) {
   return fmt::format("step {} ({}, /steps/{})", index, step.source_op, step.source_index);
 }
 
+namespace {
+
+// The rows' shared histories: a row's vector is extended in place while no other row
+// shares it and nothing was cut; otherwise the row starts a vector of its own.
+class SharedHistories {
+ public:
+  std::vector<RowHistory> after(const Step& step, const reference::ReferenceModel& model) {
+    if (step.op == StepOp::reorder) {
+      std::vector<std::shared_ptr<std::vector<std::uint64_t>>> moved;
+      for (int r : step.rows) moved.push_back(rows_.at(static_cast<std::size_t>(r)));
+      rows_ = std::move(moved);
+    }
+    rows_.resize(static_cast<std::size_t>(model.batch()));
+    std::vector<RowHistory> out;
+    for (std::size_t b = 0; b < rows_.size(); ++b) {
+      const std::vector<std::uint64_t>& h = model.history(static_cast<int>(b));
+      auto& mine = rows_[b];
+      const bool extends = mine && step.op != StepOp::reset && mine->size() <= h.size() && !shared(b);
+      if (!extends)
+        mine = std::make_shared<std::vector<std::uint64_t>>(h);
+      else
+        mine->insert(mine->end(), h.begin() + static_cast<std::ptrdiff_t>(mine->size()), h.end());
+      out.emplace_back(mine, h.size());
+    }
+    return out;
+  }
+
+ private:
+  bool shared(std::size_t b) const {
+    for (std::size_t o = 0; o < rows_.size(); ++o)
+      if (o != b && rows_[o] == rows_[b]) return true;
+    return false;
+  }
+  std::vector<std::shared_ptr<std::vector<std::uint64_t>>> rows_;
+};
+
+}  // namespace
+
 ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
   reference::ReferenceModel model(s.dims, s.rope, s.policy, s.softmax_scale(), inputs);
   ReferenceRun run;
+  SharedHistories histories;
   for (std::size_t i = 0; i < s.steps.size(); ++i) {
     const Step& step = s.steps[i];
     StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
@@ -40,10 +79,8 @@ ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
                                            step.expect_error.empty() ? ", which the scenario does not expect"
                                                                      : ", expected \"" + step.expect_error + "\""));
     }
-    for (int b = 0; b < model.batch(); ++b) {
-      record.retained.push_back(model.retained(b));
-      record.histories.push_back(model.history(b));
-    }
+    for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
+    record.histories = histories.after(step, model);
     run.steps.push_back(std::move(record));
   }
   return run;

@@ -2,6 +2,8 @@
 // every check need: appended uids, outputs, the retained set, an expected refusal.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -11,13 +13,32 @@
 
 namespace kvcheck {
 
+// A row's history after a step: the uid of each token index. Steps share one vector per
+// row and generation (appends extend it; a record sees its own prefix), so a long run
+// keeps one history per row, not a copy per step.
+class RowHistory {
+ public:
+  RowHistory() = default;
+  RowHistory(std::shared_ptr<const std::vector<std::uint64_t>> uids, std::size_t size)
+      : uids_(std::move(uids)), size_(size) {}
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  std::uint64_t operator[](std::size_t i) const { return (*uids_)[i]; }
+  const std::uint64_t* begin() const { return uids_ ? uids_->data() : nullptr; }
+  const std::uint64_t* end() const { return begin() + size_; }
+
+ private:
+  std::shared_ptr<const std::vector<std::uint64_t>> uids_;
+  std::size_t size_ = 0;
+};
+
 struct StepRecord {
   Step step;
   int batch_before = 0;
-  std::optional<reference::AppendResult> append;      // append steps
-  std::vector<reference::RowRetained> retained;       // per row, after the step
-  std::vector<std::vector<std::uint64_t>> histories;  // per row, uid of each token index, after the step
-  std::string refused;                                // the code when the step was refused
+  std::optional<reference::AppendResult> append;  // append steps
+  std::vector<reference::RowRetained> retained;   // per row, after the step
+  std::vector<RowHistory> histories;              // per row, after the step
+  std::string refused;                            // the code when the step was refused
   std::string refusal_message;
 };
 

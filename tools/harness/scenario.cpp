@@ -11,6 +11,9 @@
 #include <set>
 #include <sstream>
 
+#include "tools/harness/json_input.h"
+#include "tools/harness/safe_file.h"
+
 namespace kvcheck {
 
 using json = nlohmann::json;
@@ -220,10 +223,13 @@ void parse_inputs(const Reader& r, const json& j, Scenario& s) {
   for (const char* key : {"q", "k", "v"}) r.field(j, p, key);
   if (j["q"].is_string()) {
     s.inputs.kind = InputSource::Kind::npy;
-    const auto dir = std::filesystem::path(r.file()).parent_path();
-    s.inputs.q_path = (dir / r.string(j["q"], p + "/q")).string();
-    s.inputs.k_path = (dir / r.string(j["k"], p + "/k")).string();
-    s.inputs.v_path = (dir / r.string(j["v"], p + "/v")).string();
+    const std::string dir = std::filesystem::path(r.file()).parent_path().string();
+    auto path_of = [&](const char* key) {
+      return resolve_inside(dir, r.string(j[key], p + "/" + key), r.file(), p + "/" + key);
+    };
+    s.inputs.q_path = path_of("q");
+    s.inputs.k_path = path_of("k");
+    s.inputs.v_path = path_of("v");
     return;
   }
   s.inputs.kind = InputSource::Kind::inline_arrays;
@@ -304,58 +310,6 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
   return steps;
 }
 
-// JSON allows a key twice and keeps the last; a scenario that says "seed" twice is a
-// mistake, so the parser's callback refuses it, naming the path.
-class DuplicateKeys {
- public:
-  explicit DuplicateKeys(const Reader& r) : r_(r) {}
-  bool operator()(int, json::parse_event_t event, json& parsed) {
-    using E = json::parse_event_t;
-    switch (event) {
-      case E::object_start:
-        enter(true);
-        break;
-      case E::array_start:
-        enter(false);
-        break;
-      case E::key: {
-        Frame& f = frames_.back();
-        f.name = parsed.get<std::string>();
-        if (!f.keys.insert(f.name).second) r_.fail(path(), "the key appears twice in this object");
-        break;
-      }
-      case E::object_end:
-      case E::array_end:
-        frames_.pop_back();
-        done_value();
-        break;
-      case E::value:
-        done_value();
-        break;
-    }
-    return true;
-  }
-
- private:
-  struct Frame {
-    bool object;
-    std::set<std::string> keys;
-    std::string name;   // the current key (objects)
-    std::size_t index;  // the current element (arrays)
-  };
-  void enter(bool object) { frames_.push_back({object, {}, "", 0}); }
-  void done_value() {
-    if (!frames_.empty() && !frames_.back().object) ++frames_.back().index;
-  }
-  std::string path() const {
-    std::string p;
-    for (const Frame& f : frames_) p += "/" + (f.object ? f.name : std::to_string(f.index));
-    return p;
-  }
-  const Reader& r_;
-  std::vector<Frame> frames_;
-};
-
 }  // namespace
 
 std::int64_t count_uids(const Scenario& scenario) {
@@ -368,16 +322,7 @@ std::int64_t count_uids(const Scenario& scenario) {
 
 Scenario parse_scenario(const std::string& text, const std::string& file) {
   const Reader r(file);
-  json j;
-  try {
-    j = json::parse(text, DuplicateKeys(r));
-  } catch (const json::parse_error& e) {
-    // nlohmann's message already gives the line and column; drop its exception id.
-    std::string what = e.what();
-    if (const auto close = what.find("] "); what.rfind("[json.exception", 0) == 0 && close != std::string::npos)
-      what = what.substr(close + 2);
-    r.fail("", "not valid JSON: " + what);
-  }
+  const json j = parse_json(text, file);
   r.object(j, "",
            {"name", "description", "dimensions", "rope", "policy", "seed", "inputs", "steps", "tolerance", "scale"});
   Scenario s;
@@ -416,11 +361,7 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
 Scenario load_scenario(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) throw InputError(path, "", "is a folder; expected a scenario file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path, "", "cannot open the file");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return parse_scenario(buffer.str(), path);
+  return parse_scenario(read_file_checked(path, kMaxJsonBytes, "scenario"), path);
 }
 
 std::vector<std::string> scenario_files(const std::string& path) {

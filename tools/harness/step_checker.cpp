@@ -25,7 +25,7 @@ std::int64_t longest_row(const ReferenceRun& run) {
 
 std::int64_t largest_position(const ReferenceRun& run) { return 2 * longest_row(run) + 16; }
 
-std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid) {
+std::int64_t index_of(const RowHistory& history, std::int64_t uid) {
   const auto it = std::find(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
   return it == history.end() ? -1 : it - history.begin();
 }

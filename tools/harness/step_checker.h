@@ -65,7 +65,7 @@ std::int64_t largest_position(const ReferenceRun& run);
 std::int64_t longest_row(const ReferenceRun& run);
 
 // The token index of `uid` in a row's history, or -1.
-std::int64_t index_of(const std::vector<std::uint64_t>& history, std::int64_t uid);
+std::int64_t index_of(const RowHistory& history, std::int64_t uid);
 
 // Output tolerance for outputs computed from keys and values stored with unit roundoff
 // `roundoff`: the scenario's for float32, derived from the inputs' magnitudes for half

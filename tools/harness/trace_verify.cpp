@@ -11,7 +11,9 @@
 #include <optional>
 
 #include "tools/harness/inputs.h"
+#include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
+#include "tools/harness/safe_file.h"
 
 namespace kvcheck {
 
@@ -41,19 +43,18 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
   Trace t;
   t.dir = dir;
   t.manifest_path = (fs::path(dir) / "manifest.json").string();
-  std::ifstream in(t.manifest_path);
-  if (!in) throw InputError(t.manifest_path, "", "no manifest.json in the trace folder");
-  json m;
-  try {
-    m = json::parse(in);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    if (const auto close = what.find("] "); close != std::string::npos) what = what.substr(close + 2);
-    throw InputError(t.manifest_path, "", "not valid JSON: " + what);
-  }
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw InputError(dir, "", "expected a trace folder (holding manifest.json)");
+  if (!fs::exists(t.manifest_path, ec)) throw InputError(t.manifest_path, "", "no manifest.json in the trace folder");
+  const json m = parse_json(read_file_checked(t.manifest_path, kMaxJsonBytes, "trace manifest"), t.manifest_path);
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(t.manifest_path, path, why); };
   if (!m.is_object()) fail("", "expected an object");
-  auto got = [&](const char* key) { return m.contains(key) ? m[key].dump() : std::string("nothing"); };
+  // What the manifest said, short (the depth is bounded, the length is cut).
+  auto got = [&](const char* key) {
+    if (!m.contains(key)) return std::string("nothing");
+    std::string text = m[key].dump(-1, ' ', false, json::error_handler_t::replace);
+    return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+  };
   if (!m.contains("format") || m["format"] != "kvcheck-trace-1")
     fail("/format", "expected \"kvcheck-trace-1\", got " + got("format"));
   if (!m.contains("scenario") || m["scenario"] != s.name)
@@ -75,7 +76,7 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
     else if (e == "lazy")
       t.eviction = Eviction::lazy;
     else
-      fail("/eviction", "expected \"eager\" or \"lazy\", got " + e.dump());
+      fail("/eviction", "expected \"eager\" or \"lazy\", got " + got("eviction"));
   }
   for (const auto& [key, value] : m.items())
     if (key != "format" && key != "scenario" && key != "producer" && key != "key_positions" && key != "steps" &&
@@ -95,7 +96,7 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
     for (const auto& [key, value] : step.items()) {
       if (key != "layers" && key != "error" && key != "skipped")
         fail(p + "/" + key, "unknown key (expected layers, error, skipped)");
-      if (key != "layers" && !value.is_string()) fail(p + "/" + key, "expected a string, got " + value.dump());
+      if (key != "layers" && !value.is_string()) fail(p + "/" + key, "expected a string");
     }
     if (step.contains("error")) entry.error = step["error"].get<std::string>();
     if (step.contains("skipped")) entry.skipped = step["skipped"].get<std::string>();
@@ -111,15 +112,18 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         for (const auto& [key, value] : ls[l].items()) {
           if (key != "keys" && key != "values" && key != "out" && key != "q")
             fail(lp + "/" + key, "unknown key (expected keys, values, out, q)");
-          if (!value.is_string()) fail(lp + "/" + key, "expected a file name, got " + value.dump());
+          if (!value.is_string()) fail(lp + "/" + key, "expected a file name");
         }
         TraceFiles f;
         for (const char* key : {"keys", "values"})
           if (!ls[l].contains(key) || !ls[l][key].is_string()) fail(lp + "/" + key, "expected a file name");
-        f.keys = (fs::path(dir) / ls[l]["keys"].get<std::string>()).string();
-        f.values = (fs::path(dir) / ls[l]["values"].get<std::string>()).string();
-        if (ls[l].contains("out")) f.out = (fs::path(dir) / ls[l]["out"].get<std::string>()).string();
-        if (ls[l].contains("q")) f.q = (fs::path(dir) / ls[l]["q"].get<std::string>()).string();
+        auto file = [&](const char* key) {
+          return resolve_inside(dir, ls[l][key].get<std::string>(), t.manifest_path, lp + "/" + key);
+        };
+        f.keys = file("keys");
+        f.values = file("values");
+        if (ls[l].contains("out")) f.out = file("out");
+        if (ls[l].contains("q")) f.q = file("q");
         layers.push_back(f);
       }
     }
@@ -228,8 +232,7 @@ class TraceSource {
  private:
   // Which uid a value vector of kv head g belongs to: the row's own tokens first, then any
   // uid (stale); -1 for none. Each head is matched on its own: a cache may order slots per head.
-  std::int64_t identify(int layer, int g, const float* value, const std::vector<std::uint64_t>& history,
-                        double roundoff) const {
+  std::int64_t identify(int layer, int g, const float* value, const RowHistory& history, double roundoff) const {
     const int D = s_.dims.head_dim;
     auto matches = [&](std::uint64_t uid) {
       const float* raw = inputs_.v_at(layer, uid, g);
