@@ -147,6 +147,53 @@ class StartRecentShifted:
             cache.value_cache[l] = np.concatenate([v[:, :, :self.start], v[:, :, -self.recent:]], axis=2)
 
 
+class PolicyCache:
+    """A sink cache (S sinks, W slots, evicting k at a time) that keeps raw keys and shows
+    them rotated at the policy's cache positions. Eager: after each forward it drops the
+    tokens the next query will not see, showing the kept keys re-encoded for that query
+    (reencode) or still at the positions the last query used (not reencode)."""
+
+    def __init__(self, sinks, window, evict, rope, eager, reencode=True):
+        self.s, self.w, self.k, self.rope, self.eager, self.reencode = sinks, window, evict, rope, eager, reencode
+        self.raw = self.values = None
+        self.index = []  # token index of each slot
+        self.key_cache, self.value_cache = [], []
+
+    def evicted(self, t):  # E(t) of SPEC 3
+        return self.k * -(-max(0, t + 1 - self.w) // self.k)
+
+    def show(self, e):
+        positions = [t if t < self.s else t - e for t in self.index]
+        self.key_cache = [kvtrace.rotate(self.raw, positions, self.rope)]
+        self.value_cache = [self.values]
+
+    def keep(self, e):
+        keep = [i for i, t in enumerate(self.index) if t < self.s or t >= self.s + e]
+        self.raw, self.values = self.raw[:, :, keep], self.values[:, :, keep]
+        self.index = [self.index[i] for i in keep]
+
+    def get_seq_length(self, layer_idx=0):
+        return len(self.index)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        raw = cache_kwargs["rotate"](key_states, -cache_kwargs["positions"][:, None, :])
+        first = self.raw is None
+        self.raw = raw if first else np.concatenate([self.raw, raw], axis=2)
+        self.values = value_states if first else np.concatenate([self.values, value_states], axis=2)
+        self.index += [int(t) for t in cache_kwargs["cache_position"]]
+        e = self.evicted(self.index[-1])
+        self.keep(e)
+        self.show(e)
+        return self.key_cache[0], self.value_cache[0]
+
+    def after_forward(self, cache):
+        if not self.eager:
+            return
+        following = self.index[-1] + 1
+        self.keep(self.evicted(following))
+        self.show(self.evicted(following if self.reencode else following - 1))
+
+
 class KvtraceTest(unittest.TestCase):
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvtrace-test-")
@@ -327,11 +374,15 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("RuntimeError: cache bug", result.stdout)
 
     def test_a_chunk_longer_than_the_cache_is_a_clear_error(self):
+        # A cache that trims a long prompt before attention returns fewer slots than the
+        # chunk: its first tokens could not see each other. A finding about the cache.
         exp = export(self.work, "sliding_prompt_longer_than_window")
-        with self.assertRaisesRegex(ValueError, "cannot serve a chunk longer than itself"):
-            kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]),
-                                   os.path.join(self.work, "trace"))
-        self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no trace, no temporary folder
+        trace = os.path.join(self.work, "trace")
+        result = kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]), trace)
+        self.assertEqual(result.error_step, 0)
+        verify = kvcheck("verify", os.path.join(SCENARIOS, "sliding_prompt_longer_than_window.json"), "--trace", trace)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("the cache returned 8 slots for a chunk of 21 tokens", verify.stdout)
 
     def test_cache_evicting_after_the_forward_passes_verify(self):
         # StreamingLLM: start S = 2, recent R = 3, so W = 6 (sink_decode_through_windows);
@@ -369,6 +420,59 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("class: dropped a live token", result.stdout)
         self.assertIn("missing: the cache dropped it", result.stdout)
 
+    def test_eager_eviction_with_or_without_reencoding_passes_verify(self):
+        # S = 2, W = 10, k = 4 (tests/data/sink_evict_blocks.json): dead tokens go in blocks.
+        scenario = os.path.join(DATA, "sink_evict_blocks.json")
+        exp = export(self.work, "sink_evict_blocks", DATA)
+        for eager, reencode, declared in [(False, True, None), (True, True, None), (True, True, "eager"),
+                                          (True, False, None), (True, False, "eager"), (False, True, "lazy")]:
+            cache = PolicyCache(2, 10, 4, exp.rope, eager, reencode)
+            trace = os.path.join(self.work, "trace-%s-%s-%s" % (eager, reencode, declared))
+            kvtrace.drive_hf_cache(exp, lambda: cache, trace, positions="policy", key_positions="cache-relative",
+                                   eviction=declared, after_forward=cache.after_forward)
+            result = kvcheck("verify", scenario, "--trace", trace)
+            self.assertEqual(result.returncode, 0, "%s %s %s\n%s" % (eager, reencode, declared, result.stdout))
+            self.assertIn("eager: dead tokens dropped" if eager else "lazy: dead tokens kept", result.stdout)
+
+    def test_a_lazy_cache_declared_eager_is_caught(self):
+        scenario = os.path.join(DATA, "sink_evict_blocks.json")
+        exp = export(self.work, "sink_evict_blocks", DATA)
+        cache = PolicyCache(2, 10, 4, exp.rope, eager=False)
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda: cache, trace, positions="policy", key_positions="cache-relative",
+                               eviction="eager")
+        result = kvcheck("verify", scenario, "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("class: dead token held under eager eviction", result.stdout)
+
+    def test_hand_edited_traces_cannot_pass_by_saying_less(self):
+        # NaN values, a left-out append step, an unreadable query: each fails, with a class.
+        scenario = os.path.join(SCENARIOS, "sliding_baseline.json")
+        exp = export(self.work, "sliding_baseline")
+        cases = {}
+        for name in ("nan_values", "left_out", "bad_query"):
+            trace = os.path.join(self.work, name)
+            kvtrace.drive_hf_cache(exp, lambda: SlidingWindowCache(exp.policy["window"]), trace)
+            cases[name] = trace
+        values = os.path.join(cases["nan_values"], "step003_l0_values.npy")
+        a = np.load(values)
+        a[0, 0, 2, :] = np.nan
+        np.save(values, a)
+        manifest = os.path.join(cases["left_out"], "manifest.json")
+        with open(manifest) as f:
+            m = json.load(f)
+        m["steps"][2] = {}
+        with open(manifest, "w") as f:
+            json.dump(m, f)
+        q = os.path.join(cases["bad_query"], "step003_l0_q.npy")
+        np.save(q, np.full_like(np.load(q), np.nan))
+        expected = {"nan_values": "class: stale slot", "left_out": "class: trace incomplete",
+                    "bad_query": "class: positions wrong"}
+        for name, trace in cases.items():
+            result = kvcheck("verify", scenario, "--trace", trace)
+            self.assertEqual(result.returncode, 1, name + "\n" + result.stdout + result.stderr)
+            self.assertIn(expected[name], result.stdout, name)
+
     def test_declared_lazy_eviction_is_held_to_it(self):
         exp = export(self.work, "sink_decode_through_windows")
         trace = os.path.join(self.work, "trace")
@@ -376,7 +480,7 @@ class KvtraceTest(unittest.TestCase):
                                eviction="lazy", after_forward=StartRecent(2, 3))
         result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
         self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
-        self.assertIn("which the trace declares it keeps until the next token (lazy)", result.stdout)
+        self.assertIn("which the cache is declared to keep until the next token (lazy)", result.stdout)
 
     def test_float16_traces_are_judged_like_float32(self):
         # A correct cache passes in float16, and the buggy SinkCache is diagnosed as in
@@ -441,7 +545,7 @@ class KvtraceTest(unittest.TestCase):
             self.assertEqual(json.load(f)["failed"], 1)
         result = kvcheck("verify", scenario, "--trace", trace, "--step", "99")
         self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
-        self.assertIn("--step: step 99 is not a recorded step", result.stderr)
+        self.assertIn("--step: step 99 does not exist: this scenario has steps 0 to 30", result.stderr)
 
     def test_rotate_matches_the_reference_convention(self):
         # D = 2: one pair turning one radian per position.

@@ -426,7 +426,7 @@ class _Driver:
                 stopped = False
                 writer.skip_step()
             elif stopped:
-                writer.skip_step()
+                writer.skipped_step("not driven: an earlier step of this generation was skipped (left padding)")
             else:
                 try:
                     stopped = self.run_step(index, step)
@@ -528,6 +528,9 @@ class _Driver:
             keys, values = self.update(index, l, self.as_tensor(k_rot), self.as_tensor(v), kwargs, k.shape)
             if self.preallocated is None and (hasattr(self.cache, "max_cache_len") or keys.shape[2] > indices[-1] + 1):
                 self.preallocated = True
+            if not self.preallocated and keys.shape[2] < n:
+                self.fail(index, "the cache returned %d slots for a chunk of %d tokens: it trims before attention, so "
+                                 "the chunk's first tokens cannot see each other" % (keys.shape[2], n))
             visible = self.visible(l, keys.shape[2], n, cache_position, values)
             out = _attention(q_rot, keys, values, exp.scale, visible)
             recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot if self.record_q else None})
@@ -547,7 +550,8 @@ class _Driver:
         state = _cache_state(self.cache, layers)
         for layer, (k, v) in zip(recorded, state or []):
             layer["keys"], layer["values"] = k, v
-        self.held = recorded[0]["keys"].shape[2]
+        # Slots held, for positions="cache": a preallocated buffer counts only written slots.
+        self.held = int(np.count_nonzero(np.any(recorded[0]["values"][0, 0] != 0, axis=-1)))
         self.writer.step(recorded)
         return False
 
@@ -589,10 +593,6 @@ class _Driver:
             if window is not None and slots > window:
                 visible &= j > p - window
         else:
-            if slots < n:
-                raise ValueError("the cache returned %d slots for a chunk of %d tokens: a cache that trims before "
-                                 "attention cannot serve a chunk longer than itself; feed shorter chunks or use a "
-                                 "scenario whose chunks fit" % (slots, n))
             own = slots - n + np.arange(n)[:, None]  # right-aligned: the slot of each query's own token
             visible = j <= own
             if window is not None:

@@ -156,7 +156,7 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty(), step);
     print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
     if (!html.empty()) write_html(html, name, caches.size() > 1, scenario, name, trace);
-    diverged = diverged || trace.first.has_value();
+    diverged = diverged || !trace.outcome.passed();
   }
   return diverged ? kFail : kPass;
 }

@@ -12,6 +12,10 @@ const char* yes(bool b) { return b ? "yes" : "no"; }
 
 // The slot the report points at: the most direct evidence, the first slot among equals.
 const SlotRow* culprit(const StepDiagnosis& f) {
+  // A dropped live token is the cause whatever it did to the other slots' positions.
+  if (f.bug == BugClass::dropped_live_token)
+    for (const SlotRow& r : f.slots)
+      if (r.verdict == SlotVerdict::missing) return &r;
   const SlotRow* best = nullptr;
   for (const SlotRow& r : f.slots)
     if (severity(r.verdict) > (best ? severity(best->verdict) : 0)) best = &r;

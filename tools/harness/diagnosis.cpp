@@ -49,6 +49,10 @@ const char* class_name(BugClass c) {
       return "evicted the wrong token";
     case BugClass::dropped_live_token:
       return "dropped a live token";
+    case BugClass::dead_token_held:
+      return "dead token held under eager eviction";
+    case BugClass::trace_incomplete:
+      return "trace incomplete";
     case BugClass::shift_one_token_early:
       return "shift one token early";
     case BugClass::positions_wrong:
@@ -120,6 +124,13 @@ const char* class_explanation(BugClass c) {
     case BugClass::dropped_live_token:
       return "The cache no longer holds a token that the next query still sees: it evicts too early or "
              "too many at once (a token no later query sees may go early; this one may not).";
+    case BugClass::trace_incomplete:
+      return "The trace leaves out a step that it must show (an append, or a step the policy refuses) without "
+             "saying why: what the cache did there is unknown, so the trace cannot pass. A producer that cannot "
+             "drive a step writes {\"skipped\": reason} for it.";
+    case BugClass::dead_token_held:
+      return "The cache is declared to drop, right after each forward, the tokens no later query sees, yet it "
+             "still holds one: the eviction runs at the next token instead (or the declaration is wrong).";
     case BugClass::shift_one_token_early:
       return "Kept keys were re-rotated although nothing was evicted: the \"is the cache full\" test fires one "
              "token early (< where <= belongs).";
@@ -164,7 +175,14 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   using K = SlotIssue::Kind;
   if (e.empty()) return BugClass::none;
   if (e.raised) return BugClass::cache_raised;
+  if (e.unrecorded) return BugClass::trace_incomplete;
   if (!e.refusal.empty()) return BugClass::refusal_mismatch;
+  if (e.wrong_row_count)
+    return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions
+                                                                  : BugClass::stale_row_after_batch_change;
+  if (any(e.slots, [](const SlotIssue& i) { return i.dead; }) &&
+      std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) { return i.dead; }))
+    return BugClass::dead_token_held;
 
   const bool stale = any(e.slots, [](const SlotIssue& i) { return i.kind == K::stale; }) ||
                      any(e.pairs, [](const PairMismatch& p) { return p.key_index < 0; });
@@ -278,7 +296,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     return p.expected && p.actual && *p.actual - *p.expected == 1 && p.evicted_before == 0;
   });
   if (early) return BugClass::shift_one_token_early;
-  if (!e.pairs.empty()) return BugClass::positions_wrong;
+  if (!e.pairs.empty() || e.query_unreadable) return BugClass::positions_wrong;
   if (lost || extra) return BugClass::evicted_wrong_token;
   return BugClass::output_mismatch_positions_correct;
 }

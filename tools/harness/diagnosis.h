@@ -33,6 +33,8 @@ enum class BugClass {
   window_off_by_one,
   evicted_wrong_token,
   dropped_live_token,
+  dead_token_held,
+  trace_incomplete,
   shift_one_token_early,
   positions_wrong,
   output_mismatch_positions_correct,
@@ -67,6 +69,7 @@ struct SlotIssue {
   std::int64_t window_gap = 0;                     // extra: how far before the window start
   bool newest = false;                             // the token is the row's newest
   bool in_chunk = false;                           // the token came in this step's chunk
+  bool dead = false;                               // extra: a dead token held under declared eager eviction
 
   static SlotIssue of(Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
     SlotIssue i{};
@@ -94,7 +97,13 @@ struct StepEvidence {
   std::vector<SlotIssue> slots;
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
   bool chunk_kept_whole = false;         // a row holds all of a chunk longer than the policy keeps
-  bool empty() const { return !raised && refusal.empty() && outputs.empty() && pairs.empty() && slots.empty(); }
+  bool wrong_row_count = false;          // the cache holds another number of rows than the reference
+  bool query_unreadable = false;         // a trace's rotated query is no rotation of its raw query
+  bool unrecorded = false;               // a trace left out an append step without saying why
+  bool empty() const {
+    return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
+           pairs.empty() && slots.empty();
+  }
 };
 
 // What led up to the step: ops since the last reset, padding seen.

@@ -107,12 +107,27 @@ std::int64_t window_start(const Policy& policy, const reference::RowRetained& re
 }
 
 // What one (layer, row, kv head 0) looked like in a step: its table rows and, per uid,
-// the position its key was used at (for distances derived from recovered queries).
+// the position its key was used at and the distance the row's last query used.
 struct RowState {
   std::vector<SlotRow> table;
   std::map<std::int64_t, const float*> keys;          // uid -> stored key, for recovery on demand
-  std::map<std::int64_t, std::int64_t> key_position;  // uid -> position at attention time
-  std::optional<std::int64_t> query_position;         // recovered from the trace's q
+  std::map<std::int64_t, std::int64_t> key_position;  // uid -> position at attention time (traces)
+  std::map<std::int64_t, std::int64_t> distance;      // uid -> Pq - Pk the last query used
+  bool pairs_known = false;                           // `distance` was measured for this row
+};
+
+// The retained set of a row, by uid, with its two position conventions (SPEC 3): Pk as the
+// row's last token saw it (lazy), and as the next token will see it (eager, live tokens).
+struct RowSets {
+  std::map<std::int64_t, const reference::RetainedKey*> retained, live;
+  std::optional<std::int64_t> lazy_position(std::int64_t uid) const {
+    const auto it = retained.find(uid);
+    return it == retained.end() ? std::nullopt : std::optional<std::int64_t>(it->second->position);
+  }
+  std::optional<std::int64_t> eager_position(std::int64_t uid) const {
+    const auto it = live.find(uid);
+    return it == live.end() ? lazy_position(uid) : std::optional<std::int64_t>(it->second->position);
+  }
 };
 
 class Checker {
@@ -121,51 +136,94 @@ class Checker {
       : s_(s), inputs_(inputs), run_(run), options_(options), max_position_(largest_position(run)) {}
 
   CacheTrace operator()(const Observe& observe) {
+    if (options_.focus_step && *options_.focus_step >= run_.steps.size())
+      throw InputError("--step", "",
+                       fmt::format("step {} does not exist: this scenario has steps 0 to {} (decode expanded)",
+                                   *options_.focus_step, run_.steps.size() - 1));
     StepContext context;
-    std::vector<std::vector<std::vector<PictureCell>>> columns;  // [row][step][slot]
+    std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns;  // [layer][row][step][slot]
     std::vector<Drift::Point> drift;
+    bool stopped = false;  // an earlier step ended the run's meaning (the cache raised)
     for (std::size_t i = 0; i < run_.steps.size(); ++i) {
       const StepRecord& rec = run_.steps[i];
       const CacheView view = observe(i, rec);
       advance(context, rec);  // what led up to the end of this step, this step included
-      if (!view.recorded) continue;
-      ++recorded_;
       StepEvidence evidence;
       evidence.step = i;
       evidence.label = step_label(rec.step, i);
       std::vector<std::vector<RowState>> rows;  // [layer][row]
-      const bool go_on = check(rec, view, evidence, rows);
+      bool go_on = true;
+      if (view.recorded) {
+        ++recorded_;
+        go_on = check(rec, view, evidence, rows);
+      } else {
+        unrecorded(rec, view, evidence, stopped);
+      }
       const bool focus = options_.focus_step && *options_.focus_step == i;
       if ((!evidence.empty() && !trace_.first) || focus) {
         StepDiagnosis d = diagnose(rec, view, evidence, context, rows);
         if (!evidence.empty() && !trace_.first) trace_.first = d;
         if (focus) trace_.focus = std::move(d);
       }
-      if (trace_.first && rec.append && trace_.first->evidence.step <= i)
+      if (trace_.first && rec.append && view.recorded && trace_.first->evidence.step <= i)
         drift.push_back(drift_point(rec, evidence, trace_.first->row));
       if (options_.picture && !rows.empty()) {
-        columns.resize(std::max(columns.size(), rows[0].size()));
-        for (std::size_t b = 0; b < rows[0].size(); ++b) {
-          columns[b].resize(i);  // one column per step, empty where nothing was seen
-          columns[b].push_back(picture_column(rows[0][b].table));
+        columns.resize(std::max(columns.size(), rows.size()));
+        for (std::size_t l = 0; l < rows.size(); ++l) {
+          columns[l].resize(std::max(columns[l].size(), rows[l].size()));
+          for (std::size_t b = 0; b < rows[l].size(); ++b) {
+            columns[l][b].resize(i);  // one column per step, empty where nothing was seen
+            columns[l][b].push_back(picture_column(rows[l][b].table));
+          }
         }
       }
-      if (!go_on) break;  // the cache and the reference no longer hold the same rows
+      if (!go_on) {
+        if (options_.trace) {
+          stopped = true;  // a trace goes on (its later steps are empty), an in-process run cannot
+          continue;
+        }
+        break;
+      }
     }
     if (options_.focus_step && !trace_.focus)
-      throw InputError("--step", "",
-                       fmt::format("step {} is not a recorded step of this run (steps 0 to {}{})", *options_.focus_step,
-                                   run_.steps.size() - 1, trace_.first ? ", checked up to the first failure" : ""));
-    if (trace_.first) trace_.drift = summarize_drift(std::move(drift));
+      throw InputError(
+          "--step", "",
+          fmt::format("step {} was not reached: the run stopped at the first failure", *options_.focus_step));
+    // A drift line only where positions were off at all.
+    if (trace_.first && std::any_of(drift.begin(), drift.end(), [](const Drift::Point& p) { return p.error != 0; }))
+      trace_.drift = summarize_drift(std::move(drift));
     if (options_.picture) {
+      const std::size_t layer = trace_.first ? static_cast<std::size_t>(trace_.first->layer) : 0;
       const std::size_t row = trace_.first ? static_cast<std::size_t>(trace_.first->row) : 0;
-      if (row < columns.size()) trace_.picture = std::move(columns[row]);
+      if (layer < columns.size() && row < columns[layer].size()) {
+        trace_.picture = std::move(columns[layer][row]);
+        trace_.picture.resize(run_.steps.size());
+      }
     }
     trace_.outcome = outcome();
     return std::move(trace_);
   }
 
  private:
+  // A step the source did not record. Fine for a step with nothing to see or one the
+  // source says why it skipped; not for an append or a refused step left out silently.
+  void unrecorded(const StepRecord& rec, const CacheView& view, StepEvidence& evidence, bool stopped) {
+    if (stopped) return;  // the failure that stopped the run is already reported
+    if (!view.note.empty()) {
+      if (skipped_.empty()) skipped_ = fmt::format("{} skipped: {}", evidence.label, view.note);
+      return;
+    }
+    if (!rec.refused.empty()) {
+      evidence.unrecorded = true;
+      evidence.refusal = fmt::format("the trace does not say whether the cache refused this step ({}: {})", rec.refused,
+                                     rec.refusal_message);
+      refusals_.fail(evidence.label + ": " + evidence.refusal);
+    } else if (rec.append) {
+      evidence.unrecorded = true;
+      unrecorded_.fail(evidence.label + ": an append step left out of the trace with no reason");
+    }
+  }
+
   // Every check of one step. False when the run cannot go on (the cache raised, or holds
   // other rows than the reference).
   bool check(const StepRecord& rec, const CacheView& view, StepEvidence& evidence,
@@ -189,12 +247,16 @@ class Checker {
     if (!evidence.refusal.empty()) refusals_.fail(evidence.label + ": " + evidence.refusal);
     if (!go_on || view.layers.empty()) return go_on;
     if (view.batch != static_cast<int>(rec.retained.size())) {
+      evidence.wrong_row_count = true;
       retained_.fail(
           fmt::format("{}: the cache has {} rows, the reference {}", evidence.label, view.batch, rec.retained.size()));
       return false;
     }
     const Tolerance tolerance = output_tolerance(s_, inputs_, view.roundoff);
+    used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
+    used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
+    if (rec.append && view.pairs) compare_pairs(rec, *view.pairs, evidence, rows[0]);
     for (std::size_t l = 0; l < view.layers.size(); ++l) {
       const ViewLayer& layer = view.layers[l];
       for (int b = 0; b < static_cast<int>(rec.retained.size()); ++b) {
@@ -205,7 +267,6 @@ class Checker {
         if (rec.append && layer.q && !view.pairs) derive_pairs(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
       }
     }
-    if (rec.append && view.pairs) compare_pairs(rec, *view.pairs, evidence);
     if (rec.append)
       for (std::size_t b = 0; b < rec.append->rows.size(); ++b) {
         const auto& chunk = rec.append->rows[b];
@@ -224,30 +285,31 @@ class Checker {
 
   // SPEC 5.2 and 5.4 for one row of one layer: every kv head's slots identified, the set
   // between the live set and the retained set, each key its raw key rotated by the
-  // position it claims (or the trace declares).
+  // position it claims (or the trace declares, under one of the two conventions).
   void check_row(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence, RowState& state) {
     const auto& history = rec.histories[b];
     const reference::RowRetained& ret = rec.retained[b];
-    std::map<std::int64_t, const reference::RetainedKey*> retained, live;
-    for (const auto& key : ret.keys) retained[static_cast<std::int64_t>(key.uid)] = &key;
-    for (const auto& key : ret.live) live[static_cast<std::int64_t>(key.uid)] = &key;
+    RowSets sets;
+    for (const auto& key : ret.keys) sets.retained[static_cast<std::int64_t>(key.uid)] = &key;
+    for (const auto& key : ret.live) sets.live[static_cast<std::int64_t>(key.uid)] = &key;
+    const bool has_dead = sets.retained.size() != sets.live.size();
     const auto& heads = view.layers[static_cast<std::size_t>(l)].slots[static_cast<std::size_t>(b)];
     for (std::size_t g = 0; g < heads.size(); ++g) {
       const bool check_set = !view.slots_shared || (l == 0 && g == 0);
       const std::string where = fmt::format("{}: layer {} row {}{}", evidence.label, l, b,
                                             heads.size() > 1 ? fmt::format(" kv head {}", g) : std::string());
-      // The set first: it says which convention (lazy or eager) the row follows.
       std::map<std::int64_t, int> held;
       for (const ViewSlot& v : heads[g])
         if (v.uid >= 0 && index_of(history, v.uid) >= 0) ++held[v.uid];
-      bool is_lazy = true, is_eager = true;
-      for (const auto& [uid, key] : retained) is_lazy = is_lazy && held.count(uid);
-      for (const auto& [uid, count] : held) is_eager = is_eager && live.count(uid);
-      for (const auto& [uid, key] : live) is_eager = is_eager && held.count(uid);
-      for (const auto& [uid, count] : held) is_lazy = is_lazy && retained.count(uid);
-      const bool eager =
-          options_.eviction == Eviction::eager || (options_.eviction == Eviction::any && !is_lazy && is_eager);
-      if (check_set && retained.size() != live.size()) (eager ? eager_rows_ : lazy_rows_) += is_lazy || is_eager;
+      bool dead_held = false, dead_dropped = false;
+      for (const auto& [uid, key] : sets.retained)
+        if (!sets.live.count(uid)) (held.count(uid) ? dead_held : dead_dropped) = true;
+      if (check_set && has_dead) {
+        eager_rows_ += dead_dropped && !dead_held;
+        lazy_rows_ += dead_held && !dead_dropped;
+      }
+      // Keys re-encoded for the next token only where no dead token is held (SPEC 3).
+      const Convention positions = key_convention(rec, view, l, b, static_cast<int>(g), heads[g], sets, dead_held);
 
       std::map<std::int64_t, int> seen;
       for (const ViewSlot& v : heads[g]) {
@@ -258,11 +320,12 @@ class Checker {
         row.index = v.uid < 0 ? -1 : index_of(history, v.uid);
         row.claimed_index = v.claimed_index;
         const bool first_time = row.index >= 0 && ++seen[v.uid] == 1;
+        const bool live = sets.live.count(v.uid) > 0;
         if (row.index < 0) {
           row.verdict = v.uid < 0 ? SlotVerdict::unknown_values : SlotVerdict::stale;
           if (check_set) {
             retained_.fail(fmt::format("{} slot {} holds {}", where, v.slot,
-                                       v.uid < 0 ? std::string("values of no token")
+                                       v.uid < 0 ? std::string("values of no token (corrupted, or NaN)")
                                                  : fmt::format("uid {}, not this row's token (stale)", v.uid)));
             SlotIssue issue = SlotIssue::of(SlotIssue::Kind::stale, b, v.uid, -1);
             issue.slot = v.slot;
@@ -285,7 +348,7 @@ class Checker {
             wrong.claimed_position = v.claimed_position.value_or(0);
             evidence.slots.push_back(wrong);
           }
-        } else if (!retained.count(v.uid)) {
+        } else if (!sets.retained.count(v.uid)) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
             retained_.fail(fmt::format("{} slot {} still holds uid {} (token {}), which the policy evicted", where,
@@ -297,30 +360,30 @@ class Checker {
                 rec.append && !rec.append->rows[b].empty() && row.index >= rec.append->rows[b].front().index;
             evidence.slots.push_back(extra);
           }
-        } else if (!live.count(v.uid) && eager && options_.eviction == Eviction::eager) {
+        } else if (!live && options_.eviction == Eviction::eager) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
             retained_.fail(
-                fmt::format("{} slot {} still holds uid {} (token {}), which no later query sees, and "
-                            "the trace declares eager eviction",
+                fmt::format("{} slot {} still holds uid {} (token {}), which no later query sees, though "
+                            "the cache is declared to evict eagerly",
                             where, v.slot, v.uid, row.index));
-            evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index));
+            SlotIssue dead = SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index);
+            dead.slot = v.slot;
+            dead.dead = true;
+            evidence.slots.push_back(dead);
           }
         } else {
-          row.verdict = live.count(v.uid) || retained.size() == live.size() ? SlotVerdict::ok : SlotVerdict::dead_held;
+          row.verdict = live ? SlotVerdict::ok : SlotVerdict::dead_held;
         }
         const bool judged = row.index >= 0 || options_.key_positions == KeyPositions::claimed;
         if (judged && v.uid >= 0 && v.uid < inputs_.uids && v.key != nullptr)
-          check_key(rec, view, l, b, static_cast<int>(g), v, row, eager, retained, live, evidence, state, where);
-        if (g == 0) {
-          row.row = b;
-          state.table.push_back(row);
-        }
+          check_key(rec, view, l, b, static_cast<int>(g), v, row, positions, sets, evidence, state, where);
+        if (g == 0) state.table.push_back(row);
       }
       // Tokens the cache should hold but does not.
-      for (const auto& [uid, key] : retained) {
+      for (const auto& [uid, key] : sets.retained) {
         if (held.count(uid)) continue;
-        const bool dead = !live.count(uid);
+        const bool dead = !sets.live.count(uid);
         const bool fine = dead && options_.eviction != Eviction::lazy;
         if (g == 0) {
           SlotRow row;
@@ -332,33 +395,52 @@ class Checker {
         }
         if (fine || !check_set) continue;
         retained_.fail(fmt::format("{} lost uid {} (token {}){}", where, uid, key->index,
-                                   dead ? ", which the trace declares it keeps until the next token (lazy)"
+                                   dead ? ", which the cache is declared to keep until the next token (lazy)"
                                         : ", which the next token still sees"));
         evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, b, uid, key->index));
       }
     }
   }
 
+  // Where a cache-relative key may sit: as the row's last token saw it (lazy), or as the
+  // next token will (eager), one convention per row and kv head.
+  enum class Convention { lazy, eager };
+
+  // The convention under which the row's keys fit best: lazy unless every key fits the
+  // eager positions (allowed only where no dead token is held) and some does not fit lazy.
+  Convention key_convention(const StepRecord& rec, const CacheView& view, int l, int b, int g,
+                            const std::vector<ViewSlot>& slots, const RowSets& sets, bool dead_held) const {
+    if (options_.key_positions != KeyPositions::cache_relative || dead_held || sets.retained.size() == sets.live.size())
+      return Convention::lazy;
+    std::size_t lazy_misfits = 0, eager_misfits = 0;
+    const int D = s_.dims.head_dim;
+    for (const ViewSlot& v : slots) {
+      if (v.uid < 0 || v.uid >= inputs_.uids || v.key == nullptr || index_of(rec.histories[b], v.uid) < 0) continue;
+      const auto lazy = sets.lazy_position(v.uid), eager = sets.eager_position(v.uid);
+      if (!lazy) continue;
+      const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
+      const double tol = rotation_tolerance(raw, D, view.roundoff);
+      lazy_misfits += rotation_error(v.key, raw, D, *lazy, s_.rope) > tol;
+      eager_misfits += *eager == *lazy ? rotation_error(v.key, raw, D, *lazy, s_.rope) > tol
+                                       : rotation_error(v.key, raw, D, *eager, s_.rope) > tol;
+    }
+    return eager_misfits < lazy_misfits ? Convention::eager : Convention::lazy;
+  }
+
   // The key of slot v: rotated back by the position it claims, it must be its raw key.
   void check_key(const StepRecord& rec, const CacheView& view, int l, int b, int g, const ViewSlot& v, SlotRow& row,
-                 bool eager, const std::map<std::int64_t, const reference::RetainedKey*>& retained,
-                 const std::map<std::int64_t, const reference::RetainedKey*>& live, StepEvidence& evidence,
-                 RowState& state, const std::string& where) {
+                 Convention convention, const RowSets& sets, StepEvidence& evidence, RowState& state,
+                 const std::string& where) {
     const int D = s_.dims.head_dim;
-    const auto lazy_it = retained.find(v.uid);
-    const auto eager_it = live.find(v.uid);
-    // Where the policy puts the key under the row's convention, and where it was used.
-    std::optional<std::int64_t> expected, used_at;
-    if (lazy_it != retained.end()) expected = used_at = lazy_it->second->position;
-    if (eager && eager_it != live.end()) expected = eager_it->second->position;
+    const std::optional<std::int64_t> lazy = sets.lazy_position(v.uid);
     std::int64_t claim = 0;
     switch (options_.key_positions) {
       case KeyPositions::claimed:
         claim = v.claimed_position.value_or(0);
         break;
       case KeyPositions::cache_relative:
-        if (!expected) return;  // nothing to expect of a token the policy does not keep
-        claim = *expected;
+        if (!lazy) return;  // nothing to expect of a token the policy does not keep
+        claim = convention == Convention::eager ? *sets.eager_position(v.uid) : *lazy;
         break;
       case KeyPositions::absolute:
         claim = row.index;
@@ -367,15 +449,14 @@ class Checker {
         claim = 0;
         break;
     }
+    // A key re-encoded for the next token was used at its lazy position.
+    const std::int64_t shift = options_.key_positions == KeyPositions::cache_relative ? *lazy - claim : 0;
     if (g == 0) {
       row.position_claimed = claim;
-      if (lazy_it != retained.end()) row.position_expected = lazy_it->second->position;
+      if (lazy) row.position_expected = *lazy;
       state.keys[v.uid] = v.key;
     }
     const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
-    // A re-encoded (eager, cache-relative) key was used at its lazy position.
-    const std::int64_t shift =
-        options_.key_positions == KeyPositions::cache_relative && used_at && expected ? *used_at - *expected : 0;
     if (rotation_error(v.key, raw, D, claim, s_.rope) <= rotation_tolerance(raw, D, view.roundoff)) {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
@@ -428,7 +509,8 @@ class Checker {
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
   // integers, and exactly the reference's visible tokens.
-  void compare_pairs(const StepRecord& rec, const std::vector<UsedPair>& log, StepEvidence& evidence) {
+  void compare_pairs(const StepRecord& rec, const std::vector<UsedPair>& log, StepEvidence& evidence,
+                     std::vector<RowState>& rows) {
     pairs_seen_ = true;
     std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>> used;
     for (const UsedPair& e : log) {
@@ -469,8 +551,12 @@ class Checker {
                  fmt::format("the cache used uid {} (distance {}), which the policy does not make visible", uid,
                              pair.first));
       }
+      // The table shows what the row's last query used (the log is layer 0's).
+      if (!rec.append->rows[b].empty()) {
+        rows[b].pairs_known = true;
+        for (const auto& [uid, pair] : used[{b, rec.append->rows[b].back().index}]) rows[b].distance[uid] = pair.first;
+      }
     }
-    used_ = std::move(used);
   }
 
   // SPEC 5.3 from tensors alone: the row's last query's position recovered from its
@@ -478,16 +564,25 @@ class Checker {
   void derive_pairs(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence,
                     RowState& state) {
     const auto& tokens = rec.append->rows[b];
-    if (tokens.empty() || s_.policy.prefill != Prefill::streaming) return;
-    pairs_seen_ = true;
+    // Dense prefill: a chunk's queries saw a state the trace does not show. Unrotated keys
+    // carry no position to measure a distance against.
+    if (tokens.empty() || s_.policy.prefill != Prefill::streaming || options_.key_positions == KeyPositions::unrotated)
+      return;
     const int H = s_.dims.heads, D = s_.dims.head_dim;
     const std::int64_t n = rec.append->chunk;
     const auto& last = tokens.back();
     const float* rotated = view.layers[l].q + ((static_cast<std::size_t>(b) * n + n - 1) * H + 0) * D;
     const RecoveredPosition r =
         recover_position(inputs_.q_at(l, last.uid, 0), rotated, D, s_.rope, max_position_, view.roundoff);
-    if (r.status == RecoveredPosition::Status::not_rotation) return;
-    state.query_position = r.position;
+    pairs_seen_ = true;
+    if (r.status == RecoveredPosition::Status::not_rotation) {
+      positions_.fail(
+          fmt::format("{}: layer {} row {} token {}: the trace's query is no rotation of its raw query ({})",
+                      evidence.label, l, b, last.index, describe(r)));
+      evidence.query_unreadable = true;
+      return;
+    }
+    state.pairs_known = true;
     // A cache that keeps keys at original positions rotates the query twice (sink_ring);
     // one rotated q shows only the window rotation, so sinks are judged by keys alone.
     const bool skip_sinks =
@@ -496,8 +591,9 @@ class Checker {
       if (skip_sinks && key.index < s_.policy.sinks) continue;
       const auto uid = static_cast<std::int64_t>(rec.histories[b][key.index]);
       const auto it = state.key_position.find(uid);
-      if (it == state.key_position.end()) continue;
+      if (it == state.key_position.end()) continue;  // not held, or no rotation: reported with the slots
       const std::int64_t want = last.view.query_position - key.position, got = r.position - it->second;
+      state.distance[uid] = got;
       if (want == got) continue;
       positions_.fail(
           fmt::format("{}: layer {} row {} token {}: query at {}, key uid {} at {}: distance {}, expected {}",
@@ -518,29 +614,21 @@ class Checker {
         expected[static_cast<std::int64_t>(rec.histories[b][key.index])] = {last.view.query_position - key.position,
                                                                             key.position};
     }
-    const std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>* used = nullptr;
-    if (attended && view.pairs)
-      if (const auto it = used_.find({b, rec.append->rows[b].back().index}); it != used_.end()) used = &it->second;
     for (SlotRow& r : state.table) {
       if (const auto it = expected.find(r.uid); it != expected.end()) {
         r.visible_expected = true;
         r.distance_expected = it->second.first;
         r.position_expected = it->second.second;
       }
-      if (r.slot < 0) continue;
-      if (view.pairs) {
-        if (used != nullptr)
-          if (const auto it = used->find(r.uid); it != used->end()) {
-            r.visible_actual = true;
-            r.distance_actual = it->second.first;
-          }
-      } else {
-        r.visible_actual = attended;  // a trace's cache attends to every slot it returns
-        if (state.query_position && state.key_position.count(r.uid))
-          r.distance_actual = *state.query_position - state.key_position[r.uid];
-      }
-      if (!is_fine(r.verdict) && r.verdict != SlotVerdict::distance_off) continue;
-      if (attended && r.visible_expected != r.visible_actual && r.verdict != SlotVerdict::dead_held)
+      if (r.slot < 0 || !attended) continue;
+      // The kernel's log says what was used (layer 0); a trace's cache attends to every
+      // slot it returns, and other layers of a logged cache are taken to do the same.
+      const bool logged = view.pairs && state.pairs_known;
+      const auto used = state.distance.find(r.uid);
+      r.visible_actual = logged ? used != state.distance.end() : true;
+      if (used != state.distance.end()) r.distance_actual = used->second;
+      if (!is_fine(r.verdict)) continue;
+      if (logged && r.visible_expected != r.visible_actual)
         r.verdict = r.visible_actual ? SlotVerdict::visible_should_not_be : SlotVerdict::not_used_should_be;
       else if (r.distance_expected && r.distance_actual && *r.distance_expected != *r.distance_actual)
         r.verdict = SlotVerdict::distance_off;
@@ -622,16 +710,19 @@ class Checker {
       o.checks.push_back({name, t.failures == 0, t.failures == 0 ? ok : t.first});
     };
     if (options_.trace)
-      o.checks.push_back({"steps recorded", true, fmt::format("{} of {} steps", recorded_, run_.steps.size())});
+      add("steps recorded", unrecorded_,
+          fmt::format("{} of {} steps{}", recorded_, run_.steps.size(), skipped_.empty() ? "" : "; " + skipped_));
     add("refusals", refusals_, "as the policy says");
     add("outputs", outputs_,
-        outputs_seen_ ? fmt::format("within atol {:.3g} + rtol {:.3g}", s_.tolerance.atol, s_.tolerance.rtol)
+        outputs_seen_ ? fmt::format("within atol {:.3g} + rtol {:.3g}", used_tolerance_.atol, used_tolerance_.rtol)
                       : "no outputs to compare");
     add("positions", positions_,
         pairs_seen_                           ? "every visible pair at the reference's distance"
         : s_.policy.prefill == Prefill::dense ? "not checked: under dense prefill a chunk's queries see a state the "
                                                 "trace does not show"
-                                              : "no queries to check");
+        : options_.key_positions == KeyPositions::unrotated
+            ? "not checked: keys stored unrotated carry no position to measure a distance against"
+            : "no queries to check");
     std::string eviction = "no token died early";
     if (lazy_rows_ && eager_rows_)
       eviction = "dead tokens kept until the next token in some steps, dropped right away in others";
@@ -659,8 +750,9 @@ class Checker {
   const CheckOptions& options_;
   const std::int64_t max_position_;
   CacheTrace trace_;
-  Tally refusals_, outputs_, positions_, retained_, rotation_;
-  std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>> used_;
+  Tally refusals_, outputs_, positions_, retained_, rotation_, unrecorded_;
+  Tolerance used_tolerance_{0.0, 0.0};
+  std::string skipped_;
   std::int64_t lazy_rows_ = 0, eager_rows_ = 0, recorded_ = 0;
   bool outputs_seen_ = false, pairs_seen_ = false;
   double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;

@@ -151,6 +151,14 @@ class FaultyCache : public KvCache {
     else
       store_.clear_slot(b, slot);
     row.length = t + 1;
+    if (fault_ == Fault::drops_live_token && row.used == config_.window && row.used - S >= 2) {
+      // Evicting right after the forward is allowed for the token the next query no longer
+      // sees; this drops the one after it as well, which that query still needs.
+      for (std::int64_t s = S + 2; s < row.used; ++s) store_.move_slot(b, s, s - 2);
+      store_.clear_slot(b, --row.used);
+      store_.clear_slot(b, --row.used);
+      row.evicted += 2;
+    }
   }
 
   CacheConfig config_;

@@ -20,6 +20,7 @@ enum class Fault {
   rope_table_wraps,         // the cos/sin table has W rows: position p is rotated at p mod W
   shift_one_early,          // "still growing" tested with < : kept keys re-rotated one token early
   mask_past_cache,          // evicted slots are not cleared and the mask does not stop at the window
+  drops_live_token,         // evicts right after the forward, one token more than the dead one
 };
 
 std::unique_ptr<optimized::KvCache> make_faulty_cache(const optimized::CacheConfig& config, Fault fault);

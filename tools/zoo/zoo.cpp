@@ -24,6 +24,12 @@ ZooMutant mutant(const char* name, Fault fault, int mask, const char* bug, const
   return {entry, wild, expected, std::move(fixtures)};
 }
 
+// A mutant that drops dead tokens right after the forward, which is allowed (SPEC 3).
+ZooMutant eager(ZooMutant m) {
+  m.cache.eviction = Eviction::any;
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ZooMutant>& zoo_mutants() {
@@ -78,6 +84,10 @@ const std::vector<ZooMutant>& zoo_mutants() {
              "does not clear evicted slots and builds the mask for the whole sequence, so queries see them",
              "attention masks sized to the full sequence while the cache holds a window", BugClass::mask_sees_evicted,
              {"sink_evict4_context_shift"}),
+      eager(mutant("drops_live_token", Fault::drops_live_token, sink,
+                   "evicts right after the forward (allowed for the dead token) and drops one token too many",
+                   "caches that move eviction after the forward (StreamingLLM style) and count the window one short",
+                   BugClass::dropped_live_token, {"sink_decode_through_windows"})),
   };
   return mutants;
 }
