@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "tests/random_scenario.h"
-#include "tools/harness/cache_checks.h"
 #include "tools/catalog/catalog.h"
+#include "tools/harness/cache_checks.h"
 #include "tools/harness/inputs.h"
 
 using namespace kvcheck;
@@ -97,3 +97,33 @@ TEST(StaticCache, RefusesToOverflowItsCapacity) {
 }
 
 }  // namespace
+
+TEST(Caches, ACacheThatThrowsIsAFailureAtThatStepNotBadInput) {
+  // The cache under test raising is a finding about the cache (exit 1), reported at the
+  // step it raised with its own words; an internal or input error it is not.
+  struct Throwing : optimized::KvCache {
+    explicit Throwing(const optimized::CacheConfig& c) : inner(find_cache("dynamic")->make(c)) {}
+    void append(const optimized::Chunk& chunk, const std::vector<float*>& out, optimized::AttentionLog* log) override {
+      if (++appends == 3) throw std::out_of_range("vector::_M_range_check: 7 >= 6");
+      inner->append(chunk, out, log);
+    }
+    void reorder(const std::vector<int>& rows) override { inner->reorder(rows); }
+    void reset(int batch) override { inner->reset(batch); }
+    void crop(std::int64_t length) override { inner->crop(length); }
+    const optimized::SlotStore& slots() const override { return inner->slots(); }
+    std::int64_t row_length(int row) const override { return inner->row_length(row); }
+    std::unique_ptr<optimized::KvCache> inner;
+    int appends = 0;
+  };
+  CacheEntry entry{"throwing", "raises at its third append", [](const Policy&) { return true; },
+                   [](const optimized::CacheConfig& c) { return std::make_unique<Throwing>(c); }};
+  const Scenario s = load_scenario(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios/full_baseline.json");
+  const InputTable inputs = load_inputs(s);
+  const ReferenceRun run = run_reference(s, inputs);
+  const CacheTrace t = trace_cache(s, inputs, run, entry, false);
+  EXPECT_FALSE(t.outcome.passed());
+  ASSERT_TRUE(t.first.has_value());
+  EXPECT_EQ(t.first->evidence.step, 2u);
+  EXPECT_EQ(t.first->bug, BugClass::cache_raised);
+  EXPECT_EQ(t.first->evidence.refusal, "the cache raised: vector::_M_range_check: 7 >= 6");
+}

@@ -22,6 +22,7 @@
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/runner.h"
+#include "tools/harness/safe_file.h"
 #include "tools/harness/scenario.h"
 #include "tools/harness/trace_verify.h"
 #include "tools/zoo/zoo.h"
@@ -202,6 +203,9 @@ void validate_cache_names(const std::vector<std::string>& names) {
 int main(int argc, char** argv) {
   CLI::App app{"kvcheck: checks transformer KV caches against a naive full-recompute reference"};
   app.require_subcommand(1);
+  app.fallthrough();  // --allow-outside-paths may follow the command
+  app.add_flag("--allow-outside-paths", g_allow_outside_paths,
+               "let file names in scenarios and traces lead outside their folder (off: refused)");
 
   std::vector<std::string> run_paths, run_caches;
   std::string junit, json;
@@ -270,6 +274,19 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}", app.help());
     return kBadInput;
   }
+  // A mistyped command gets the list, not CLI11's "a subcommand is required".
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word.rfind("-", 0) == 0) continue;
+    const auto subs = app.get_subcommands({});
+    if (std::none_of(subs.begin(), subs.end(), [&](const CLI::App* sub) { return sub->check_name(word); })) {
+      std::string names;
+      for (const CLI::App* sub : subs) names += (names.empty() ? "" : ", ") + sub->get_name();
+      fmt::print(stderr, "kvcheck: error: unknown command \"{}\" (commands: {})\n", word, names);
+      return kBadInput;
+    }
+    break;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -307,6 +324,13 @@ int main(int argc, char** argv) {
     if (*list) return cmd_list(list_paths);
   } catch (const InputError& e) {
     print_input_error(e);
+    return kBadInput;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A folder that cannot be written, a name too long, a dangling link: the user's to fix.
+    fmt::print(stderr, "kvcheck: error: {}: {}\n", e.path1().string(), e.code().message());
+    return kBadInput;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "kvcheck: error: out of memory (the scenario or trace is larger than this machine holds)\n");
     return kBadInput;
   } catch (const std::exception& e) {
     fmt::print(stderr, "kvcheck: internal error: {}\n", e.what());

@@ -5,8 +5,15 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <stdexcept>
+#include <vector>
+
+#include "tools/harness/scenario.h"
 
 namespace kvcheck {
 
@@ -18,20 +25,39 @@ fs::path sibling(const fs::path& target, const char* tag) {
   // fmt rather than string +: GCC 12 warns falsely (-Wrestrict) on "." + string.
   return parent / fmt::format(".{}{}{}", target.filename().string(), tag, ::getpid());
 }
+
+// Whether `name` is `prefix` followed by the pid of a process that no longer runs.
+bool abandoned(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0) return false;
+  const std::string digits = name.substr(prefix.size());
+  pid_t pid = 0;
+  const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+  if (digits.empty() || err != std::errc() || end != digits.data() + digits.size() || pid <= 0) return false;
+  return ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+
 }  // namespace
 
-// Temporary siblings of `target` left by a run that was killed (its process is gone).
-void remove_abandoned(const fs::path& target) {
+// Siblings of `target` left by a run that was killed (its process is gone): a temporary
+// folder is removed; a backup taken by commit() is put back when the target is missing
+// (the run died between its two renames), else removed.
+void recover_interrupted(const fs::path& target) {
   const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  const std::string name = target.filename().string();
   std::error_code ec;
-  for (const char* tag : {".tmp-", ".old-"}) {
-    const std::string prefix = fmt::format(".{}{}", target.filename().string(), tag);
-    for (const auto& e : fs::directory_iterator(parent, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind(prefix, 0) != 0) continue;
-      const std::string pid = name.substr(prefix.size());
-      if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
-      if (::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH) fs::remove_all(e.path(), ec);
+  std::vector<fs::path> temporaries, backups;
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    const std::string entry = e.path().filename().string();
+    if (abandoned(entry, fmt::format(".{}.tmp-", name))) temporaries.push_back(e.path());
+    if (abandoned(entry, fmt::format(".{}.old-", name))) backups.push_back(e.path());
+  }
+  for (const fs::path& p : temporaries) fs::remove_all(p, ec);
+  for (const fs::path& p : backups) {
+    if (!fs::exists(target, ec)) {
+      fs::rename(p, target);  // the folder as it was before the interrupted commit
+      fmt::print(stderr, "kvcheck: restored {} from {}, left by an interrupted run\n", target.string(), p.string());
+    } else {
+      fs::remove_all(p, ec);
     }
   }
 }
@@ -39,7 +65,9 @@ void remove_abandoned(const fs::path& target) {
 AtomicDir::AtomicDir(fs::path target) : target_(std::move(target)) {
   if (target_.filename().empty()) target_ = target_.parent_path();
   if (!target_.parent_path().empty()) fs::create_directories(target_.parent_path());
-  remove_abandoned(target_);
+  if (fs::exists(target_) && !fs::is_directory(target_))
+    throw InputError(target_.string(), "", "exists and is not a folder; refusing to replace it");
+  recover_interrupted(target_);
   temp_ = sibling(target_, ".tmp-");
   fs::remove_all(temp_);
   fs::create_directories(temp_);
@@ -55,6 +83,8 @@ void AtomicDir::commit() {
   fs::remove_all(old);
   const bool replacing = fs::exists(target_);
   if (replacing) fs::rename(target_, old);
+  // Tests only: die between the two renames, as a killed run would.
+  if (replacing && std::getenv("KVCHECK_TEST_DIE_IN_COMMIT") != nullptr) ::raise(SIGKILL);
   try {
     fs::rename(temp_, target_);
   } catch (...) {
@@ -66,14 +96,23 @@ void AtomicDir::commit() {
 }
 
 void write_file_atomically(const fs::path& path, const std::string& text) {
-  if (!path.parent_path().empty()) fs::create_directories(path.parent_path());
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw InputError(path.string(), "", "is a folder; expected a file name to write");
+  if (!path.parent_path().empty() && !fs::is_directory(path.parent_path(), ec))
+    throw InputError(path.string(), "", "no such folder to write into: " + path.parent_path().string());
   const fs::path temp = sibling(path, ".tmp-");
-  {
-    std::ofstream out(temp, std::ios::binary);
-    out << text;
-    if (!out.flush()) throw std::runtime_error("cannot write " + temp.string());
+  try {
+    {
+      std::ofstream out(temp, std::ios::binary);
+      out << text;
+      if (!out.flush())
+        throw InputError(path.string(), "", "cannot write the file (" + std::string(std::strerror(errno)) + ")");
+    }
+    fs::rename(temp, path);
+  } catch (...) {
+    fs::remove(temp, ec);  // never leave the temporary behind
+    throw;
   }
-  fs::rename(temp, path);
 }
 
 }  // namespace kvcheck

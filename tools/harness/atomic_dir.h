@@ -23,6 +23,11 @@ class AtomicDir {
   bool committed_ = false;
 };
 
+// Puts back a folder whose replacement was interrupted between AtomicDir::commit's two
+// renames (the backup of a killed run), and removes killed runs' temporaries. AtomicDir
+// does this itself; readers of `target` call it first so they see the folder as it was.
+void recover_interrupted(const std::filesystem::path& target);
+
 // Writes `text` to `path` through a temporary file and a rename.
 void write_file_atomically(const std::filesystem::path& path, const std::string& text);
 

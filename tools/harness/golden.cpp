@@ -107,6 +107,7 @@ fs::path folder_path(const std::string& dir) {
 
 int generate_goldens(const GoldenOptions& o) {
   const fs::path dir = folder_path(o.dir);
+  recover_interrupted(dir);
   // The golden folder holds export folders only; anything else is not ours to replace.
   std::error_code ec;
   if (fs::is_directory(dir, ec))
@@ -175,6 +176,9 @@ int generate_goldens(const GoldenOptions& o) {
 }
 
 int check_goldens(const GoldenOptions& o) {
+  recover_interrupted(folder_path(o.dir));
+  std::error_code ec;
+  if (!fs::is_directory(o.dir, ec)) throw InputError(o.dir, "", "no such golden folder");
   int drifted = 0;
   const AtomicDir scratch(folder_path(o.dir).parent_path() / ".kvcheck-golden-check");
   for (const std::string& file : o.scenario_files) {

@@ -24,7 +24,31 @@ namespace {
 
 std::string count_cell(std::int64_t n) { return n < 0 ? "-" : std::to_string(n); }
 
-std::string xml_escape(const std::string& s) {
+// Text from files other programs wrote may be any bytes: invalid UTF-8 and control
+// characters (which XML 1.0 cannot carry at all) become U+FFFD; newlines and tabs stay.
+std::string valid_xml_text(const std::string& s) {
+  static const std::string replacement = "\xEF\xBF\xBD";
+  std::string out;
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = len > 0 && i + len <= s.size();
+    for (std::size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(s[i + k]) >> 6) == 0x2;
+    if (ok && len == 1 && c < 0x20 && c != '\n' && c != '\t') ok = false;
+    if (ok && len == 2 && c < 0xC2) ok = false;  // overlong
+    if (!ok) {
+      out += replacement;
+      ++i;
+      continue;
+    }
+    out.append(s, i, len);
+    i += len;
+  }
+  return out;
+}
+
+std::string xml_escape(const std::string& text) {
+  const std::string s = valid_xml_text(text);
   std::string out;
   for (char c : s) {
     switch (c) {
@@ -121,7 +145,8 @@ void write_json_report(const std::string& path, const std::vector<Outcome>& outc
                                  {"passed", static_cast<std::int64_t>(outcomes.size()) - failed},
                                  {"failed", failed},
                                  {"results", results}};
-  write_file_atomically(path, report.dump(2) + "\n");
+  // Invalid UTF-8 in a message (file names, a cache's own words) becomes U+FFFD.
+  write_file_atomically(path, report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
 }  // namespace kvcheck

@@ -44,6 +44,9 @@ double Scenario::softmax_scale() const { return scale ? *scale : 1.0 / std::sqrt
 
 namespace {
 
+constexpr int kMaxBatch = 4096;
+constexpr std::int64_t kMaxStepRows = std::int64_t{1} << 24;
+
 // The names a step may give in `expect_error`.
 const std::vector<std::string> kKnownErrors = {"crop_evicted"};
 
@@ -127,7 +130,7 @@ Dims parse_dims(const Reader& r, const json& j) {
   r.object(j, p, {"layers", "batch", "heads", "kv_heads", "head_dim"});
   Dims d;
   d.layers = static_cast<int>(r.integer(r.field(j, p, "layers"), p + "/layers", 1, 1024));
-  d.batch = static_cast<int>(r.integer(r.field(j, p, "batch"), p + "/batch", 1, 4096));
+  d.batch = static_cast<int>(r.integer(r.field(j, p, "batch"), p + "/batch", 1, kMaxBatch));
   d.heads = static_cast<int>(r.integer(r.field(j, p, "heads"), p + "/heads", 1, 4096));
   d.kv_heads = j.contains("kv_heads") ? static_cast<int>(r.integer(j["kv_heads"], p + "/kv_heads", 1, 4096)) : d.heads;
   d.head_dim = static_cast<int>(r.integer(r.field(j, p, "head_dim"), p + "/head_dim", 2, 4096));
@@ -250,6 +253,15 @@ std::string expect_error(const Reader& r, const json& step, const std::string& p
 std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
   if (!j.is_array() || j.empty()) r.fail("/steps", "expected a non-empty array of steps");
   std::vector<Step> steps;
+  // Every expanded step stores a count per row: bound their number before expanding.
+  std::int64_t step_rows = 0;
+  auto count = [&](const std::string& p, std::int64_t steps_added) {
+    step_rows += steps_added * batch;
+    if (step_rows > kMaxStepRows)
+      r.fail(p, fmt::format("the steps so far come to {} (step, row) pairs after expanding decode; kvcheck accepts "
+                            "up to {}",
+                            step_rows, kMaxStepRows));
+  };
   for (std::size_t i = 0; i < j.size(); ++i) {
     const json& s = j[i];
     const std::string p = "/steps/" + std::to_string(i);
@@ -271,12 +283,14 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
       } else {
         step.tokens.assign(static_cast<std::size_t>(batch), r.integer(tokens, p + "/tokens", 1));
       }
+      count(p, 1);
       steps.push_back(step);
     } else if (op == "decode") {
       r.object(s, p, {"op", "steps"});
       const std::int64_t k = r.integer(r.field(s, p, "steps"), p + "/steps", 1, 1000000);
       if (steps.size() + static_cast<std::size_t>(k) > 1000000)
         r.fail(p + "/steps", "more than a million steps in all after expanding decode");
+      count(p + "/steps", k);
       step.op = StepOp::append;
       step.tokens.assign(static_cast<std::size_t>(batch), 1);
       for (std::int64_t n = 0; n < k; ++n) steps.push_back(step);
@@ -285,6 +299,8 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
       step.op = StepOp::reorder;
       const json& rows = r.field(s, p, "rows");
       if (!rows.is_array() || rows.empty()) r.fail(p + "/rows", "expected a non-empty array of row indices");
+      if (rows.size() > kMaxBatch)
+        r.fail(p + "/rows", fmt::format("expected at most {} rows (the batch limit), got {}", kMaxBatch, rows.size()));
       for (std::size_t b = 0; b < rows.size(); ++b) {
         const auto row = r.integer(rows[b], p + "/rows/" + std::to_string(b), 0);
         if (row >= batch)
@@ -292,18 +308,21 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
         step.rows.push_back(static_cast<int>(row));
       }
       batch = static_cast<int>(step.rows.size());
+      count(p, 1);
       steps.push_back(step);
     } else if (op == "reset") {
       r.object(s, p, {"op", "batch"});
       step.op = StepOp::reset;
-      if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1, 4096));
+      if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1, kMaxBatch));
       step.batch = batch;
+      count(p, 1);
       steps.push_back(step);
     } else {
       r.object(s, p, {"op", "length", "expect_error"});
       step.op = StepOp::crop;
       step.length = r.integer(r.field(s, p, "length"), p + "/length", 0);
       step.expect_error = expect_error(r, s, p);
+      count(p, 1);
       steps.push_back(step);
     }
   }
@@ -311,6 +330,82 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
 }
 
 }  // namespace
+
+namespace {
+
+std::string bytes_text(double bytes) {
+  if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  return fmt::format("{:.0f} kB", bytes / 1e3);
+}
+
+std::string duration_text(double seconds) {
+  if (seconds >= 7200) return fmt::format("{:.0f} hours", seconds / 3600);
+  if (seconds >= 120) return fmt::format("{:.0f} minutes", seconds / 60);
+  return fmt::format("{:.0f} seconds", seconds);
+}
+
+// Keys a token at index t sees under the policy (the query's own included).
+double visible_keys(const Policy& p, std::int64_t t) {
+  return p.kind == PolicyKind::full ? static_cast<double>(t + 1)
+                                    : static_cast<double>(std::min<std::int64_t>(t + 1, p.window));
+}
+
+// The sum of visible_keys over t in [first, last], in closed form.
+double visible_keys_sum(const Policy& p, std::int64_t first, std::int64_t last) {
+  auto prefix = [&](std::int64_t n) {  // sum over t in [0, n)
+    const std::int64_t cap = p.kind == PolicyKind::full ? n : std::min(n, p.window);
+    const double grow = static_cast<double>(cap) * static_cast<double>(cap + 1) / 2;
+    return grow + (p.kind == PolicyKind::full ? 0.0 : static_cast<double>(n - cap) * static_cast<double>(p.window));
+  };
+  return last < first ? 0.0 : prefix(last + 1) - prefix(first);
+}
+
+}  // namespace
+
+ScenarioCost estimate_cost(const Scenario& s) {
+  const Dims& d = s.dims;
+  const double per_token_out = static_cast<double>(d.layers) * d.heads * d.head_dim;
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);
+  double outputs = 0, views = 0, retained = 0, work = 0;
+  for (const Step& step : s.steps) {
+    switch (step.op) {
+      case StepOp::append: {
+        const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
+        outputs += static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
+        for (std::size_t b = 0; b < lengths.size(); ++b) {
+          const double seen = visible_keys_sum(s.policy, lengths[b], lengths[b] + step.tokens[b] - 1);
+          views += seen * 16;                // one (index, position) pair per visible key
+          work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
+          lengths[b] += step.tokens[b];
+        }
+        break;
+      }
+      case StepOp::reorder: {
+        std::vector<std::int64_t> next;
+        for (int r : step.rows) next.push_back(lengths[static_cast<std::size_t>(r)]);
+        lengths = std::move(next);
+        break;
+      }
+      case StepOp::reset:
+        lengths.assign(static_cast<std::size_t>(*step.batch), 0);
+        break;
+      case StepOp::crop:
+        for (std::int64_t& n : lengths) n = std::min(n, step.length);
+        break;
+    }
+    // Per row and step: the retained and live sets (24 bytes a key), and a history view.
+    for (std::int64_t n : lengths) retained += 48.0 * (n == 0 ? 0.0 : visible_keys(s.policy, n - 1)) + 24;
+  }
+  ScenarioCost c;
+  const double inputs = static_cast<double>(count_uids(s)) * d.layers * (d.heads + 2.0 * d.kv_heads) * d.head_dim * 4;
+  const double histories = static_cast<double>(count_uids(s)) * 8 * 2;
+  c.bytes = outputs + views + retained + inputs + histories;
+  c.multiply_adds = work;
+  c.breakdown = fmt::format("outputs {}, attention views {}, retained sets {}, inputs {}", bytes_text(outputs),
+                            bytes_text(views), bytes_text(retained), bytes_text(inputs));
+  return c;
+}
 
 std::int64_t count_uids(const Scenario& scenario) {
   std::int64_t total = 0;
@@ -340,11 +435,18 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);
-  // The reference keeps every input and output: refuse what would not fit in memory.
+  // The reference keeps every input and output: refuse what would not fit in memory,
+  // before any of it is spent.
   const double floats =
       static_cast<double>(count_uids(s)) * s.dims.layers * (s.dims.heads + 2.0 * s.dims.kv_heads) * s.dims.head_dim;
   if (floats > 1e9)
     r.fail("/steps", fmt::format("the scenario needs {:.3g} input values; kvcheck accepts up to 1e9", floats));
+  const ScenarioCost cost = estimate_cost(s);
+  if (cost.bytes > kMemoryBudget)
+    r.fail("/steps", fmt::format("the scenario needs about {} of memory ({}) and about {:.2g} multiply-adds in the "
+                                 "reference (about {} at 1e9 a second); kvcheck accepts up to {}",
+                                 bytes_text(cost.bytes), cost.breakdown, cost.multiply_adds,
+                                 duration_text(cost.multiply_adds / 1e9), bytes_text(kMemoryBudget)));
   if (j.contains("seed") && j.contains("inputs")) r.fail("/inputs", "give either \"seed\" or \"inputs\", not both");
   if (j.contains("inputs")) {
     parse_inputs(r, j["inputs"], s);

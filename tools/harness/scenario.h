@@ -65,6 +65,18 @@ struct Scenario {
 // Number of uids the scenario's steps create, and the batch size each step sees.
 std::int64_t count_uids(const Scenario& scenario);
 
+// What a scenario costs the reference, estimated from its steps before anything runs:
+// the memory the run keeps and the multiply-adds of its attention.
+struct ScenarioCost {
+  double bytes = 0;
+  double multiply_adds = 0;
+  std::string breakdown;  // "outputs 1.2 GB, attention views ..., inputs ..."
+};
+ScenarioCost estimate_cost(const Scenario& scenario);
+
+// The memory kvcheck allows one scenario's reference run (the machine has 24 GB).
+constexpr double kMemoryBudget = 8e9;
+
 // Parses and validates. `file` is used in messages and to resolve .npy paths.
 Scenario parse_scenario(const std::string& text, const std::string& file);
 Scenario load_scenario(const std::string& path);
