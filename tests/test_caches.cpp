@@ -59,10 +59,10 @@ TEST_P(FixtureOnCache, MatchesTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, FixtureOnCache, ::testing::ValuesIn(fixture_cases()),
-                         [](const ::testing::TestParamInfo<FixtureCase>& info) {
-                           std::string stem = info.param.file.substr(info.param.file.find_last_of('/') + 1);
+                         [](const ::testing::TestParamInfo<FixtureCase>& test) {
+                           std::string stem = test.param.file.substr(test.param.file.find_last_of('/') + 1);
                            stem = stem.substr(0, stem.size() - 5);
-                           return stem + "__" + info.param.cache;
+                           return stem + "__" + test.param.cache;
                          });
 
 class RandomScenario : public ::testing::TestWithParam<int> {};

@@ -97,13 +97,13 @@ Computed export_into(const std::string& file, const fs::path& parent) {
   return {s.name, folder};
 }
 
-}  // namespace
-
 // "g/" and "g" name the same folder; scratch folders go beside it, not inside.
 fs::path folder_path(const std::string& dir) {
   fs::path p = fs::path(dir).lexically_normal();
   return p.filename().empty() ? p.parent_path() : p;
 }
+
+}  // namespace
 
 int generate_goldens(const GoldenOptions& o) {
   const fs::path dir = folder_path(o.dir);

@@ -73,7 +73,8 @@ class Reader {
 
   void object(const json& j, const std::string& path, std::initializer_list<const char*> allowed) const {
     if (!j.is_object()) fail(path, "expected an object, got " + describe(j));
-    for (const auto& [key, value] : j.items()) {
+    for (const auto& item : j.items()) {
+      const std::string& key = item.key();
       if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
         std::vector<std::string> names(allowed.begin(), allowed.end());
         fail(path + "/" + key, fmt::format("unknown key \"{}\" (expected one of: {})", key, join(names)));

@@ -1,6 +1,6 @@
 # Sourced by tools/kvcheck and tools/test: installs the Debian packages that are missing,
-# then configures (once) and builds build/ incrementally. Build output goes to stderr only
-# when something fails, so the command's own stdout stays clean.
+# then configures (once) and builds a build folder incrementally. Build output goes to
+# stderr only when something fails, so the command's own stdout stays clean.
 
 KVCHECK_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KVCHECK_PACKAGES=(
@@ -9,15 +9,10 @@ KVCHECK_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy
 )
-# tools/test also drives real PyTorch caches (python3-torch: about 200 MB, half a minute to
-# install here); tools/kvcheck alone does not need it.
-if [ "${KVCHECK_TEST_SETUP:-0}" = 1 ]; then
-  KVCHECK_PACKAGES+=(python3-torch)
-fi
 
 kvcheck_install_packages() {
   local missing=() p
-  for p in "${KVCHECK_PACKAGES[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -36,11 +31,20 @@ kvcheck_install_packages() {
   rm -f "$log"
 }
 
+# kvcheck_build [PRESET]: release (build/, the default), sanitize (build-sanitize/) or
+# fuzz (build-fuzz/). CI (CI=true) treats warnings as errors.
 kvcheck_build() {
-  local build="$KVCHECK_ROOT/build" log="$KVCHECK_ROOT/build/build.log"
+  local preset="${1:-release}" build
+  case "$preset" in
+    release) build="$KVCHECK_ROOT/build" ;;
+    *) build="$KVCHECK_ROOT/build-$preset" ;;
+  esac
+  local log="$build/build.log"
   if [ ! -f "$build/build.ninja" ]; then
     mkdir -p "$build"
-    if ! (cd "$KVCHECK_ROOT" && cmake --preset release) >"$log" 2>&1; then
+    local werror=OFF
+    [ "${CI:-}" = true ] && werror=ON
+    if ! (cd "$KVCHECK_ROOT" && cmake --preset "$preset" -DKVCHECK_WERROR=$werror) >"$log" 2>&1; then
       cat "$log" >&2
       echo "kvcheck: cmake configure failed (log: $log)" >&2
       exit 2
@@ -56,7 +60,7 @@ kvcheck_build() {
     echo "kvcheck: build failed (full log: $log)" >&2
     exit 2
   fi
+  KVCHECK_BUILD="$build"
 }
 
-kvcheck_install_packages
-kvcheck_build
+kvcheck_install_packages "${KVCHECK_PACKAGES[@]}"
