@@ -2,31 +2,34 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <stdexcept>
 
 namespace kvcheck::reference {
 
-std::vector<double> attend(const std::vector<double>& q, const std::vector<std::vector<double>>& keys,
-                           const std::vector<std::vector<double>>& values, double scale) {
-  if (keys.empty() || keys.size() != values.size())
-    throw std::invalid_argument("attend: needs at least one key and one value per key");
+double dot(const double* a, const double* b, std::size_t n) {
+  double sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::size_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (std::size_t k = 0; k < 8; ++k) sums[k] += a[d + k] * b[d + k];
+  for (std::size_t k = 0; d < n; ++d, ++k) sums[k] += a[d] * b[d];  // the tail, into the first sums
+  return ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+}
 
-  std::vector<double> scores(keys.size());
-  for (std::size_t j = 0; j < keys.size(); ++j) {
-    double dot = 0.0;
-    for (std::size_t d = 0; d < q.size(); ++d) dot += q[d] * keys[j][d];
-    scores[j] = scale * dot;
-  }
+void attend(const double* q, const double* keys, const double* values, std::size_t n, std::size_t head_dim,
+            double scale, double* scores, double* out) {
+  if (n == 0) throw std::invalid_argument("attend: needs at least one key");
+  for (std::size_t j = 0; j < n; ++j) scores[j] = scale * dot(q, keys + j * head_dim, head_dim);
   // Subtracting the maximum changes nothing mathematically and keeps exp in range.
-  const double top = *std::max_element(scores.begin(), scores.end());
+  const double top = *std::max_element(scores, scores + n);
   double total = 0.0;
-  for (double& s : scores) total += (s = std::exp(s - top));
+  for (std::size_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - top));
 
-  std::vector<double> out(values[0].size(), 0.0);
-  for (std::size_t j = 0; j < keys.size(); ++j)
-    for (std::size_t d = 0; d < out.size(); ++d) out[d] += scores[j] / total * values[j][d];
-  return out;
+  std::fill(out, out + head_dim, 0.0);
+  for (std::size_t j = 0; j < n; ++j) {
+    const double weight = scores[j] / total;
+    const double* v = values + j * head_dim;
+    for (std::size_t d = 0; d < head_dim; ++d) out[d] += weight * v[d];
+  }
 }
 
 }  // namespace kvcheck::reference

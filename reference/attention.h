@@ -1,12 +1,19 @@
 // Softmax attention of one query head over a list of keys, from scratch, in double.
 #pragma once
 
-#include <vector>
+#include <cstddef>
 
 namespace kvcheck::reference {
 
-// sum_j softmax_j(scale * <q, k_j>) v_j. q and every k_j are already rotated.
-std::vector<double> attend(const std::vector<double>& q, const std::vector<std::vector<double>>& keys,
-                           const std::vector<std::vector<double>>& values, double scale);
+// The dot product <a, b> of n doubles, summed in a fixed order: eight running sums (every
+// eighth element each), then added pairwise. The order does not depend on the machine, and
+// the compiler can vectorize it without fast-math.
+double dot(const double* a, const double* b, std::size_t n);
+
+// out = sum_j softmax_j(scale * <q, k_j>) v_j, for q [D], keys and values [n][D] (rows of
+// D doubles, contiguous), q and every k_j already rotated. `scores` holds n doubles of
+// scratch, so nothing is allocated per query.
+void attend(const double* q, const double* keys, const double* values, std::size_t n, std::size_t head_dim,
+            double scale, double* scores, double* out);
 
 }  // namespace kvcheck::reference

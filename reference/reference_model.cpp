@@ -1,18 +1,15 @@
 #include "reference/reference_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
+#include <thread>
 
 #include "reference/attention.h"
 #include "reference/rope.h"
 
 namespace kvcheck::reference {
-namespace {
-
-std::vector<double> widen(const float* x, int n) { return std::vector<double>(x, x + n); }
-
-}  // namespace
 
 ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
                                const InputTable& inputs)
@@ -21,19 +18,77 @@ ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const Policy&
       policy_(policy),
       scale_(scale),
       inputs_(inputs),
-      histories_(static_cast<std::size_t>(dims.batch)) {}
+      histories_(static_cast<std::size_t>(dims.batch)),
+      threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))) {}
 
-std::vector<double> ReferenceModel::head_output(int layer, int head, const std::vector<std::uint64_t>& row,
-                                                std::int64_t t, const QueryView& view) const {
-  const int d = dims_.head_dim;
-  const int group = head / (dims_.heads / dims_.kv_heads);
-  const std::vector<double> q = rotate(widen(inputs_.q_at(layer, row[t], head), d), view.query_position, rope_);
-  std::vector<std::vector<double>> keys, values;
-  for (const VisibleKey& key : view.keys) {
-    keys.push_back(rotate(widen(inputs_.k_at(layer, row[key.index], group), d), key.position, rope_));
-    values.push_back(widen(inputs_.v_at(layer, row[key.index], group), d));
+void ReferenceModel::ensure_positions(std::int64_t largest) {
+  const int half = dims_.head_dim / 2;
+  for (; positions_ <= largest; ++positions_) {
+    for (int i = 0; i < half; ++i)
+      cos_sin_.push_back(std::cos(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
+    for (int i = 0; i < half; ++i)
+      cos_sin_.push_back(std::sin(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
   }
-  return attend(q, keys, values, scale_);
+}
+
+const double* ReferenceModel::cos_sin(std::int64_t position) const {
+  return cos_sin_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(dims_.head_dim);
+}
+
+namespace {
+
+// R(p) x for float32 x, into out: rotate() of rope.h, with the angles' cos and sin looked
+// up instead of recomputed (the same values: the table holds std::cos and std::sin of
+// rope_angle, cos for every pair, then sin). One loop per layout, so each vectorizes.
+void rotate_into(const float* x, const double* cos_sin, int d, RopeLayout layout, double* out) {
+  const int half = d / 2;
+  const double* c = cos_sin;
+  const double* s = cos_sin + half;
+  if (layout == RopeLayout::half) {  // pair i is (x[i], x[i + D/2])
+    for (int i = 0; i < half; ++i) {
+      const double a = x[i], b = x[i + half];
+      out[i] = a * c[i] - b * s[i];
+      out[i + half] = a * s[i] + b * c[i];
+    }
+  } else {  // pair i is (x[2i], x[2i + 1])
+    for (int i = 0; i < half; ++i) {
+      const double a = x[2 * i], b = x[2 * i + 1];
+      out[2 * i] = a * c[i] - b * s[i];
+      out[2 * i + 1] = a * s[i] + b * c[i];
+    }
+  }
+}
+
+}  // namespace
+
+// Buffers one thread reuses for every token: nothing is allocated per query or key.
+struct ReferenceModel::Scratch {
+  std::vector<double> keys, values, query, scores;
+};
+
+void ReferenceModel::attend_group(int layer, int group, const std::vector<std::uint64_t>& row, std::int64_t t,
+                                  const QueryView& view, Scratch& scratch, double* out) const {
+  const int d = dims_.head_dim;
+  const std::size_t n = view.keys.size(), D = static_cast<std::size_t>(d);
+  scratch.keys.resize(n * D);
+  scratch.values.resize(n * D);
+  scratch.query.resize(D);
+  scratch.scores.resize(n);
+  // Every visible key rotated at its position Pk(t, j), once for the group's query heads.
+  for (std::size_t j = 0; j < n; ++j) {
+    const VisibleKey& key = view.keys[j];
+    rotate_into(inputs_.k_at(layer, row[key.index], group), cos_sin(key.position), d, rope_.layout,
+                scratch.keys.data() + j * D);
+    const float* v = inputs_.v_at(layer, row[key.index], group);
+    std::copy(v, v + d, scratch.values.begin() + static_cast<std::ptrdiff_t>(j * D));
+  }
+  const int heads_per_group = dims_.heads / dims_.kv_heads;
+  for (int k = 0; k < heads_per_group; ++k) {
+    const int head = group * heads_per_group + k;
+    rotate_into(inputs_.q_at(layer, row[t], head), cos_sin(view.query_position), d, rope_.layout, scratch.query.data());
+    attend(scratch.query.data(), scratch.keys.data(), scratch.values.data(), n, D, scale_, scratch.scores.data(),
+           out + static_cast<std::size_t>(k) * D);
+  }
 }
 
 AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
@@ -51,25 +106,54 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
     }
   }
 
-  const int L = dims_.layers, B = batch(), H = dims_.heads, D = dims_.head_dim;
+  const int L = dims_.layers, B = batch(), H = dims_.heads, Hkv = dims_.kv_heads, D = dims_.head_dim;
   const std::int64_t n = result.chunk;
   result.out.assign(static_cast<std::size_t>(L) * B * n * H * D, std::numeric_limits<double>::quiet_NaN());
+  // The views first (what each token sees), then the attention of every (token, layer,
+  // kv head) as a unit of work: units are independent, so threads may share them freely.
+  struct Unit {
+    int row, layer, group;
+    std::int64_t token;  // index into result.rows[row]
+  };
+  std::vector<Unit> units;
+  std::int64_t largest = 0;
   for (int b = 0; b < B; ++b) {
     const std::vector<std::uint64_t>& row = histories_[b];
     const std::int64_t start = static_cast<std::int64_t>(row.size()) - counts[b];
-    const std::int64_t pad = n - counts[b];
     for (std::int64_t t = start; t < static_cast<std::int64_t>(row.size()); ++t) {
       AppendedToken token{row[t], t, chunk_view(policy_, start, t)};
-      for (int l = 0; l < L; ++l) {
-        for (int h = 0; h < H; ++h) {
-          const std::vector<double> o = head_output(l, h, row, t, token.view);
-          const std::size_t base = ((((static_cast<std::size_t>(l) * B + b) * n + pad + (t - start)) * H + h) * D);
-          std::copy(o.begin(), o.end(), result.out.begin() + base);
-        }
-      }
+      largest = std::max(largest, token.view.query_position);
+      for (const VisibleKey& key : token.view.keys) largest = std::max(largest, key.position);
+      for (int l = 0; l < L; ++l)
+        for (int g = 0; g < Hkv; ++g) units.push_back({b, l, g, t - start});
       result.rows[b].push_back(std::move(token));
     }
   }
+  ensure_positions(largest);
+  const std::size_t heads_per_group = static_cast<std::size_t>(H / Hkv);
+  auto work = [&](std::size_t first, std::size_t stride) {
+    Scratch scratch;
+    for (std::size_t u = first; u < units.size(); u += stride) {
+      const Unit& unit = units[u];
+      const AppendedToken& token = result.rows[unit.row][static_cast<std::size_t>(unit.token)];
+      const std::int64_t pad = n - counts[unit.row];
+      const std::size_t base = ((((static_cast<std::size_t>(unit.layer) * B + unit.row) * n + pad + unit.token) * H +
+                                 unit.group * heads_per_group) *
+                                D);
+      attend_group(unit.layer, unit.group, histories_[unit.row], token.index, token.view, scratch,
+                   result.out.data() + base);
+    }
+  };
+  // Threads only where the work pays for starting them.
+  std::size_t keys = 0;
+  for (const auto& tokens : result.rows)
+    for (const auto& token : tokens) keys += token.view.keys.size();
+  const std::size_t threads =
+      keys * static_cast<std::size_t>(L * H * D) < 2000000 ? 1 : static_cast<std::size_t>(threads_);
+  std::vector<std::thread> pool;
+  for (std::size_t k = 1; k < threads; ++k) pool.emplace_back(work, k, threads);
+  work(0, threads);
+  for (std::thread& th : pool) th.join();
   return result;
 }
 

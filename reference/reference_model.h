@@ -59,14 +59,24 @@ class ReferenceModel {
   // the retained set of the cropped row holds a token this policy has already evicted.
   void crop(std::int64_t length);
 
+  // Threads that share an append's attention (each output is computed by one thread
+  // alone, so results do not depend on the count). Default: the machine's cores.
+  void set_threads(int threads) { threads_ = threads < 1 ? 1 : threads; }
+
   int batch() const { return static_cast<int>(histories_.size()); }
   std::uint64_t next_uid() const { return next_uid_; }
   const std::vector<std::uint64_t>& history(int row) const { return histories_.at(row); }
   RowRetained retained(int row) const;
 
  private:
-  std::vector<double> head_output(int layer, int head, const std::vector<std::uint64_t>& row, std::int64_t t,
-                                  const QueryView& view) const;
+  // One token's attention in one layer for the query heads of kv head `group`: writes
+  // each head's output to out + head * D.
+  struct Scratch;
+  void attend_group(int layer, int group, const std::vector<std::uint64_t>& row, std::int64_t t, const QueryView& view,
+                    Scratch& scratch, double* out) const;
+  // cos and sin of every pair at position p (the table grows to the largest position seen).
+  const double* cos_sin(std::int64_t position) const;
+  void ensure_positions(std::int64_t largest);
 
   Dims dims_;
   Rope rope_;
@@ -75,6 +85,9 @@ class ReferenceModel {
   const InputTable& inputs_;
   std::vector<std::vector<std::uint64_t>> histories_;  // per row, uid of token index t
   std::uint64_t next_uid_ = 0;
+  int threads_;
+  std::vector<double> cos_sin_;  // [position][cos of each pair, then sin of each pair]
+  std::int64_t positions_ = 0;
 };
 
 }  // namespace kvcheck::reference

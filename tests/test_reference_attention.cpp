@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
+#include "reference/attention.h"
 #include "reference/reference_model.h"
 
 using namespace kvcheck;
@@ -90,4 +92,49 @@ TEST(ReferenceAttention, CropRefusesWhenTheCacheHasEvicted) {
   EXPECT_EQ(model.history(0).size(), 3u);               // and nothing changed
   model.crop(3);
   EXPECT_EQ(model.history(0).size(), 3u);
+}
+
+TEST(ReferenceAttention, ResultsDoNotDependOnTheThreadCount) {
+  // Large enough that the append is shared by threads (GQA 8 over 2, D 64, 160 tokens).
+  Dims dims;
+  dims.layers = 2;
+  dims.heads = 8;
+  dims.kv_heads = 2;
+  dims.head_dim = 64;
+  const std::int64_t tokens = 160;
+  InputTable inputs;
+  inputs.layers = dims.layers;
+  inputs.uids = tokens;
+  inputs.heads = dims.heads;
+  inputs.kv_heads = dims.kv_heads;
+  inputs.head_dim = dims.head_dim;
+  auto fill = [](std::vector<float>& x, std::size_t n, int salt) {
+    x.resize(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(std::sin(0.37 * i + salt));
+  };
+  fill(inputs.q, static_cast<std::size_t>(dims.layers * tokens * dims.heads * dims.head_dim), 1);
+  fill(inputs.k, static_cast<std::size_t>(dims.layers * tokens * dims.kv_heads * dims.head_dim), 2);
+  fill(inputs.v, static_cast<std::size_t>(dims.layers * tokens * dims.kv_heads * dims.head_dim), 3);
+  Rope rope;
+  rope.theta = 500000;
+  std::vector<std::vector<double>> outputs;
+  for (int threads : {1, 2, 3}) {
+    reference::ReferenceModel model(dims, rope, Policy{}, 0.125, inputs);
+    model.set_threads(threads);
+    outputs.push_back(model.append({tokens}).out);
+  }
+  ASSERT_EQ(outputs[0].size(), static_cast<std::size_t>(dims.layers * tokens * dims.heads * dims.head_dim));
+  // Bit for bit: each output is computed by one thread, in one fixed order.
+  EXPECT_EQ(std::memcmp(outputs[0].data(), outputs[1].data(), outputs[0].size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(outputs[0].data(), outputs[2].data(), outputs[0].size() * sizeof(double)), 0);
+}
+
+TEST(ReferenceAttention, TheDotProductSumsInItsDocumentedOrder) {
+  // A left-to-right sum of 1e16 and eight ones gives 1e16 (each 1e16 + 1 rounds back, the
+  // spacing of doubles there being 2). In the documented order the ones meet each other
+  // first: sums = [1e16 + 1 (the tail joins the first), 1, 1, 1, 1, 1, 1, 1], then
+  // ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) = (1e16 + 2) + 4.
+  const double a[9] = {1e16, 1, 1, 1, 1, 1, 1, 1, 1};
+  const double ones[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+  EXPECT_EQ(reference::dot(a, ones, 9), 1e16 + 6);
 }
