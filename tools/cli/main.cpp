@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -19,6 +20,7 @@
 #include "tools/harness/export.h"
 #include "tools/harness/golden.h"
 #include "tools/harness/inputs.h"
+#include "tools/harness/progress.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/runner.h"
@@ -62,6 +64,7 @@ int cmd_verify(const std::string& path, const std::string& trace_dir, const Veri
                const std::string& html, const std::string& junit, const std::string& json) {
   const Scenario scenario = load_scenario(path);
   const CacheTrace trace = verify_trace(scenario, trace_dir, options);
+  Progress::line().clear();
   print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir), trace);
   if (!html.empty()) write_html(html, "trace", false, scenario, "the trace in " + trace_dir, trace);
   if (!junit.empty()) write_junit(junit, {trace.outcome});
@@ -69,20 +72,54 @@ int cmd_verify(const std::string& path, const std::string& trace_dir, const Veri
   return trace.outcome.passed() ? kPass : kFail;
 }
 
+// "I/N" of --shard: this run takes shard I of N (1 <= I <= N).
+struct Shard {
+  std::uint64_t index = 1, count = 1;
+};
+
+Shard parse_shard(const std::string& text) {
+  Shard s;
+  const auto slash = text.find('/');
+  auto number = [&](const std::string& part, std::uint64_t& out) {
+    const auto [end, err] = std::from_chars(part.data(), part.data() + part.size(), out);
+    return !part.empty() && err == std::errc() && end == part.data() + part.size();
+  };
+  if (slash == std::string::npos || !number(text.substr(0, slash), s.index) ||
+      !number(text.substr(slash + 1), s.count) || s.count == 0 || s.index == 0 || s.index > s.count)
+    throw InputError("--shard", "", fmt::format("expected I/N with 1 <= I <= N (for example 2/4), got \"{}\"", text));
+  return s;
+}
+
+// Which shard a scenario file belongs to: FNV-1a of its file name, so every scenario is
+// in exactly one shard and adding a scenario moves no other.
+bool in_shard(const std::string& file, const Shard& shard) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : std::filesystem::path(file).filename().string()) h = (h ^ c) * 1099511628211ull;
+  return h % shard.count == shard.index - 1;
+}
+
 int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, const std::string& junit,
-            const std::string& json) {
+            const std::string& json, const Shard& shard) {
   std::vector<Outcome> outcomes;
   bool bad_input = false;
-  const std::vector<std::string> files = collect(paths);
-  const bool progress = ::isatty(STDERR_FILENO) && files.size() > 1;
+  std::vector<std::string> files;
+  for (const std::string& f : collect(paths))
+    if (in_shard(f, shard)) files.push_back(f);
+  if (files.empty()) {
+    fmt::print("shard {}/{} holds no scenario of these paths\n\n0 passed, 0 failed\n", shard.index, shard.count);
+    if (!junit.empty()) write_junit(junit, outcomes);
+    if (!json.empty()) write_json_report(json, outcomes);
+    return kPass;
+  }
+  Progress& progress = Progress::line();
   for (std::size_t i = 0; i < files.size(); ++i) {
-    if (progress) fmt::print(stderr, "\r[{}/{}] {}\033[K", i + 1, files.size(), files[i]);
+    if (files.size() > 1) progress.set_prefix(fmt::format("[{}/{}]", i + 1, files.size()));
     try {
       const Scenario scenario = load_scenario(files[i]);
       for (Outcome& o : run_scenario(scenario, options)) outcomes.push_back(std::move(o));
     } catch (const std::exception& e) {
       // Reported, and counted in every report, without hiding the other scenarios' results.
-      if (progress) fmt::print(stderr, "\r\033[K");
+      progress.clear();
       const auto* input = dynamic_cast<const InputError*>(&e);
       const std::string message = input ? e.what() : files[i] + ": " + e.what();
       fmt::print(stderr, "kvcheck: error: {}\n", message);
@@ -95,7 +132,7 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
       bad_input = true;
     }
   }
-  if (progress) fmt::print(stderr, "\r\033[K");
+  progress.clear();
   if (outcomes.empty() && !bad_input) {
     fmt::print(stderr, "kvcheck: no scenario here uses a policy that the chosen caches serve\n");
     return kBadInput;
@@ -114,6 +151,7 @@ int cmd_export(const std::string& path, const std::string& out) {
   const InputTable inputs = load_inputs(scenario);
   const ReferenceRun run = run_reference(scenario, inputs);
   write_export(scenario, inputs, run, out);
+  Progress::line().clear();
   fmt::print("wrote {} ({} steps, {} uids)\n", out, run.steps.size(), inputs.uids);
   for (const std::string& problem : run.problems) fmt::print(stderr, "kvcheck: warning: {}\n", problem);
   return run.problems.empty() ? kPass : kFail;
@@ -155,6 +193,7 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
           path, "/policy",
           fmt::format("cache {} does not serve the {} policy of this scenario", name, to_string(scenario.policy.kind)));
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty(), step);
+    Progress::line().clear();
     print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
     if (!html.empty()) write_html(html, name, caches.size() > 1, scenario, name, trace);
     diverged = diverged || !trace.outcome.passed();
@@ -203,7 +242,10 @@ void validate_cache_names(const std::vector<std::string>& names) {
 int main(int argc, char** argv) {
   CLI::App app{"kvcheck: checks transformer KV caches against a naive full-recompute reference"};
   app.require_subcommand(1);
-  app.fallthrough();  // --allow-outside-paths may follow the command
+  app.fallthrough();  // --allow-outside-paths and --progress may follow the command
+  bool show_progress = ::isatty(STDERR_FILENO) != 0;
+  app.add_flag("--progress,!--no-progress", show_progress,
+               "a progress line on stderr for runs over two seconds (default: when stderr is a terminal)");
   app.add_flag("--allow-outside-paths", g_allow_outside_paths,
                "let file names in scenarios and traces lead outside their folder (off: refused)");
 
@@ -217,6 +259,8 @@ int main(int argc, char** argv) {
   // One value per --cache, so scenario paths after it stay paths.
   run->add_option("--cache", run_caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
       ->allow_extra_args(false);
+  std::string shard_text = "1/1";
+  run->add_option("--shard", shard_text, "run shard I of N (I/N): a fixed 1/N of the scenarios, for CI matrices");
   run->add_flag(
       "--no-reference", [&](std::int64_t) { options.reference_checks = false; },
       "skip the reference's own invariant checks");
@@ -294,6 +338,7 @@ int main(int argc, char** argv) {
     return code == 0 ? kPass : kBadInput;
   }
 
+  Progress::line().enable(show_progress);
   try {
     if (*run) {
       validate_cache_names(run_caches);
@@ -301,7 +346,7 @@ int main(int argc, char** argv) {
       if (!options.caches.empty()) options.reference_checks = false;  // show the asked-for caches only
       if (options.caches.empty())
         for (const CacheEntry& c : real_caches()) options.caches.push_back(&c);
-      return cmd_run(run_paths, options, junit, json);
+      return cmd_run(run_paths, options, junit, json, parse_shard(shard_text));
     }
     if (*exp) return cmd_export(export_path, export_out);
     if (*diagnose) {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "tools/harness/progress.h"
+
 namespace kvcheck {
 
 std::string step_label(const Step& step, std::size_t index) {
@@ -50,6 +52,9 @@ ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
   reference::ReferenceModel model(s.dims, s.rope, s.policy, s.softmax_scale(), inputs);
   ReferenceRun run;
   SharedHistories histories;
+  Progress& progress = Progress::line();
+  progress.begin(s.name + ": reference", s.steps.size(), count_uids(s));
+  std::int64_t tokens = 0;
   for (std::size_t i = 0; i < s.steps.size(); ++i) {
     const Step& step = s.steps[i];
     StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
@@ -81,7 +86,10 @@ ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
     }
     for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
     record.histories = histories.after(step, model);
+    if (record.append)
+      for (const auto& row : record.append->rows) tokens += static_cast<std::int64_t>(row.size());
     run.steps.push_back(std::move(record));
+    progress.advance(i, tokens);
   }
   return run;
 }

@@ -10,6 +10,7 @@
 
 #include "reference/policy.h"
 #include "reference/rope.h"
+#include "tools/harness/progress.h"
 #include "tools/harness/recovery.h"
 
 namespace kvcheck {
@@ -141,6 +142,12 @@ class Checker {
                        fmt::format("step {} does not exist: this scenario has steps 0 to {} (decode expanded)",
                                    *options_.focus_step, run_.steps.size() - 1));
     StepContext context;
+    Progress& progress = Progress::line();
+    std::int64_t tokens = 0, total = 0;
+    for (const StepRecord& rec : run_.steps)
+      if (rec.append)
+        for (const auto& row : rec.append->rows) total += static_cast<std::int64_t>(row.size());
+    progress.begin(s_.name + ": " + options_.target, run_.steps.size(), total);
     std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns;  // [layer][row][step][slot]
     std::vector<Drift::Point> drift;
     bool stopped = false;  // an earlier step ended the run's meaning (the cache raised)
@@ -148,6 +155,9 @@ class Checker {
       const StepRecord& rec = run_.steps[i];
       const CacheView view = observe(i, rec);
       advance(context, rec);  // what led up to the end of this step, this step included
+      if (rec.append)
+        for (const auto& row : rec.append->rows) tokens += static_cast<std::int64_t>(row.size());
+      progress.advance(i, tokens);
       StepEvidence evidence;
       evidence.step = i;
       evidence.label = step_label(rec.step, i);
