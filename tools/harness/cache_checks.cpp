@@ -68,72 +68,63 @@ std::vector<ViewLayer> slot_layers(const optimized::SlotStore& store, const std:
   return layers;
 }
 
-// Feeds the steps to one in-process cache; the view of step i stays valid until step i + 1.
-class InProcessRun {
- public:
-  InProcessRun(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CacheEntry& entry)
-      : s_(s), inputs_(inputs), cache_(entry.make(cache_config(s, longest_row(run)))) {}
-
-  CacheView operator()(std::size_t, const StepRecord& rec) {
-    CacheView view;
-    view.slots_shared = true;
-    log_.clear();
-    out_.clear();
-    try {
-      apply(rec);
-    } catch (const CacheRefusal& e) {
-      view.error = e.what();
-      view.refusal_code = e.code;
-    } catch (const std::exception& e) {
-      view.error = e.what();  // the cache under test failed: a finding, not bad input
-    }
-    if (view.error && rec.refused.empty()) return view;
-    view.batch = cache_->batch();
-    view.layers = slot_layers(cache_->slots(), out_);
-    if (rec.append) {
-      std::vector<UsedPair> pairs;
-      pairs.reserve(log_.size());
-      for (const auto& e : log_) pairs.push_back({e.row, e.query_index, e.query_position, e.key_uid, e.key_position});
-      view.pairs = std::move(pairs);
-    }
-    return view;
-  }
-
- private:
-  void apply(const StepRecord& rec) {
-    switch (rec.step.op) {
-      case StepOp::append: {
-        const reference::AppendResult& ref = *rec.append;
-        const ChunkBuffers buffers = make_chunk(s_, inputs_, ref);
-        const std::size_t size =
-            ref.rows.size() * static_cast<std::size_t>(ref.chunk) * s_.dims.heads * s_.dims.head_dim;
-        out_.assign(static_cast<std::size_t>(s_.dims.layers),
-                    std::vector<float>(size, std::numeric_limits<float>::quiet_NaN()));
-        std::vector<float*> out_ptrs;
-        for (auto& o : out_) out_ptrs.push_back(o.data());
-        cache_->append(buffers.chunk, out_ptrs, &log_);
-        break;
-      }
-      case StepOp::reorder:
-        cache_->reorder(rec.step.rows);
-        break;
-      case StepOp::reset:
-        cache_->reset(*rec.step.batch);
-        break;
-      case StepOp::crop:
-        cache_->crop(rec.step.length);
-        break;
-    }
-  }
-
-  const Scenario& s_;
-  const InputTable& inputs_;
-  std::unique_ptr<optimized::KvCache> cache_;
-  optimized::AttentionLog log_;
-  std::vector<std::vector<float>> out_;
-};
-
 }  // namespace
+
+InProcessCache::InProcessCache(const Scenario& s, const InputTable& inputs, const CacheEntry& entry)
+    : s_(s), inputs_(inputs), cache_(entry.make(cache_config(s, longest_row(s)))) {}
+
+InProcessCache::~InProcessCache() = default;
+
+CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
+  CacheView view;
+  view.slots_shared = true;
+  log_ = {};  // a long prompt's log and outputs are large: none kept past their step
+  out_ = {};
+  try {
+    apply(rec);
+  } catch (const CacheRefusal& e) {
+    view.error = e.what();
+    view.refusal_code = e.code;
+  } catch (const std::exception& e) {
+    view.error = e.what();  // the cache under test failed: a finding, not bad input
+  }
+  if (view.error && rec.refused.empty()) return view;
+  view.batch = cache_->batch();
+  view.layers = slot_layers(cache_->slots(), out_);
+  if (rec.append) {
+    std::vector<UsedPair> pairs;
+    pairs.reserve(log_.size());
+    for (const auto& e : log_) pairs.push_back({e.row, e.query_index, e.query_position, e.key_uid, e.key_position});
+    view.pairs = std::move(pairs);
+    log_ = {};  // copied into the view: not kept twice
+  }
+  return view;
+}
+
+void InProcessCache::apply(const StepRecord& rec) {
+  switch (rec.step.op) {
+    case StepOp::append: {
+      const reference::AppendResult& ref = *rec.append;
+      const ChunkBuffers buffers = make_chunk(s_, inputs_, ref);
+      const std::size_t size = ref.rows.size() * static_cast<std::size_t>(ref.chunk) * s_.dims.heads * s_.dims.head_dim;
+      out_.assign(static_cast<std::size_t>(s_.dims.layers),
+                  std::vector<float>(size, std::numeric_limits<float>::quiet_NaN()));
+      std::vector<float*> out_ptrs;
+      for (auto& o : out_) out_ptrs.push_back(o.data());
+      cache_->append(buffers.chunk, out_ptrs, &log_);
+      break;
+    }
+    case StepOp::reorder:
+      cache_->reorder(rec.step.rows);
+      break;
+    case StepOp::reset:
+      cache_->reset(*rec.step.batch);
+      break;
+    case StepOp::crop:
+      cache_->crop(rec.step.length);
+      break;
+  }
+}
 
 CacheTrace trace_cache(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CacheEntry& cache,
                        bool with_picture, std::optional<std::size_t> focus_step) {
@@ -142,7 +133,7 @@ CacheTrace trace_cache(const Scenario& s, const InputTable& inputs, const Refere
   options.eviction = cache.eviction;
   options.picture = with_picture;
   options.focus_step = focus_step;
-  InProcessRun in_process(s, inputs, run, cache);
+  InProcessCache in_process(s, inputs, cache);
   return check_steps(s, inputs, run, options, std::ref(in_process));
 }
 

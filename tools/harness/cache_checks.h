@@ -10,6 +10,24 @@
 
 namespace kvcheck {
 
+// One in-process cache fed the scenario's steps: step i's raw chunk goes in, the cache's
+// outputs, slots and kernel log come out as a CacheView, valid until step i + 1. A cache
+// that throws is a finding in the view, never an exception here.
+class InProcessCache {
+ public:
+  InProcessCache(const Scenario& scenario, const InputTable& inputs, const CacheEntry& entry);
+  ~InProcessCache();
+  CacheView operator()(std::size_t index, const StepRecord& record);
+
+ private:
+  void apply(const StepRecord& record);
+  const Scenario& s_;
+  const InputTable& inputs_;
+  std::unique_ptr<optimized::KvCache> cache_;
+  optimized::AttentionLog log_;
+  std::vector<std::vector<float>> out_;
+};
+
 CacheTrace trace_cache(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
                        const CacheEntry& cache, bool with_picture, std::optional<std::size_t> focus_step = {});
 

@@ -23,123 +23,40 @@ void copy_uid(const InputTable& src, std::uint64_t from, InputTable& dst, std::u
 
 bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
 
-Check chunk_invariance(const Scenario& s, const InputTable& inputs, const ReferenceRun& run) {
-  Check check{"chunk invariance", true, ""};
-  if (s.policy.prefill == Prefill::dense) {
-    check.detail = "not applicable: dense prefill is chunk-dependent by design";
-    return check;
-  }
-  const SplitScenario split = split_into_single_tokens(s, inputs);
-  const ReferenceRun single = run_reference(split.scenario, split.inputs);
-  const int L = s.dims.layers, H = s.dims.heads, D = s.dims.head_dim;
-  std::size_t next = 0;  // the next step of the single-token run
-  for (std::size_t i = 0; i < run.steps.size(); ++i) {
-    const StepRecord& chunked = run.steps[i];
-    if (!chunked.append) {
-      ++next;
-      continue;
+// Every view of one append step obeys the policy's bounds: the token sees itself, keys
+// are earlier tokens, positions are non-negative and never beyond the query's, distances
+// inside the window are the true ones, and a windowed policy never sees more than its
+// window. Returns the first violation, or "".
+std::string bounds_violation(const Scenario& s, const StepRecord& rec, std::size_t i) {
+  const Policy& p = s.policy;
+  const auto& rows = rec.append->rows;
+  for (int b = 0; b < static_cast<int>(rows.size()); ++b)
+    for (const AppendedToken& token : rows[b]) {
+      auto fail = [&](const std::string& what) {
+        return fmt::format("{}: row {} token {} (uid {}): {}", step_label(rec.step, i), b, token.index, token.uid,
+                           what);
+      };
+      const auto& keys = token.view.keys;
+      const std::int64_t pq = token.view.query_position;
+      if (keys.empty() || keys.back().index != token.index) return fail("does not see itself");
+      if (pq < 0) return fail(fmt::format("negative query position {}", pq));
+      const bool windowed = p.kind != PolicyKind::full && p.prefill == Prefill::streaming;
+      if (windowed && static_cast<std::int64_t>(keys.size()) > p.window)
+        return fail(fmt::format("sees {} keys, more than the window {}", keys.size(), p.window));
+      for (const auto& key : keys) {
+        const bool sink = p.kind == PolicyKind::sink && key.index < p.sinks;
+        if (key.index < 0 || key.index > token.index || key.position < 0 || key.position > pq ||
+            (!sink && pq - key.position != token.index - key.index))
+          return fail(fmt::format("key {} at position {} with query position {}", key.index, key.position, pq));
+      }
     }
-    const auto& out = chunked.append->out;
-    const int B = static_cast<int>(chunked.append->rows.size());
-    const std::int64_t n = chunked.append->chunk;
-    for (std::int64_t pos = 0; pos < n; ++pos, ++next) {
-      const auto& one = single.steps.at(next).append->out;  // [L, B, 1, H, D]
-      for (int l = 0; l < L; ++l)
-        for (int b = 0; b < B; ++b)
-          for (int hd = 0; hd < H * D; ++hd) {
-            const double a = out[((static_cast<std::size_t>(l) * B + b) * n + pos) * H * D + hd];
-            const double e = one[(static_cast<std::size_t>(l) * B + b) * H * D + hd];
-            if (!same_value(a, e)) {
-              check.passed = false;
-              check.detail = fmt::format(
-                  "{}: layer {} row {} chunk position {} differs from feeding one by one "
-                  "({} vs {})",
-                  step_label(chunked.step, i), l, b, pos, a, e);
-              return check;
-            }
-          }
-    }
-  }
-  check.detail = "bit-identical to one-by-one feeding";
-  return check;
+  return "";
 }
 
 // `sink` with S = 0, k = 1 and shifted positions has the relative distances of `sliding`.
-Check sink_zero_equals_sliding(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, double& max_gap) {
-  Check check{"sink S=0 equals sliding", true, ""};
-  const Policy& p = s.policy;
-  if (p.kind != PolicyKind::sink || p.sinks != 0 || p.evict != 1 || p.positions != SinkPositions::cache ||
-      p.prefill != Prefill::streaming) {
-    check.detail = "not applicable";
-    return check;
-  }
-  Scenario sliding = s;
-  sliding.policy = Policy{PolicyKind::sliding, p.window, 0, 1, SinkPositions::cache, Prefill::streaming};
-  const ReferenceRun other = run_reference(sliding, inputs);
-  for (std::size_t i = 0; i < run.steps.size(); ++i) {
-    if (!run.steps[i].append) continue;
-    const auto& a = run.steps[i].append->out;
-    const auto& b = other.steps[i].append->out;
-    for (std::size_t x = 0; x < a.size(); ++x) {
-      if (std::isnan(a[x]) != std::isnan(b[x])) {
-        check.passed = false;
-        check.detail = fmt::format("{}: padding differs", step_label(run.steps[i].step, i));
-        return check;
-      }
-      if (!std::isnan(a[x])) max_gap = std::max(max_gap, std::abs(a[x] - b[x]));
-    }
-  }
-  // Only the rotation angles differ, so the gap is double rounding noise.
-  check.passed = max_gap <= 1e-12;
-  check.detail = fmt::format("max difference {:.3g}", max_gap);
-  return check;
-}
-
-// Every view obeys the policy's bounds: the token sees itself, keys are earlier tokens,
-// positions are non-negative and never beyond the query's, distances inside the window
-// are the true ones, and a windowed policy never sees more than its window.
-Check position_bounds(const Scenario& s, const ReferenceRun& run) {
-  Check check{"positions within bounds", true, ""};
-  const Policy& p = s.policy;
-  auto fail = [&](std::size_t i, int b, const AppendedToken& token, const std::string& what) {
-    check.passed = false;
-    check.detail = fmt::format("{}: row {} token {} (uid {}): {}", step_label(run.steps[i].step, i), b, token.index,
-                               token.uid, what);
-  };
-  for (std::size_t i = 0; i < run.steps.size() && check.passed; ++i) {
-    if (!run.steps[i].append) continue;
-    const auto& rows = run.steps[i].append->rows;
-    for (int b = 0; b < static_cast<int>(rows.size()) && check.passed; ++b) {
-      for (const AppendedToken& token : rows[b]) {
-        const auto& keys = token.view.keys;
-        const std::int64_t pq = token.view.query_position;
-        if (keys.empty() || keys.back().index != token.index) {
-          fail(i, b, token, "does not see itself");
-          break;
-        }
-        if (pq < 0) {
-          fail(i, b, token, fmt::format("negative query position {}", pq));
-          break;
-        }
-        const bool windowed = p.kind != PolicyKind::full && p.prefill == Prefill::streaming;
-        if (windowed && static_cast<std::int64_t>(keys.size()) > p.window) {
-          fail(i, b, token, fmt::format("sees {} keys, more than the window {}", keys.size(), p.window));
-          break;
-        }
-        for (const auto& key : keys) {
-          const bool sink = p.kind == PolicyKind::sink && key.index < p.sinks;
-          if (key.index < 0 || key.index > token.index || key.position < 0 || key.position > pq ||
-              (!sink && pq - key.position != token.index - key.index)) {
-            fail(i, b, token, fmt::format("key {} at position {} with query position {}", key.index, key.position, pq));
-            break;
-          }
-        }
-        if (!check.passed) break;
-      }
-    }
-  }
-  if (check.passed) check.detail = "all views within bounds";
-  return check;
+bool sink_zero_applies(const Policy& p) {
+  return p.kind == PolicyKind::sink && p.sinks == 0 && p.evict == 1 && p.positions == SinkPositions::cache &&
+         p.prefill == Prefill::streaming;
 }
 
 }  // namespace
@@ -173,20 +90,96 @@ SplitScenario split_into_single_tokens(const Scenario& s, const InputTable& inpu
   return split;
 }
 
-Outcome check_reference(const Scenario& s, const InputTable& inputs, const ReferenceRun& run) {
+ReferenceChecks::ReferenceChecks(const Scenario& s, const InputTable& inputs) : s_(s) {
+  invariance_ = {"chunk invariance", true, "bit-identical to one-by-one feeding"};
+  if (s.policy.prefill == Prefill::dense) {
+    invariance_.detail = "not applicable: dense prefill is chunk-dependent by design";
+  } else {
+    split_ = std::make_unique<SplitScenario>(split_into_single_tokens(s, inputs));
+    single_ = std::make_unique<ReferenceStepper>(split_->scenario, split_->inputs);
+  }
+  sink_zero_ = {"sink S=0 equals sliding", true, "not applicable"};
+  if (sink_zero_applies(s.policy)) {
+    sliding_ = std::make_unique<Scenario>(s);
+    sliding_->policy = Policy{PolicyKind::sliding, s.policy.window, 0, 1, SinkPositions::cache, Prefill::streaming};
+    sliding_run_ = std::make_unique<ReferenceStepper>(*sliding_, inputs);
+  }
+  bounds_ = {"positions within bounds", true, "all views within bounds"};
+}
+
+ReferenceChecks::~ReferenceChecks() = default;
+
+void ReferenceChecks::step(std::size_t i, const StepRecord& rec) {
+  if (single_) chunk_invariance(i, rec);
+  if (sliding_run_) sink_zero(i, rec);
+  if (bounds_.passed && rec.append) {
+    const std::string violation = bounds_violation(s_, rec, i);
+    if (!violation.empty()) bounds_ = {bounds_.name, false, violation};
+  }
+}
+
+// The chunked step's outputs against the same tokens fed one by one, bit for bit.
+void ReferenceChecks::chunk_invariance(std::size_t i, const StepRecord& chunked) {
+  if (!chunked.append) {
+    single_->next();  // the same reorder, reset or crop
+    return;
+  }
+  const int L = s_.dims.layers, H = s_.dims.heads, D = s_.dims.head_dim;
+  const auto& out = chunked.append->out;
+  const int B = static_cast<int>(chunked.append->rows.size());
+  const std::int64_t n = chunked.append->chunk;
+  for (std::int64_t pos = 0; pos < n; ++pos) {
+    const StepRecord one = single_->next();  // [L, B, 1, H, D]
+    if (!invariance_.passed) continue;
+    for (int l = 0; l < L && invariance_.passed; ++l)
+      for (int b = 0; b < B && invariance_.passed; ++b)
+        for (int hd = 0; hd < H * D; ++hd) {
+          const double a = out[((static_cast<std::size_t>(l) * B + b) * n + pos) * H * D + hd];
+          const double e = one.append->out[(static_cast<std::size_t>(l) * B + b) * H * D + hd];
+          if (same_value(a, e)) continue;
+          invariance_ = {invariance_.name, false,
+                         fmt::format("{}: layer {} row {} chunk position {} differs from feeding one by one ({} vs {})",
+                                     step_label(chunked.step, i), l, b, pos, a, e)};
+          break;
+        }
+  }
+}
+
+// The sink run's outputs against the sliding run's: only the rotation angles differ, so
+// the gap is double rounding noise.
+void ReferenceChecks::sink_zero(std::size_t i, const StepRecord& rec) {
+  const StepRecord other = sliding_run_->next();
+  if (!rec.append || !sink_zero_.passed) return;
+  const auto& a = rec.append->out;
+  const auto& b = other.append->out;
+  for (std::size_t x = 0; x < a.size(); ++x) {
+    if (std::isnan(a[x]) != std::isnan(b[x])) {
+      sink_zero_ = {sink_zero_.name, false, fmt::format("{}: padding differs", step_label(rec.step, i))};
+      return;
+    }
+    if (!std::isnan(a[x])) gap_ = std::max(gap_, std::abs(a[x] - b[x]));
+  }
+  if (gap_ > 1e-12) sink_zero_.passed = false;
+  sink_zero_.detail = fmt::format("max difference {:.3g}", gap_);
+}
+
+Outcome ReferenceChecks::finish(const std::vector<std::string>& problems) {
   Outcome o;
-  o.scenario = s.name;
-  o.file = s.file;
+  o.scenario = s_.name;
+  o.file = s_.file;
   o.target = "reference";
-  double gap = 0.0;
-  o.checks.push_back(chunk_invariance(s, inputs, run));
-  o.checks.push_back(sink_zero_equals_sliding(s, inputs, run, gap));
-  o.checks.push_back(position_bounds(s, run));
-  Check expected{"expected errors", run.problems.empty(), ""};
-  expected.detail = run.problems.empty() ? "as the scenario says" : run.problems.front();
+  o.checks = {invariance_, sink_zero_, bounds_};
+  Check expected{"expected errors", problems.empty(), ""};
+  expected.detail = problems.empty() ? "as the scenario says" : problems.front();
   o.checks.push_back(expected);
-  o.max_abs_error = gap;
+  o.max_abs_error = gap_;
   return o;
+}
+
+Outcome check_reference(const Scenario& s, const InputTable& inputs, const ReferenceRun& run) {
+  ReferenceChecks checks(s, inputs);
+  for (std::size_t i = 0; i < run.steps.size(); ++i) checks.step(i, run.steps[i]);
+  return checks.finish(run.problems);
 }
 
 }  // namespace kvcheck

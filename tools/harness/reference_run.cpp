@@ -48,49 +48,69 @@ class SharedHistories {
 
 }  // namespace
 
-ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
-  reference::ReferenceModel model(s.dims, s.rope, s.policy, s.softmax_scale(), inputs);
-  ReferenceRun run;
+struct ReferenceStepper::State {
+  reference::ReferenceModel model;
   SharedHistories histories;
+};
+
+ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs)
+    : scenario_(s),
+      state_(new State{reference::ReferenceModel(s.dims, s.rope, s.policy, s.softmax_scale(), inputs), {}}) {}
+
+ReferenceStepper::~ReferenceStepper() = default;
+
+bool ReferenceStepper::done() const { return next_ >= scenario_.steps.size(); }
+
+StepRecord ReferenceStepper::next() {
+  const std::size_t i = next_++;
+  const Step& step = scenario_.steps.at(i);
+  reference::ReferenceModel& model = state_->model;
+  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
+  try {
+    switch (step.op) {
+      case StepOp::append:
+        record.append = model.append(step.tokens);
+        break;
+      case StepOp::reorder:
+        model.reorder(step.rows);
+        break;
+      case StepOp::reset:
+        model.reset(*step.batch);
+        break;
+      case StepOp::crop:
+        model.crop(step.length);
+        break;
+    }
+    if (!step.expect_error.empty())
+      problems_.push_back(fmt::format("{}: expected the error \"{}\", but the step was accepted", step_label(step, i),
+                                      step.expect_error));
+  } catch (const reference::StepRefused& e) {
+    record.refused = e.code;
+    record.refusal_message = e.what();
+    if (e.code != step.expect_error)
+      problems_.push_back(fmt::format("{}: refused with \"{}\" ({}){}", step_label(step, i), e.code, e.what(),
+                                      step.expect_error.empty() ? ", which the scenario does not expect"
+                                                                : ", expected \"" + step.expect_error + "\""));
+  }
+  for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
+  record.histories = state_->histories.after(step, model);
+  return record;
+}
+
+ReferenceRun run_reference(const Scenario& s, const InputTable& inputs) {
+  require_whole_run_fits(s);  // every step is kept: refuse before spending the memory
+  ReferenceRun run;
+  ReferenceStepper stepper(s, inputs);
   Progress& progress = Progress::line();
   progress.begin(s.name + ": reference", s.steps.size(), count_uids(s));
   std::int64_t tokens = 0;
-  for (std::size_t i = 0; i < s.steps.size(); ++i) {
-    const Step& step = s.steps[i];
-    StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
-    try {
-      switch (step.op) {
-        case StepOp::append:
-          record.append = model.append(step.tokens);
-          break;
-        case StepOp::reorder:
-          model.reorder(step.rows);
-          break;
-        case StepOp::reset:
-          model.reset(*step.batch);
-          break;
-        case StepOp::crop:
-          model.crop(step.length);
-          break;
-      }
-      if (!step.expect_error.empty())
-        run.problems.push_back(fmt::format("{}: expected the error \"{}\", but the step was accepted",
-                                           step_label(step, i), step.expect_error));
-    } catch (const reference::StepRefused& e) {
-      record.refused = e.code;
-      record.refusal_message = e.what();
-      if (e.code != step.expect_error)
-        run.problems.push_back(fmt::format("{}: refused with \"{}\" ({}){}", step_label(step, i), e.code, e.what(),
-                                           step.expect_error.empty() ? ", which the scenario does not expect"
-                                                                     : ", expected \"" + step.expect_error + "\""));
-    }
-    for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
-    record.histories = histories.after(step, model);
-    if (record.append)
-      for (const auto& row : record.append->rows) tokens += static_cast<std::int64_t>(row.size());
-    run.steps.push_back(std::move(record));
-    progress.advance(i, tokens);
+  while (!stepper.done()) {
+    run.steps.push_back(stepper.next());
+    if (run.steps.back().append)
+      for (const auto& row : run.steps.back().append->rows) tokens += static_cast<std::int64_t>(row.size());
+    progress.advance(run.steps.size() - 1, tokens);
   }
+  run.problems = stepper.problems();
   return run;
 }
 

@@ -47,6 +47,29 @@ struct ReferenceRun {
   std::vector<std::string> problems;  // an expected refusal not raised, an unexpected one
 };
 
+// The reference one step at a time: a long scenario is checked step by step, and nothing
+// of a step needs to outlive its checks.
+class ReferenceStepper {
+ public:
+  ReferenceStepper(const Scenario& scenario, const InputTable& inputs);
+  ~ReferenceStepper();
+  ReferenceStepper(const ReferenceStepper&) = delete;
+  ReferenceStepper& operator=(const ReferenceStepper&) = delete;
+
+  bool done() const;
+  StepRecord next();
+  // An expected refusal not raised, an unexpected one (so far).
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  struct State;
+  const Scenario& scenario_;
+  std::unique_ptr<State> state_;
+  std::size_t next_ = 0;
+  std::vector<std::string> problems_;
+};
+
+// Every step at once (export, goldens, diagnosis), with progress.
 ReferenceRun run_reference(const Scenario& scenario, const InputTable& inputs);
 
 // "step 3 (crop, steps[2])": how messages name a step.

@@ -368,18 +368,25 @@ ScenarioCost estimate_cost(const Scenario& s) {
   const Dims& d = s.dims;
   const double per_token_out = static_cast<double>(d.layers) * d.heads * d.head_dim;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);
-  double outputs = 0, views = 0, retained = 0, work = 0;
+  double outputs = 0, views = 0, retained = 0, work = 0, largest_step = 0;
   for (const Step& step : s.steps) {
+    double step_bytes = 0;
     switch (step.op) {
       case StepOp::append: {
         const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
-        outputs += static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
+        const double out = static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
+        double seen_all = 0;
         for (std::size_t b = 0; b < lengths.size(); ++b) {
           const double seen = visible_keys_sum(s.policy, lengths[b], lengths[b] + step.tokens[b] - 1);
-          views += seen * 16;                // one (index, position) pair per visible key
+          seen_all += seen;
           work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
           lengths[b] += step.tokens[b];
         }
+        outputs += out;
+        views += seen_all * 16;  // one (index, position) pair per visible key
+        // Checking the step holds its outputs and views, and each cache's log of the
+        // visible pairs (about 90 bytes a pair, sorted copy included) and float outputs.
+        step_bytes = out + seen_all * 16 + seen_all * 90 + out / 2;
         break;
       }
       case StepOp::reorder: {
@@ -396,16 +403,59 @@ ScenarioCost estimate_cost(const Scenario& s) {
         break;
     }
     // Per row and step: the retained and live sets (24 bytes a key), and a history view.
-    for (std::int64_t n : lengths) retained += 48.0 * (n == 0 ? 0.0 : visible_keys(s.policy, n - 1)) + 24;
+    double sets = 0;
+    for (std::int64_t n : lengths) sets += 48.0 * (n == 0 ? 0.0 : visible_keys(s.policy, n - 1)) + 24;
+    retained += sets;
+    largest_step = std::max(largest_step, step_bytes + sets);
   }
   ScenarioCost c;
   const double inputs = static_cast<double>(count_uids(s)) * d.layers * (d.heads + 2.0 * d.kv_heads) * d.head_dim * 4;
   const double histories = static_cast<double>(count_uids(s)) * 8 * 2;
-  c.bytes = outputs + views + retained + inputs + histories;
+  // `run` checks step by step: the inputs (twice: the reference's own checks feed the
+  // tokens one by one from a copy) and the largest step. Export, goldens, diagnose and
+  // verify keep every step.
+  c.bytes = 2 * inputs + histories + largest_step;
+  c.whole_run_bytes = outputs + views + retained + inputs + histories;
   c.multiply_adds = work;
-  c.breakdown = fmt::format("outputs {}, attention views {}, retained sets {}, inputs {}", bytes_text(outputs),
-                            bytes_text(views), bytes_text(retained), bytes_text(inputs));
+  c.breakdown = fmt::format("inputs {}, the largest step {}", bytes_text(2 * inputs), bytes_text(largest_step));
+  c.whole_run_breakdown = fmt::format("outputs {}, attention views {}, retained sets {}, inputs {}",
+                                      bytes_text(outputs), bytes_text(views), bytes_text(retained), bytes_text(inputs));
   return c;
+}
+
+void require_whole_run_fits(const Scenario& s) {
+  const ScenarioCost cost = estimate_cost(s);
+  if (cost.whole_run_bytes > kMemoryBudget)
+    throw InputError(s.file, "/steps",
+                     fmt::format("this command keeps every step, about {} ({}); kvcheck accepts up to {} (`run` "
+                                 "checks step by step and needs about {})",
+                                 bytes_text(cost.whole_run_bytes), cost.whole_run_breakdown, bytes_text(kMemoryBudget),
+                                 bytes_text(cost.bytes)));
+}
+
+std::int64_t longest_row(const Scenario& s) {
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(s.dims.batch), 0);
+  std::int64_t longest = 1;
+  for (const Step& step : s.steps) {
+    switch (step.op) {
+      case StepOp::append:
+        for (std::size_t b = 0; b < lengths.size(); ++b) longest = std::max(longest, lengths[b] += step.tokens[b]);
+        break;
+      case StepOp::reorder: {
+        std::vector<std::int64_t> next;
+        for (int r : step.rows) next.push_back(lengths[static_cast<std::size_t>(r)]);
+        lengths = std::move(next);
+        break;
+      }
+      case StepOp::reset:
+        lengths.assign(static_cast<std::size_t>(*step.batch), 0);
+        break;
+      case StepOp::crop:
+        for (std::int64_t& n : lengths) n = std::min(n, step.length);
+        break;
+    }
+  }
+  return longest;
 }
 
 std::int64_t count_uids(const Scenario& scenario) {

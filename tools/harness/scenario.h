@@ -64,15 +64,20 @@ struct Scenario {
 
 // Number of uids the scenario's steps create, and the batch size each step sees.
 std::int64_t count_uids(const Scenario& scenario);
+// The largest token count any row reaches (a static cache's capacity).
+std::int64_t longest_row(const Scenario& scenario);
 
 // What a scenario costs the reference, estimated from its steps before anything runs:
 // the memory the run keeps and the multiply-adds of its attention.
 struct ScenarioCost {
-  double bytes = 0;
+  double bytes = 0;            // `run`, which checks step by step
+  double whole_run_bytes = 0;  // commands that keep every step (export, goldens, diagnose, verify)
   double multiply_adds = 0;
-  std::string breakdown;  // "outputs 1.2 GB, attention views ..., inputs ..."
+  std::string breakdown, whole_run_breakdown;  // "inputs 1.2 GB, the largest step ..."
 };
 ScenarioCost estimate_cost(const Scenario& scenario);
+// InputError when keeping every step of the scenario would pass the memory budget.
+void require_whole_run_fits(const Scenario& scenario);
 
 // The memory kvcheck allows one scenario's reference run (the machine has 24 GB).
 constexpr double kMemoryBudget = 8e9;

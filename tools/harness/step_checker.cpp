@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "reference/policy.h"
 #include "reference/rope.h"
@@ -15,20 +16,14 @@
 
 namespace kvcheck {
 
-std::int64_t longest_row(const ReferenceRun& run) {
-  std::int64_t longest = 1;
-  for (const StepRecord& r : run.steps)
-    if (r.append)
-      for (const auto& row : r.append->rows)
-        if (!row.empty()) longest = std::max(longest, row.back().index + 1);
-  return longest;
-}
+std::int64_t largest_position(const Scenario& s) { return 2 * longest_row(s) + 16; }
 
-std::int64_t largest_position(const ReferenceRun& run) { return 2 * longest_row(run) + 16; }
-
+// A row's uids increase with the token index (uids are handed out in step order, and a
+// reorder or crop keeps a row's order), so the search is binary.
 std::int64_t index_of(const RowHistory& history, std::int64_t uid) {
-  const auto it = std::find(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
-  return it == history.end() ? -1 : it - history.begin();
+  if (uid < 0) return -1;
+  const auto it = std::lower_bound(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
+  return it == history.end() || *it != static_cast<std::uint64_t>(uid) ? -1 : it - history.begin();
 }
 
 // Outputs from half-precision keys and values. A stored element is off by at most u of
@@ -131,83 +126,69 @@ struct RowSets {
   }
 };
 
-class Checker {
- public:
-  Checker(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CheckOptions& options)
-      : s_(s), inputs_(inputs), run_(run), options_(options), max_position_(largest_position(run)) {}
+}  // namespace
 
-  CacheTrace operator()(const Observe& observe) {
-    if (options_.focus_step && *options_.focus_step >= run_.steps.size())
+class StepChecker::Impl {
+ public:
+  Impl(const Scenario& s, const InputTable& inputs, const CheckOptions& options)
+      : s_(s), inputs_(inputs), options_(options), max_position_(largest_position(s)) {
+    if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
                        fmt::format("step {} does not exist: this scenario has steps 0 to {} (decode expanded)",
-                                   *options_.focus_step, run_.steps.size() - 1));
-    StepContext context;
-    Progress& progress = Progress::line();
-    std::int64_t tokens = 0, total = 0;
-    for (const StepRecord& rec : run_.steps)
-      if (rec.append)
-        for (const auto& row : rec.append->rows) total += static_cast<std::int64_t>(row.size());
-    progress.begin(s_.name + ": " + options_.target, run_.steps.size(), total);
-    std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns;  // [layer][row][step][slot]
-    std::vector<Drift::Point> drift;
-    bool stopped = false;  // an earlier step ended the run's meaning (the cache raised)
-    for (std::size_t i = 0; i < run_.steps.size(); ++i) {
-      const StepRecord& rec = run_.steps[i];
-      const CacheView view = observe(i, rec);
-      advance(context, rec);  // what led up to the end of this step, this step included
-      if (rec.append)
-        for (const auto& row : rec.append->rows) tokens += static_cast<std::int64_t>(row.size());
-      progress.advance(i, tokens);
-      StepEvidence evidence;
-      evidence.step = i;
-      evidence.label = step_label(rec.step, i);
-      std::vector<std::vector<RowState>> rows;  // [layer][row]
-      bool go_on = true;
-      if (view.recorded) {
-        ++recorded_;
-        go_on = check(rec, view, evidence, rows);
-      } else {
-        unrecorded(rec, view, evidence, stopped);
-      }
-      const bool focus = options_.focus_step && *options_.focus_step == i;
-      if ((!evidence.empty() && !trace_.first) || focus) {
-        StepDiagnosis d = diagnose(rec, view, evidence, context, rows);
-        if (!evidence.empty() && !trace_.first) trace_.first = d;
-        if (focus) trace_.focus = std::move(d);
-      }
-      if (trace_.first && rec.append && view.recorded && trace_.first->evidence.step <= i)
-        drift.push_back(drift_point(rec, evidence, trace_.first->row));
-      if (options_.picture && !rows.empty()) {
-        columns.resize(std::max(columns.size(), rows.size()));
-        for (std::size_t l = 0; l < rows.size(); ++l) {
-          columns[l].resize(std::max(columns[l].size(), rows[l].size()));
-          for (std::size_t b = 0; b < rows[l].size(); ++b) {
-            columns[l][b].resize(i);  // one column per step, empty where nothing was seen
-            columns[l][b].push_back(picture_column(rows[l][b].table));
-          }
+                                   *options_.focus_step, s_.steps.size() - 1));
+  }
+
+  bool step(std::size_t i, const StepRecord& rec, CacheView& view) {
+    advance(context_, rec);  // what led up to the end of this step, this step included
+    StepEvidence evidence;
+    evidence.step = i;
+    evidence.label = step_label(rec.step, i);
+    std::vector<std::vector<RowState>> rows;  // [layer][row]
+    bool go_on = true;
+    if (view.recorded) {
+      ++recorded_;
+      go_on = check(rec, view, evidence, rows);
+    } else {
+      unrecorded(rec, view, evidence, stopped_);
+    }
+    const bool focus = options_.focus_step && *options_.focus_step == i;
+    if ((!evidence.empty() && !trace_.first) || focus) {
+      StepDiagnosis d = diagnose(rec, view, evidence, context_, rows);
+      if (!evidence.empty() && !trace_.first) trace_.first = d;
+      if (focus) trace_.focus = std::move(d);
+    }
+    if (trace_.first && rec.append && view.recorded && trace_.first->evidence.step <= i)
+      drift_.push_back(drift_point(rec, evidence, trace_.first->row));
+    if (options_.picture && !rows.empty()) {
+      columns_.resize(std::max(columns_.size(), rows.size()));
+      for (std::size_t l = 0; l < rows.size(); ++l) {
+        columns_[l].resize(std::max(columns_[l].size(), rows[l].size()));
+        for (std::size_t b = 0; b < rows[l].size(); ++b) {
+          columns_[l][b].resize(i);  // one column per step, empty where nothing was seen
+          columns_[l][b].push_back(picture_column(rows[l][b].table));
         }
-      }
-      if (!go_on) {
-        if (options_.trace) {
-          stopped = true;  // a trace goes on (its later steps are empty), an in-process run cannot
-          continue;
-        }
-        break;
       }
     }
+    // A trace goes on after a failure that ends the run's meaning (its later steps are
+    // empty); an in-process cache cannot.
+    if (!go_on && options_.trace) stopped_ = true;
+    return go_on || options_.trace;
+  }
+
+  CacheTrace finish() {
     if (options_.focus_step && !trace_.focus)
       throw InputError(
           "--step", "",
           fmt::format("step {} was not reached: the run stopped at the first failure", *options_.focus_step));
     // A drift line only where positions were off at all.
-    if (trace_.first && std::any_of(drift.begin(), drift.end(), [](const Drift::Point& p) { return p.error != 0; }))
-      trace_.drift = summarize_drift(std::move(drift));
+    if (trace_.first && std::any_of(drift_.begin(), drift_.end(), [](const Drift::Point& p) { return p.error != 0; }))
+      trace_.drift = summarize_drift(std::move(drift_));
     if (options_.picture) {
       const std::size_t layer = trace_.first ? static_cast<std::size_t>(trace_.first->layer) : 0;
       const std::size_t row = trace_.first ? static_cast<std::size_t>(trace_.first->row) : 0;
-      if (layer < columns.size() && row < columns[layer].size()) {
-        trace_.picture = std::move(columns[layer][row]);
-        trace_.picture.resize(run_.steps.size());
+      if (layer < columns_.size() && row < columns_[layer].size()) {
+        trace_.picture = std::move(columns_[layer][row]);
+        trace_.picture.resize(s_.steps.size());
       }
     }
     trace_.outcome = outcome();
@@ -236,8 +217,7 @@ class Checker {
 
   // Every check of one step. False when the run cannot go on (the cache raised, or holds
   // other rows than the reference).
-  bool check(const StepRecord& rec, const CacheView& view, StepEvidence& evidence,
-             std::vector<std::vector<RowState>>& rows) {
+  bool check(const StepRecord& rec, CacheView& view, StepEvidence& evidence, std::vector<std::vector<RowState>>& rows) {
     bool go_on = true;
     if (!rec.refused.empty()) {
       if (!view.error)
@@ -266,7 +246,7 @@ class Checker {
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
-    if (rec.append && view.pairs) compare_pairs(rec, *view.pairs, evidence, rows[0]);
+    if (rec.append && view.pairs) compare_pairs(rec, std::move(*view.pairs), evidence, rows[0]);
     for (std::size_t l = 0; l < view.layers.size(); ++l) {
       const ViewLayer& layer = view.layers[l];
       for (int b = 0; b < static_cast<int>(rec.retained.size()); ++b) {
@@ -519,54 +499,74 @@ class Checker {
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
   // integers, and exactly the reference's visible tokens.
-  void compare_pairs(const StepRecord& rec, const std::vector<UsedPair>& log, StepEvidence& evidence,
+  void compare_pairs(const StepRecord& rec, std::vector<UsedPair> log, StepEvidence& evidence,
                      std::vector<RowState>& rows) {
     pairs_seen_ = true;
-    std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>> used;
-    for (const UsedPair& e : log) {
-      auto& pairs = used[{e.row, e.query_index}];
-      if (pairs.count(e.key_uid)) {
-        positions_.fail(fmt::format("{}: row {} token {}: the cache used uid {} twice", evidence.label, e.row,
-                                    e.query_index, e.key_uid));
-        evidence.slots.push_back(
-            SlotIssue::of(SlotIssue::Kind::duplicated, e.row, e.key_uid, index_of(rec.histories[e.row], e.key_uid)));
-      }
-      pairs[e.key_uid] = {e.query_position - e.key_position, e.query_position};
-    }
+    // The log sorted by (row, query, key uid): each query's pairs are one run, walked
+    // beside the reference's visible keys sorted the same way.
+    std::sort(log.begin(), log.end(), [](const UsedPair& x, const UsedPair& y) {
+      return std::tie(x.row, x.query_index, x.key_uid) < std::tie(y.row, y.query_index, y.key_uid);
+    });
+    std::vector<std::pair<std::int64_t, std::int64_t>> want;  // (uid, distance), sorted by uid
+    auto at = log.begin();
     for (int b = 0; b < static_cast<int>(rec.append->rows.size()); ++b) {
       const auto& history = rec.histories[b];
       for (const auto& token : rec.append->rows[b]) {
         const std::int64_t e = reference::evicted_count(s_.policy, token.index);
-        std::map<std::int64_t, std::int64_t> want;
-        for (const auto& key : token.view.keys)
-          want[static_cast<std::int64_t>(history[key.index])] = token.view.query_position - key.position;
-        const auto& got = used[{b, token.index}];
         auto note = [&](std::int64_t uid, std::optional<std::int64_t> w, std::optional<std::int64_t> a,
                         std::optional<std::int64_t> qpos, const std::string& text) {
           positions_.fail(fmt::format("{}: row {} token {}: {}", evidence.label, b, token.index, text));
           evidence.pairs.push_back({b, token.index, uid, index_of(history, uid), w, a, qpos, e});
         };
-        for (const auto& [uid, distance] : want) {
-          const auto it = got.find(uid);
-          if (it == got.end())
-            note(uid, distance, std::nullopt, std::nullopt,
-                 fmt::format("uid {} should be visible at distance {}, the cache did not use it", uid, distance));
-          else if (it->second.first != distance)
-            note(uid, distance, it->second.first, it->second.second,
-                 fmt::format("uid {} at distance {}, expected {}", uid, it->second.first, distance));
+        want.clear();
+        for (const auto& key : token.view.keys)
+          want.push_back({static_cast<std::int64_t>(history[key.index]), token.view.query_position - key.position});
+        std::sort(want.begin(), want.end());
+        // Pairs of a query the step does not have (a cache that numbers padding as tokens):
+        // a failure, though the slots tell the story better than these pairs.
+        auto before = [&](const UsedPair& p) { return std::tie(p.row, p.query_index) < std::tie(b, token.index); };
+        for (; at != log.end() && before(*at); ++at)
+          positions_.fail(fmt::format("{}: row {}: the cache attended for token {}, which the step does not have",
+                                      evidence.label, at->row, at->query_index));
+        auto end = at;
+        while (end != log.end() && end->row == b && end->query_index == token.index) ++end;
+        const bool last = &token == &rec.append->rows[b].back();
+        if (last) rows[b].pairs_known = true;  // the table shows the row's last query (layer 0's log)
+        auto w = want.begin();
+        for (auto p = at; p != end; ++p) {
+          const std::int64_t distance = p->query_position - p->key_position;
+          if (last) rows[b].distance[p->key_uid] = distance;
+          if (p != at && std::prev(p)->key_uid == p->key_uid) {
+            // The same token attended twice (a duplicated slot, or ring plus chunk).
+            positions_.fail(fmt::format("{}: row {} token {}: the cache used uid {} twice", evidence.label, b,
+                                        token.index, p->key_uid));
+            evidence.slots.push_back(
+                SlotIssue::of(SlotIssue::Kind::duplicated, b, p->key_uid, index_of(history, p->key_uid)));
+            continue;
+          }
+          for (; w != want.end() && w->first < p->key_uid; ++w)
+            note(w->first, w->second, std::nullopt, std::nullopt,
+                 fmt::format("uid {} should be visible at distance {}, the cache did not use it", w->first, w->second));
+          if (w != want.end() && w->first == p->key_uid) {
+            if (w->second != distance)
+              note(p->key_uid, w->second, distance, p->query_position,
+                   fmt::format("uid {} at distance {}, expected {}", p->key_uid, distance, w->second));
+            ++w;
+          } else {
+            note(p->key_uid, std::nullopt, distance, p->query_position,
+                 fmt::format("the cache used uid {} (distance {}), which the policy does not make visible", p->key_uid,
+                             distance));
+          }
         }
-        for (const auto& [uid, pair] : got)
-          if (!want.count(uid))
-            note(uid, std::nullopt, pair.first, pair.second,
-                 fmt::format("the cache used uid {} (distance {}), which the policy does not make visible", uid,
-                             pair.first));
-      }
-      // The table shows what the row's last query used (the log is layer 0's).
-      if (!rec.append->rows[b].empty()) {
-        rows[b].pairs_known = true;
-        for (const auto& [uid, pair] : used[{b, rec.append->rows[b].back().index}]) rows[b].distance[uid] = pair.first;
+        for (; w != want.end(); ++w)
+          note(w->first, w->second, std::nullopt, std::nullopt,
+               fmt::format("uid {} should be visible at distance {}, the cache did not use it", w->first, w->second));
+        at = end;
       }
     }
+    for (; at != log.end(); ++at)
+      positions_.fail(fmt::format("{}: row {}: the cache attended for token {}, which the step does not have",
+                                  evidence.label, at->row, at->query_index));
   }
 
   // SPEC 5.3 from tensors alone: the row's last query's position recovered from its
@@ -721,7 +721,7 @@ class Checker {
     };
     if (options_.trace)
       add("steps recorded", unrecorded_,
-          fmt::format("{} of {} steps{}", recorded_, run_.steps.size(), skipped_.empty() ? "" : "; " + skipped_));
+          fmt::format("{} of {} steps{}", recorded_, s_.steps.size(), skipped_.empty() ? "" : "; " + skipped_));
     add("refusals", refusals_, "as the policy says");
     add("outputs", outputs_,
         outputs_seen_ ? fmt::format("within atol {:.3g} + rtol {:.3g}", used_tolerance_.atol, used_tolerance_.rtol)
@@ -756,10 +756,13 @@ class Checker {
 
   const Scenario& s_;
   const InputTable& inputs_;
-  const ReferenceRun& run_;
-  const CheckOptions& options_;
+  const CheckOptions options_;  // a copy: callers build it on the spot
   const std::int64_t max_position_;
   CacheTrace trace_;
+  StepContext context_;
+  bool stopped_ = false;  // an earlier step ended the run's meaning (the cache raised)
+  std::vector<Drift::Point> drift_;
+  std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns_;  // [layer][row][step][slot]
   Tally refusals_, outputs_, positions_, retained_, rotation_, unrecorded_;
   Tolerance used_tolerance_{0.0, 0.0};
   std::string skipped_;
@@ -767,8 +770,6 @@ class Checker {
   bool outputs_seen_ = false, pairs_seen_ = false;
   double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;
 };
-
-}  // namespace
 
 const char* to_string(KeyPositions p) {
   switch (p) {
@@ -796,9 +797,29 @@ const char* to_string(Eviction e) {
   return "?";
 }
 
+StepChecker::StepChecker(const Scenario& s, const InputTable& inputs, const CheckOptions& options)
+    : impl_(std::make_unique<Impl>(s, inputs, options)) {}
+StepChecker::~StepChecker() = default;
+bool StepChecker::step(std::size_t index, const StepRecord& record, CacheView view) {
+  return impl_->step(index, record, view);
+}
+CacheTrace StepChecker::finish() { return impl_->finish(); }
+
 CacheTrace check_steps(const Scenario& s, const InputTable& inputs, const ReferenceRun& run,
                        const CheckOptions& options, const Observe& observe) {
-  return Checker(s, inputs, run, options)(observe);
+  StepChecker checker(s, inputs, options);
+  Progress& progress = Progress::line();
+  std::int64_t tokens = 0;
+  progress.begin(s.name + ": " + options.target, run.steps.size(), count_uids(s));
+  for (std::size_t i = 0; i < run.steps.size(); ++i) {
+    const StepRecord& rec = run.steps[i];
+    const bool go_on = checker.step(i, rec, observe(i, rec));
+    if (rec.append)
+      for (const auto& row : rec.append->rows) tokens += static_cast<std::int64_t>(row.size());
+    progress.advance(i, tokens);
+    if (!go_on) break;
+  }
+  return checker.finish();
 }
 
 }  // namespace kvcheck

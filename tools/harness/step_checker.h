@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -52,17 +53,34 @@ struct CheckOptions {
   std::optional<std::size_t> focus_step;
 };
 
+// The checker of one cache under test, fed one step at a time (so a long run keeps no
+// step longer than its checks need).
+class StepChecker {
+ public:
+  StepChecker(const Scenario& scenario, const InputTable& inputs, const CheckOptions& options);
+  ~StepChecker();
+  StepChecker(const StepChecker&) = delete;
+  StepChecker& operator=(const StepChecker&) = delete;
+  // Checks step `index` against what the cache shows; false when the run cannot go on for
+  // this cache (it raised, or holds other rows than the reference).
+  bool step(std::size_t index, const StepRecord& record, CacheView view);
+  CacheTrace finish();
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Applies step `index` to the cache under test and returns what it shows; the view's
 // pointers must stay valid until the next call.
 using Observe = std::function<CacheView(std::size_t index, const StepRecord& record)>;
 
+// A whole run at once (diagnose, verify, tests), with progress.
 CacheTrace check_steps(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
                        const CheckOptions& options, const Observe& observe);
 
 // A bound for position recovery: twice the longest row the scenario reaches, plus room.
-std::int64_t largest_position(const ReferenceRun& run);
-// The largest token count any row reaches: a static cache's capacity.
-std::int64_t longest_row(const ReferenceRun& run);
+std::int64_t largest_position(const Scenario& scenario);
 
 // The token index of `uid` in a row's history, or -1.
 std::int64_t index_of(const RowHistory& history, std::int64_t uid);
