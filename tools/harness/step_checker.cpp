@@ -75,15 +75,54 @@ double rotation_tolerance(const float* raw, int d, double roundoff) {
   return (1e-3 + 8.0 * roundoff) * largest;
 }
 
-double rotation_error(const float* stored, const float* raw, int d, std::int64_t position, const Rope& rope) {
-  const auto back = reference::rotate(std::vector<double>(stored, stored + d), -static_cast<double>(position), rope);
-  double worst = 0.0;
-  for (int i = 0; i < d; ++i) {
-    const double e = std::abs(back[i] - raw[i]);
-    worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
+// How far a stored key, rotated back by `position`, is from its raw key: the largest
+// element difference (infinite for NaN). Every slot is checked at every step, so cos and
+// sin come from a table (the values of reference::rotate's formula) grown on demand up to
+// a bound; positions beyond it are rotated the slow way.
+class RotationCheck {
+ public:
+  RotationCheck(int head_dim, const Rope& rope, std::int64_t bound) : d_(head_dim), rope_(rope), bound_(bound) {}
+
+  double error(const float* stored, const float* raw, std::int64_t position) {
+    if (position < 0 || position > bound_) return slow(stored, raw, position);
+    const int half = d_ / 2;
+    for (; rows_ <= position; ++rows_)
+      for (int i = 0; i < half; ++i) {
+        const double angle = reference::rope_angle(i, d_, static_cast<double>(rows_), rope_);
+        table_.push_back(std::cos(angle));
+        table_.push_back(std::sin(angle));
+      }
+    const double* cs = table_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(d_);
+    double worst = 0.0;
+    for (int i = 0; i < half; ++i) {
+      const int ia = rope_.layout == RopeLayout::half ? i : 2 * i;
+      const int ib = rope_.layout == RopeLayout::half ? i + half : 2 * i + 1;
+      const double c = cs[2 * i], s = cs[2 * i + 1], a = stored[ia], b = stored[ib];
+      // R(-p): (a cos + b sin, -a sin + b cos).
+      worst = std::max({worst, std::abs(a * c + b * s - raw[ia]), std::abs(-a * s + b * c - raw[ib])});
+      if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
+    }
+    return worst;
   }
-  return worst;
-}
+
+ private:
+  double slow(const float* stored, const float* raw, std::int64_t position) const {
+    const auto back =
+        reference::rotate(std::vector<double>(stored, stored + d_), -static_cast<double>(position), rope_);
+    double worst = 0.0;
+    for (int i = 0; i < d_; ++i) {
+      const double e = std::abs(back[i] - raw[i]);
+      worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
+    }
+    return worst;
+  }
+
+  int d_;
+  Rope rope_;
+  std::int64_t bound_;
+  std::int64_t rows_ = 0;
+  std::vector<double> table_;  // [position][pair][cos, sin]
+};
 
 void advance(StepContext& c, const StepRecord& rec) {
   if (rec.step.op == StepOp::reset)
@@ -131,7 +170,11 @@ struct RowSets {
 class StepChecker::Impl {
  public:
   Impl(const Scenario& s, const InputTable& inputs, const CheckOptions& options)
-      : s_(s), inputs_(inputs), options_(options), max_position_(largest_position(s)) {
+      : s_(s),
+        inputs_(inputs),
+        options_(options),
+        max_position_(largest_position(s)),
+        rotations_(s.dims.head_dim, s.rope, largest_position(s)) {
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
                        fmt::format("step {} does not exist: this scenario has steps 0 to {} (decode expanded)",
@@ -399,7 +442,7 @@ class StepChecker::Impl {
   // The convention under which the row's keys fit best: lazy unless every key fits the
   // eager positions (allowed only where no dead token is held) and some does not fit lazy.
   Convention key_convention(const StepRecord& rec, const CacheView& view, int l, int b, int g,
-                            const std::vector<ViewSlot>& slots, const RowSets& sets, bool dead_held) const {
+                            const std::vector<ViewSlot>& slots, const RowSets& sets, bool dead_held) {
     if (options_.key_positions != KeyPositions::cache_relative || dead_held || sets.retained.size() == sets.live.size())
       return Convention::lazy;
     std::size_t lazy_misfits = 0, eager_misfits = 0;
@@ -410,9 +453,9 @@ class StepChecker::Impl {
       if (!lazy) continue;
       const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
       const double tol = rotation_tolerance(raw, D, view.roundoff);
-      lazy_misfits += rotation_error(v.key, raw, D, *lazy, s_.rope) > tol;
-      eager_misfits += *eager == *lazy ? rotation_error(v.key, raw, D, *lazy, s_.rope) > tol
-                                       : rotation_error(v.key, raw, D, *eager, s_.rope) > tol;
+      const bool lazy_misfit = rotations_.error(v.key, raw, *lazy) > tol;
+      lazy_misfits += lazy_misfit;
+      eager_misfits += *eager == *lazy ? lazy_misfit : rotations_.error(v.key, raw, *eager) > tol;
     }
     return eager_misfits < lazy_misfits ? Convention::eager : Convention::lazy;
   }
@@ -447,7 +490,7 @@ class StepChecker::Impl {
       state.keys[v.uid] = v.key;
     }
     const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
-    if (rotation_error(v.key, raw, D, claim, s_.rope) <= rotation_tolerance(raw, D, view.roundoff)) {
+    if (rotations_.error(v.key, raw, claim) <= rotation_tolerance(raw, D, view.roundoff)) {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
     }
@@ -758,6 +801,7 @@ class StepChecker::Impl {
   const InputTable& inputs_;
   const CheckOptions options_;  // a copy: callers build it on the spot
   const std::int64_t max_position_;
+  RotationCheck rotations_;
   CacheTrace trace_;
   StepContext context_;
   bool stopped_ = false;  // an earlier step ended the run's meaning (the cache raised)
