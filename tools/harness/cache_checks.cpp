@@ -91,13 +91,7 @@ CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
   if (view.error && rec.refused.empty()) return view;
   view.batch = cache_->batch();
   view.layers = slot_layers(cache_->slots(), out_);
-  if (rec.append) {
-    std::vector<UsedPair> pairs;
-    pairs.reserve(log_.size());
-    for (const auto& e : log_) pairs.push_back({e.row, e.query_index, e.query_position, e.key_uid, e.key_position});
-    view.pairs = std::move(pairs);
-    log_ = {};  // copied into the view: not kept twice
-  }
+  if (rec.append) view.pairs = std::move(log_);
   return view;
 }
 

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "optimized/attention.h"
+
 namespace kvcheck {
 
 // How a source says at which position each stored key is rotated.
@@ -42,14 +44,10 @@ struct ViewLayer {
   const float* q = nullptr;  // rotated queries [B, n, H, D]; null: none (in-process caches)
 };
 
-// A visible (query, key) pair as the cache used it: the integers of SPEC 5.3.
-struct UsedPair {
-  int row;
-  std::int64_t query_index;
-  std::int64_t query_position;
-  std::int64_t key_uid;
-  std::int64_t key_position;
-};
+// A visible (query, key) pair as the cache used it: the integers of SPEC 5.3 (row, query
+// index and position, key uid and position), as the optimized kernel logs them, so a long
+// prompt's log is handed over without a copy.
+using UsedPair = optimized::AttentionLogEntry;
 
 struct CacheView {
   bool recorded = true;  // false: the source did not record this step (nothing to check)
