@@ -346,6 +346,27 @@ std::string duration_text(double seconds) {
   return fmt::format("{:.0f} seconds", seconds);
 }
 
+// Each row's token count after `step`, from the counts before it.
+void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths) {
+  switch (step.op) {
+    case StepOp::append:
+      for (std::size_t b = 0; b < lengths.size(); ++b) lengths[b] += step.tokens[b];
+      break;
+    case StepOp::reorder: {
+      std::vector<std::int64_t> next;
+      for (int r : step.rows) next.push_back(lengths[static_cast<std::size_t>(r)]);
+      lengths = std::move(next);
+      break;
+    }
+    case StepOp::reset:
+      lengths.assign(static_cast<std::size_t>(*step.batch), 0);
+      break;
+    case StepOp::crop:
+      for (std::int64_t& n : lengths) n = std::min(n, step.length);
+      break;
+  }
+}
+
 // Keys a token at index t sees under the policy (the query's own included).
 double visible_keys(const Policy& p, std::int64_t t) {
   return p.kind == PolicyKind::full ? static_cast<double>(t + 1)
@@ -371,37 +392,22 @@ ScenarioCost estimate_cost(const Scenario& s) {
   double outputs = 0, views = 0, retained = 0, work = 0, largest_step = 0;
   for (const Step& step : s.steps) {
     double step_bytes = 0;
-    switch (step.op) {
-      case StepOp::append: {
-        const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
-        const double out = static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
-        double seen_all = 0;
-        for (std::size_t b = 0; b < lengths.size(); ++b) {
-          const double seen = visible_keys_sum(s.policy, lengths[b], lengths[b] + step.tokens[b] - 1);
-          seen_all += seen;
-          work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
-          lengths[b] += step.tokens[b];
-        }
-        outputs += out;
-        views += seen_all * 16;  // one (index, position) pair per visible key
-        // Checking the step holds its outputs and views, and each cache's log of the
-        // visible pairs (about 90 bytes a pair, sorted copy included) and float outputs.
-        step_bytes = out + seen_all * 16 + seen_all * 90 + out / 2;
-        break;
+    if (step.op == StepOp::append) {
+      const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
+      const double out = static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
+      double seen_all = 0;
+      for (std::size_t b = 0; b < lengths.size(); ++b) {
+        const double seen = visible_keys_sum(s.policy, lengths[b], lengths[b] + step.tokens[b] - 1);
+        seen_all += seen;
+        work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
       }
-      case StepOp::reorder: {
-        std::vector<std::int64_t> next;
-        for (int r : step.rows) next.push_back(lengths[static_cast<std::size_t>(r)]);
-        lengths = std::move(next);
-        break;
-      }
-      case StepOp::reset:
-        lengths.assign(static_cast<std::size_t>(*step.batch), 0);
-        break;
-      case StepOp::crop:
-        for (std::int64_t& n : lengths) n = std::min(n, step.length);
-        break;
+      outputs += out;
+      views += seen_all * 16;  // one (index, position) pair per visible key
+      // Checking the step holds its outputs and views, and each cache's log of the
+      // visible pairs (about 90 bytes a pair, sorted copy included) and float outputs.
+      step_bytes = out + seen_all * 16 + seen_all * 90 + out / 2;
     }
+    advance_lengths(step, lengths);
     // Per row and step: the retained and live sets (24 bytes a key), and a history view.
     double sets = 0;
     for (std::int64_t n : lengths) sets += 48.0 * (n == 0 ? 0.0 : visible_keys(s.policy, n - 1)) + 24;
@@ -437,23 +443,8 @@ std::int64_t longest_row(const Scenario& s) {
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(s.dims.batch), 0);
   std::int64_t longest = 1;
   for (const Step& step : s.steps) {
-    switch (step.op) {
-      case StepOp::append:
-        for (std::size_t b = 0; b < lengths.size(); ++b) longest = std::max(longest, lengths[b] += step.tokens[b]);
-        break;
-      case StepOp::reorder: {
-        std::vector<std::int64_t> next;
-        for (int r : step.rows) next.push_back(lengths[static_cast<std::size_t>(r)]);
-        lengths = std::move(next);
-        break;
-      }
-      case StepOp::reset:
-        lengths.assign(static_cast<std::size_t>(*step.batch), 0);
-        break;
-      case StepOp::crop:
-        for (std::int64_t& n : lengths) n = std::min(n, step.length);
-        break;
-    }
+    advance_lengths(step, lengths);
+    for (std::int64_t n : lengths) longest = std::max(longest, n);
   }
   return longest;
 }
