@@ -1,9 +1,17 @@
 // Float32 attention over cache slots, as an engine would run it. Which slots a query sees
 // follows from each slot's token index, as llama.cpp builds its mask from cell positions:
 // never a later token; sinks below `sink_end`; the window from `window_begin` to the query.
+//
+// Where the time goes: a decode step is bound by reading K and V. The kernel reads each
+// key and value row once per kv head and serves all of that head's query heads (GQA) from
+// it, and a block of up to kQueryBlock consecutive queries of a prefill chunk from the same
+// read. Work is shared out over (query block, kv head) tasks; each task's result does not
+// depend on which thread ran it, so outputs are bit-identical for any thread count.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -11,6 +19,8 @@
 #include "optimized/slot_store.h"
 
 namespace kvcheck::optimized {
+
+class WorkerPool;
 
 struct QueryPlan {
   std::int64_t index = 0;                // token index t of the query
@@ -32,7 +42,7 @@ struct AttentionLogEntry {
 using AttentionLog = std::vector<AttentionLogEntry>;
 
 struct KernelShape {
-  int heads = 1, kv_heads = 1, head_dim = 2;
+  int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   float scale = 1.0f;
 };
 
@@ -41,11 +51,35 @@ struct SlotSource {
   int row;
 };
 
-// Attends the queries of one row in one layer. `q` holds the row's raw queries
-// [chunk, H, D]; each plan names the chunk position it answers; `out` is [chunk, H, D].
-// Every visible pair is appended to `log` when it is not null.
-void attend_row(const KernelShape& shape, RopeTable& rope, int layer, const float* q,
-                const std::vector<std::pair<std::int64_t, QueryPlan>>& plans, const std::vector<SlotSource>& sources,
-                float* out, AttentionLog* log, int row);
+// A query of the chunk: its position in the chunk and what it sees.
+struct PlannedQuery {
+  std::int64_t chunk_pos;
+  QueryPlan plan;
+};
+
+// The attention of one cache, with the scratch space and threads it reuses from step to
+// step (nothing is allocated per decoded token once the shapes have been seen).
+class AttentionKernel {
+ public:
+  explicit AttentionKernel(int threads = 1);
+  ~AttentionKernel();
+  AttentionKernel(AttentionKernel&&) noexcept;
+  AttentionKernel& operator=(AttentionKernel&&) noexcept;
+
+  // Attends `queries` of one row in every layer. q[layer] + row_offset holds the row's raw
+  // queries [chunk, H, D]; out[layer] + row_offset receives [chunk, H, D] at the same chunk
+  // positions. Layer 0's visible pairs are appended to `log` when it is not null.
+  void attend(const KernelShape& shape, const RopeTable& rope, const std::vector<const float*>& q,
+              const std::vector<float*>& out, std::size_t row_offset, std::span<const PlannedQuery> queries,
+              std::span<const SlotSource> sources, AttentionLog* log, int row);
+
+  struct Scratch;
+  struct Block;
+
+ private:
+  std::unique_ptr<WorkerPool> pool_;
+  std::vector<Scratch> scratch_;  // one per participant
+  std::vector<Block> blocks_;
+};
 
 }  // namespace kvcheck::optimized

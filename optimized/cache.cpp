@@ -9,7 +9,7 @@ std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t 
   return over <= 0 ? 0 : evict * ((over + evict - 1) / evict);
 }
 
-void store_token(SlotStore& store, RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
+void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
                  std::int64_t slot, const SlotMeta& meta) {
   const int hkv = store.kv_heads(), d = store.head_dim();
   const std::size_t token = (static_cast<std::size_t>(row) * chunk.length + chunk_pos) * hkv;
@@ -38,13 +38,19 @@ void drop_from(SlotStore& store, int row, std::int64_t length) {
     if (store.meta(row, s).uid >= 0 && store.meta(row, s).index >= length) store.clear_slot(row, s);
 }
 
-void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk, const std::vector<float*>& out,
-                       int row, const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
-                       const std::vector<SlotSource>& sources, AttentionLog* log) {
-  const KernelShape shape{config.heads, config.kv_heads, config.head_dim, config.softmax_scale};
+void cover_chunk(RopeTable& rope, const std::vector<std::int64_t>& lengths, const Chunk& chunk) {
+  std::int64_t longest = 0;
+  for (std::size_t b = 0; b < lengths.size(); ++b) longest = std::max(longest, lengths[b] + chunk.counts[b]);
+  rope.cover(longest);
+}
+
+void attend_all_layers(const CacheConfig& config, AttentionKernel& kernel, const RopeTable& rope, const Chunk& chunk,
+                       const std::vector<float*>& out, int row, std::span<const PlannedQuery> plans,
+                       std::span<const SlotSource> sources, AttentionLog* log) {
+  if (out.empty()) return;  // the chunk only enters the cache
+  const KernelShape shape{config.layers, config.heads, config.kv_heads, config.head_dim, config.softmax_scale};
   const std::size_t per_row = static_cast<std::size_t>(row) * chunk.length * config.heads * config.head_dim;
-  for (int l = 0; l < config.layers; ++l)
-    attend_row(shape, rope, l, chunk.q[l] + per_row, plans, sources, out[l] + per_row, l == 0 ? log : nullptr, row);
+  kernel.attend(shape, rope, chunk.q, out, per_row, plans, sources, log, row);
 }
 
 void refuse_crop_if_evicted(const SlotStore& store, int row, std::int64_t length, std::int64_t sinks,

@@ -25,6 +25,7 @@ struct CacheConfig {
   bool shift_positions = true;  // sink: cache-relative positions (false: original ones)
   bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
   std::int64_t capacity = 0;    // static: slots per row
+  int threads = 1;              // attention threads (results do not depend on it)
 };
 
 // New tokens for every row, left-padded to the longest. Raw (unrotated) q/k/v per layer:
@@ -46,7 +47,9 @@ class KvCache {
  public:
   virtual ~KvCache() = default;
   // Writes the output of every real token to out[layer] ([B, n, H, D]); records every
-  // visible pair of layer 0 in `log` when it is not null.
+  // visible pair of layer 0 in `log` when it is not null. With `out` empty the chunk only
+  // enters the cache and no attention runs (restoring a saved prefix; filling a cache
+  // before a benchmark).
   virtual void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) = 0;
   virtual void reorder(const std::vector<int>& rows) = 0;
   virtual void reset(int batch) = 0;
@@ -65,7 +68,7 @@ std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t 
 
 // Stores chunk token (row, chunk_pos) in `slot` of `store` with its key rotated to
 // meta.position (every layer, every kv head).
-void store_token(SlotStore& store, RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
+void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
                  std::int64_t slot, const SlotMeta& meta);
 
 // The first token index in [begin, end) that `row` does not hold, or -1.
@@ -74,11 +77,15 @@ std::int64_t first_missing_index(const SlotStore& store, int row, std::int64_t b
 // Empties every slot of `row` whose token index is >= length (a crop).
 void drop_from(SlotStore& store, int row, std::int64_t length);
 
+// Makes `rope` cover every position a chunk can need: no position exceeds a token index,
+// and no row holds more than the longest row after the chunk.
+void cover_chunk(RopeTable& rope, const std::vector<std::int64_t>& lengths, const Chunk& chunk);
+
 // Runs the attention of `row`'s planned queries in every layer, reading `sources`, and
 // writes their outputs into out[layer]; layer 0's visible pairs go to `log`.
-void attend_all_layers(const CacheConfig& config, RopeTable& rope, const Chunk& chunk, const std::vector<float*>& out,
-                       int row, const std::vector<std::pair<std::int64_t, QueryPlan>>& plans,
-                       const std::vector<SlotSource>& sources, AttentionLog* log);
+void attend_all_layers(const CacheConfig& config, AttentionKernel& kernel, const RopeTable& rope, const Chunk& chunk,
+                       const std::vector<float*>& out, int row, std::span<const PlannedQuery> plans,
+                       std::span<const SlotSource> sources, AttentionLog* log);
 
 // Refuses (CacheRefusal "crop_evicted") a crop of `row` to `length` tokens when the row
 // no longer holds a token the cropped row's last token needs: its first min(S, length)

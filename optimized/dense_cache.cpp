@@ -9,7 +9,11 @@ constexpr std::int64_t kInitialDynamicSlots = 16;
 }
 
 DenseCache::DenseCache(const CacheConfig& config, Growth growth)
-    : config_(config), growth_(growth), rope_(config.rope), store_(config.layers, config.kv_heads, config.head_dim) {
+    : config_(config),
+      growth_(growth),
+      rope_(config.rope),
+      kernel_(config.threads),
+      store_(config.layers, config.kv_heads, config.head_dim) {
   reset(config.batch);
 }
 
@@ -23,15 +27,17 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
                                                   " slots per row cannot hold " + std::to_string(need) + " tokens");
     store_.grow(std::max(need, 2 * store_.capacity()));
   }
+  cover_chunk(rope_, lengths_, chunk);
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
-    std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+    plans_.clear();
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = lengths_[b] + i;
       store_token(store_, rope_, chunk, b, pad + i, t, {chunk.uids[b * chunk.length + pad + i], t, t});
-      plans.push_back({pad + i, QueryPlan{t, 0, 0, t, t}});
+      plans_.push_back({pad + i, QueryPlan{t, 0, 0, t, t}});
     }
-    attend_all_layers(config_, rope_, chunk, out, b, plans, {{&store_, b}}, log);
+    const SlotSource sources[] = {{&store_, b}};
+    attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
     lengths_[b] += chunk.counts[b];
   }
 }

@@ -23,6 +23,8 @@ class DenseCache : public KvCache {
   CacheConfig config_;
   Growth growth_;
   RopeTable rope_;
+  AttentionKernel kernel_;
+  std::vector<PlannedQuery> plans_;  // reused from step to step
   SlotStore store_;
   std::vector<std::int64_t> lengths_;  // tokens per row; token t sits in slot t
 };

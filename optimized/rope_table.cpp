@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 namespace kvcheck::optimized {
 
@@ -10,7 +12,8 @@ RopeTable::RopeTable(const RopeSpec& spec) : spec_(spec) {
   for (int i = 0; i < spec.head_dim / 2; ++i) inv_freq_.push_back(std::pow(spec.theta, -2.0 * i / spec.head_dim));
 }
 
-void RopeTable::grow_to(std::int64_t position) {
+void RopeTable::cover(std::int64_t position) {
+  position = std::abs(position);
   if (position < positions_) return;
   const std::int64_t target = std::max<std::int64_t>(position + 1, 2 * positions_);
   const auto pairs = static_cast<std::size_t>(spec_.head_dim / 2);
@@ -27,9 +30,11 @@ void RopeTable::grow_to(std::int64_t position) {
   positions_ = target;
 }
 
-void RopeTable::rotate(float* x, std::int64_t position) {
+void RopeTable::rotate(float* x, std::int64_t position) const {
   const std::int64_t p = std::abs(position);
-  grow_to(p);
+  if (p >= positions_)
+    throw std::logic_error("rope table covers positions below " + std::to_string(positions_) + ", asked for " +
+                           std::to_string(position));
   const int pairs = spec_.head_dim / 2;
   const float* c = cos_.data() + static_cast<std::size_t>(p) * pairs;
   const float* s = sin_.data() + static_cast<std::size_t>(p) * pairs;

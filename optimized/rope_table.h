@@ -1,5 +1,6 @@
-// Float32 RoPE for the optimized caches: a cos/sin table per position, grown on demand
-// (a table sized to the window would wrap on long prompts).
+// Float32 RoPE for the optimized caches: a cos/sin table per position. A cache covers the
+// positions a chunk needs before it stores or attends (amortized doubling: a table sized
+// to the window would wrap on long prompts); the hot path only reads it.
 #pragma once
 
 #include <cstdint>
@@ -20,14 +21,15 @@ class RopeTable {
  public:
   explicit RopeTable(const RopeSpec& spec);
 
+  // Makes positions -position .. position available to rotate().
+  void cover(std::int64_t position);
   // x (head_dim floats) becomes R(position) x in place; a negative position rotates back.
-  void rotate(float* x, std::int64_t position);
+  // Throws std::logic_error for a position not covered (a cache's bug, not the input's).
+  void rotate(float* x, std::int64_t position) const;
 
   const RopeSpec& spec() const { return spec_; }
 
  private:
-  void grow_to(std::int64_t position);
-
   RopeSpec spec_;
   std::vector<double> inv_freq_;
   std::vector<float> cos_, sin_;  // [positions, head_dim / 2]

@@ -7,6 +7,7 @@ namespace kvcheck::optimized {
 SinkRingCache::SinkRingCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
+      kernel_(config.threads),
       store_(config.layers, config.kv_heads, config.head_dim),
       chunk_(config.layers, config.kv_heads, config.head_dim) {
   reset(config.batch);
@@ -21,17 +22,19 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
   const int B = batch();
   const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
   chunk_.make_empty(B, chunk.length);
+  cover_chunk(rope_, lengths_, chunk);
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b], first = lengths_[b];
-    std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+    plans_.clear();
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = first + i;
       store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t});
       // A dense chunk is one forward over what the cache held before it: E stays E(first).
       const std::int64_t e = sink_evicted(W, k, config_.dense_prefill ? first : t);
-      plans.push_back({pad + i, QueryPlan{t, S, S + e, t, config_.shift_positions ? t - e : t}});
+      plans_.push_back({pad + i, QueryPlan{t, S, S + e, t, config_.shift_positions ? t - e : t}});
     }
-    attend_all_layers(config_, rope_, chunk, out, b, plans, {{&store_, b}, {&chunk_, b}}, log);
+    const SlotSource sources[] = {{&store_, b}, {&chunk_, b}};
+    attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) store_.copy_slot(chunk_, b, pad + i, b, slot_of(first + i));
     lengths_[b] += chunk.counts[b];
     // Evicting k at a time can leave ring slots behind the window start: empty them.

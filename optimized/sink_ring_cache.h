@@ -30,6 +30,8 @@ class SinkRingCache : public KvCache {
 
   CacheConfig config_;
   RopeTable rope_;
+  AttentionKernel kernel_;
+  std::vector<PlannedQuery> plans_;  // reused from step to step
   SlotStore store_;  // slots 0..S-1 sinks, S..W-1 the ring
   SlotStore chunk_;
   std::vector<std::int64_t> lengths_;

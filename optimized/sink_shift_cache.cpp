@@ -5,7 +5,10 @@
 namespace kvcheck::optimized {
 
 SinkShiftCache::SinkShiftCache(const CacheConfig& config)
-    : config_(config), rope_(config.rope), store_(config.layers, config.kv_heads, config.head_dim) {
+    : config_(config),
+      rope_(config.rope),
+      kernel_(config.threads),
+      store_(config.layers, config.kv_heads, config.head_dim) {
   reset(config.batch);
 }
 
@@ -33,6 +36,9 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
   std::int64_t need = W;
   for (int b = 0; b < batch(); ++b) need = std::max(need, rows_[b].used + chunk.counts[b]);
   store_.grow(need);
+  std::int64_t longest = 0;
+  for (int b = 0; b < batch(); ++b) longest = std::max(longest, rows_[b].length + chunk.counts[b]);
+  rope_.cover(longest);
 
   for (int b = 0; b < batch(); ++b) {
     RowState& row = rows_[b];
@@ -49,15 +55,16 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
         while (group_end < end && sink_evicted(W, k, group_end) == e) ++group_end;
       shift_to(b, e);
 
-      std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+      plans_.clear();
       for (std::int64_t j = t; j < group_end; ++j) {
         const std::int64_t pos = config_.shift_positions ? j - e : j;
         const std::int64_t chunk_pos = pad + (j - first);
         store_token(store_, rope_, chunk, b, chunk_pos, row.used++, {chunk.uids[b * chunk.length + chunk_pos], j, pos});
-        plans.push_back({chunk_pos, QueryPlan{j, S, S + e, pos, pos}});
+        plans_.push_back({chunk_pos, QueryPlan{j, S, S + e, pos, pos}});
       }
       row.length = group_end;
-      attend_all_layers(config_, rope_, chunk, out, b, plans, {{&store_, b}}, log);
+      const SlotSource sources[] = {{&store_, b}};
+      attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
       t = group_end;
     }
     // After a dense forward the cache keeps what the last token would see streaming.

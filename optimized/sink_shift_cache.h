@@ -33,6 +33,8 @@ class SinkShiftCache : public KvCache {
 
   CacheConfig config_;
   RopeTable rope_;
+  AttentionKernel kernel_;
+  std::vector<PlannedQuery> plans_;  // reused from step to step
   SlotStore store_;
   std::vector<RowState> rows_;
 };

@@ -7,6 +7,7 @@ namespace kvcheck::optimized {
 SlidingCache::SlidingCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
+      kernel_(config.threads),
       ring_(config.layers, config.kv_heads, config.head_dim),
       chunk_(config.layers, config.kv_heads, config.head_dim) {
   reset(config.batch);
@@ -16,15 +17,17 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
   const int B = batch();
   const std::int64_t W = config_.window;
   chunk_.make_empty(B, chunk.length);
+  cover_chunk(rope_, lengths_, chunk);
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
-    std::vector<std::pair<std::int64_t, QueryPlan>> plans;
+    plans_.clear();
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = lengths_[b] + i;
       store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t});
-      plans.push_back({pad + i, QueryPlan{t, 0, t - W + 1, t, t}});
+      plans_.push_back({pad + i, QueryPlan{t, 0, t - W + 1, t, t}});
     }
-    attend_all_layers(config_, rope_, chunk, out, b, plans, {{&ring_, b}, {&chunk_, b}}, log);
+    const SlotSource sources[] = {{&ring_, b}, {&chunk_, b}};
+    attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
     // Only the last W tokens of a long chunk survive; earlier ones would be overwritten.
     for (std::int64_t i = std::max<std::int64_t>(0, chunk.counts[b] - W); i < chunk.counts[b]; ++i)
       ring_.copy_slot(chunk_, b, pad + i, b, (lengths_[b] + i) % W);

@@ -22,6 +22,8 @@ class SlidingCache : public KvCache {
  private:
   CacheConfig config_;
   RopeTable rope_;
+  AttentionKernel kernel_;
+  std::vector<PlannedQuery> plans_;  // reused from step to step
   SlotStore ring_;   // W slots per row
   SlotStore chunk_;  // the chunk being appended, before it enters the ring
   std::vector<std::int64_t> lengths_;

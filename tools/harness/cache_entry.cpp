@@ -1,5 +1,8 @@
 #include "tools/harness/cache_entry.h"
 
+#include <algorithm>
+#include <thread>
+
 #include "tools/harness/scenario.h"
 
 namespace kvcheck {
@@ -26,6 +29,9 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.shift_positions = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache;
   c.dense_prefill = s.policy.prefill == Prefill::dense;
   c.capacity = capacity;
+  // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so
+  // every check also runs the threaded path.
+  c.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);
   return c;
 }
 

@@ -14,6 +14,7 @@ class FaultyCache : public KvCache {
       : config_(config),
         fault_(fault),
         rope_(rope_spec(config, fault)),
+        kernel_(config.threads),
         store_(config.layers, config.kv_heads, config.head_dim) {
     if (fault == Fault::window_off_by_one) ++config_.window;
     store_.reset(config_.batch, config_.window + 1);
@@ -21,6 +22,9 @@ class FaultyCache : public KvCache {
   }
 
   void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override {
+    std::int64_t longest = 0;  // padding_as_positions may count a row's padding too
+    for (int b = 0; b < batch(); ++b) longest = std::max(longest, rows_[b].length + chunk.length);
+    rope_.cover(longest);
     for (int b = 0; b < batch(); ++b) {
       const std::int64_t pad = chunk.length - chunk.counts[b];
       Row& row = rows_[b];
@@ -145,7 +149,9 @@ class FaultyCache : public KvCache {
 
     const std::int64_t window_begin = (fault_ == Fault::mask_past_cache || !keep) ? 0 : S + e;
     const QueryPlan plan{t, S, window_begin, rotation_of(query), rotation_of(query)};
-    attend_all_layers(config_, rope_, chunk, out, b, {{chunk_pos, plan}}, {{&store_, b}}, log);
+    const PlannedQuery query_plan[] = {{chunk_pos, plan}};
+    const SlotSource sources[] = {{&store_, b}};
+    attend_all_layers(config_, kernel_, rope_, chunk, out, b, query_plan, sources, log);
     if (keep)
       ++row.used;
     else
@@ -164,6 +170,7 @@ class FaultyCache : public KvCache {
   CacheConfig config_;
   Fault fault_;
   RopeTable rope_;
+  AttentionKernel kernel_;
   SlotStore store_;
   std::vector<Row> rows_;
 };
