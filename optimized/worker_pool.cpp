@@ -34,7 +34,7 @@ void WorkerPool::take_tasks(int participant) {
   }
 }
 
-void WorkerPool::run(int count, const std::function<void(int, int)>& task) {
+void WorkerPool::run(int count, TaskRef task) {
   if (workers_.empty() || count <= 1) {
     for (int i = 0; i < count; ++i) task(i, 0);
     return;
