@@ -1,6 +1,7 @@
 #include "optimized/attention.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <xsimd/xsimd.hpp>
 
@@ -127,6 +128,17 @@ struct AttentionKernel::Scratch {
   std::vector<float> acc;               // [query, head of the group, D]
   std::vector<float> totals;            // [query, head of the group]: softmax denominators
   std::vector<const float*> k, v;       // per slot, this layer and kv head
+
+  // Room for M query vectors against n slots. Capacities are powers of two and every
+  // participant is fitted before a run, whichever tasks it then takes: between two powers
+  // of two of the cached tokens no step allocates.
+  void fit(std::size_t M, std::size_t n, std::size_t D) {
+    for (auto* x : {&q_window, &q_sink, &acc}) x->reserve(std::bit_ceil(M * D));
+    scores.reserve(std::bit_ceil(M * n));
+    totals.reserve(std::bit_ceil(M));
+    k.reserve(std::bit_ceil(n));
+    v.reserve(std::bit_ceil(n));
+  }
 };
 
 AttentionKernel::AttentionKernel(int threads) : pool_(std::make_unique<WorkerPool>(std::max(1, threads))) {
@@ -173,6 +185,13 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
               {row, p.index, x.index < p.sink_end ? p.sink_query_position : p.query_position, m.uid, m.index, m.position});
         }
       }
+
+  std::size_t most_slots = 0, most_queries = 0;
+  for (std::size_t b = 0; b < block_count; ++b) {
+    most_slots = std::max(most_slots, blocks_[b].slots.size());
+    most_queries = std::max(most_queries, blocks_[b].count);
+  }
+  for (Scratch& w : scratch_) w.fit(most_queries * G, most_slots, static_cast<std::size_t>(D));
 
   for (int layer = 0; layer < shape.layers; ++layer) {
     // One task: one block of queries against the keys and values of one kv head.
