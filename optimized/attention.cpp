@@ -247,12 +247,17 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       }
 
       // Softmax over each query head's row of scores (an invisible key weighs exp(-inf) = 0).
+      // A learned sink logit takes its share of the denominator and adds no value.
       w.totals.resize(M);
       float* total = w.totals.data();
+      const float* sinks = shape.sink_logits ? (*shape.sink_logits)[static_cast<std::size_t>(layer)].data() : nullptr;
       for (std::size_t m = 0; m < M; ++m) {
         float* x = w.scores.data() + m * n;
-        const float top = *std::max_element(x, x + n);
+        float top = *std::max_element(x, x + n);
+        const float sink = sinks ? sinks[g * G + static_cast<int>(m % G)] : 0.0f;
+        if (sinks) top = std::max(top, sink);
         total[m] = exp_and_sum(x, n, top);
+        if (sinks) total[m] += std::exp(sink - top);
       }
 
       // Values: each tile of value rows is read once from memory for every query and head of

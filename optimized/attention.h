@@ -44,6 +44,8 @@ using AttentionLog = std::vector<AttentionLogEntry>;
 struct KernelShape {
   int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   float scale = 1.0f;
+  // Learned sink logits [layer][head] (gpt-oss): each joins its head's softmax with no value.
+  const std::vector<std::vector<float>>* sink_logits = nullptr;
 };
 
 struct SlotSource {

@@ -48,7 +48,12 @@ void attend_all_layers(const CacheConfig& config, AttentionKernel& kernel, const
                        const std::vector<float*>& out, int row, std::span<const PlannedQuery> plans,
                        std::span<const SlotSource> sources, AttentionLog* log) {
   if (out.empty()) return;  // the chunk only enters the cache
-  const KernelShape shape{config.layers, config.heads, config.kv_heads, config.head_dim, config.softmax_scale};
+  const KernelShape shape{config.layers,
+                          config.heads,
+                          config.kv_heads,
+                          config.head_dim,
+                          config.softmax_scale,
+                          config.sink_logits.empty() ? nullptr : &config.sink_logits};
   const std::size_t per_row = static_cast<std::size_t>(row) * chunk.length * config.heads * config.head_dim;
   kernel.attend(shape, rope, chunk.q, out, per_row, plans, sources, log, row);
 }

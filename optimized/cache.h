@@ -26,6 +26,7 @@ struct CacheConfig {
   bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
   std::int64_t capacity = 0;    // static: slots per row
   int threads = 1;              // attention threads (results do not depend on it)
+  std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
 };
 
 // New tokens for every row, left-padded to the longest. Raw (unrotated) q/k/v per layer:

@@ -8,15 +8,56 @@
 
 namespace kvcheck::optimized {
 
-RopeTable::RopeTable(const RopeSpec& spec) : spec_(spec) {
-  for (int i = 0; i < spec.head_dim / 2; ++i) inv_freq_.push_back(std::pow(spec.theta, -2.0 * i / spec.head_dim));
+namespace {
+
+constexpr double kPi = 3.141592653589793;
+
+// Llama 3.1: a pair whose wavelength is short against the original context keeps its
+// frequency, a long one is slowed by `factor`, and those between blend the two.
+double llama3_frequency(double base, const RopeSpec& s) {
+  const double wavelength = 2.0 * kPi / base;
+  const double short_limit = s.original_context / s.high_freq_factor;
+  const double long_limit = s.original_context / s.low_freq_factor;
+  if (wavelength < short_limit) return base;
+  if (wavelength > long_limit) return base / s.factor;
+  const double blend = (s.original_context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  return base * (blend + (1.0 - blend) / s.factor);
+}
+
+// The pair index at which a pair turns `turns` times over the original context.
+double yarn_pair_for(double turns, int rotary, const RopeSpec& s) {
+  return rotary * std::log(s.original_context / (turns * 2.0 * kPi)) / (2.0 * std::log(s.theta));
+}
+
+// yarn: pairs up to `first` extrapolate (keep their frequency), pairs from `last` on
+// interpolate (divided by factor), linearly in the pair index between.
+double yarn_frequency(int pair, double base, int rotary, const RopeSpec& s) {
+  const double first = std::max(0.0, std::floor(yarn_pair_for(s.beta_fast, rotary, s)));
+  double last = std::min(static_cast<double>(rotary - 1), std::ceil(yarn_pair_for(s.beta_slow, rotary, s)));
+  if (last == first) last += 0.001;
+  const double interpolated = std::min(1.0, std::max(0.0, (pair - first) / (last - first)));
+  return (1.0 - interpolated) * base + interpolated * (base / s.factor);
+}
+
+}  // namespace
+
+RopeTable::RopeTable(const RopeSpec& spec)
+    : spec_(spec), rotary_(spec.rotary_dim > 0 ? std::min(spec.rotary_dim, spec.head_dim) : spec.head_dim) {
+  for (int i = 0; i < rotary_ / 2; ++i) {
+    const double base = std::pow(spec.theta, -2.0 * i / rotary_);
+    switch (spec.map) {
+      case FrequencyMap::plain: inv_freq_.push_back(base); break;
+      case FrequencyMap::llama3: inv_freq_.push_back(llama3_frequency(base, spec)); break;
+      case FrequencyMap::yarn: inv_freq_.push_back(yarn_frequency(i, base, rotary_, spec)); break;
+    }
+  }
 }
 
 void RopeTable::cover(std::int64_t position) {
   position = std::abs(position);
   if (position < positions_) return;
   const std::int64_t target = std::max<std::int64_t>(position + 1, 2 * positions_);
-  const auto pairs = static_cast<std::size_t>(spec_.head_dim / 2);
+  const auto pairs = static_cast<std::size_t>(rotary_ / 2);
   cos_.resize(static_cast<std::size_t>(target) * pairs);
   sin_.resize(static_cast<std::size_t>(target) * pairs);
   for (std::int64_t p = positions_; p < target; ++p) {
@@ -30,12 +71,12 @@ void RopeTable::cover(std::int64_t position) {
   positions_ = target;
 }
 
-void RopeTable::rotate(float* x, std::int64_t position) const {
+void RopeTable::turn(float* x, std::int64_t position, float scale) const {
   const std::int64_t p = std::abs(position);
   if (p >= positions_)
     throw std::logic_error("rope table covers positions below " + std::to_string(positions_) + ", asked for " +
                            std::to_string(position));
-  const int pairs = spec_.head_dim / 2;
+  const int pairs = rotary_ / 2;
   const float* c = cos_.data() + static_cast<std::size_t>(p) * pairs;
   const float* s = sin_.data() + static_cast<std::size_t>(p) * pairs;
   const float sign = position < 0 ? -1.0f : 1.0f;  // R(-p): same cos, opposite sin
@@ -45,9 +86,15 @@ void RopeTable::rotate(float* x, std::int64_t position) const {
     const float sn = sign * s[i];
     const float na = a * c[i] - b * sn;
     const float nb = a * sn + b * c[i];
-    a = na;
-    b = nb;
+    a = scale * na;
+    b = scale * nb;
   }
 }
+
+void RopeTable::rotate(float* x, std::int64_t position) const {
+  turn(x, position, static_cast<float>(spec_.magnitude));
+}
+
+void RopeTable::shift(float* x, std::int64_t by) const { turn(x, by, 1.0f); }
 
 }  // namespace kvcheck::optimized

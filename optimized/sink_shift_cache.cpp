@@ -21,7 +21,7 @@ void SinkShiftCache::shift_to(int b, std::int64_t evicted) {
     store_.move_slot(b, s, s - d);
     if (config_.shift_positions) {
       for (int l = 0; l < store_.layers(); ++l)
-        for (int g = 0; g < store_.kv_heads(); ++g) rope_.rotate(store_.key(l, b, g, s - d), -d);
+        for (int g = 0; g < store_.kv_heads(); ++g) rope_.shift(store_.key(l, b, g, s - d), -d);
       store_.meta(b, s - d).position -= d;
     }
   }

@@ -16,13 +16,15 @@ double dot(const double* a, const double* b, std::size_t n) {
 }
 
 void attend(const double* q, const double* keys, const double* values, std::size_t n, std::size_t head_dim,
-            double scale, double* scores, double* out) {
+            double scale, const double* sink_logit, double* scores, double* out) {
   if (n == 0) throw std::invalid_argument("attend: needs at least one key");
   for (std::size_t j = 0; j < n; ++j) scores[j] = scale * dot(q, keys + j * head_dim, head_dim);
   // Subtracting the maximum changes nothing mathematically and keeps exp in range.
-  const double top = *std::max_element(scores, scores + n);
+  double top = *std::max_element(scores, scores + n);
+  if (sink_logit != nullptr) top = std::max(top, *sink_logit);
   double total = 0.0;
   for (std::size_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - top));
+  if (sink_logit != nullptr) total += std::exp(*sink_logit - top);
 
   std::fill(out, out + head_dim, 0.0);
   for (std::size_t j = 0; j < n; ++j) {

@@ -11,9 +11,11 @@ namespace kvcheck::reference {
 double dot(const double* a, const double* b, std::size_t n);
 
 // out = sum_j softmax_j(scale * <q, k_j>) v_j, for q [D], keys and values [n][D] (rows of
-// D doubles, contiguous), q and every k_j already rotated. `scores` holds n doubles of
-// scratch, so nothing is allocated per query.
+// D doubles, contiguous), q and every k_j already rotated. A learned sink logit s (SPEC 7),
+// when given, joins the softmax's denominator with no value:
+//   out = sum_j e^(x_j - m) v_j / (sum_j e^(x_j - m) + e^(s - m)),  m = max(max_j x_j, s).
+// `scores` holds n doubles of scratch, so nothing is allocated per query.
 void attend(const double* q, const double* keys, const double* values, std::size_t n, std::size_t head_dim,
-            double scale, double* scores, double* out);
+            double scale, const double* sink_logit, double* scores, double* out);
 
 }  // namespace kvcheck::reference

@@ -17,13 +17,26 @@ struct Dims {
 };
 
 enum class RopeLayout { half, interleaved };
-enum class RopeScaling { none, linear };
+// SPEC 2 and 7: linear divides the position; llama3 and yarn map each inverse frequency.
+enum class RopeScaling { none, linear, llama3, yarn };
 
 struct Rope {
   double theta = 10000.0;
   RopeLayout layout = RopeLayout::half;
   RopeScaling scaling = RopeScaling::none;
-  double factor = 1.0;  // linear: the angle uses position / factor
+  double factor = 1.0;  // linear: the angle uses position / factor; llama3, yarn: f
+  int rotary_dim = 0;   // R: the first R dims rotate, the rest pass through; 0 means all
+  // llama3 (names as in a checkpoint's config.json rope_scaling)
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;
+  double original_max_position_embeddings = 8192.0;  // L (llama3 and yarn)
+  // yarn
+  double beta_fast = 32.0, beta_slow = 1.0;
+  double attention_factor = 1.0;  // m: cos and sin are multiplied by it (parsed default 0.1 ln f + 1)
+};
+
+// SPEC 7: learned sink logits, one per query head, per layer ([L][H]); empty: none.
+struct Attention {
+  std::vector<std::vector<double>> sink_logits;
 };
 
 enum class PolicyKind { full, sliding, sink };
@@ -70,7 +83,19 @@ struct InputTable {
 };
 
 inline const char* to_string(RopeLayout layout) { return layout == RopeLayout::half ? "half" : "interleaved"; }
-inline const char* to_string(RopeScaling scaling) { return scaling == RopeScaling::none ? "none" : "linear"; }
+inline const char* to_string(RopeScaling scaling) {
+  switch (scaling) {
+    case RopeScaling::none:
+      return "none";
+    case RopeScaling::linear:
+      return "linear";
+    case RopeScaling::llama3:
+      return "llama3";
+    case RopeScaling::yarn:
+      return "yarn";
+  }
+  return "?";
+}
 inline const char* to_string(PolicyKind kind) {
   switch (kind) {
     case PolicyKind::full:

@@ -12,36 +12,41 @@
 namespace kvcheck::reference {
 
 ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
-                               const InputTable& inputs)
+                               const InputTable& inputs, const Attention& attention)
     : dims_(dims),
       rope_(rope),
       policy_(policy),
+      attention_(attention),
       scale_(scale),
       inputs_(inputs),
       histories_(static_cast<std::size_t>(dims.batch)),
-      threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))) {}
+      threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
+      rotary_(rotary_dim(dims.head_dim, rope)) {}
 
 void ReferenceModel::ensure_positions(std::int64_t largest) {
-  const int half = dims_.head_dim / 2;
+  const int half = rotary_ / 2;
+  const double m = rope_magnitude(rope_);
   for (; positions_ <= largest; ++positions_) {
     for (int i = 0; i < half; ++i)
-      cos_sin_.push_back(std::cos(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
+      cos_sin_.push_back(m * std::cos(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
     for (int i = 0; i < half; ++i)
-      cos_sin_.push_back(std::sin(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
+      cos_sin_.push_back(m * std::sin(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
   }
 }
 
 const double* ReferenceModel::cos_sin(std::int64_t position) const {
-  return cos_sin_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(dims_.head_dim);
+  return cos_sin_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(rotary_);
 }
 
 namespace {
 
-// R(p) x for float32 x, into out: rotate() of rope.h, with the angles' cos and sin looked
-// up instead of recomputed (the same values: the table holds std::cos and std::sin of
-// rope_angle, cos for every pair, then sin). One loop per layout, so each vectorizes.
-void rotate_into(const float* x, const double* cos_sin, int d, RopeLayout layout, double* out) {
-  const int half = d / 2;
+// m R(p) x for float32 x, into out: rotate() of rope.h, with the angles' cos and sin looked
+// up instead of recomputed (the same values: the table holds m std::cos and m std::sin of
+// rope_angle, cos for every pair, then sin). The first `rotary` dims rotate, the others
+// pass through. One loop per layout, so each vectorizes.
+void rotate_into(const float* x, const double* cos_sin, int d, int rotary, RopeLayout layout, double* out) {
+  const int half = rotary / 2;
+  for (int i = rotary; i < d; ++i) out[i] = x[i];
   const double* c = cos_sin;
   const double* s = cos_sin + half;
   if (layout == RopeLayout::half) {  // pair i is (x[i], x[i + D/2])
@@ -77,7 +82,7 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   // Every visible key rotated at its position Pk(t, j), once for the group's query heads.
   for (std::size_t j = 0; j < n; ++j) {
     const VisibleKey& key = view.keys[j];
-    rotate_into(inputs_.k_at(layer, row[key.index], group), cos_sin(key.position), d, rope_.layout,
+    rotate_into(inputs_.k_at(layer, row[key.index], group), cos_sin(key.position), d, rotary_, rope_.layout,
                 scratch.keys.data() + j * D);
     const float* v = inputs_.v_at(layer, row[key.index], group);
     std::copy(v, v + d, scratch.values.begin() + static_cast<std::ptrdiff_t>(j * D));
@@ -85,9 +90,12 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   const int heads_per_group = dims_.heads / dims_.kv_heads;
   for (int k = 0; k < heads_per_group; ++k) {
     const int head = group * heads_per_group + k;
-    rotate_into(inputs_.q_at(layer, row[t], head), cos_sin(view.query_position), d, rope_.layout, scratch.query.data());
-    attend(scratch.query.data(), scratch.keys.data(), scratch.values.data(), n, D, scale_, scratch.scores.data(),
-           out + static_cast<std::size_t>(k) * D);
+    rotate_into(inputs_.q_at(layer, row[t], head), cos_sin(view.query_position), d, rotary_, rope_.layout,
+                scratch.query.data());
+    const double* sink_logit =
+        attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
+    attend(scratch.query.data(), scratch.keys.data(), scratch.values.data(), n, D, scale_, sink_logit,
+           scratch.scores.data(), out + static_cast<std::size_t>(k) * D);
   }
 }
 

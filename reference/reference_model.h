@@ -49,7 +49,8 @@ struct RowRetained {
 class ReferenceModel {
  public:
   // `scale` is the softmax scale; `inputs` must hold every uid the run will create.
-  ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale, const InputTable& inputs);
+  ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale, const InputTable& inputs,
+                 const Attention& attention = {});
 
   // counts[b] new tokens for row b (left-padded to the longest); size must equal batch().
   AppendResult append(const std::vector<std::int64_t>& counts);
@@ -74,19 +75,22 @@ class ReferenceModel {
   struct Scratch;
   void attend_group(int layer, int group, const std::vector<std::uint64_t>& row, std::int64_t t, const QueryView& view,
                     Scratch& scratch, double* out) const;
-  // cos and sin of every pair at position p (the table grows to the largest position seen).
+  // m cos and m sin of every rotated pair at position p (the table grows to the largest
+  // position seen): R/2 cosines, then R/2 sines.
   const double* cos_sin(std::int64_t position) const;
   void ensure_positions(std::int64_t largest);
 
   Dims dims_;
   Rope rope_;
   Policy policy_;
+  Attention attention_;
   double scale_;
   const InputTable& inputs_;
   std::vector<std::vector<std::uint64_t>> histories_;  // per row, uid of token index t
   std::uint64_t next_uid_ = 0;
   int threads_;
-  std::vector<double> cos_sin_;  // [position][cos of each pair, then sin of each pair]
+  int rotary_;                   // R
+  std::vector<double> cos_sin_;  // [position][m cos of each pair, then m sin of each pair]
   std::int64_t positions_ = 0;
 };
 

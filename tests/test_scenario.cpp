@@ -1,6 +1,7 @@
 // Scenario validation: every error names the file, the JSON path and what was expected.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 
 #include "tools/harness/scenario.h"
@@ -181,4 +182,70 @@ TEST(ScenarioValidation, DecodeExpandsIntoSingleTokenAppends) {
   EXPECT_EQ(s.steps[4].tokens, (std::vector<std::int64_t>{1, 1}));
   EXPECT_EQ(s.steps[4].source_index, 1);
   EXPECT_EQ(kvcheck::count_uids(s), 2 * 3 + 2 * 4);
+}
+
+namespace {
+std::string with_extra(const std::string& extra) {
+  return scenario(R"({"layers": 1, "batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 8})",
+                  R"({"type": "sink", "sinks": 2, "window": 8})", R"([{"op": "append", "tokens": 5}])", extra);
+}
+std::string with_rope(const std::string& rope) { return with_extra(R"(, "rope": )" + rope); }
+std::string with_attention(const std::string& attention) { return with_extra(R"(, "attention": )" + attention); }
+}  // namespace
+
+TEST(ScenarioValidation, RopeScalingPastedFromAConfigJson) {
+  // Llama 3.1 8B's rope_scaling exactly as its config.json writes it.
+  const auto llama = parse_scenario(
+      with_rope(R"({"theta": 500000, "scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}})"),
+      "s.json");
+  EXPECT_EQ(llama.rope.scaling, kvcheck::RopeScaling::llama3);
+  EXPECT_EQ(llama.rope.factor, 8.0);
+  EXPECT_EQ(llama.rope.original_max_position_embeddings, 8192.0);
+  // Qwen 2.5's older spelling ("type"); the attention factor defaults to 0.1 ln f + 1.
+  const auto qwen = parse_scenario(
+      with_rope(R"({"scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}})"), "s.json");
+  EXPECT_EQ(qwen.rope.scaling, kvcheck::RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(qwen.rope.attention_factor, 0.1 * std::log(4.0) + 1.0);
+  EXPECT_EQ(qwen.rope.beta_fast, 32.0);
+  EXPECT_EQ(qwen.rope.beta_slow, 1.0);
+}
+
+TEST(ScenarioValidation, RopeVariantErrorsNameTheFieldAndWhatWasExpected) {
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "dynamic", "factor": 2}})")),
+            "s.json: /rope/scaling/rope_type: expected one of default, linear, llama3, yarn, got \"dynamic\"");
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "llama3", "factor": 8, "high_freq_factor": 4,
+                                  "original_max_position_embeddings": 8192}})")),
+            "s.json: /rope/scaling/low_freq_factor: missing required field");
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                                  "high_freq_factor": 1, "original_max_position_embeddings": 8192}})")),
+            "s.json: /rope/scaling/high_freq_factor: expected high_freq_factor > low_freq_factor (4), got 1");
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "yarn", "factor": 4}})")),
+            "s.json: /rope/scaling/original_max_position_embeddings: missing required field (a config.json without "
+            "it uses the model's max_position_embeddings: copy that value here)");
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "yarn", "factor": 32,
+                                  "original_max_position_embeddings": 4096, "truncate": false}})")),
+            "s.json: /rope/scaling/truncate: only \"truncate\": true is supported (SPEC 7 rounds the correction range "
+            "to whole dims)");
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "linear", "factor": 2, "beta_fast": 32}})")),
+            "s.json: /rope/scaling/beta_fast: \"beta_fast\" belongs to llama3 or yarn scaling, not linear");
+  EXPECT_EQ(error_of(with_rope(R"({"factor": 2, "scaling": {"rope_type": "linear", "factor": 2}})")),
+            "s.json: /rope/factor: give the factor inside \"scaling\" when scaling is an object");
+  EXPECT_EQ(error_of(with_rope(R"({"rotary_dim": 5})")), "s.json: /rope/rotary_dim: expected an even rotary_dim, got 5");
+  EXPECT_EQ(error_of(with_rope(R"({"rotary_dim": 16})")),
+            "s.json: /rope/rotary_dim: expected an integer <= 8, got 16");
+}
+
+TEST(ScenarioValidation, LearnedSinkLogitsOnePerQueryHeadOrPerLayer) {
+  const auto one = parse_scenario(with_attention(R"({"sink_logits": [0.5, 1, -2, 3]})"), "s.json");
+  ASSERT_EQ(one.attention.sink_logits.size(), 1u);  // one layer
+  EXPECT_EQ(one.attention.sink_logits[0][3], 3.0);
+  EXPECT_EQ(error_of(with_attention(R"({"sink_logits": [0.5, 1]})")),
+            "s.json: /attention/sink_logits: expected a list of 4 numbers (one per query head), got [0.5,1]");
+  EXPECT_EQ(error_of(with_attention(R"({"sink_logits": [[0.5, 1, 2, 3], [1, 2, 3, 4]]})")),
+            "s.json: /attention/sink_logits: expected one list per layer (1), got 2");
+  EXPECT_EQ(error_of(with_attention(R"({"sink_logits": [0.5, "1", 2, 3]})")),
+            "s.json: /attention/sink_logits/1: expected a finite number, got \"1\"");
+  EXPECT_EQ(error_of(with_attention(R"({"sinks": [1, 2, 3, 4]})")),
+            "s.json: /attention/sinks: unknown key \"sinks\" (expected one of: sink_logits)");
 }

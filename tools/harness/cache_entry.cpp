@@ -21,6 +21,19 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.rope.theta = s.rope.theta;
   c.rope.layout = s.rope.layout == RopeLayout::half ? PairLayout::half : PairLayout::interleaved;
   c.rope.position_divisor = s.rope.scaling == RopeScaling::linear ? s.rope.factor : 1.0;
+  c.rope.rotary_dim = s.rope.rotary_dim;
+  c.rope.map = s.rope.scaling == RopeScaling::llama3 ? optimized::FrequencyMap::llama3
+               : s.rope.scaling == RopeScaling::yarn ? optimized::FrequencyMap::yarn
+                                                     : optimized::FrequencyMap::plain;
+  c.rope.factor = s.rope.factor;
+  c.rope.low_freq_factor = s.rope.low_freq_factor;
+  c.rope.high_freq_factor = s.rope.high_freq_factor;
+  c.rope.original_context = s.rope.original_max_position_embeddings;
+  c.rope.beta_fast = s.rope.beta_fast;
+  c.rope.beta_slow = s.rope.beta_slow;
+  c.rope.magnitude = s.rope.scaling == RopeScaling::yarn ? s.rope.attention_factor : 1.0;
+  for (const std::vector<double>& layer : s.attention.sink_logits)
+    c.sink_logits.emplace_back(layer.begin(), layer.end());
   c.softmax_scale = static_cast<float>(s.softmax_scale());
   c.window = s.policy.window;
   c.sinks = s.policy.sinks;

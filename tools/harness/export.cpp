@@ -24,9 +24,23 @@ json dims_json(const Dims& d) {
       {"layers", d.layers}, {"batch", d.batch}, {"heads", d.heads}, {"kv_heads", d.kv_heads}, {"head_dim", d.head_dim}};
 }
 
+// The rope as the reference resolved it: every parameter, defaults and yarn's derived
+// attention factor included, so an implementation needs nothing else.
 json rope_json(const Rope& r) {
   json j = {{"theta", r.theta}, {"layout", to_string(r.layout)}, {"scaling", to_string(r.scaling)}};
-  if (r.scaling == RopeScaling::linear) j["factor"] = r.factor;
+  if (r.rotary_dim > 0) j["rotary_dim"] = r.rotary_dim;
+  if (r.scaling != RopeScaling::none) j["factor"] = r.factor;
+  if (r.scaling == RopeScaling::llama3) {
+    j["low_freq_factor"] = r.low_freq_factor;
+    j["high_freq_factor"] = r.high_freq_factor;
+  }
+  if (r.scaling == RopeScaling::llama3 || r.scaling == RopeScaling::yarn)
+    j["original_max_position_embeddings"] = r.original_max_position_embeddings;
+  if (r.scaling == RopeScaling::yarn) {
+    j["beta_fast"] = r.beta_fast;
+    j["beta_slow"] = r.beta_slow;
+    j["attention_factor"] = r.attention_factor;
+  }
   return j;
 }
 
@@ -117,7 +131,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     steps.push_back(step);
   }
 
-  const json manifest = {{"format", "kvcheck-export-1"},
+  json manifest = {{"format", "kvcheck-export-1"},
                          {"name", s.name},
                          {"description", s.description},
                          {"scenario", json::parse(s.source_json)},
@@ -128,6 +142,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                          {"uids", inputs.uids},
                          {"inputs", {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}}},
                          {"steps", steps}};
+  if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
   write_file_atomically(dir.path() / "manifest.json", manifest.dump(1) + "\n");
   dir.commit();
 }

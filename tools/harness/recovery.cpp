@@ -6,6 +6,8 @@
 #include <cmath>
 #include <vector>
 
+#include "reference/rope.h"
+
 namespace kvcheck {
 namespace {
 
@@ -27,29 +29,36 @@ struct Pair {
 
 enum class Measured { rotation, length_changed, zero_key };
 
-// The measured rotation of each pair. A rotation keeps every pair's length.
+// Angle per position of pair i: what rope_angle gives at position 1.
+double omega(int pair, int d, const Rope& rope) {
+  const double divisor = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
+  return reference::inverse_frequency(pair, d, rope) / divisor;
+}
+
+// The measured rotation of each rotated pair. A rotation by m R(p) multiplies every pair's
+// length by m (yarn's attention factor, 1 otherwise) and leaves the dims past R alone.
 Measured measure(const float* raw, const float* stored, int d, const Rope& rope, double roundoff,
                  std::vector<Pair>& pairs) {
   pairs.clear();
-  const int half = d / 2;
+  const int rotary = reference::rotary_dim(d, rope), half = rotary / 2;
+  const double m = reference::rope_magnitude(rope);
   double longest = 0.0;
   // A stored element is off by up to `roundoff` of the key's largest element; float32
   // keys re-rotated many times drift further, hence the floor.
   double largest = 0.0;
   for (int i = 0; i < d; ++i) largest = std::max(largest, std::abs(static_cast<double>(raw[i])));
   const double noise = std::max(1e-4 * std::max(1.0, largest), 8.0 * roundoff * largest);
+  for (int i = rotary; i < d; ++i)
+    if (std::abs(static_cast<double>(stored[i]) - raw[i]) > noise) return Measured::length_changed;
   for (int i = 0; i < half; ++i) {
-    const int ia = rope.layout == RopeLayout::half ? i : 2 * i;
-    const int ib = rope.layout == RopeLayout::half ? i + half : 2 * i + 1;
-    const double ra = raw[ia], rb = raw[ib], sa = stored[ia], sb = stored[ib];
+    const int ia = reference::pair_first(i, rope.layout), ib = reference::pair_second(i, rotary, rope.layout);
+    const double ra = raw[ia], rb = raw[ib], sa = stored[ia] / m, sb = stored[ib] / m;
     const double rn = std::hypot(ra, rb), sn = std::hypot(sa, sb);
     if (std::abs(rn - sn) > std::max(1e-4 * std::max(1.0, rn), 8.0 * roundoff * largest))
       return Measured::length_changed;
-    const double divisor = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
-    const double omega = std::pow(rope.theta, -2.0 * i / d) / divisor;
     double angle = std::atan2(ra * sb - rb * sa, ra * sa + rb * sb);
     if (angle < 0) angle += kTwoPi;
-    pairs.push_back({omega, angle, rn, 0.0});
+    pairs.push_back({omega(i, d, rope), angle, rn, 0.0});
     longest = std::max(longest, rn);
   }
   // Pairs far shorter than the key measure their angle from rounding noise: leave them
@@ -128,8 +137,10 @@ RecoveredPosition recover_with(const float* raw, const float* stored, int d, con
 }  // namespace
 
 double lowest_frequency_period(int head_dim, const Rope& rope) {
-  const double divisor = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
-  return kTwoPi / (std::pow(rope.theta, -2.0 * (head_dim / 2 - 1) / head_dim) / divisor);
+  const int pairs = reference::rotary_dim(head_dim, rope) / 2;
+  double lowest = omega(0, head_dim, rope);
+  for (int i = 1; i < pairs; ++i) lowest = std::min(lowest, omega(i, head_dim, rope));
+  return kTwoPi / lowest;
 }
 
 RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope,

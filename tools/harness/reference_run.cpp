@@ -55,7 +55,7 @@ struct ReferenceStepper::State {
 
 ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs)
     : scenario_(s),
-      state_(new State{reference::ReferenceModel(s.dims, s.rope, s.policy, s.softmax_scale(), inputs), {}}) {}
+      state_(new State{reference::ReferenceModel(s.dims, s.rope, s.policy, s.softmax_scale(), inputs, s.attention), {}}) {}
 
 ReferenceStepper::~ReferenceStepper() = default;
 

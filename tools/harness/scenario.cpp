@@ -141,23 +141,137 @@ Dims parse_dims(const Reader& r, const json& j) {
   return d;
 }
 
-Rope parse_rope(const Reader& r, const json& j) {
+// `rope.scaling` as a checkpoint's config.json writes `rope_scaling` (SPEC 7), so one can
+// be pasted: {"rope_type" (or "type"): "linear" | "llama3" | "yarn", "factor": f, ...}.
+void parse_scaling_object(const Reader& r, const json& j, const std::string& p, Rope& rope) {
+  r.object(j, p,
+           {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+            "beta_fast", "beta_slow", "attention_factor", "truncate", "mscale", "mscale_all_dim"});
+  if (j.contains("rope_type") && j.contains("type")) r.fail(p + "/type", "give \"rope_type\" or \"type\", not both");
+  const char* type_key = j.contains("type") ? "type" : "rope_type";
+  const std::string type =
+      r.choice(r.field(j, p, type_key), p + "/" + type_key, {"default", "linear", "llama3", "yarn"});
+  auto only_for = [&](std::initializer_list<const char*> keys, const char* types) {
+    for (const char* key : keys)
+      if (j.contains(key)) r.fail(p + "/" + key, fmt::format("\"{}\" belongs to {} scaling, not {}", key, types, type));
+  };
+  if (type == "default") {
+    only_for({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "attention_factor", "truncate", "mscale", "mscale_all_dim"},
+             "another");
+    rope.scaling = RopeScaling::none;
+    return;
+  }
+  rope.factor = r.number(r.field(j, p, "factor"), p + "/factor", false);
+  if (type == "linear") {
+    only_for({"low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+              "attention_factor", "truncate", "mscale", "mscale_all_dim"},
+             "llama3 or yarn");
+    rope.scaling = RopeScaling::linear;
+    return;
+  }
+  auto original_length = [&] {
+    if (!j.contains("original_max_position_embeddings"))
+      r.fail(p + "/original_max_position_embeddings",
+             "missing required field (a config.json without it uses the model's max_position_embeddings: copy "
+             "that value here)");
+    return r.number(j["original_max_position_embeddings"], p + "/original_max_position_embeddings", false);
+  };
+  if (type == "llama3") {
+    only_for({"beta_fast", "beta_slow", "attention_factor", "truncate", "mscale", "mscale_all_dim"}, "yarn");
+    rope.scaling = RopeScaling::llama3;
+    rope.low_freq_factor = r.number(r.field(j, p, "low_freq_factor"), p + "/low_freq_factor", false);
+    rope.high_freq_factor = r.number(r.field(j, p, "high_freq_factor"), p + "/high_freq_factor", false);
+    if (rope.high_freq_factor <= rope.low_freq_factor)
+      r.fail(p + "/high_freq_factor", fmt::format("expected high_freq_factor > low_freq_factor ({}), got {}",
+                                                  rope.low_freq_factor, rope.high_freq_factor));
+    rope.original_max_position_embeddings = original_length();
+    return;
+  }
+  only_for({"low_freq_factor", "high_freq_factor"}, "llama3");
+  // DeepSeek's variant and transformers' unrounded correction range are not in SPEC 7 yet:
+  // refuse them rather than compute something else.
+  for (const char* key : {"mscale", "mscale_all_dim"})
+    if (j.contains(key))
+      r.fail(p + "/" + key, fmt::format("\"{}\" (DeepSeek's yarn magnitude) is not supported; give "
+                                        "\"attention_factor\" instead",
+                                        key));
+  if (j.contains("truncate") && !(j["truncate"].is_boolean() && j["truncate"].get<bool>()))
+    r.fail(p + "/truncate", "only \"truncate\": true is supported (SPEC 7 rounds the correction range to whole dims)");
+  rope.scaling = RopeScaling::yarn;
+  rope.original_max_position_embeddings = original_length();
+  if (j.contains("beta_fast")) rope.beta_fast = r.number(j["beta_fast"], p + "/beta_fast", false);
+  if (j.contains("beta_slow")) rope.beta_slow = r.number(j["beta_slow"], p + "/beta_slow", false);
+  if (rope.beta_slow >= rope.beta_fast)
+    r.fail(p + "/beta_slow",
+           fmt::format("expected beta_slow < beta_fast ({}), got {}", rope.beta_fast, rope.beta_slow));
+  rope.attention_factor = j.contains("attention_factor")
+                              ? r.number(j["attention_factor"], p + "/attention_factor", false)
+                              : (rope.factor > 1.0 ? 0.1 * std::log(rope.factor) + 1.0 : 1.0);
+}
+
+Rope parse_rope(const Reader& r, const json& j, int head_dim) {
   const std::string p = "/rope";
-  r.object(j, p, {"theta", "layout", "scaling", "factor"});
+  r.object(j, p, {"theta", "layout", "scaling", "factor", "rotary_dim"});
   Rope rope;
   if (j.contains("theta")) rope.theta = r.number(j["theta"], p + "/theta", false);
   if (j.contains("layout"))
     rope.layout = r.choice(j["layout"], p + "/layout", {"half", "interleaved"}) == "half" ? RopeLayout::half
                                                                                           : RopeLayout::interleaved;
-  if (j.contains("scaling"))
-    rope.scaling =
-        r.choice(j["scaling"], p + "/scaling", {"none", "linear"}) == "none" ? RopeScaling::none : RopeScaling::linear;
-  if (rope.scaling == RopeScaling::linear) {
-    rope.factor = r.number(r.field(j, p, "factor"), p + "/factor", false);
-  } else if (j.contains("factor")) {
-    r.fail(p + "/factor", "a factor needs \"scaling\": \"linear\"");
+  if (j.contains("scaling") && j["scaling"].is_object()) {
+    if (j.contains("factor"))
+      r.fail(p + "/factor", "give the factor inside \"scaling\" when scaling is an object");
+    parse_scaling_object(r, j["scaling"], p + "/scaling", rope);
+  } else {
+    if (j.contains("scaling") && !j["scaling"].is_string())
+      r.fail(p + "/scaling", "expected \"none\", \"linear\" or an object like a config.json's rope_scaling, got " +
+                                 describe(j["scaling"]));
+    if (j.contains("scaling"))
+      rope.scaling = r.choice(j["scaling"], p + "/scaling", {"none", "linear"}) == "none" ? RopeScaling::none
+                                                                                          : RopeScaling::linear;
+    if (rope.scaling == RopeScaling::linear) {
+      rope.factor = r.number(r.field(j, p, "factor"), p + "/factor", false);
+    } else if (j.contains("factor")) {
+      r.fail(p + "/factor", "a factor needs \"scaling\": \"linear\"");
+    }
+  }
+  if (j.contains("rotary_dim")) {
+    rope.rotary_dim = static_cast<int>(r.integer(j["rotary_dim"], p + "/rotary_dim", 2, head_dim));
+    if (rope.rotary_dim % 2 != 0)
+      r.fail(p + "/rotary_dim", fmt::format("expected an even rotary_dim, got {}", rope.rotary_dim));
   }
   return rope;
+}
+
+// SPEC 7: "sink_logits": one finite number per query head, or per layer a list of them.
+Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
+  const std::string p = "/attention";
+  r.object(j, p, {"sink_logits"});
+  Attention a;
+  if (!j.contains("sink_logits")) return a;
+  const json& s = j["sink_logits"];
+  const std::string sp = p + "/sink_logits";
+  auto heads = [&](const json& list, const std::string& lp) {
+    if (!list.is_array() || list.size() != static_cast<std::size_t>(dims.heads))
+      r.fail(lp, fmt::format("expected a list of {} numbers (one per query head), got {}", dims.heads, describe(list)));
+    std::vector<double> out;
+    for (std::size_t h = 0; h < list.size(); ++h) {
+      const json& x = list[h];
+      if (!x.is_number() || !std::isfinite(x.get<double>()))
+        r.fail(lp + "/" + std::to_string(h), "expected a finite number, got " + describe(x));
+      out.push_back(x.get<double>());
+    }
+    return out;
+  };
+  if (!s.is_array() || s.empty()) r.fail(sp, "expected a list, got " + describe(s));
+  if (s[0].is_array()) {
+    if (s.size() != static_cast<std::size_t>(dims.layers))
+      r.fail(sp, fmt::format("expected one list per layer ({}), got {}", dims.layers, s.size()));
+    for (std::size_t l = 0; l < s.size(); ++l) a.sink_logits.push_back(heads(s[l], sp + "/" + std::to_string(l)));
+  } else {
+    a.sink_logits.assign(static_cast<std::size_t>(dims.layers), heads(s, sp));
+  }
+  return a;
 }
 
 Policy parse_policy(const Reader& r, const json& j) {
@@ -461,7 +575,8 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   const Reader r(file);
   const json j = parse_json(text, file);
   r.object(j, "",
-           {"name", "description", "dimensions", "rope", "policy", "seed", "inputs", "steps", "tolerance", "scale"});
+           {"name", "description", "dimensions", "rope", "attention", "policy", "seed", "inputs", "steps", "tolerance",
+            "scale"});
   Scenario s;
   s.file = file;
   s.source_json = j.dump(2);
@@ -472,7 +587,8 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     r.fail("/name", "expected letters, digits, '_', '-' or '.', not starting with '.' (the name names output folders)");
   if (j.contains("description")) s.description = r.string(j["description"], "/description");
   s.dims = parse_dims(r, r.field(j, "", "dimensions"));
-  if (j.contains("rope")) s.rope = parse_rope(r, j["rope"]);
+  if (j.contains("rope")) s.rope = parse_rope(r, j["rope"], s.dims.head_dim);
+  if (j.contains("attention")) s.attention = parse_attention(r, j["attention"], s.dims);
   s.policy = parse_policy(r, r.field(j, "", "policy"));
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);

@@ -53,6 +53,7 @@ struct Scenario {
   std::string source_json;  // the scenario as written, echoed into manifests
   Dims dims;
   Rope rope;
+  Attention attention;  // learned sink logits (SPEC 7)
   Policy policy;
   std::optional<double> scale;  // softmax scale; 1/sqrt(D) when absent
   InputSource inputs;

@@ -81,26 +81,34 @@ double rotation_tolerance(const float* raw, int d, double roundoff) {
 // a bound; positions beyond it are rotated the slow way.
 class RotationCheck {
  public:
-  RotationCheck(int head_dim, const Rope& rope, std::int64_t bound) : d_(head_dim), rope_(rope), bound_(bound) {}
+  RotationCheck(int head_dim, const Rope& rope, std::int64_t bound)
+      : d_(head_dim),
+        rotary_(reference::rotary_dim(head_dim, rope)),
+        inverse_magnitude_(1.0 / reference::rope_magnitude(rope)),
+        rope_(rope),
+        bound_(bound) {}
 
   double error(const float* stored, const float* raw, std::int64_t position) {
     if (position < 0 || position > bound_) return slow(stored, raw, position);
-    const int half = d_ / 2;
+    const int half = rotary_ / 2;
     for (; rows_ <= position; ++rows_)
       for (int i = 0; i < half; ++i) {
         const double angle = reference::rope_angle(i, d_, static_cast<double>(rows_), rope_);
-        table_.push_back(std::cos(angle));
-        table_.push_back(std::sin(angle));
+        table_.push_back(std::cos(angle) * inverse_magnitude_);
+        table_.push_back(std::sin(angle) * inverse_magnitude_);
       }
-    const double* cs = table_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(d_);
+    const double* cs = table_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(rotary_);
     double worst = 0.0;
     for (int i = 0; i < half; ++i) {
-      const int ia = rope_.layout == RopeLayout::half ? i : 2 * i;
-      const int ib = rope_.layout == RopeLayout::half ? i + half : 2 * i + 1;
+      const int ia = reference::pair_first(i, rope_.layout), ib = reference::pair_second(i, rotary_, rope_.layout);
       const double c = cs[2 * i], s = cs[2 * i + 1], a = stored[ia], b = stored[ib];
-      // R(-p): (a cos + b sin, -a sin + b cos).
+      // R(-p) / m: (a cos + b sin, -a sin + b cos) / m.
       worst = std::max({worst, std::abs(a * c + b * s - raw[ia]), std::abs(-a * s + b * c - raw[ib])});
       if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::infinity();
+    }
+    for (int i = rotary_; i < d_; ++i) {  // dims past R are stored as they came
+      const double e = std::abs(static_cast<double>(stored[i]) - raw[i]);
+      worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
     }
     return worst;
   }
@@ -108,7 +116,7 @@ class RotationCheck {
  private:
   double slow(const float* stored, const float* raw, std::int64_t position) const {
     const auto back =
-        reference::rotate(std::vector<double>(stored, stored + d_), -static_cast<double>(position), rope_);
+        reference::unrotate(std::vector<double>(stored, stored + d_), static_cast<double>(position), rope_);
     double worst = 0.0;
     for (int i = 0; i < d_; ++i) {
       const double e = std::abs(back[i] - raw[i]);
@@ -117,7 +125,8 @@ class RotationCheck {
     return worst;
   }
 
-  int d_;
+  int d_, rotary_;
+  double inverse_magnitude_;
   Rope rope_;
   std::int64_t bound_;
   std::int64_t rows_ = 0;

@@ -96,7 +96,7 @@ class FaultyCache : public KvCache {
 
   void rotate_stored(int b, std::int64_t slot, std::int64_t by) {
     for (int l = 0; l < store_.layers(); ++l)
-      for (int g = 0; g < store_.kv_heads(); ++g) rope_.rotate(store_.key(l, b, g, slot), by);
+      for (int g = 0; g < store_.kv_heads(); ++g) rope_.shift(store_.key(l, b, g, slot), by);
   }
 
   void shift_to(int b, std::int64_t e) {
