@@ -59,6 +59,14 @@ const char* class_name(BugClass c) {
       return "positions wrong";
     case BugClass::output_mismatch_positions_correct:
       return "output mismatch with positions correct";
+    case BugClass::wrong_frequency_map:
+      return "rope frequency map wrong";
+    case BugClass::wrong_rotary_dim:
+      return "rotary dims wrong";
+    case BugClass::attention_factor_wrong:
+      return "yarn attention factor wrong";
+    case BugClass::learned_sinks_dropped:
+      return "learned sinks dropped";
   }
   return "?";
 }
@@ -136,6 +144,19 @@ const char* class_explanation(BugClass c) {
              "token early (< where <= belongs).";
     case BugClass::positions_wrong:
       return "Relative distances differ from the policy's: look at how query and key positions are derived.";
+    case BugClass::wrong_frequency_map:
+      return "Stored keys are rotations at the right positions under another frequency map (llama3, yarn, "
+             "linear or none): the cache built its cos/sin table from the wrong rope_scaling, e.g. llama3 read as "
+             "plain linear scaling, which slows the high frequencies too.";
+    case BugClass::wrong_rotary_dim:
+      return "Stored keys are rotated over another number of dims than rotary_dim: partial rotary (Phi, "
+             "GPT-NeoX, GLM) applied to the whole head, or the frequencies taken over head_dim instead of R.";
+    case BugClass::attention_factor_wrong:
+      return "Stored keys have the right rotation but the wrong length: yarn's attention factor m multiplies "
+             "cos and sin for q and k alike; it is missing on the keys (applied to q only) or applied twice.";
+    case BugClass::learned_sinks_dropped:
+      return "Positions and visible tokens are right and the outputs equal the attention without the learned "
+             "sink logits: the per-head sink (gpt-oss) was left out of the softmax, or confused with sink tokens.";
     case BugClass::output_mismatch_positions_correct:
       return "Every position and visible token is right but the outputs differ: the attention arithmetic "
              "(scale, softmax, GQA head mapping, value copy) is wrong, or the tolerance is too tight.";
@@ -212,8 +233,21 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // What the tensors say about rotations.
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation) continue;
-    if (i.fits.kind == OtherRope::Kind::layout) return BugClass::wrong_rope_layout;
-    if (i.fits.kind != OtherRope::Kind::none) return BugClass::wrong_rope_theta_or_scaling;
+    switch (i.fits.kind) {
+      case OtherRope::Kind::none:
+        continue;
+      case OtherRope::Kind::layout:
+        return BugClass::wrong_rope_layout;
+      case OtherRope::Kind::frequency_map:
+        return BugClass::wrong_frequency_map;
+      case OtherRope::Kind::rotary_dim:
+        return BugClass::wrong_rotary_dim;
+      case OtherRope::Kind::magnitude:
+        return BugClass::attention_factor_wrong;
+      case OtherRope::Kind::theta:
+      case OtherRope::Kind::scaling:
+        return BugClass::wrong_rope_theta_or_scaling;
+    }
   }
   // Kept window keys moved back by the same amount while the policy has evicted nothing
   // yet: the shift fired before the cache was full.
@@ -298,6 +332,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (early) return BugClass::shift_one_token_early;
   if (!e.pairs.empty() || e.query_unreadable) return BugClass::positions_wrong;
   if (lost || extra) return BugClass::evicted_wrong_token;
+  if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
   return BugClass::output_mismatch_positions_correct;
 }
 

@@ -38,6 +38,10 @@ enum class BugClass {
   shift_one_token_early,
   positions_wrong,
   output_mismatch_positions_correct,
+  wrong_frequency_map,
+  wrong_rotary_dim,
+  attention_factor_wrong,
+  learned_sinks_dropped,
 };
 
 const char* class_name(BugClass c);
@@ -100,6 +104,8 @@ struct StepEvidence {
   bool wrong_row_count = false;          // the cache holds another number of rows than the reference
   bool query_unreadable = false;         // a trace's rotated query is no rotation of its raw query
   bool unrecorded = false;               // a trace left out an append step without saying why
+  bool learned_sinks_tested = false;     // the first output mismatch was recomputed without learned sinks
+  bool outputs_fit_without_learned_sinks = false;  // ... and it matched: the cache dropped them
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
            pairs.empty() && slots.empty();

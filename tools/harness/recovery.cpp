@@ -154,6 +154,43 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
     std::string name;
   };
   std::vector<Guess> guesses;
+  const bool mapped = rope.scaling == RopeScaling::llama3 || rope.scaling == RopeScaling::yarn;
+  // SPEC 7's variants first: the mistakes made with them are the likelier ones.
+  if (mapped) {
+    for (const bool linear : {true, false}) {
+      Rope plain = rope;
+      plain.scaling = linear ? RopeScaling::linear : RopeScaling::none;
+      guesses.push_back({plain, OtherRope::Kind::frequency_map,
+                         linear ? fmt::format("linear scaling {:g} instead of {}", rope.factor, to_string(rope.scaling))
+                                : fmt::format("no scaling instead of {}", to_string(rope.scaling))});
+    }
+  } else {
+    Rope llama3 = rope;  // Llama 3.1's config
+    llama3.scaling = RopeScaling::llama3;
+    llama3.factor = 8.0;
+    llama3.low_freq_factor = 1.0;
+    llama3.high_freq_factor = 4.0;
+    llama3.original_max_position_embeddings = 8192.0;
+    guesses.push_back({llama3, OtherRope::Kind::frequency_map, "llama3 scaling (factor 8, Llama 3.1)"});
+  }
+  if (rope.scaling == RopeScaling::yarn) {
+    for (const double m : {1.0, rope.attention_factor * rope.attention_factor}) {
+      Rope magnitude = rope;
+      magnitude.attention_factor = m;
+      guesses.push_back({magnitude, OtherRope::Kind::magnitude,
+                         m == 1.0 ? std::string("attention factor 1 (keys not scaled by yarn's m)")
+                                  : fmt::format("attention factor {:.6g} (m applied twice)", m)});
+    }
+  }
+  {
+    Rope dims = rope;
+    const bool partial = rope.rotary_dim > 0 && rope.rotary_dim < head_dim;
+    dims.rotary_dim = partial ? 0 : head_dim / 2 - (head_dim / 2) % 2;
+    if (dims.rotary_dim != 0 || partial)
+      guesses.push_back({dims, OtherRope::Kind::rotary_dim,
+                         partial ? fmt::format("rotary_dim {} (all dims rotated)", head_dim)
+                                 : fmt::format("rotary_dim {} (partial rotary)", dims.rotary_dim)});
+  }
   Rope other = rope;
   other.layout = rope.layout == RopeLayout::half ? RopeLayout::interleaved : RopeLayout::half;
   guesses.push_back({other, OtherRope::Kind::layout, fmt::format("layout {}", to_string(other.layout))});
@@ -165,7 +202,7 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
   }
   for (double factor : {1.0, 2.0, 4.0, 8.0}) {
     const double current = rope.scaling == RopeScaling::linear ? rope.factor : 1.0;
-    if (factor == current) continue;
+    if (factor == current || mapped) continue;
     Rope s = rope;
     s.scaling = factor == 1.0 ? RopeScaling::none : RopeScaling::linear;
     s.factor = factor;

@@ -13,8 +13,10 @@ namespace kvcheck {
 
 // A rope other than the declared one under which a key is a pure rotation.
 struct OtherRope {
-  enum class Kind { none, layout, theta, scaling } kind = Kind::none;
-  std::string name;  // "layout interleaved", "theta 500000", "linear scaling 4"
+  enum class Kind { none, layout, theta, scaling, frequency_map, rotary_dim, magnitude } kind = Kind::none;
+  // "layout interleaved", "theta 500000", "linear scaling 4", "linear scaling 8 instead of
+  // llama3", "rotary_dim 16 (all dims)", "attention factor 1 (keys not scaled)"
+  std::string name;
   std::int64_t position = 0;
   bool exact = false;
   std::string to_string() const;  // "layout interleaved at position 37" ("...37?" when ambiguous)

@@ -11,6 +11,7 @@
 
 #include "reference/policy.h"
 #include "reference/rope.h"
+#include "tools/harness/hypotheses.h"
 #include "tools/harness/progress.h"
 #include "tools/harness/recovery.h"
 
@@ -530,6 +531,7 @@ class StepChecker::Impl {
     const std::int64_t n = ref.chunk;
     const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
     outputs_seen_ = true;
+    std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < D; ++d) {
@@ -541,12 +543,27 @@ class StepChecker::Impl {
           sum_sq_ref_ += want * want;
           max_abs_ = std::max(max_abs_, std::isnan(err) ? std::numeric_limits<double>::infinity() : err);
           if (err <= tol.atol + tol.rtol * std::abs(want)) continue;
+          if (!first) first = {i, h};
           const auto& token = ref.rows[b][i];
           outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got {:.9g}",
                                     evidence.label, l, b, token.index, token.uid, h, d, want, got));
           if (evidence.outputs.size() < 64)
             evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
         }
+    // Learned sinks declared: does the output fit the same attention without them?
+    if (first && !s_.attention.sink_logits.empty() && !evidence.learned_sinks_tested) {
+      evidence.learned_sinks_tested = true;
+      const auto [i, h] = *first;
+      const std::vector<double> without =
+          output_without_learned_sinks(
+          s_, inputs_, std::span<const std::uint64_t>(rec.histories[b].begin(), rec.histories[b].size()), ref.rows[b][i],
+          l, h);
+      const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D;
+      bool fits = true;
+      for (int d = 0; d < D; ++d)
+        fits = fits && std::abs(out[at + d] - without[d]) <= tol.atol + tol.rtol * std::abs(without[d]);
+      evidence.outputs_fit_without_learned_sinks = fits;
+    }
   }
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as

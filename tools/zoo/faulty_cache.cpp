@@ -14,9 +14,11 @@ class FaultyCache : public KvCache {
       : config_(config),
         fault_(fault),
         rope_(rope_spec(config, fault)),
+        key_rope_(key_rope_spec(config, fault)),
         kernel_(config.threads),
         store_(config.layers, config.kv_heads, config.head_dim) {
     if (fault == Fault::window_off_by_one) ++config_.window;
+    if (fault == Fault::learned_sinks_dropped) config_.sink_logits.clear();
     store_.reset(config_.batch, config_.window + 1);
     rows_.assign(static_cast<std::size_t>(config_.batch), Row{});
   }
@@ -25,6 +27,7 @@ class FaultyCache : public KvCache {
     std::int64_t longest = 0;  // padding_as_positions may count a row's padding too
     for (int b = 0; b < batch(); ++b) longest = std::max(longest, rows_[b].length + chunk.length);
     rope_.cover(longest);
+    key_rope_.cover(longest);
     for (int b = 0; b < batch(); ++b) {
       const std::int64_t pad = chunk.length - chunk.counts[b];
       Row& row = rows_[b];
@@ -84,6 +87,17 @@ class FaultyCache : public KvCache {
     RopeSpec spec = c.rope;
     if (fault == Fault::layout_swapped)
       spec.layout = spec.layout == PairLayout::half ? PairLayout::interleaved : PairLayout::half;
+    if (fault == Fault::llama3_as_linear && spec.map == FrequencyMap::llama3) {
+      spec.map = FrequencyMap::plain;
+      spec.position_divisor = spec.factor;
+    }
+    if (fault == Fault::partial_rotates_all) spec.rotary_dim = 0;
+    return spec;
+  }
+  // Keys: the same rope, except where the fault leaves them without yarn's magnitude.
+  static RopeSpec key_rope_spec(const CacheConfig& c, Fault fault) {
+    RopeSpec spec = rope_spec(c, fault);
+    if (fault == Fault::yarn_factor_on_q_only) spec.magnitude = 1.0;
     return spec;
   }
 
@@ -96,7 +110,7 @@ class FaultyCache : public KvCache {
 
   void rotate_stored(int b, std::int64_t slot, std::int64_t by) {
     for (int l = 0; l < store_.layers(); ++l)
-      for (int g = 0; g < store_.kv_heads(); ++g) rope_.shift(store_.key(l, b, g, slot), by);
+      for (int g = 0; g < store_.kv_heads(); ++g) key_rope_.shift(store_.key(l, b, g, slot), by);
   }
 
   void shift_to(int b, std::int64_t e) {
@@ -143,7 +157,7 @@ class FaultyCache : public KvCache {
     const std::int64_t claimed = fault_ == Fault::new_key_not_shifted ? t : query;
     const std::int64_t slot = row.used;
     SlotMeta meta{chunk.uids[b * chunk.length + chunk_pos], t, claimed};
-    store_token(store_, rope_, chunk, b, chunk_pos, slot, {meta.uid, t, 0});
+    store_token(store_, key_rope_, chunk, b, chunk_pos, slot, {meta.uid, t, 0});
     rotate_stored(b, slot, rotation_of(claimed));
     store_.meta(b, slot) = meta;
 
@@ -169,7 +183,8 @@ class FaultyCache : public KvCache {
 
   CacheConfig config_;
   Fault fault_;
-  RopeTable rope_;
+  RopeTable rope_;      // queries
+  RopeTable key_rope_;  // keys
   AttentionKernel kernel_;
   SlotStore store_;
   std::vector<Row> rows_;

@@ -21,6 +21,10 @@ enum class Fault {
   shift_one_early,          // "still growing" tested with < : kept keys re-rotated one token early
   mask_past_cache,          // evicted slots are not cleared and the mask does not stop at the window
   drops_live_token,         // evicts right after the forward, one token more than the dead one
+  llama3_as_linear,         // llama3 rope_scaling read as plain linear: every frequency divided by f
+  partial_rotates_all,      // rotary_dim ignored: all head_dim dims rotated, frequencies over head_dim
+  yarn_factor_on_q_only,    // yarn's attention factor multiplies the query but not the stored keys
+  learned_sinks_dropped,    // the learned sink logits are left out of the softmax
 };
 
 std::unique_ptr<optimized::KvCache> make_faulty_cache(const optimized::CacheConfig& config, Fault fault);

@@ -88,6 +88,22 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    "evicts right after the forward (allowed for the dead token) and drops one token too many",
                    "caches that move eviction after the forward (StreamingLLM style) and count the window one short",
                    BugClass::dropped_live_token, {"sink_decode_through_windows"})),
+      mutant("llama3_as_linear", Fault::llama3_as_linear, sliding | sink,
+             "reads llama3 rope_scaling as plain linear scaling: the high frequencies are divided by 8 too",
+             "engines and converters that know linear scaling only and map every rope_scaling factor to it",
+             BugClass::wrong_frequency_map, {"llama31_sink_gqa", "llama31_sliding_gqa"}),
+      mutant("partial_rotates_all", Fault::partial_rotates_all, sliding | sink,
+             "ignores rotary_dim: rotates every dim of the head, with frequencies over head_dim",
+             "Phi and GPT-NeoX ports whose rotary embedding is applied to the whole head",
+             BugClass::wrong_rotary_dim, {"phi_partial_rotary_sink"}),
+      mutant("yarn_factor_on_q_only", Fault::yarn_factor_on_q_only, sliding | sink,
+             "multiplies the query by yarn's attention factor but stores the keys without it",
+             "yarn implementations that fold the attention factor into the query or the softmax scale on one side",
+             BugClass::attention_factor_wrong, {"gpt_oss_yarn_learned_sinks_sliding"}),
+      mutant("learned_sinks_dropped", Fault::learned_sinks_dropped, sliding | sink,
+             "leaves the learned sink logits out of the softmax",
+             "gpt-oss ports whose attention kernel has no sink term (and caches that confuse it with sink tokens)",
+             BugClass::learned_sinks_dropped, {"learned_sinks_sink_cache", "gpt_oss_yarn_learned_sinks_sliding"}),
   };
   return mutants;
 }

@@ -1,0 +1,20 @@
+// What the reference would have computed under a named mistake, to tell which one a cache
+// made when its outputs are off while every position is right.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "reference/reference_model.h"
+#include "tools/harness/scenario.h"
+
+namespace kvcheck {
+
+// The output of `token`'s query head `head` in `layer` with the learned sink logits left
+// out of the softmax (SPEC 7's sinks dropped), from the same visible keys and positions.
+std::vector<double> output_without_learned_sinks(const Scenario& scenario, const InputTable& inputs,
+                                                 std::span<const std::uint64_t> history,
+                                                 const reference::AppendedToken& token, int layer, int head);
+
+}  // namespace kvcheck
