@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <stdexcept>
 #include <xsimd/xsimd.hpp>
 
 #include "optimized/worker_pool.h"
@@ -128,6 +129,7 @@ struct AttentionKernel::Scratch {
   std::vector<float> acc;               // [query, head of the group, D]
   std::vector<float> totals;            // [query, head of the group]: softmax denominators
   std::vector<const float*> k, v;       // per slot, this layer and kv head
+  std::vector<float> k_rows, v_rows;    // [slot, D]: half-precision rows converted to float32
 
   // Room for M query vectors against n slots. Capacities are powers of two and every
   // participant is fitted before a run, whichever tasks it then takes: between two powers
@@ -138,6 +140,10 @@ struct AttentionKernel::Scratch {
     totals.reserve(std::bit_ceil(M));
     k.reserve(std::bit_ceil(n));
     v.reserve(std::bit_ceil(n));
+  }
+  void fit_converted(std::size_t n, std::size_t D) {
+    k_rows.reserve(std::bit_ceil(n * D));
+    v_rows.reserve(std::bit_ceil(n * D));
   }
 };
 
@@ -191,7 +197,11 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
     most_slots = std::max(most_slots, blocks_[b].slots.size());
     most_queries = std::max(most_queries, blocks_[b].count);
   }
-  for (Scratch& w : scratch_) w.fit(most_queries * G, most_slots, static_cast<std::size_t>(D));
+  const bool half = !sources.empty() && sources[0].store->storage() != Storage::float32;
+  for (Scratch& w : scratch_) {
+    w.fit(most_queries * G, most_slots, static_cast<std::size_t>(D));
+    if (half) w.fit_converted(most_slots, static_cast<std::size_t>(D));
+  }
 
   for (int layer = 0; layer < shape.layers; ++layer) {
     // One task: one block of queries against the keys and values of one kv head.
@@ -200,6 +210,8 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       const int g = t % shape.kv_heads;
       Scratch& w = scratch_[static_cast<std::size_t>(participant)];
       const std::size_t n = block.slots.size(), M = block.count * G;
+      // Every query sees at least its own token; none means the cache planned wrongly.
+      if (n == 0) throw std::logic_error("attention: a query block sees no slot at all");
       w.q_window.resize(M * D);
       w.q_sink.resize(M * D);
       w.scores.resize(M * n);
@@ -215,14 +227,31 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
           float* qs = w.q_sink.data() + (j * G + hh) * D;
           std::copy_n(raw, D, qw);
           rope.rotate(qw, pq.plan.query_position);
-          std::copy_n(raw, D, qs);
-          rope.rotate(qs, pq.plan.sink_query_position);
+          if (pq.plan.sink_query_position != pq.plan.query_position && pq.plan.sink_end > 0) {
+            std::copy_n(raw, D, qs);
+            rope.rotate(qs, pq.plan.sink_query_position);
+          } else {
+            std::copy_n(qw, D, qs);
+          }
         }
+      }
+      // Half-precision storage is converted to float32 rows once per task, then read as such.
+      const bool converted = !block.slots.empty() && block.slots[0].store->storage() != Storage::float32;
+      if (converted) {
+        w.k_rows.resize(n * D);
+        w.v_rows.resize(n * D);
       }
       for (std::size_t i = 0; i < n; ++i) {
         const VisibleSlot& x = block.slots[i];
-        w.k[i] = x.store->key(layer, x.row, g, x.slot);
-        w.v[i] = x.store->value(layer, x.row, g, x.slot);
+        if (converted) {
+          x.store->read_key(layer, x.row, g, x.slot, w.k_rows.data() + i * D);
+          x.store->read_value(layer, x.row, g, x.slot, w.v_rows.data() + i * D);
+          w.k[i] = w.k_rows.data() + i * D;
+          w.v[i] = w.v_rows.data() + i * D;
+        } else {
+          w.k[i] = static_cast<const float*>(x.store->key(layer, x.row, g, x.slot));
+          w.v[i] = static_cast<const float*>(x.store->value(layer, x.row, g, x.slot));
+        }
       }
 
       // Scores: each key row is read once from memory, whole and in order (the pattern memory

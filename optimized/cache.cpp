@@ -13,12 +13,14 @@ void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, in
                  std::int64_t slot, const SlotMeta& meta) {
   const int hkv = store.kv_heads(), d = store.head_dim();
   const std::size_t token = (static_cast<std::size_t>(row) * chunk.length + chunk_pos) * hkv;
+  thread_local std::vector<float> k;  // rotated in float32, rounded once when stored
+  k.resize(static_cast<std::size_t>(d));
   for (int l = 0; l < store.layers(); ++l)
     for (int g = 0; g < hkv; ++g) {
-      float* k = store.key(l, row, g, slot);
-      std::copy_n(chunk.k[l] + (token + g) * d, d, k);
-      rope.rotate(k, meta.position);
-      std::copy_n(chunk.v[l] + (token + g) * d, d, store.value(l, row, g, slot));
+      std::copy_n(chunk.k[l] + (token + g) * d, d, k.data());
+      rope.rotate(k.data(), meta.position);
+      store.write_key(l, row, g, slot, k.data());
+      store.write_value(l, row, g, slot, chunk.v[l] + (token + g) * d);
     }
   store.meta(row, slot) = meta;
 }

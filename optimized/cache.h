@@ -26,6 +26,7 @@ struct CacheConfig {
   bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
   std::int64_t capacity = 0;    // static: slots per row
   int threads = 1;              // attention threads (results do not depend on it)
+  Storage storage = Storage::float32;  // how keys and values are stored (SPEC 7, kv_dtype)
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
 };
 

@@ -13,7 +13,7 @@ DenseCache::DenseCache(const CacheConfig& config, Growth growth)
       growth_(growth),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim) {
+      store_(config.layers, config.kv_heads, config.head_dim, config.storage) {
   reset(config.batch);
 }
 

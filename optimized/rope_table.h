@@ -43,6 +43,9 @@ class RopeTable {
   void shift(float* x, std::int64_t by) const;
 
   const RopeSpec& spec() const { return spec_; }
+  // cos and sin of every rotated pair at a covered position (rotary_dim / 2 each).
+  const float* cos_at(std::int64_t position) const { return cos_.data() + position * (rotary_ / 2); }
+  const float* sin_at(std::int64_t position) const { return sin_.data() + position * (rotary_ / 2); }
   int rotary_dim() const { return rotary_; }
 
  private:

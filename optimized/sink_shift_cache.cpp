@@ -8,7 +8,8 @@ SinkShiftCache::SinkShiftCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim) {
+      store_(config.layers, config.kv_heads, config.head_dim, config.storage) {
+  turned_.resize(static_cast<std::size_t>(config.head_dim));
   reset(config.batch);
 }
 
@@ -21,7 +22,13 @@ void SinkShiftCache::shift_to(int b, std::int64_t evicted) {
     store_.move_slot(b, s, s - d);
     if (config_.shift_positions) {
       for (int l = 0; l < store_.layers(); ++l)
-        for (int g = 0; g < store_.kv_heads(); ++g) rope_.shift(store_.key(l, b, g, s - d), -d);
+        for (int g = 0; g < store_.kv_heads(); ++g) {
+          // Read, turn back by d, store again: float32 only (catalog), since every shift would
+          // round a half-precision key once more.
+          store_.read_key(l, b, g, s - d, turned_.data());
+          rope_.shift(turned_.data(), -d);
+          store_.write_key(l, b, g, s - d, turned_.data());
+        }
       store_.meta(b, s - d).position -= d;
     }
   }

@@ -35,6 +35,7 @@ class SinkShiftCache : public KvCache {
   RopeTable rope_;
   AttentionKernel kernel_;
   std::vector<PlannedQuery> plans_;  // reused from step to step
+  std::vector<float> turned_;        // one key being re-rotated
   SlotStore store_;
   std::vector<RowState> rows_;
 };

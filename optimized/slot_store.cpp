@@ -4,16 +4,16 @@
 
 namespace kvcheck::optimized {
 
-SlotStore::SlotStore(int layers, int kv_heads, int head_dim)
-    : layers_(layers), kv_heads_(kv_heads), head_dim_(head_dim), k_(layers), v_(layers) {}
+SlotStore::SlotStore(int layers, int kv_heads, int head_dim, Storage storage)
+    : layers_(layers), kv_heads_(kv_heads), head_dim_(head_dim), storage_(storage), k_(layers), v_(layers) {}
 
 void SlotStore::reset(int batch, std::int64_t capacity) {
   batch_ = batch;
   capacity_ = capacity;
-  const std::size_t floats = static_cast<std::size_t>(batch) * kv_heads_ * capacity * head_dim_;
+  const std::size_t bytes = static_cast<std::size_t>(batch) * kv_heads_ * capacity * row_bytes();
   for (int l = 0; l < layers_; ++l) {
-    k_[l].assign(floats, 0.0f);
-    v_[l].assign(floats, 0.0f);
+    k_[l].assign(bytes, std::byte{0});
+    v_[l].assign(bytes, std::byte{0});
   }
   meta_.assign(static_cast<std::size_t>(batch) * capacity, SlotMeta{});
 }
@@ -27,28 +27,28 @@ void SlotStore::make_empty(int batch, std::int64_t capacity) {
 
 void SlotStore::grow(std::int64_t capacity) {
   if (capacity <= capacity_) return;
-  SlotStore bigger(layers_, kv_heads_, head_dim_);
+  SlotStore bigger(layers_, kv_heads_, head_dim_, storage_);
   bigger.reset(batch_, capacity);
-  const std::size_t run = static_cast<std::size_t>(capacity_) * head_dim_;
+  const std::size_t run = static_cast<std::size_t>(capacity_) * row_bytes();
   for (int l = 0; l < layers_; ++l)
     for (int b = 0; b < batch_; ++b)
       for (int g = 0; g < kv_heads_; ++g) {
-        std::copy_n(key(l, b, g, 0), run, bigger.key(l, b, g, 0));
-        std::copy_n(value(l, b, g, 0), run, bigger.value(l, b, g, 0));
+        std::copy_n(at(k_, l, b, g, 0), run, bigger.at(bigger.k_, l, b, g, 0));
+        std::copy_n(at(v_, l, b, g, 0), run, bigger.at(bigger.v_, l, b, g, 0));
       }
   for (int b = 0; b < batch_; ++b) std::copy_n(row_meta(b), capacity_, &bigger.meta(b, 0));
   *this = std::move(bigger);
 }
 
 void SlotStore::gather_rows(const std::vector<int>& rows) {
-  SlotStore next(layers_, kv_heads_, head_dim_);
+  SlotStore next(layers_, kv_heads_, head_dim_, storage_);
   next.reset(static_cast<int>(rows.size()), capacity_);
-  const std::size_t run = static_cast<std::size_t>(capacity_) * head_dim_;
+  const std::size_t run = static_cast<std::size_t>(capacity_) * row_bytes();
   for (std::size_t b = 0; b < rows.size(); ++b) {
     for (int l = 0; l < layers_; ++l)
       for (int g = 0; g < kv_heads_; ++g) {
-        std::copy_n(key(l, rows[b], g, 0), run, next.key(l, static_cast<int>(b), g, 0));
-        std::copy_n(value(l, rows[b], g, 0), run, next.value(l, static_cast<int>(b), g, 0));
+        std::copy_n(at(k_, l, rows[b], g, 0), run, next.at(next.k_, l, static_cast<int>(b), g, 0));
+        std::copy_n(at(v_, l, rows[b], g, 0), run, next.at(next.v_, l, static_cast<int>(b), g, 0));
       }
     std::copy_n(row_meta(rows[b]), capacity_, &next.meta(static_cast<int>(b), 0));
   }
@@ -56,10 +56,12 @@ void SlotStore::gather_rows(const std::vector<int>& rows) {
 }
 
 void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to) {
+  // Both stores hold the same format (a cache makes its stores alike).
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(src.key(l, from_row, g, from_slot), head_dim_, key(l, row, g, to));
-      std::copy_n(src.value(l, from_row, g, from_slot), head_dim_, value(l, row, g, to));
+      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), row_bytes(), at(k_, l, row, g, to));
+      std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), row_bytes(),
+                  at(v_, l, row, g, to));
     }
   meta(row, to) = src.meta(from_row, from_slot);
 }
@@ -67,8 +69,8 @@ void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_
 void SlotStore::move_slot(int row, std::int64_t from, std::int64_t to) {
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(key(l, row, g, from), head_dim_, key(l, row, g, to));
-      std::copy_n(value(l, row, g, from), head_dim_, value(l, row, g, to));
+      std::copy_n(at(k_, l, row, g, from), row_bytes(), at(k_, l, row, g, to));
+      std::copy_n(at(v_, l, row, g, from), row_bytes(), at(v_, l, row, g, to));
     }
   meta(row, to) = meta(row, from);
 }

@@ -1,10 +1,14 @@
 // Cache storage shared by every optimized cache: per layer, keys and values laid out
 // [row][kv_head][slot][head_dim], so one head of one row is a contiguous run that a
-// decode step reads once; plus three integers of metadata per (row, slot).
+// decode step reads once; plus three integers of metadata per (row, slot). Elements are
+// float32, float16 or bfloat16 (SPEC 7, kv_dtype): written rounded, read converted.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "optimized/half.h"
 
 namespace kvcheck::optimized {
 
@@ -18,7 +22,7 @@ struct SlotMeta {
 class SlotStore {
  public:
   SlotStore() = default;
-  SlotStore(int layers, int kv_heads, int head_dim);
+  SlotStore(int layers, int kv_heads, int head_dim, Storage storage = Storage::float32);
 
   // Drops everything and makes `batch` rows of `capacity` empty slots.
   void reset(int batch, std::int64_t capacity);
@@ -35,14 +39,29 @@ class SlotStore {
   void move_slot(int row, std::int64_t from, std::int64_t to);
   void clear_slot(int row, std::int64_t slot) { meta(row, slot) = SlotMeta{}; }
 
-  float* key(int layer, int row, int kv_head, std::int64_t slot) { return at(k_, layer, row, kv_head, slot); }
-  float* value(int layer, int row, int kv_head, std::int64_t slot) { return at(v_, layer, row, kv_head, slot); }
-  const float* key(int layer, int row, int kv_head, std::int64_t slot) const {
-    return const_cast<SlotStore*>(this)->key(layer, row, kv_head, slot);
+  // A key or value as stored: head_dim elements in storage() format.
+  const void* key(int layer, int row, int kv_head, std::int64_t slot) const {
+    auto* self = const_cast<SlotStore*>(this);
+    return self->at(self->k_, layer, row, kv_head, slot);
   }
-  const float* value(int layer, int row, int kv_head, std::int64_t slot) const {
-    return const_cast<SlotStore*>(this)->value(layer, row, kv_head, slot);
+  const void* value(int layer, int row, int kv_head, std::int64_t slot) const {
+    auto* self = const_cast<SlotStore*>(this);
+    return self->at(self->v_, layer, row, kv_head, slot);
   }
+  // Writes head_dim floats, rounded to the storage format; reads them back as floats.
+  void write_key(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
+    encode(storage_, x, head_dim_, at(k_, layer, row, kv_head, slot));
+  }
+  void write_value(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
+    encode(storage_, x, head_dim_, at(v_, layer, row, kv_head, slot));
+  }
+  void read_key(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
+    decode(storage_, key(layer, row, kv_head, slot), head_dim_, x);
+  }
+  void read_value(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
+    decode(storage_, value(layer, row, kv_head, slot), head_dim_, x);
+  }
+  Storage storage() const { return storage_; }
   SlotMeta& meta(int row, std::int64_t slot) { return meta_[static_cast<std::size_t>(row) * capacity_ + slot]; }
   const SlotMeta& meta(int row, std::int64_t slot) const {
     return meta_[static_cast<std::size_t>(row) * capacity_ + slot];
@@ -56,13 +75,15 @@ class SlotStore {
   int head_dim() const { return head_dim_; }
 
  private:
-  float* at(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot) {
-    return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * head_dim_;
+  std::byte* at(std::vector<std::vector<std::byte>>& data, int layer, int row, int kv_head, std::int64_t slot) {
+    return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * row_bytes();
   }
+  std::size_t row_bytes() const { return static_cast<std::size_t>(head_dim_) * element_bytes(storage_); }
 
   int layers_ = 0, kv_heads_ = 0, head_dim_ = 0, batch_ = 0;
+  Storage storage_ = Storage::float32;
   std::int64_t capacity_ = 0;
-  std::vector<std::vector<float>> k_, v_;  // per layer
+  std::vector<std::vector<std::byte>> k_, v_;  // per layer
   std::vector<SlotMeta> meta_;             // [row][slot]
 };
 

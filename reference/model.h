@@ -34,6 +34,12 @@ struct Rope {
   double attention_factor = 1.0;  // m: cos and sin are multiplied by it (parsed default 0.1 ln f + 1)
 };
 
+// SPEC 7: how a cache stores keys and values. The reference does not depend on it.
+enum class KvDtype { float32, float16, bfloat16 };
+inline const char* to_string(KvDtype d) {
+  return d == KvDtype::float32 ? "float32" : d == KvDtype::float16 ? "float16" : "bfloat16";
+}
+
 // SPEC 7: learned sink logits, one per query head, per layer ([L][H]); empty: none.
 struct Attention {
   std::vector<std::vector<double>> sink_logits;

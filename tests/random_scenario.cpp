@@ -60,11 +60,28 @@ std::string random_scenario_json(std::uint64_t seed) {
             {"seed", seed}};
   json rope = {{"theta", bits.pick<double>({10000.0, 500000.0, 100.0})},
                {"layout", bits.chance(50) ? "half" : "interleaved"}};
-  if (bits.chance(25)) {
+  // SPEC 7's variants: frequency maps, partial rotary, learned sinks, half-precision storage.
+  const auto scaling = bits.between(0, 7);
+  if (scaling <= 1) {
     rope["scaling"] = "linear";
     rope["factor"] = bits.pick<double>({0.5, 2.0, 4.0});
+  } else if (scaling == 2) {
+    rope["theta"] = 500000.0;
+    rope["scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 64}};
+  } else if (scaling == 3) {
+    rope["theta"] = 10000.0;
+    rope["scaling"] = {{"rope_type", "yarn"}, {"factor", bits.pick<double>({4.0, 32.0})},
+                       {"original_max_position_embeddings", 32}};
   }
+  if (head_dim >= 4 && bits.chance(20)) rope["rotary_dim"] = head_dim / 2 - (head_dim / 2) % 2;
   j["rope"] = rope;
+  if (bits.chance(20)) {
+    json logits = json::array();
+    for (int h = 0; h < heads; ++h) logits.push_back(static_cast<double>(bits.between(-8, 8)) / 4.0);
+    j["attention"] = {{"sink_logits", logits}};
+  }
+  if (bits.chance(20)) j["kv_dtype"] = bits.chance(50) ? "float16" : "bfloat16";
 
   Policy policy;
   const auto kind = bits.between(0, 4);  // sink twice as often: it has the most cases

@@ -3,8 +3,8 @@
 // thread count, on every cache, through a prefill longer than a query block and decode.
 #include <gtest/gtest.h>
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -18,7 +18,8 @@ using namespace kvcheck::optimized;
 
 namespace {
 
-constexpr int kLayers = 2, kBatch = 2, kHeads = 8, kKvHeads = 2, kDim = 16;
+// Groups of 3 query heads, and a head_dim with a remainder past whole vector registers.
+constexpr int kLayers = 2, kBatch = 2, kHeads = 6, kKvHeads = 2, kDim = 40;
 
 // Deterministic values in [-1, 1) from the element's index (Knuth's multiplicative hash).
 std::vector<float> values(std::size_t n, std::uint32_t salt) {
@@ -29,7 +30,7 @@ std::vector<float> values(std::size_t n, std::uint32_t salt) {
 
 // Outputs of every step, layer by layer, for a left-padded prompt (20 and 13 tokens) then
 // six decode steps.
-std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log) {
+std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log, Storage storage) {
   CacheConfig c;
   c.layers = kLayers;
   c.batch = kBatch;
@@ -42,11 +43,13 @@ std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log) 
   c.sinks = 2;
   c.capacity = 64;
   c.threads = threads;
+  c.storage = storage;
+  for (int l = 0; l < kLayers; ++l) c.sink_logits.push_back({0.5f, -1.0f, 2.0f, 0.0f, 1.0f, 3.0f});
   const std::unique_ptr<KvCache> cache = entry.make(c);
   std::vector<float> all;
   std::int64_t uid = 0;
-  for (const std::vector<std::int64_t>& counts : std::vector<std::vector<std::int64_t>>{
-           {20, 13}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}}) {
+  for (const std::vector<std::int64_t>& counts :
+       std::vector<std::vector<std::int64_t>>{{20, 13}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}}) {
     Chunk chunk;
     chunk.length = std::max(counts[0], counts[1]);
     chunk.counts = counts;
@@ -80,24 +83,26 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST(AttentionThreads, OutputsAreBitIdenticalForAnyThreadCount) {
-  for (const CacheEntry& entry : real_caches()) {
-    AttentionLog one_log, three_log;
-    const std::vector<float> one = run(entry, 1, one_log);
-    const std::vector<float> three = run(entry, 3, three_log);
-    EXPECT_TRUE(same_bits(one, three)) << entry.name;
-    ASSERT_EQ(one_log.size(), three_log.size()) << entry.name;
-    for (std::size_t i = 0; i < one_log.size(); ++i) {
-      EXPECT_EQ(one_log[i].key_uid, three_log[i].key_uid) << entry.name;
-      EXPECT_EQ(one_log[i].key_position, three_log[i].key_position) << entry.name;
+  for (const CacheEntry& entry : real_caches())
+    for (const Storage storage : {Storage::float32, Storage::bfloat16}) {
+      AttentionLog one_log, three_log;
+      const std::vector<float> one = run(entry, 1, one_log, storage);
+      const std::vector<float> three = run(entry, 3, three_log, storage);
+      EXPECT_TRUE(same_bits(one, three)) << entry.name;
+      ASSERT_EQ(one_log.size(), three_log.size()) << entry.name;
+      for (std::size_t i = 0; i < one_log.size(); ++i) {
+        EXPECT_EQ(one_log[i].key_uid, three_log[i].key_uid) << entry.name;
+        EXPECT_EQ(one_log[i].key_position, three_log[i].key_position) << entry.name;
+        EXPECT_EQ(one_log[i].query_position, three_log[i].query_position) << entry.name;
+      }
+      // The run did attend: outputs are finite and not all zero.
+      bool some_nonzero = false;
+      for (float x : one) {
+        ASSERT_TRUE(std::isfinite(x)) << entry.name;
+        some_nonzero = some_nonzero || x != 0.0f;
+      }
+      EXPECT_TRUE(some_nonzero) << entry.name;
     }
-    // The run did attend: outputs are finite and not all zero.
-    bool some_nonzero = false;
-    for (float x : one) {
-      ASSERT_TRUE(std::isfinite(x)) << entry.name;
-      some_nonzero = some_nonzero || x != 0.0f;
-    }
-    EXPECT_TRUE(some_nonzero) << entry.name;
-  }
 }
 
 TEST(WorkerPool, RunsEveryTaskOnceAndRethrowsTheFirstFailure) {
@@ -109,9 +114,10 @@ TEST(WorkerPool, RunsEveryTaskOnceAndRethrowsTheFirstFailure) {
     ++hits[static_cast<std::size_t>(i)];
   });
   for (int h : hits) EXPECT_EQ(h, 1);
-  EXPECT_THROW(pool.run(10, [](int i, int) {
-    if (i == 4) throw std::runtime_error("task 4");
-  }),
+  EXPECT_THROW(pool.run(10,
+                        [](int i, int) {
+                          if (i == 4) throw std::runtime_error("task 4");
+                        }),
                std::runtime_error);
   // The pool still works after a failure.
   int count = 0;

@@ -28,7 +28,7 @@ std::vector<Outcome> run_caches(const Scenario& s, const std::string& only = "")
   const ReferenceRun run = run_reference(s, inputs);
   std::vector<Outcome> outcomes;
   for (const CacheEntry& cache : real_caches())
-    if (cache.serves(s.policy) && (only.empty() || cache.name == only))
+    if (cache.serves(s) && (only.empty() || cache.name == only))
       outcomes.push_back(check_cache(s, inputs, run, cache));
   return outcomes;
 }
@@ -42,7 +42,7 @@ std::vector<FixtureCase> fixture_cases() {
   for (const std::string& file : scenario_files(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios")) {
     const Scenario s = load_scenario(file);
     for (const CacheEntry& cache : real_caches())
-      if (cache.serves(s.policy)) cases.push_back({file, cache.name});
+      if (cache.serves(s)) cases.push_back({file, cache.name});
   }
   return cases;
 }
@@ -115,7 +115,7 @@ TEST(Caches, ACacheThatThrowsIsAFailureAtThatStepNotBadInput) {
     std::unique_ptr<optimized::KvCache> inner;
     int appends = 0;
   };
-  CacheEntry entry{"throwing", "raises at its third append", [](const Policy&) { return true; },
+  CacheEntry entry{"throwing", "raises at its third append", [](const Scenario&) { return true; },
                    [](const optimized::CacheConfig& c) { return std::make_unique<Throwing>(c); }};
   const Scenario s = load_scenario(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios/full_baseline.json");
   const InputTable inputs = load_inputs(s);

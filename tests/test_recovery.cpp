@@ -184,3 +184,82 @@ TEST(Recovery, Float16KeysOfAnotherLayoutAreNoRotation) {
   EXPECT_EQ(got.status, RecoveredPosition::Status::not_rotation);
   EXPECT_EQ(got.fits.kind, OtherRope::Kind::layout);
 }
+
+namespace {
+
+Rope llama31_rope() {
+  Rope r;
+  r.theta = 500000.0;
+  r.scaling = RopeScaling::llama3;
+  r.factor = 8.0;
+  r.original_max_position_embeddings = 8192.0;
+  return r;
+}
+
+Rope yarn_rope() {
+  Rope r;
+  r.theta = 150000.0;
+  r.scaling = RopeScaling::yarn;
+  r.factor = 32.0;
+  r.original_max_position_embeddings = 4096.0;
+  r.attention_factor = 0.1 * std::log(32.0) + 1.0;
+  return r;
+}
+
+}  // namespace
+
+TEST(Recovery, ThroughLlama3AndYarnMapsAndWithYarnsMagnitude) {
+  const int d = 64;
+  for (const Rope& rope : {llama31_rope(), yarn_rope()})
+    for (std::int64_t p : {0, 1, 37, 1000}) {
+      const auto raw = raw_key(d, 5);
+      const RecoveredPosition r = recover_position(raw.data(), stored_key(raw, static_cast<double>(p), rope).data(), d,
+                                                   rope, 4096);
+      EXPECT_NE(r.status, RecoveredPosition::Status::not_rotation) << to_string(rope.scaling) << " at " << p;
+      EXPECT_EQ(r.position, p) << to_string(rope.scaling);
+    }
+}
+
+TEST(Recovery, PartialRotaryRecoversFromTheRotatedDimsAndNamesAWholeHeadRotation) {
+  const int d = 32;
+  Rope partial;
+  partial.rotary_dim = 16;
+  const auto raw = raw_key(d, 7);
+  const RecoveredPosition r = recover_position(raw.data(), stored_key(raw, 21.0, partial).data(), d, partial, 4096);
+  EXPECT_EQ(r.status, RecoveredPosition::Status::exact);
+  EXPECT_EQ(r.position, 21);
+  // The same key rotated over all 32 dims: not a rotation under rotary_dim 16, and named.
+  const RecoveredPosition all = recover_position(raw.data(), stored_key(raw, 21.0, Rope{}).data(), d, partial, 4096);
+  EXPECT_EQ(all.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(all.fits.kind, OtherRope::Kind::rotary_dim);
+  EXPECT_EQ(all.fits.name, "rotary_dim 32 (all dims rotated)");
+  EXPECT_EQ(all.fits.position, 21);
+}
+
+TEST(Recovery, Llama3ReadAsLinearIsNamedAsAFrequencyMap) {
+  const int d = 64;
+  Rope linear = llama31_rope();
+  linear.scaling = RopeScaling::linear;
+  const auto raw = raw_key(d, 9);
+  const RecoveredPosition r =
+      recover_position(raw.data(), stored_key(raw, 300.0, linear).data(), d, llama31_rope(), 4096);
+  EXPECT_EQ(r.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(r.fits.kind, OtherRope::Kind::frequency_map);
+  EXPECT_EQ(r.fits.name, "linear scaling 8 instead of llama3");
+  EXPECT_EQ(r.fits.position, 300);
+}
+
+TEST(Recovery, AKeyWithoutYarnsMagnitudeIsNamedAsSuchEvenAtPositionZero) {
+  // At position 0 every frequency map fits a rotation; only the length tells m is missing.
+  const int d = 64;
+  Rope unscaled = yarn_rope();
+  unscaled.attention_factor = 1.0;
+  const auto raw = raw_key(d, 11);
+  for (std::int64_t p : {0, 12}) {
+    const RecoveredPosition r =
+        recover_position(raw.data(), stored_key(raw, static_cast<double>(p), unscaled).data(), d, yarn_rope(), 4096);
+    EXPECT_EQ(r.status, RecoveredPosition::Status::not_rotation);
+    EXPECT_EQ(r.fits.kind, OtherRope::Kind::magnitude) << "at " << p;
+    EXPECT_EQ(r.fits.position, p);
+  }
+}

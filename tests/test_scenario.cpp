@@ -249,3 +249,21 @@ TEST(ScenarioValidation, LearnedSinkLogitsOnePerQueryHeadOrPerLayer) {
   EXPECT_EQ(error_of(with_attention(R"({"sinks": [1, 2, 3, 4]})")),
             "s.json: /attention/sinks: unknown key \"sinks\" (expected one of: sink_logits)");
 }
+
+TEST(ScenarioValidation, PastedConfigVariants) {
+  // "rope_scaling": null, as Qwen 2.5 and Mistral write it.
+  EXPECT_EQ(parse_scenario(with_rope(R"({"scaling": null})"), "s.json").rope.scaling, kvcheck::RopeScaling::none);
+  // Phi's partial_rotary_factor: R = int(head_dim * factor).
+  EXPECT_EQ(parse_scenario(with_rope(R"({"partial_rotary_factor": 0.5})"), "s.json").rope.rotary_dim, 4);
+  EXPECT_EQ(error_of(with_rope(R"({"partial_rotary_factor": 0.2})")),
+            "s.json: /rope/partial_rotary_factor: expected a factor in (0, 1] giving an even rotary_dim of at least 2, "
+            "got 0.2 (head_dim 8 x 0.2 = 1)");
+  // Another type is named as such, not by its first unknown key.
+  EXPECT_EQ(error_of(with_rope(R"({"scaling": {"rope_type": "longrope", "long_factor": [1, 2]}})")),
+            "s.json: /rope/scaling/rope_type: expected one of default, linear, llama3, yarn, got \"longrope\"");
+  EXPECT_EQ(error_of(with_rope(R"({"theta": 1, "scaling": {"rope_type": "yarn", "factor": 4,
+                                  "original_max_position_embeddings": 64}})")),
+            "s.json: /rope/theta: yarn needs theta > 1 (it divides by ln theta), got 1");
+  EXPECT_EQ(error_of(with_extra(R"(, "kv_dtype": "fp8")")),
+            "s.json: /kv_dtype: expected one of float32, float16, bfloat16, got \"fp8\"");
+}

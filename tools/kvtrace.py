@@ -390,6 +390,11 @@ class _Driver:
         if export.rope.get("scaling", "none") not in ("none", "linear"):
             raise UsageError("kvtrace rotates with no or linear RoPE scaling only, the scenario has %r"
                              % export.rope["scaling"])
+        if export.rope.get("rotary_dim", export.dims["head_dim"]) != export.dims["head_dim"]:
+            raise UsageError("kvtrace rotates every dim of the head; the scenario has rotary_dim %d"
+                             % export.rope["rotary_dim"])
+        if export.manifest.get("attention", {}).get("sink_logits"):
+            raise UsageError("kvtrace's attention has no learned sink logits; the scenario has them")
         self.mask, self.after_forward, self.record_q = mask, after_forward, record_q
         self.numpy_given = as_tensor is None
         self.as_index = np.asarray  # beam indices for reorder_cache

@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -115,7 +116,8 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
   for (std::size_t i = 0; i < files.size(); ++i) {
     if (files.size() > 1) progress.set_prefix(fmt::format("[{}/{}]", i + 1, files.size()));
     try {
-      const Scenario scenario = load_scenario(files[i]);
+      Scenario scenario = load_scenario(files[i]);
+      if (options.kv_dtype) scenario.kv_dtype = *options.kv_dtype;
       for (Outcome& o : run_scenario(scenario, options)) outcomes.push_back(std::move(o));
     } catch (const std::exception& e) {
       // Reported, and counted in every report, without hiding the other scenarios' results.
@@ -134,7 +136,7 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
   }
   progress.clear();
   if (outcomes.empty() && !bad_input) {
-    fmt::print(stderr, "kvcheck: no scenario here uses a policy that the chosen caches serve\n");
+    fmt::print(stderr, "kvcheck: no scenario here is one the chosen caches serve (policy and kv_dtype)\n");
     return kBadInput;
   }
   print_table(stdout, outcomes, ::isatty(STDOUT_FILENO));
@@ -177,7 +179,7 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   const Scenario scenario = load_scenario(path);
   if (caches.empty())
     for (const CacheEntry& c : real_caches())
-      if (c.serves(scenario.policy)) caches.push_back(c.name);
+      if (c.serves(scenario)) caches.push_back(c.name);
   if (caches.empty())
     throw InputError(path, "/policy", "no cache serves this policy (`kvcheck list` shows the caches)");
   const InputTable inputs = load_inputs(scenario);
@@ -188,7 +190,7 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   bool diverged = !run.problems.empty();
   for (const std::string& name : caches) {
     const CacheEntry* cache = find_cache(name);
-    if (!cache->serves(scenario.policy))
+    if (!cache->serves(scenario))
       throw InputError(
           path, "/policy",
           fmt::format("cache {} does not serve the {} policy of this scenario", name, to_string(scenario.policy.kind)));
@@ -201,7 +203,8 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   return diverged ? kFail : kPass;
 }
 
-int cmd_zoo(const std::vector<std::string>& only) {
+int cmd_zoo(const std::vector<std::string>& only, std::optional<KvDtype> kv_dtype) {
+  if (kv_dtype) fmt::print("every fixture with its caches storing {}\n", to_string(*kv_dtype));
   fmt::print("{:<28} {:<36} {:<7} {:<38} {}\n", "mutant", "fixture", "caught", "diagnosed class", "as expected");
   bool all = true;
   int mutants = 0;
@@ -209,7 +212,12 @@ int cmd_zoo(const std::vector<std::string>& only) {
     if (!only.empty() && std::find(only.begin(), only.end(), m.cache.name) == only.end()) continue;
     ++mutants;
     for (const std::string& fixture : m.fixtures) {
-      const Scenario s = load_scenario(default_scenarios() + "/" + fixture + ".json");
+      Scenario s = load_scenario(default_scenarios() + "/" + fixture + ".json");
+      if (kv_dtype) s.kv_dtype = *kv_dtype;
+      if (!m.cache.serves(s)) {
+        fmt::print("{:<28} {:<36} {:<7} {:<38} {}\n", m.cache.name, fixture, "-", "(not a bug in this storage)", "-");
+        continue;
+      }
       const InputTable inputs = load_inputs(s);
       const ReferenceRun run = run_reference(s, inputs);
       const CacheTrace trace = trace_cache(s, inputs, run, m.cache, false);
@@ -264,6 +272,12 @@ int main(int argc, char** argv) {
   run->add_flag(
       "--no-reference", [&](std::int64_t) { options.reference_checks = false; },
       "skip the reference's own invariant checks");
+  const std::map<std::string, KvDtype> dtypes = {
+      {"float32", KvDtype::float32}, {"float16", KvDtype::float16}, {"bfloat16", KvDtype::bfloat16}};
+  run->add_option("--kv-dtype", options.kv_dtype,
+                  "caches store keys and values in this format, whatever the scenarios say (float32, float16, "
+                  "bfloat16)")
+      ->transform(CLI::CheckedTransformer(dtypes, CLI::ignore_case));
 
   std::string export_path, export_out;
   CLI::App* exp = app.add_subcommand("export", "write a scenario's inputs and reference results (SPEC 6)");
@@ -313,6 +327,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
   zoo->add_option("--mutant", zoo_only, "only this mutant (zoo/NAME; repeatable)")->allow_extra_args(false);
+  std::optional<KvDtype> zoo_dtype;
+  zoo->add_option("--kv-dtype", zoo_dtype, "run every fixture with its caches storing this format")
+      ->transform(CLI::CheckedTransformer(dtypes, CLI::ignore_case));
 
   if (argc == 1) {  // no command: show what there is
     fmt::print(stderr, "{}", app.help());
@@ -353,7 +370,7 @@ int main(int argc, char** argv) {
       validate_cache_names(diagnose_caches);
       return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_step);
     }
-    if (*zoo) return cmd_zoo(zoo_only);
+    if (*zoo) return cmd_zoo(zoo_only, zoo_dtype);
     if (*verify) {
       VerifyOptions verify_options;
       verify_options.picture = !verify_html.empty();

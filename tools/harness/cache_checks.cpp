@@ -49,8 +49,18 @@ ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const refer
 
 namespace {
 
-std::vector<ViewLayer> slot_layers(const optimized::SlotStore& store, const std::vector<std::vector<float>>& out) {
+// The view of every used slot. Half-precision keys are converted to float32 (exactly) into
+// `storage`, which the view owns.
+std::vector<ViewLayer> slot_layers(const optimized::SlotStore& store, const std::vector<std::vector<float>>& out,
+                                   std::vector<std::vector<float>>& storage) {
   std::vector<ViewLayer> layers(static_cast<std::size_t>(store.layers()));
+  const bool convert = store.storage() != optimized::Storage::float32;
+  if (convert) {
+    storage.resize(static_cast<std::size_t>(store.layers()));
+    for (int l = 0; l < store.layers(); ++l)
+      storage[static_cast<std::size_t>(l)].resize(static_cast<std::size_t>(store.batch()) * store.kv_heads() *
+                                                  store.capacity() * store.head_dim());
+  }
   for (int l = 0; l < store.layers(); ++l) {
     ViewLayer& layer = layers[static_cast<std::size_t>(l)];
     if (!out.empty()) layer.out = out[static_cast<std::size_t>(l)].data();
@@ -61,8 +71,15 @@ std::vector<ViewLayer> slot_layers(const optimized::SlotStore& store, const std:
         for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
           const SlotMeta& m = store.meta(b, slot);
           if (m.uid < 0) continue;
+          const float* key = static_cast<const float*>(store.key(l, b, g, slot));
+          if (convert) {
+            float* x = storage[static_cast<std::size_t>(l)].data() +
+                       ((static_cast<std::size_t>(b) * store.kv_heads() + g) * store.capacity() + slot) * store.head_dim();
+            store.read_key(l, b, g, slot, x);
+            key = x;
+          }
           layer.slots[static_cast<std::size_t>(b)][static_cast<std::size_t>(g)].push_back(
-              {slot, m.uid, m.index, m.position, store.key(l, b, g, slot)});
+              {slot, m.uid, m.index, m.position, key});
         }
   }
   return layers;
@@ -90,7 +107,8 @@ CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
   }
   if (view.error && rec.refused.empty()) return view;
   view.batch = cache_->batch();
-  view.layers = slot_layers(cache_->slots(), out_);
+  view.layers = slot_layers(cache_->slots(), out_, view.storage);
+  view.roundoff = unit_roundoff(s_.kv_dtype);
   if (rec.append) view.pairs = std::move(log_);
   return view;
 }

@@ -42,6 +42,9 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.shift_positions = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache;
   c.dense_prefill = s.policy.prefill == Prefill::dense;
   c.capacity = capacity;
+  c.storage = s.kv_dtype == KvDtype::float32   ? optimized::Storage::float32
+              : s.kv_dtype == KvDtype::float16 ? optimized::Storage::float16
+                                               : optimized::Storage::bfloat16;
   // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so
   // every check also runs the threaded path.
   c.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);

@@ -12,15 +12,16 @@
 
 namespace kvcheck {
 
+struct Scenario;
+
 struct CacheEntry {
   std::string name;
   std::string description;
-  std::function<bool(const Policy&)> serves;
+  std::function<bool(const Scenario&)> serves;  // the scenario's policy, storage and variants
   std::function<std::unique_ptr<optimized::KvCache>(const optimized::CacheConfig&)> make;
   Eviction eviction = Eviction::lazy;  // every cache here drops tokens when the next arrives
 };
 
-struct Scenario;
 // The optimized caches' own configuration for a scenario; `capacity` sizes a static cache.
 optimized::CacheConfig cache_config(const Scenario& scenario, std::int64_t capacity);
 

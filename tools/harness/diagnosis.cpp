@@ -67,6 +67,8 @@ const char* class_name(BugClass c) {
       return "yarn attention factor wrong";
     case BugClass::learned_sinks_dropped:
       return "learned sinks dropped";
+    case BugClass::rerotation_drift:
+      return "re-rotation drift";
   }
   return "?";
 }
@@ -154,6 +156,11 @@ const char* class_explanation(BugClass c) {
     case BugClass::attention_factor_wrong:
       return "Stored keys have the right rotation but the wrong length: yarn's attention factor m multiplies "
              "cos and sin for q and k alike; it is missing on the keys (applied to q only) or applied twice.";
+    case BugClass::rerotation_drift:
+      return "Stored keys sit at their claimed positions but further from an exact rotation than one rounding to "
+             "the storage format explains: the cache re-rotates stored keys (in half precision) at every shift, "
+             "rounding them again each time, so the error grows with the shifts. Keep keys at their original "
+             "rotation and rotate the query instead (sink_ring), or re-rotate from full precision.";
     case BugClass::learned_sinks_dropped:
       return "Positions and visible tokens are right and the outputs equal the attention without the learned "
              "sink logits: the per-head sink (gpt-oss) was left out of the softmax, or confused with sink tokens.";
@@ -274,7 +281,13 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index)
       return i.newest ? BugClass::new_key_not_shifted : BugClass::kept_keys_not_shifted;
   }
-  if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; })) return BugClass::key_at_wrong_position;
+  // Every bad key is nearest its claim: right positions, too much rounding.
+  const bool rotations = any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; });
+  if (rotations && std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
+        return i.kind != K::rotation || i.closest_at_claim;
+      }))
+    return BugClass::rerotation_drift;
+  if (rotations) return BugClass::key_at_wrong_position;
 
   if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::wrong_index; })) {
     if (ctx.last_row_change == StepContext::RowChange::reorder) return BugClass::reorder_lost_positions;

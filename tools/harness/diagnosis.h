@@ -42,6 +42,7 @@ enum class BugClass {
   wrong_rotary_dim,
   attention_factor_wrong,
   learned_sinks_dropped,
+  rerotation_drift,
 };
 
 const char* class_name(BugClass c);
@@ -74,6 +75,7 @@ struct SlotIssue {
   bool newest = false;                             // the token is the row's newest
   bool in_chunk = false;                           // the token came in this step's chunk
   bool dead = false;                               // extra: a dead token held under declared eager eviction
+  bool closest_at_claim = false;  // rotation: nearer its claim than its neighbours, beyond the storage's rounding
 
   static SlotIssue of(Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
     SlotIssue i{};

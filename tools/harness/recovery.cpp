@@ -156,6 +156,17 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
   std::vector<Guess> guesses;
   const bool mapped = rope.scaling == RopeScaling::llama3 || rope.scaling == RopeScaling::yarn;
   // SPEC 7's variants first: the mistakes made with them are the likelier ones.
+  // The magnitude before the maps: a map guess drops yarn's m, and at position 0 every map
+  // fits, so a key missing only m would be blamed on the map.
+  if (rope.scaling == RopeScaling::yarn) {
+    for (const double m : {1.0, rope.attention_factor * rope.attention_factor}) {
+      Rope magnitude = rope;
+      magnitude.attention_factor = m;
+      guesses.push_back({magnitude, OtherRope::Kind::magnitude,
+                         m == 1.0 ? std::string("attention factor 1 (keys not scaled by yarn's m)")
+                                  : fmt::format("attention factor {:.6g} (m applied twice)", m)});
+    }
+  }
   if (mapped) {
     for (const bool linear : {true, false}) {
       Rope plain = rope;
@@ -172,15 +183,6 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
     llama3.high_freq_factor = 4.0;
     llama3.original_max_position_embeddings = 8192.0;
     guesses.push_back({llama3, OtherRope::Kind::frequency_map, "llama3 scaling (factor 8, Llama 3.1)"});
-  }
-  if (rope.scaling == RopeScaling::yarn) {
-    for (const double m : {1.0, rope.attention_factor * rope.attention_factor}) {
-      Rope magnitude = rope;
-      magnitude.attention_factor = m;
-      guesses.push_back({magnitude, OtherRope::Kind::magnitude,
-                         m == 1.0 ? std::string("attention factor 1 (keys not scaled by yarn's m)")
-                                  : fmt::format("attention factor {:.6g} (m applied twice)", m)});
-    }
   }
   {
     Rope dims = rope;

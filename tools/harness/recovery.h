@@ -34,6 +34,9 @@ struct RecoveredPosition {
 
 // The unit roundoff of a storage format: what a stored element may be off by, relative.
 constexpr double kFloat32Roundoff = 0x1p-24, kFloat16Roundoff = 0x1p-11, kBfloat16Roundoff = 0x1p-8;
+constexpr double unit_roundoff(KvDtype d) {
+  return d == KvDtype::float32 ? kFloat32Roundoff : d == KvDtype::float16 ? kFloat16Roundoff : kBfloat16Roundoff;
+}
 
 // The integer position p with stored = R(p) raw under `rope`, among 0 .. max_position:
 // the pair angles are unwrapped from the lowest frequency to the highest, starting from

@@ -41,7 +41,7 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
   if (options.reference_checks) reference_checks.emplace(scenario, inputs);
   std::vector<std::unique_ptr<Target>> targets;
   for (const CacheEntry* cache : options.caches) {
-    if (cache == nullptr || !cache->serves(scenario.policy)) continue;
+    if (cache == nullptr || !cache->serves(scenario)) continue;
     CheckOptions check;
     check.target = cache->name;
     check.eviction = cache->eviction;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <optional>
 #include <vector>
 
 #include "tools/harness/cache_entry.h"
@@ -13,6 +14,7 @@ namespace kvcheck {
 struct RunOptions {
   std::vector<const CacheEntry*> caches;  // the caches to run, each where it serves the policy
   bool reference_checks = true;
+  std::optional<KvDtype> kv_dtype;  // every scenario's caches store in this format instead
 };
 
 // Throws InputError for bad inputs (a missing or malformed .npy file).

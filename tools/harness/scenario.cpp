@@ -144,13 +144,15 @@ Dims parse_dims(const Reader& r, const json& j) {
 // `rope.scaling` as a checkpoint's config.json writes `rope_scaling` (SPEC 7), so one can
 // be pasted: {"rope_type" (or "type"): "linear" | "llama3" | "yarn", "factor": f, ...}.
 void parse_scaling_object(const Reader& r, const json& j, const std::string& p, Rope& rope) {
-  r.object(j, p,
-           {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-            "beta_fast", "beta_slow", "attention_factor", "truncate", "mscale", "mscale_all_dim"});
+  // The type first: a config of another type (longrope, dynamic) is named as such, not
+  // reported by its first unknown key.
   if (j.contains("rope_type") && j.contains("type")) r.fail(p + "/type", "give \"rope_type\" or \"type\", not both");
   const char* type_key = j.contains("type") ? "type" : "rope_type";
   const std::string type =
       r.choice(r.field(j, p, type_key), p + "/" + type_key, {"default", "linear", "llama3", "yarn"});
+  r.object(j, p,
+           {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+            "beta_fast", "beta_slow", "attention_factor", "truncate", "mscale", "mscale_all_dim"});
   auto only_for = [&](std::initializer_list<const char*> keys, const char* types) {
     for (const char* key : keys)
       if (j.contains(key)) r.fail(p + "/" + key, fmt::format("\"{}\" belongs to {} scaling, not {}", key, types, type));
@@ -199,6 +201,8 @@ void parse_scaling_object(const Reader& r, const json& j, const std::string& p, 
   if (j.contains("truncate") && !(j["truncate"].is_boolean() && j["truncate"].get<bool>()))
     r.fail(p + "/truncate", "only \"truncate\": true is supported (SPEC 7 rounds the correction range to whole dims)");
   rope.scaling = RopeScaling::yarn;
+  if (rope.theta <= 1.0)
+    r.fail("/rope/theta", fmt::format("yarn needs theta > 1 (it divides by ln theta), got {}", rope.theta));
   rope.original_max_position_embeddings = original_length();
   if (j.contains("beta_fast")) rope.beta_fast = r.number(j["beta_fast"], p + "/beta_fast", false);
   if (j.contains("beta_slow")) rope.beta_slow = r.number(j["beta_slow"], p + "/beta_slow", false);
@@ -212,13 +216,16 @@ void parse_scaling_object(const Reader& r, const json& j, const std::string& p, 
 
 Rope parse_rope(const Reader& r, const json& j, int head_dim) {
   const std::string p = "/rope";
-  r.object(j, p, {"theta", "layout", "scaling", "factor", "rotary_dim"});
+  r.object(j, p, {"theta", "layout", "scaling", "factor", "rotary_dim", "partial_rotary_factor"});
   Rope rope;
   if (j.contains("theta")) rope.theta = r.number(j["theta"], p + "/theta", false);
   if (j.contains("layout"))
     rope.layout = r.choice(j["layout"], p + "/layout", {"half", "interleaved"}) == "half" ? RopeLayout::half
                                                                                           : RopeLayout::interleaved;
-  if (j.contains("scaling") && j["scaling"].is_object()) {
+  if (j.contains("scaling") && j["scaling"].is_null()) {
+    // A config.json's "rope_scaling": null, pasted: no scaling.
+    if (j.contains("factor")) r.fail(p + "/factor", "a factor needs \"scaling\": \"linear\"");
+  } else if (j.contains("scaling") && j["scaling"].is_object()) {
     if (j.contains("factor"))
       r.fail(p + "/factor", "give the factor inside \"scaling\" when scaling is an object");
     parse_scaling_object(r, j["scaling"], p + "/scaling", rope);
@@ -235,10 +242,23 @@ Rope parse_rope(const Reader& r, const json& j, int head_dim) {
       r.fail(p + "/factor", "a factor needs \"scaling\": \"linear\"");
     }
   }
+  if (j.contains("rotary_dim") && j.contains("partial_rotary_factor"))
+    r.fail(p + "/partial_rotary_factor", "give \"rotary_dim\" or \"partial_rotary_factor\", not both");
   if (j.contains("rotary_dim")) {
     rope.rotary_dim = static_cast<int>(r.integer(j["rotary_dim"], p + "/rotary_dim", 2, head_dim));
     if (rope.rotary_dim % 2 != 0)
       r.fail(p + "/rotary_dim", fmt::format("expected an even rotary_dim, got {}", rope.rotary_dim));
+  }
+  if (j.contains("partial_rotary_factor")) {
+    // As transformers reads a config.json: R = int(head_dim * factor).
+    const double f = r.number(j["partial_rotary_factor"], p + "/partial_rotary_factor", false);
+    const auto rotary = static_cast<std::int64_t>(head_dim * f);
+    if (f > 1.0 || rotary < 2 || rotary % 2 != 0)
+      r.fail(p + "/partial_rotary_factor",
+             fmt::format("expected a factor in (0, 1] giving an even rotary_dim of at least 2, got {} (head_dim {} "
+                         "x {} = {})",
+                         f, head_dim, f, rotary));
+    rope.rotary_dim = static_cast<int>(rotary);
   }
   return rope;
 }
@@ -575,8 +595,8 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   const Reader r(file);
   const json j = parse_json(text, file);
   r.object(j, "",
-           {"name", "description", "dimensions", "rope", "attention", "policy", "seed", "inputs", "steps", "tolerance",
-            "scale"});
+           {"name", "description", "dimensions", "rope", "attention", "policy", "kv_dtype", "seed", "inputs", "steps",
+            "tolerance", "scale"});
   Scenario s;
   s.file = file;
   s.source_json = j.dump(2);
@@ -589,6 +609,10 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   s.dims = parse_dims(r, r.field(j, "", "dimensions"));
   if (j.contains("rope")) s.rope = parse_rope(r, j["rope"], s.dims.head_dim);
   if (j.contains("attention")) s.attention = parse_attention(r, j["attention"], s.dims);
+  if (j.contains("kv_dtype")) {
+    const std::string dtype = r.choice(j["kv_dtype"], "/kv_dtype", {"float32", "float16", "bfloat16"});
+    s.kv_dtype = dtype == "float32" ? KvDtype::float32 : dtype == "float16" ? KvDtype::float16 : KvDtype::bfloat16;
+  }
   s.policy = parse_policy(r, r.field(j, "", "policy"));
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);

@@ -54,6 +54,7 @@ struct Scenario {
   Dims dims;
   Rope rope;
   Attention attention;  // learned sink logits (SPEC 7)
+  KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
   Policy policy;
   std::optional<double> scale;  // softmax scale; 1/sqrt(D) when absent
   InputSource inputs;

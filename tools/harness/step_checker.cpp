@@ -90,6 +90,7 @@ class RotationCheck {
         bound_(bound) {}
 
   double error(const float* stored, const float* raw, std::int64_t position) {
+    if (unrotated_) return plain(stored, raw);
     if (position < 0 || position > bound_) return slow(stored, raw, position);
     const int half = rotary_ / 2;
     for (; rows_ <= position; ++rows_)
@@ -114,7 +115,19 @@ class RotationCheck {
     return worst;
   }
 
+ // Keys stored as they came (a trace's "unrotated" keys): no rotation and no magnitude.
+  void set_unrotated(bool unrotated) { unrotated_ = unrotated; }
+
  private:
+  double plain(const float* stored, const float* raw) const {
+    double worst = 0.0;
+    for (int i = 0; i < d_; ++i) {
+      const double e = std::abs(static_cast<double>(stored[i]) - raw[i]);
+      worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : std::max(worst, e);
+    }
+    return worst;
+  }
+
   double slow(const float* stored, const float* raw, std::int64_t position) const {
     const auto back =
         reference::unrotate(std::vector<double>(stored, stored + d_), static_cast<double>(position), rope_);
@@ -127,6 +140,7 @@ class RotationCheck {
   }
 
   int d_, rotary_;
+  bool unrotated_ = false;
   double inverse_magnitude_;
   Rope rope_;
   std::int64_t bound_;
@@ -185,6 +199,7 @@ class StepChecker::Impl {
         options_(options),
         max_position_(largest_position(s)),
         rotations_(s.dims.head_dim, s.rope, largest_position(s)) {
+    rotations_.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
                        fmt::format("step {} does not exist: this scenario has steps 0 to {} (decode expanded)",
@@ -506,6 +521,11 @@ class StepChecker::Impl {
     }
     const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope, max_position_, view.roundoff);
     if (g == 0 && r.status != RecoveredPosition::Status::not_rotation) state.key_position[v.uid] = r.position + shift;
+    // Rotated back by its claim the key is still closest to its raw key, by far: the right
+    // position, carrying more rounding error than one rounding to the storage explains.
+    const double at_claim = rotations_.error(v.key, raw, claim);
+    const bool best_at_claim = at_claim < 0.5 * std::min(rotations_.error(v.key, raw, claim - 1),
+                                                         rotations_.error(v.key, raw, claim + 1));
     if (g == 0 && is_fine(row.verdict)) row.verdict = SlotVerdict::key_off_claim;
     rotation_.fail(
         fmt::format("{} slot {} (uid {}, token {}): the key is not its raw key rotated by {} {} "
@@ -520,6 +540,7 @@ class StepChecker::Impl {
     issue.newest = row.index + 1 == static_cast<std::int64_t>(rec.histories[b].size());
     if (r.status != RecoveredPosition::Status::not_rotation) issue.recovered_position = r.position;
     issue.fits = r.fits;
+    issue.closest_at_claim = best_at_claim;
     evidence.slots.push_back(issue);
   }
 

@@ -16,11 +16,12 @@ class FaultyCache : public KvCache {
         rope_(rope_spec(config, fault)),
         key_rope_(key_rope_spec(config, fault)),
         kernel_(config.threads),
-        store_(config.layers, config.kv_heads, config.head_dim) {
+        store_(config.layers, config.kv_heads, config.head_dim, config.storage) {
     if (fault == Fault::window_off_by_one) ++config_.window;
     if (fault == Fault::learned_sinks_dropped) config_.sink_logits.clear();
     store_.reset(config_.batch, config_.window + 1);
     rows_.assign(static_cast<std::size_t>(config_.batch), Row{});
+    turned_.resize(static_cast<std::size_t>(config_.head_dim));
   }
 
   void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override {
@@ -110,7 +111,41 @@ class FaultyCache : public KvCache {
 
   void rotate_stored(int b, std::int64_t slot, std::int64_t by) {
     for (int l = 0; l < store_.layers(); ++l)
-      for (int g = 0; g < store_.kv_heads(); ++g) key_rope_.shift(store_.key(l, b, g, slot), by);
+      for (int g = 0; g < store_.kv_heads(); ++g) {
+        store_.read_key(l, b, g, slot, turned_.data());
+        if (fault_ == Fault::rerotates_half_keys)
+          shift_in_storage_arithmetic(turned_.data(), by);
+        else
+          key_rope_.shift(turned_.data(), by);
+        store_.write_key(l, b, g, slot, turned_.data());  // rounded again in half precision
+      }
+  }
+
+  // R(by) x the way a model running in half precision computes it: cos and sin taken from
+  // a table in the storage format, every product and sum rounded to it (as torch does for
+  // bfloat16 tensors). The rounded cos and sin turn the key by a slightly wrong angle, and
+  // re-rotating at every shift adds that error up.
+  void shift_in_storage_arithmetic(float* x, std::int64_t by) const {
+    const Storage st = store_.storage();
+    const auto round = [st](float v) {
+      std::uint16_t h = 0;
+      float out = 0.0f;
+      encode(st, &v, 1, &h);
+      decode(st, &h, 1, &out);
+      return out;
+    };
+    const std::int64_t p = by < 0 ? -by : by;
+    const int pairs = key_rope_.rotary_dim() / 2;
+    const bool half = key_rope_.spec().layout == PairLayout::half;
+    for (int i = 0; i < pairs; ++i) {
+      const float c = round(key_rope_.cos_at(p)[i]), s = round((by < 0 ? -1.0f : 1.0f) * key_rope_.sin_at(p)[i]);
+      float& a = x[half ? i : 2 * i];
+      float& bb = x[half ? i + pairs : 2 * i + 1];
+      const float na = round(round(a * c) - round(bb * s));
+      const float nb = round(round(a * s) + round(bb * c));
+      a = na;
+      bb = nb;
+    }
   }
 
   void shift_to(int b, std::int64_t e) {
@@ -188,6 +223,7 @@ class FaultyCache : public KvCache {
   AttentionKernel kernel_;
   SlotStore store_;
   std::vector<Row> rows_;
+  std::vector<float> turned_;  // one key being re-rotated
 };
 
 }  // namespace

@@ -25,6 +25,8 @@ enum class Fault {
   partial_rotates_all,      // rotary_dim ignored: all head_dim dims rotated, frequencies over head_dim
   yarn_factor_on_q_only,    // yarn's attention factor multiplies the query but not the stored keys
   learned_sinks_dropped,    // the learned sink logits are left out of the softmax
+  rerotates_half_keys,      // none of the above: a correct shifting cache, wrong only in half precision,
+                            // where re-rotating stored keys rounds them again at every shift
 };
 
 std::unique_ptr<optimized::KvCache> make_faulty_cache(const optimized::CacheConfig& config, Fault fault);

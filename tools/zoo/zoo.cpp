@@ -19,9 +19,15 @@ bool serves(int mask, const Policy& p) {
 
 ZooMutant mutant(const char* name, Fault fault, int mask, const char* bug, const char* wild, BugClass expected,
                  std::vector<std::string> fixtures) {
-  CacheEntry entry{std::string("zoo/") + name, bug, [mask](const Policy& p) { return serves(mask, p); },
+  CacheEntry entry{std::string("zoo/") + name, bug, [mask](const Scenario& s) { return serves(mask, s.policy); },
                    [fault](const optimized::CacheConfig& config) { return zoo::make_faulty_cache(config, fault); }};
   return {entry, wild, expected, std::move(fixtures)};
+}
+
+// A mutant whose bug needs half-precision storage: it is a correct cache in float32.
+ZooMutant half_only(ZooMutant m) {
+  m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return s.kv_dtype != KvDtype::float32 && inner(s); };
+  return m;
 }
 
 // A mutant that drops dead tokens right after the forward, which is allowed (SPEC 3).
@@ -100,6 +106,12 @@ const std::vector<ZooMutant>& zoo_mutants() {
              "multiplies the query by yarn's attention factor but stores the keys without it",
              "yarn implementations that fold the attention factor into the query or the softmax scale on one side",
              BugClass::attention_factor_wrong, {"gpt_oss_yarn_learned_sinks_sliding"}),
+      half_only(mutant("rerotates_half_keys", Fault::rerotates_half_keys, sink_cache_positions,
+                       "re-rotates its stored half-precision keys at every shift, rounding them again each time",
+                       "SinkCache-style shifting caches run in float16 or bfloat16 (Hugging Face's SinkCache "
+                       "re-rotated keys in the model's dtype)",
+                       BugClass::rerotation_drift,
+                       {"sink_long_window_bfloat16", "sink_long_window_float16"})),
       mutant("learned_sinks_dropped", Fault::learned_sinks_dropped, sliding | sink,
              "leaves the learned sink logits out of the softmax",
              "gpt-oss ports whose attention kernel has no sink term (and caches that confuse it with sink tokens)",
