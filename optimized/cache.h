@@ -14,19 +14,27 @@
 
 namespace kvcheck::optimized {
 
+// One layer's policy in a hybrid stack (SPEC 7: Gemma's and gpt-oss's sliding and full layers).
+struct LayerPolicy {
+  enum class Kind { full, sliding, sink } kind = Kind::full;
+  std::int64_t window = 0, sinks = 0, evict = 1;
+  bool shift_positions = true, dense_prefill = false;
+};
+
 struct CacheConfig {
   int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   int batch = 1;
   RopeSpec rope;
   float softmax_scale = 1.0f;
-  std::int64_t window = 0;      // sliding: keys visible; sink: capacity W
-  std::int64_t sinks = 0;       // sink: S
-  std::int64_t evict = 1;       // sink: tokens dropped at once when full
-  bool shift_positions = true;  // sink: cache-relative positions (false: original ones)
-  bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
-  std::int64_t capacity = 0;    // static: slots per row
-  int threads = 1;              // attention threads (results do not depend on it)
-  Storage storage = Storage::float32;  // how keys and values are stored (SPEC 7, kv_dtype)
+  std::int64_t window = 0;                      // sliding: keys visible; sink: capacity W
+  std::int64_t sinks = 0;                       // sink: S
+  std::int64_t evict = 1;                       // sink: tokens dropped at once when full
+  bool shift_positions = true;                  // sink: cache-relative positions (false: original ones)
+  bool dense_prefill = false;                   // sink: a chunk is one dense forward, trimmed afterwards
+  std::int64_t capacity = 0;                    // static: slots per row
+  int threads = 1;                              // attention threads (results do not depend on it)
+  Storage storage = Storage::float32;           // how keys and values are stored (SPEC 7, kv_dtype)
+  std::vector<LayerPolicy> layer_policies;      // hybrid: one per layer; the fields above are layer 0's
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
 };
 
@@ -57,8 +65,16 @@ class KvCache {
   virtual void reset(int batch) = 0;
   virtual void crop(std::int64_t length) = 0;
 
+  // Throws CacheRefusal when crop(length) would be refused; changes nothing.
+  virtual void check_crop(std::int64_t length) const { (void)length; }
+
   // The view: every slot's uid, token index, position and stored key and value.
   virtual const SlotStore& slots() const = 0;
+  // One layer's slots: slots() for every layer, except in a cache whose layers differ.
+  virtual const SlotStore& layer_slots(int layer) const {
+    (void)layer;
+    return slots();
+  }
   virtual std::int64_t row_length(int row) const = 0;
   int batch() const { return slots().batch(); }
 };

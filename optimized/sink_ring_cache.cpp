@@ -54,9 +54,13 @@ void SinkRingCache::reset(int batch) {
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 
-void SinkRingCache::crop(std::int64_t length) {
+void SinkRingCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
     if (lengths_[b] > length) refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
+}
+
+void SinkRingCache::crop(std::int64_t length) {
+  check_crop(length);
   for (int b = 0; b < batch(); ++b) {
     if (lengths_[b] <= length) continue;
     drop_from(store_, b, length);

@@ -22,6 +22,7 @@ class SinkRingCache : public KvCache {
   void reorder(const std::vector<int>& rows) override;
   void reset(int batch) override;
   void crop(std::int64_t length) override;
+  void check_crop(std::int64_t length) const override;
   const SlotStore& slots() const override { return store_; }
   std::int64_t row_length(int row) const override { return lengths_[row]; }
 
@@ -32,7 +33,7 @@ class SinkRingCache : public KvCache {
   RopeTable rope_;
   AttentionKernel kernel_;
   std::vector<PlannedQuery> plans_;  // reused from step to step
-  SlotStore store_;  // slots 0..S-1 sinks, S..W-1 the ring
+  SlotStore store_;                  // slots 0..S-1 sinks, S..W-1 the ring
   SlotStore chunk_;
   std::vector<std::int64_t> lengths_;
 };

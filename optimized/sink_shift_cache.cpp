@@ -89,10 +89,14 @@ void SinkShiftCache::reset(int batch) {
   rows_.assign(static_cast<std::size_t>(batch), RowState{});
 }
 
-void SinkShiftCache::crop(std::int64_t length) {
+void SinkShiftCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
     if (rows_[b].length > length)
       refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
+}
+
+void SinkShiftCache::crop(std::int64_t length) {
+  check_crop(length);
   for (int b = 0; b < batch(); ++b) {
     RowState& row = rows_[b];
     if (row.length <= length) continue;

@@ -45,10 +45,14 @@ void SlidingCache::reset(int batch) {
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 
-void SlidingCache::crop(std::int64_t length) {
-  // The cropped row's last token needs the window that ends at it.
+// The cropped row's last token needs the window that ends at it.
+void SlidingCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
     if (lengths_[b] > length) refuse_crop_if_evicted(ring_, b, length, 0, config_.window, 1);
+}
+
+void SlidingCache::crop(std::int64_t length) {
+  check_crop(length);
   for (int b = 0; b < batch(); ++b) {
     if (lengths_[b] <= length) continue;
     drop_from(ring_, b, length);

@@ -16,6 +16,7 @@ class SlidingCache : public KvCache {
   void reorder(const std::vector<int>& rows) override;
   void reset(int batch) override;
   void crop(std::int64_t length) override;
+  void check_crop(std::int64_t length) const override;
   const SlotStore& slots() const override { return ring_; }
   std::int64_t row_length(int row) const override { return lengths_[row]; }
 
@@ -24,8 +25,8 @@ class SlidingCache : public KvCache {
   RopeTable rope_;
   AttentionKernel kernel_;
   std::vector<PlannedQuery> plans_;  // reused from step to step
-  SlotStore ring_;   // W slots per row
-  SlotStore chunk_;  // the chunk being appended, before it enters the ring
+  SlotStore ring_;                   // W slots per row
+  SlotStore chunk_;                  // the chunk being appended, before it enters the ring
   std::vector<std::int64_t> lengths_;
 };
 

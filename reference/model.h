@@ -56,6 +56,7 @@ struct Policy {
   std::int64_t evict = 1;   // sink: k tokens dropped at once when full
   SinkPositions positions = SinkPositions::cache;
   Prefill prefill = Prefill::streaming;
+  bool operator==(const Policy&) const = default;
 };
 
 // Raw, pre-RoPE float32 inputs indexed by layer and uid: q [L, U, H, D], k and v

@@ -13,9 +13,17 @@ namespace kvcheck::reference {
 
 ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
                                const InputTable& inputs, const Attention& attention)
+    : ReferenceModel(dims, rope, std::vector<Policy>(static_cast<std::size_t>(dims.layers), policy), scale, inputs,
+                     attention) {}
+
+ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const std::vector<Policy>& layer_policies,
+                               double scale, const InputTable& inputs, const Attention& attention)
     : dims_(dims),
       rope_(rope),
-      policy_(policy),
+      policy_(layer_policies.at(0)),
+      layer_policies_(layer_policies),
+      hybrid_(std::any_of(layer_policies.begin(), layer_policies.end(),
+                          [&](const Policy& p) { return !(p == layer_policies[0]); })),
       attention_(attention),
       scale_(scale),
       inputs_(inputs),
@@ -129,9 +137,14 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
     const std::vector<std::uint64_t>& row = histories_[b];
     const std::int64_t start = static_cast<std::int64_t>(row.size()) - counts[b];
     for (std::int64_t t = start; t < static_cast<std::int64_t>(row.size()); ++t) {
-      AppendedToken token{row[t], t, chunk_view(policy_, start, t)};
-      largest = std::max(largest, token.view.query_position);
-      for (const VisibleKey& key : token.view.keys) largest = std::max(largest, key.position);
+      AppendedToken token{row[t], t, chunk_view(policy_, start, t), {}};
+      if (hybrid_)
+        for (const Policy& p : layer_policies_) token.layer_views.push_back(chunk_view(p, start, t));
+      for (int l = 0; l < L; ++l) {
+        const QueryView& view = token.view_in(l);
+        largest = std::max(largest, view.query_position);
+        for (const VisibleKey& key : view.keys) largest = std::max(largest, key.position);
+      }
       for (int l = 0; l < L; ++l)
         for (int g = 0; g < Hkv; ++g) units.push_back({b, l, g, t - start});
       result.rows[b].push_back(std::move(token));
@@ -148,16 +161,16 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
       const std::size_t base = ((((static_cast<std::size_t>(unit.layer) * B + unit.row) * n + pad + unit.token) * H +
                                  unit.group * heads_per_group) *
                                 D);
-      attend_group(unit.layer, unit.group, histories_[unit.row], token.index, token.view, scratch,
+      attend_group(unit.layer, unit.group, histories_[unit.row], token.index, token.view_in(unit.layer), scratch,
                    result.out.data() + base);
     }
   };
   // Threads only where the work pays for starting them.
   std::size_t keys = 0;
   for (const auto& tokens : result.rows)
-    for (const auto& token : tokens) keys += token.view.keys.size();
-  const std::size_t threads =
-      keys * static_cast<std::size_t>(L * H * D) < 2000000 ? 1 : static_cast<std::size_t>(threads_);
+    for (const auto& token : tokens)
+      for (int l = 0; l < L; ++l) keys += token.view_in(l).keys.size();
+  const std::size_t threads = keys * static_cast<std::size_t>(H * D) < 2000000 ? 1 : static_cast<std::size_t>(threads_);
   std::vector<std::thread> pool;
   for (std::size_t k = 1; k < threads; ++k) pool.emplace_back(work, k, threads);
   work(0, threads);
@@ -177,28 +190,35 @@ void ReferenceModel::crop(std::int64_t length) {
   for (std::size_t b = 0; b < histories_.size(); ++b) {
     const auto n = static_cast<std::int64_t>(histories_[b].size());
     if (length >= n) continue;
-    // The cropped row's last token must still find every key it needs in the cache.
-    const QueryView held = retained_view(policy_, n);
-    for (const VisibleKey& needed : retained_view(policy_, length).keys) {
-      const bool kept =
-          std::any_of(held.keys.begin(), held.keys.end(), [&](const VisibleKey& k) { return k.index == needed.index; });
-      if (!kept)
-        throw StepRefused("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
-                                              std::to_string(needed.index) + " of row " + std::to_string(b) +
-                                              ", which the cache has already evicted");
+    // The cropped row's last token must still find every key it needs in the cache, in
+    // every layer.
+    for (std::size_t l = 0; l < layer_policies_.size(); ++l) {
+      const Policy& policy = layer_policies_[l];
+      const QueryView held = retained_view(policy, n);
+      for (const VisibleKey& needed : retained_view(policy, length).keys) {
+        const bool kept = std::any_of(held.keys.begin(), held.keys.end(),
+                                      [&](const VisibleKey& k) { return k.index == needed.index; });
+        if (!kept)
+          throw StepRefused("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
+                                                std::to_string(needed.index) + " of row " + std::to_string(b) +
+                                                (hybrid_ ? " in layer " + std::to_string(l) : std::string()) +
+                                                ", which the cache has already evicted");
+      }
+      if (!hybrid_) break;  // every layer alike
     }
   }
   for (auto& row : histories_)
     if (static_cast<std::int64_t>(row.size()) > length) row.resize(static_cast<std::size_t>(length));
 }
 
-RowRetained ReferenceModel::retained(int row) const {
+RowRetained ReferenceModel::retained(int row, int layer) const {
   const std::vector<std::uint64_t>& history = histories_.at(row);
-  const QueryView view = retained_view(policy_, static_cast<std::int64_t>(history.size()));
+  const Policy& policy = layer_policies_.at(static_cast<std::size_t>(layer));
+  const QueryView view = retained_view(policy, static_cast<std::int64_t>(history.size()));
   RowRetained out;
   out.query_position = view.query_position;
   for (const VisibleKey& key : view.keys) out.keys.push_back({history[key.index], key.index, key.position});
-  const QueryView next = live_view(policy_, static_cast<std::int64_t>(history.size()));
+  const QueryView next = live_view(policy, static_cast<std::int64_t>(history.size()));
   out.next_query_position = next.query_position;
   for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index], key.index, key.position});
   return out;

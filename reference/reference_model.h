@@ -21,8 +21,12 @@ struct StepRefused : std::runtime_error {
 
 struct AppendedToken {
   std::uint64_t uid;
-  std::int64_t index;  // token index t in its row
-  QueryView view;      // what it attended to
+  std::int64_t index;                  // token index t in its row
+  QueryView view;                      // what it attended to (in layer 0)
+  std::vector<QueryView> layer_views;  // per layer, when the layers' policies differ; else empty
+  const QueryView& view_in(int layer) const {
+    return layer_views.empty() ? view : layer_views[static_cast<std::size_t>(layer)];
+  }
 };
 
 struct AppendResult {
@@ -51,13 +55,17 @@ class ReferenceModel {
   // `scale` is the softmax scale; `inputs` must hold every uid the run will create.
   ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale, const InputTable& inputs,
                  const Attention& attention = {});
+  // One policy per layer (SPEC 7, hybrid models).
+  ReferenceModel(const Dims& dims, const Rope& rope, const std::vector<Policy>& layer_policies, double scale,
+                 const InputTable& inputs, const Attention& attention = {});
 
   // counts[b] new tokens for row b (left-padded to the longest); size must equal batch().
   AppendResult append(const std::vector<std::int64_t>& counts);
   void reorder(const std::vector<int>& rows);
   void reset(int batch);
   // Every row keeps its first `length` tokens. Throws StepRefused("crop_evicted") when
-  // the retained set of the cropped row holds a token this policy has already evicted.
+  // the retained set of the cropped row holds a token this policy has already evicted (in
+  // any layer).
   void crop(std::int64_t length);
 
   // Threads that share an append's attention (each output is computed by one thread
@@ -67,7 +75,9 @@ class ReferenceModel {
   int batch() const { return static_cast<int>(histories_.size()); }
   std::uint64_t next_uid() const { return next_uid_; }
   const std::vector<std::uint64_t>& history(int row) const { return histories_.at(row); }
-  RowRetained retained(int row) const;
+  RowRetained retained(int row, int layer = 0) const;
+  // The layers follow different policies.
+  bool hybrid() const { return hybrid_; }
 
  private:
   // One token's attention in one layer for the query heads of kv head `group`: writes
@@ -82,7 +92,9 @@ class ReferenceModel {
 
   Dims dims_;
   Rope rope_;
-  Policy policy_;
+  Policy policy_;                       // layer 0's
+  std::vector<Policy> layer_policies_;  // one per layer
+  bool hybrid_ = false;
   Attention attention_;
   double scale_;
   const InputTable& inputs_;

@@ -45,6 +45,10 @@ std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log, 
   c.threads = threads;
   c.storage = storage;
   for (int l = 0; l < kLayers; ++l) c.sink_logits.push_back({0.5f, -1.0f, 2.0f, 0.0f, 1.0f, 3.0f});
+  if (entry.name == "hybrid") {  // a sink layer and a full one
+    c.layer_policies = {{LayerPolicy::Kind::sink, 12, 2, 1, true, false},
+                        {LayerPolicy::Kind::full, 0, 0, 1, false, false}};
+  }
   const std::unique_ptr<KvCache> cache = entry.make(c);
   std::vector<float> all;
   std::int64_t uid = 0;

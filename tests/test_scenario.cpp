@@ -204,7 +204,8 @@ TEST(ScenarioValidation, RopeScalingPastedFromAConfigJson) {
   EXPECT_EQ(llama.rope.original_max_position_embeddings, 8192.0);
   // Qwen 2.5's older spelling ("type"); the attention factor defaults to 0.1 ln f + 1.
   const auto qwen = parse_scenario(
-      with_rope(R"({"scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}})"), "s.json");
+      with_rope(R"({"scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}})"),
+      "s.json");
   EXPECT_EQ(qwen.rope.scaling, kvcheck::RopeScaling::yarn);
   EXPECT_DOUBLE_EQ(qwen.rope.attention_factor, 0.1 * std::log(4.0) + 1.0);
   EXPECT_EQ(qwen.rope.beta_fast, 32.0);
@@ -231,9 +232,9 @@ TEST(ScenarioValidation, RopeVariantErrorsNameTheFieldAndWhatWasExpected) {
             "s.json: /rope/scaling/beta_fast: \"beta_fast\" belongs to llama3 or yarn scaling, not linear");
   EXPECT_EQ(error_of(with_rope(R"({"factor": 2, "scaling": {"rope_type": "linear", "factor": 2}})")),
             "s.json: /rope/factor: give the factor inside \"scaling\" when scaling is an object");
-  EXPECT_EQ(error_of(with_rope(R"({"rotary_dim": 5})")), "s.json: /rope/rotary_dim: expected an even rotary_dim, got 5");
-  EXPECT_EQ(error_of(with_rope(R"({"rotary_dim": 16})")),
-            "s.json: /rope/rotary_dim: expected an integer <= 8, got 16");
+  EXPECT_EQ(error_of(with_rope(R"({"rotary_dim": 5})")),
+            "s.json: /rope/rotary_dim: expected an even rotary_dim, got 5");
+  EXPECT_EQ(error_of(with_rope(R"({"rotary_dim": 16})")), "s.json: /rope/rotary_dim: expected an integer <= 8, got 16");
 }
 
 TEST(ScenarioValidation, LearnedSinkLogitsOnePerQueryHeadOrPerLayer) {
@@ -266,4 +267,23 @@ TEST(ScenarioValidation, PastedConfigVariants) {
             "s.json: /rope/theta: yarn needs theta > 1 (it divides by ln theta), got 1");
   EXPECT_EQ(error_of(with_extra(R"(, "kv_dtype": "fp8")")),
             "s.json: /kv_dtype: expected one of float32, float16, bfloat16, got \"fp8\"");
+}
+
+TEST(ScenarioValidation, OnePolicyPerLayer) {
+  const std::string two_layers = R"({"layers": 2, "batch": 1, "heads": 2, "head_dim": 8})";
+  const auto s = parse_scenario(scenario(two_layers, R"([{"type": "sliding", "window": 4}, {"type": "full"}])",
+                                         R"([{"op": "append", "tokens": 3}])"),
+                                "s.json");
+  EXPECT_TRUE(s.hybrid());
+  ASSERT_EQ(s.layer_policies.size(), 2u);
+  EXPECT_EQ(s.layer_policies[1].kind, kvcheck::PolicyKind::full);
+  EXPECT_EQ(s.policy.kind, kvcheck::PolicyKind::sliding);  // layer 0's
+  EXPECT_FALSE(
+      parse_scenario(scenario(two_layers, R"({"type": "full"})", R"([{"op": "append", "tokens": 3}])"), "s.json")
+          .hybrid());
+  EXPECT_EQ(error_of(scenario(two_layers, R"([{"type": "full"}])", R"([{"op": "append", "tokens": 3}])")),
+            "s.json: /policy: expected one policy per layer (2), got 1");
+  EXPECT_EQ(error_of(scenario(two_layers, R"([{"type": "full"}, {"type": "sliding", "widow": 4}])",
+                              R"([{"op": "append", "tokens": 3}])")),
+            "s.json: /policy/1/widow: unknown key \"widow\" (expected one of: type, window)");
 }

@@ -1,6 +1,7 @@
 #include "tools/catalog/catalog.h"
 
 #include "optimized/dense_cache.h"
+#include "optimized/hybrid_cache.h"
 #include "optimized/sink_ring_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
@@ -14,22 +15,28 @@ using namespace optimized;
 const std::vector<CacheEntry>& real_caches() {
   static const std::vector<CacheEntry> caches = {
       {"dynamic", "full attention, grows with the sequence (amortized doubling)",
-       [](const Scenario& s) { return s.policy.kind == PolicyKind::full; },
+       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
        [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic); }},
       {"static", "full attention, preallocated, refuses to overflow",
-       [](const Scenario& s) { return s.policy.kind == PolicyKind::full; },
+       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
        [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::fixed); }},
       {"sliding", "ring buffer of W slots, keys rotated once",
-       [](const Scenario& s) { return s.policy.kind == PolicyKind::sliding; },
+       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sliding; },
        [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }},
       // float32 only: re-rotating a half-precision key at every shift rounds it again each
       // time, and the error grows with the shifts (the zoo's rerotates_half_keys).
       {"sink_shift", "attention sinks, keys at cache positions, re-rotated when the window shifts",
-       [](const Scenario& s) { return s.policy.kind == PolicyKind::sink && s.kv_dtype == KvDtype::float32; },
+       [](const Scenario& s) {
+         return !s.hybrid() && s.policy.kind == PolicyKind::sink && s.kv_dtype == KvDtype::float32;
+       },
        [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); }},
       {"sink_ring", "attention sinks, ring buffer, keys rotated once, query rotated twice",
-       [](const Scenario& s) { return s.policy.kind == PolicyKind::sink; },
+       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sink; },
        [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
+      // Layers of different policies (SPEC 7), each served by the cache above that fits it.
+      {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
+       [](const Scenario& s) { return s.hybrid(); },
+       [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
   };
   return caches;
 }

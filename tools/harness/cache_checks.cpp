@@ -51,19 +51,21 @@ namespace {
 
 // The view of every used slot. Half-precision keys are converted to float32 (exactly) into
 // `storage`, which the view owns.
-std::vector<ViewLayer> slot_layers(const optimized::SlotStore& store, const std::vector<std::vector<float>>& out,
+std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_count,
+                                   const std::vector<std::vector<float>>& out,
                                    std::vector<std::vector<float>>& storage) {
-  std::vector<ViewLayer> layers(static_cast<std::size_t>(store.layers()));
-  const bool convert = store.storage() != optimized::Storage::float32;
-  if (convert) {
-    storage.resize(static_cast<std::size_t>(store.layers()));
-    for (int l = 0; l < store.layers(); ++l)
-      storage[static_cast<std::size_t>(l)].resize(static_cast<std::size_t>(store.batch()) * store.kv_heads() *
-                                                  store.capacity() * store.head_dim());
-  }
-  for (int l = 0; l < store.layers(); ++l) {
-    ViewLayer& layer = layers[static_cast<std::size_t>(l)];
-    if (!out.empty()) layer.out = out[static_cast<std::size_t>(l)].data();
+  std::vector<ViewLayer> layers(static_cast<std::size_t>(layer_count));
+  storage.resize(static_cast<std::size_t>(layer_count));
+  for (int layer_index = 0; layer_index < layer_count; ++layer_index) {
+    // A hybrid cache keeps one single-layer store per layer.
+    const optimized::SlotStore& store = cache.layer_slots(layer_index);
+    const int l = store.layers() == layer_count ? layer_index : 0;
+    const bool convert = store.storage() != optimized::Storage::float32;
+    if (convert)
+      storage[static_cast<std::size_t>(layer_index)].resize(static_cast<std::size_t>(store.batch()) * store.kv_heads() *
+                                                            store.capacity() * store.head_dim());
+    ViewLayer& layer = layers[static_cast<std::size_t>(layer_index)];
+    if (!out.empty()) layer.out = out[static_cast<std::size_t>(layer_index)].data();
     layer.slots.assign(static_cast<std::size_t>(store.batch()),
                        std::vector<std::vector<ViewSlot>>(static_cast<std::size_t>(store.kv_heads())));
     for (int b = 0; b < store.batch(); ++b)
@@ -73,8 +75,9 @@ std::vector<ViewLayer> slot_layers(const optimized::SlotStore& store, const std:
           if (m.uid < 0) continue;
           const float* key = static_cast<const float*>(store.key(l, b, g, slot));
           if (convert) {
-            float* x = storage[static_cast<std::size_t>(l)].data() +
-                       ((static_cast<std::size_t>(b) * store.kv_heads() + g) * store.capacity() + slot) * store.head_dim();
+            float* x =
+                storage[static_cast<std::size_t>(layer_index)].data() +
+                ((static_cast<std::size_t>(b) * store.kv_heads() + g) * store.capacity() + slot) * store.head_dim();
             store.read_key(l, b, g, slot, x);
             key = x;
           }
@@ -94,7 +97,7 @@ InProcessCache::~InProcessCache() = default;
 
 CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
   CacheView view;
-  view.slots_shared = true;
+  view.slots_shared = !s_.hybrid();
   log_ = {};  // a long prompt's log and outputs are large: none kept past their step
   out_ = {};
   try {
@@ -107,7 +110,7 @@ CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
   }
   if (view.error && rec.refused.empty()) return view;
   view.batch = cache_->batch();
-  view.layers = slot_layers(cache_->slots(), out_, view.storage);
+  view.layers = slot_layers(*cache_, s_.dims.layers, out_, view.storage);
   view.roundoff = unit_roundoff(s_.kv_dtype);
   if (rec.append) view.pairs = std::move(log_);
   return view;

@@ -10,6 +10,24 @@ namespace kvcheck {
 using optimized::CacheConfig;
 using optimized::PairLayout;
 
+namespace {
+
+optimized::LayerPolicy layer_policy(const Policy& p) {
+  optimized::LayerPolicy l;
+  l.kind = p.kind == PolicyKind::full      ? optimized::LayerPolicy::Kind::full
+           : p.kind == PolicyKind::sliding ? optimized::LayerPolicy::Kind::sliding
+                                           : optimized::LayerPolicy::Kind::sink;
+  l.window = p.window;
+  l.sinks = p.sinks;
+  l.evict = p.evict;
+  // A sliding window keeps absolute positions: it is a sink cache without sinks that never shifts.
+  l.shift_positions = p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
+  l.dense_prefill = p.prefill == Prefill::dense;
+  return l;
+}
+
+}  // namespace
+
 CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   CacheConfig c;
   c.layers = s.dims.layers;
@@ -35,6 +53,8 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   for (const std::vector<double>& layer : s.attention.sink_logits)
     c.sink_logits.emplace_back(layer.begin(), layer.end());
   c.softmax_scale = static_cast<float>(s.softmax_scale());
+  if (s.hybrid())
+    for (const Policy& p : s.layer_policies) c.layer_policies.push_back(layer_policy(p));
   c.window = s.policy.window;
   c.sinks = s.policy.sinks;
   c.evict = s.policy.evict;

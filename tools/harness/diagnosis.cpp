@@ -69,6 +69,8 @@ const char* class_name(BugClass c) {
       return "learned sinks dropped";
     case BugClass::rerotation_drift:
       return "re-rotation drift";
+    case BugClass::layer_policy_swapped:
+      return "layer given another layer's policy";
   }
   return "?";
 }
@@ -156,6 +158,10 @@ const char* class_explanation(BugClass c) {
     case BugClass::attention_factor_wrong:
       return "Stored keys have the right rotation but the wrong length: yarn's attention factor m multiplies "
              "cos and sin for q and k alike; it is missing on the keys (applied to q only) or applied twice.";
+    case BugClass::layer_policy_swapped:
+      return "A layer of a hybrid stack holds exactly what another layer's policy keeps: the cache maps the "
+             "per-layer pattern (sliding or full) onto the wrong layers, e.g. off by one in a layer_types or "
+             "sliding_window_pattern index.";
     case BugClass::rerotation_drift:
       return "Stored keys sit at their claimed positions but further from an exact rotation than one rounding to "
              "the storage format explains: the cache re-rotates stored keys (in half precision) at every shift, "
@@ -205,6 +211,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.raised) return BugClass::cache_raised;
   if (e.unrecorded) return BugClass::trace_incomplete;
   if (!e.refusal.empty()) return BugClass::refusal_mismatch;
+  if (e.layer_holds_policy_of) return BugClass::layer_policy_swapped;
   if (e.wrong_row_count)
     return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions
                                                                   : BugClass::stale_row_after_batch_change;
@@ -283,9 +290,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   }
   // Every bad key is nearest its claim: right positions, too much rounding.
   const bool rotations = any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; });
-  if (rotations && std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
-        return i.kind != K::rotation || i.closest_at_claim;
-      }))
+  if (rotations && std::all_of(e.slots.begin(), e.slots.end(),
+                               [](const SlotIssue& i) { return i.kind != K::rotation || i.closest_at_claim; }))
     return BugClass::rerotation_drift;
   if (rotations) return BugClass::key_at_wrong_position;
 

@@ -43,6 +43,7 @@ enum class BugClass {
   attention_factor_wrong,
   learned_sinks_dropped,
   rerotation_drift,
+  layer_policy_swapped,
 };
 
 const char* class_name(BugClass c);
@@ -106,7 +107,9 @@ struct StepEvidence {
   bool wrong_row_count = false;          // the cache holds another number of rows than the reference
   bool query_unreadable = false;         // a trace's rotated query is no rotation of its raw query
   bool unrecorded = false;               // a trace left out an append step without saying why
-  bool learned_sinks_tested = false;     // the first output mismatch was recomputed without learned sinks
+  // Layer `first` of a hybrid holds exactly what layer `second`'s policy keeps.
+  std::optional<std::pair<int, int>> layer_holds_policy_of;
+  bool learned_sinks_tested = false;               // the first output mismatch was recomputed without learned sinks
   bool outputs_fit_without_learned_sinks = false;  // ... and it matched: the cache dropped them
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&

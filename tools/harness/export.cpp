@@ -56,15 +56,24 @@ json policy_json(const Policy& p) {
   return j;
 }
 
-json cache_json(std::size_t index, const StepRecord& record) {
+json cache_rows(const std::vector<reference::RowRetained>& retained) {
   json rows = json::array();
-  for (std::size_t b = 0; b < record.retained.size(); ++b) {
+  for (std::size_t b = 0; b < retained.size(); ++b) {
     json keys = json::array();
-    for (const auto& key : record.retained[b].keys)
+    for (const auto& key : retained[b].keys)
       keys.push_back({{"uid", key.uid}, {"index", key.index}, {"position", key.position}});
-    rows.push_back({{"row", b}, {"query_position", record.retained[b].query_position}, {"keys", keys}});
+    rows.push_back({{"row", b}, {"query_position", retained[b].query_position}, {"keys", keys}});
   }
-  return {{"step", index}, {"rows", rows}};
+  return rows;
+}
+
+// The rows, the same for every layer; or, when the layers' policies differ, "layers": one
+// {"rows"} per layer.
+json cache_json(std::size_t index, const StepRecord& record) {
+  if (record.layer_retained.empty()) return {{"step", index}, {"rows", cache_rows(record.retained)}};
+  json layers = json::array();
+  for (const auto& retained : record.layer_retained) layers.push_back({{"rows", cache_rows(retained)}});
+  return {{"step", index}, {"layers", layers}};
 }
 
 }  // namespace
@@ -113,6 +122,14 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
           indices.push_back(token.index);
           query_positions.push_back(token.view.query_position);
         }
+        if (s.hybrid()) {  // one list per layer
+          query_positions = json::array();
+          for (int l = 0; l < s.dims.layers; ++l) {
+            json layer = json::array();
+            for (const auto& token : row) layer.push_back(token.view_in(l).query_position);
+            query_positions.push_back(layer);
+          }
+        }
         // Pq of each appended token: lets a driver rotate new keys and queries where the
         // policy puts them (kvtrace's positions="policy").
         rows.push_back({{"uids", uids}, {"indices", indices}, {"query_positions", query_positions}});
@@ -132,17 +149,22 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
   }
 
   json manifest = {{"format", "kvcheck-export-1"},
-                         {"name", s.name},
-                         {"description", s.description},
-                         {"scenario", json::parse(s.source_json)},
-                         {"dimensions", dims_json(s.dims)},
-                         {"rope", rope_json(s.rope)},
-                         {"policy", policy_json(s.policy)},
-                         {"softmax_scale", s.softmax_scale()},
-                         {"uids", inputs.uids},
-                         {"inputs", {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}}},
-                         {"steps", steps}};
+                   {"name", s.name},
+                   {"description", s.description},
+                   {"scenario", json::parse(s.source_json)},
+                   {"dimensions", dims_json(s.dims)},
+                   {"rope", rope_json(s.rope)},
+                   {"policy", policy_json(s.policy)},
+                   {"softmax_scale", s.softmax_scale()},
+                   {"uids", inputs.uids},
+                   {"inputs", {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}}},
+                   {"steps", steps}};
   if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
+  if (s.hybrid()) {
+    json policies = json::array();
+    for (const Policy& p : s.layer_policies) policies.push_back(policy_json(p));
+    manifest["policy"] = policies;
+  }
   write_file_atomically(dir.path() / "manifest.json", manifest.dump(1) + "\n");
   dir.commit();
 }

@@ -92,16 +92,18 @@ SplitScenario split_into_single_tokens(const Scenario& s, const InputTable& inpu
 
 ReferenceChecks::ReferenceChecks(const Scenario& s, const InputTable& inputs) : s_(s) {
   invariance_ = {"chunk invariance", true, "bit-identical to one-by-one feeding"};
-  if (s.policy.prefill == Prefill::dense) {
+  if (std::any_of(s.layer_policies.begin(), s.layer_policies.end(),
+                  [](const Policy& p) { return p.prefill == Prefill::dense; })) {
     invariance_.detail = "not applicable: dense prefill is chunk-dependent by design";
   } else {
     split_ = std::make_unique<SplitScenario>(split_into_single_tokens(s, inputs));
     single_ = std::make_unique<ReferenceStepper>(split_->scenario, split_->inputs);
   }
   sink_zero_ = {"sink S=0 equals sliding", true, "not applicable"};
-  if (sink_zero_applies(s.policy)) {
+  if (sink_zero_applies(s.policy) && !s.hybrid()) {
     sliding_ = std::make_unique<Scenario>(s);
     sliding_->policy = Policy{PolicyKind::sliding, s.policy.window, 0, 1, SinkPositions::cache, Prefill::streaming};
+    sliding_->layer_policies.assign(sliding_->layer_policies.size(), sliding_->policy);
     sliding_run_ = std::make_unique<ReferenceStepper>(*sliding_, inputs);
   }
   bounds_ = {"positions within bounds", true, "all views within bounds"};

@@ -55,7 +55,8 @@ struct ReferenceStepper::State {
 
 ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs)
     : scenario_(s),
-      state_(new State{reference::ReferenceModel(s.dims, s.rope, s.policy, s.softmax_scale(), inputs, s.attention), {}}) {}
+      state_(new State{
+          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}}) {}
 
 ReferenceStepper::~ReferenceStepper() = default;
 
@@ -65,7 +66,7 @@ StepRecord ReferenceStepper::next() {
   const std::size_t i = next_++;
   const Step& step = scenario_.steps.at(i);
   reference::ReferenceModel& model = state_->model;
-  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}};
+  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}};
   try {
     switch (step.op) {
       case StepOp::append:
@@ -93,6 +94,12 @@ StepRecord ReferenceStepper::next() {
                                                                 : ", expected \"" + step.expect_error + "\""));
   }
   for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
+  if (model.hybrid()) {
+    record.layer_retained.resize(static_cast<std::size_t>(scenario_.dims.layers));
+    for (int l = 0; l < scenario_.dims.layers; ++l)
+      for (int b = 0; b < model.batch(); ++b)
+        record.layer_retained[static_cast<std::size_t>(l)].push_back(model.retained(b, l));
+  }
   record.histories = state_->histories.after(step, model);
   return record;
 }

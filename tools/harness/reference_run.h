@@ -35,10 +35,15 @@ class RowHistory {
 struct StepRecord {
   Step step;
   int batch_before = 0;
-  std::optional<reference::AppendResult> append;  // append steps
-  std::vector<reference::RowRetained> retained;   // per row, after the step
-  std::vector<RowHistory> histories;              // per row, after the step
-  std::string refused;                            // the code when the step was refused
+  std::optional<reference::AppendResult> append;                    // append steps
+  std::vector<reference::RowRetained> retained;                     // per row, after the step (layer 0)
+  std::vector<std::vector<reference::RowRetained>> layer_retained;  // [layer][row] when the layers' policies differ
+  const reference::RowRetained& retained_in(int layer, int row) const {
+    return layer_retained.empty() ? retained[static_cast<std::size_t>(row)]
+                                  : layer_retained[static_cast<std::size_t>(layer)][static_cast<std::size_t>(row)];
+  }
+  std::vector<RowHistory> histories;  // per row, after the step
+  std::string refused;                // the code when the step was refused
   std::string refusal_message;
 };
 

@@ -42,6 +42,10 @@ const char* to_string(StepOp op) {
 
 double Scenario::softmax_scale() const { return scale ? *scale : 1.0 / std::sqrt(dims.head_dim); }
 
+bool Scenario::hybrid() const {
+  return std::any_of(layer_policies.begin(), layer_policies.end(), [&](const Policy& p) { return !(p == policy); });
+}
+
 namespace {
 
 constexpr int kMaxBatch = 4096;
@@ -226,8 +230,7 @@ Rope parse_rope(const Reader& r, const json& j, int head_dim) {
     // A config.json's "rope_scaling": null, pasted: no scaling.
     if (j.contains("factor")) r.fail(p + "/factor", "a factor needs \"scaling\": \"linear\"");
   } else if (j.contains("scaling") && j["scaling"].is_object()) {
-    if (j.contains("factor"))
-      r.fail(p + "/factor", "give the factor inside \"scaling\" when scaling is an object");
+    if (j.contains("factor")) r.fail(p + "/factor", "give the factor inside \"scaling\" when scaling is an object");
     parse_scaling_object(r, j["scaling"], p + "/scaling", rope);
   } else {
     if (j.contains("scaling") && !j["scaling"].is_string())
@@ -294,8 +297,7 @@ Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
   return a;
 }
 
-Policy parse_policy(const Reader& r, const json& j) {
-  const std::string p = "/policy";
+Policy parse_policy(const Reader& r, const json& j, const std::string& p = "/policy") {
   if (!j.is_object()) r.fail(p, "expected an object, got " + describe(j));
   Policy policy;
   const std::string type = r.choice(r.field(j, p, "type"), p + "/type", {"full", "sliding", "sink"});
@@ -521,6 +523,10 @@ double visible_keys_sum(const Policy& p, std::int64_t first, std::int64_t last) 
 
 ScenarioCost estimate_cost(const Scenario& s) {
   const Dims& d = s.dims;
+  // A hybrid costs at most what its widest layer would cost in every layer.
+  Policy widest = s.policy;
+  for (const Policy& p : s.layer_policies)
+    if (visible_keys(p, std::int64_t{1} << 40) > visible_keys(widest, std::int64_t{1} << 40)) widest = p;
   const double per_token_out = static_cast<double>(d.layers) * d.heads * d.head_dim;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);
   double outputs = 0, views = 0, retained = 0, work = 0, largest_step = 0;
@@ -531,7 +537,7 @@ ScenarioCost estimate_cost(const Scenario& s) {
       const double out = static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
       double seen_all = 0;
       for (std::size_t b = 0; b < lengths.size(); ++b) {
-        const double seen = visible_keys_sum(s.policy, lengths[b], lengths[b] + step.tokens[b] - 1);
+        const double seen = visible_keys_sum(widest, lengths[b], lengths[b] + step.tokens[b] - 1);
         seen_all += seen;
         work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
       }
@@ -544,7 +550,7 @@ ScenarioCost estimate_cost(const Scenario& s) {
     advance_lengths(step, lengths);
     // Per row and step: the retained and live sets (24 bytes a key), and a history view.
     double sets = 0;
-    for (std::int64_t n : lengths) sets += 48.0 * (n == 0 ? 0.0 : visible_keys(s.policy, n - 1)) + 24;
+    for (std::int64_t n : lengths) sets += 48.0 * (n == 0 ? 0.0 : visible_keys(widest, n - 1)) + 24;
     retained += sets;
     largest_step = std::max(largest_step, step_bytes + sets);
   }
@@ -613,7 +619,17 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     const std::string dtype = r.choice(j["kv_dtype"], "/kv_dtype", {"float32", "float16", "bfloat16"});
     s.kv_dtype = dtype == "float32" ? KvDtype::float32 : dtype == "float16" ? KvDtype::float16 : KvDtype::bfloat16;
   }
-  s.policy = parse_policy(r, r.field(j, "", "policy"));
+  const json& policy = r.field(j, "", "policy");
+  if (policy.is_array()) {  // one per layer (SPEC 7)
+    if (policy.size() != static_cast<std::size_t>(s.dims.layers))
+      r.fail("/policy", fmt::format("expected one policy per layer ({}), got {}", s.dims.layers, policy.size()));
+    for (std::size_t l = 0; l < policy.size(); ++l)
+      s.layer_policies.push_back(parse_policy(r, policy[l], "/policy/" + std::to_string(l)));
+    s.policy = s.layer_policies[0];
+  } else {
+    s.policy = parse_policy(r, policy);
+    s.layer_policies.assign(static_cast<std::size_t>(s.dims.layers), s.policy);
+  }
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);

@@ -53,15 +53,18 @@ struct Scenario {
   std::string source_json;  // the scenario as written, echoed into manifests
   Dims dims;
   Rope rope;
-  Attention attention;  // learned sink logits (SPEC 7)
+  Attention attention;                  // learned sink logits (SPEC 7)
   KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
-  Policy policy;
-  std::optional<double> scale;  // softmax scale; 1/sqrt(D) when absent
+  Policy policy;                        // layer 0's (every layer's unless `policy` was a list)
+  std::vector<Policy> layer_policies;   // one per layer (SPEC 7): Gemma- and gpt-oss-style hybrids
+  std::optional<double> scale;          // softmax scale; 1/sqrt(D) when absent
   InputSource inputs;
   std::vector<Step> steps;
   Tolerance tolerance;
 
   double softmax_scale() const;
+  // The layers follow different policies.
+  bool hybrid() const;
 };
 
 // Number of uids the scenario's steps create, and the batch size each step sees.

@@ -47,8 +47,10 @@ Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double r
   };
   double vmax = 0.0;
   for (float v : inputs.v) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
+  // Yarn's attention factor m scales rotated q and k, so the scores by up to m^2.
+  const double m = std::max(1.0, reference::rope_magnitude(s.rope));
   const double bound =
-      roundoff * vmax * (1.0 + 2.0 * s.softmax_scale() * largest_norm(inputs.q) * largest_norm(inputs.k));
+      roundoff * vmax * (1.0 + 2.0 * s.softmax_scale() * m * m * largest_norm(inputs.q) * largest_norm(inputs.k));
   Tolerance t;
   t.atol = std::max(s.tolerance.atol, 2.0 * bound);
   t.rtol = std::max(s.tolerance.rtol, 2.0 * roundoff);
@@ -115,7 +117,7 @@ class RotationCheck {
     return worst;
   }
 
- // Keys stored as they came (a trace's "unrotated" keys): no rotation and no magnitude.
+  // Keys stored as they came (a trace's "unrotated" keys): no rotation and no magnitude.
   void set_unrotated(bool unrotated) { unrotated_ = unrotated; }
 
  private:
@@ -321,6 +323,8 @@ class StepChecker::Impl {
         const std::size_t before = evidence.slots.size();
         check_row(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
         for (std::size_t k = before; k < evidence.slots.size(); ++k) evidence.slots[k].layer = static_cast<int>(l);
+        if (s_.hybrid() && evidence.slots.size() > before && !evidence.layer_holds_policy_of)
+          match_other_layer_policy(rec, view, static_cast<int>(l), b, evidence);
         if (rec.append && layer.out) compare_outputs(rec, static_cast<int>(l), b, layer.out, tolerance, evidence);
         if (rec.append && layer.q && !view.pairs) derive_pairs(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
       }
@@ -337,7 +341,8 @@ class StepChecker::Impl {
         });
       }
     for (std::size_t l = 0; l < rows.size(); ++l)
-      for (std::size_t b = 0; b < rows[l].size(); ++b) fill_distances(rec, view, static_cast<int>(b), rows[l][b]);
+      for (std::size_t b = 0; b < rows[l].size(); ++b)
+        fill_distances(rec, view, static_cast<int>(l), static_cast<int>(b), rows[l][b]);
     return true;
   }
 
@@ -346,7 +351,7 @@ class StepChecker::Impl {
   // position it claims (or the trace declares, under one of the two conventions).
   void check_row(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence, RowState& state) {
     const auto& history = rec.histories[b];
-    const reference::RowRetained& ret = rec.retained[b];
+    const reference::RowRetained& ret = rec.retained_in(l, b);
     RowSets sets;
     for (const auto& key : ret.keys) sets.retained[static_cast<std::int64_t>(key.uid)] = &key;
     for (const auto& key : ret.live) sets.live[static_cast<std::int64_t>(key.uid)] = &key;
@@ -413,7 +418,7 @@ class StepChecker::Impl {
                                        v.slot, v.uid, row.index));
             SlotIssue extra = SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index);
             extra.slot = v.slot;
-            extra.window_gap = window_start(s_.policy, ret) - row.index;
+            extra.window_gap = window_start(s_.layer_policies[static_cast<std::size_t>(l)], ret) - row.index;
             extra.in_chunk =
                 rec.append && !rec.append->rows[b].empty() && row.index >= rec.append->rows[b].front().index;
             evidence.slots.push_back(extra);
@@ -524,8 +529,8 @@ class StepChecker::Impl {
     // Rotated back by its claim the key is still closest to its raw key, by far: the right
     // position, carrying more rounding error than one rounding to the storage explains.
     const double at_claim = rotations_.error(v.key, raw, claim);
-    const bool best_at_claim = at_claim < 0.5 * std::min(rotations_.error(v.key, raw, claim - 1),
-                                                         rotations_.error(v.key, raw, claim + 1));
+    const bool best_at_claim =
+        at_claim < 0.5 * std::min(rotations_.error(v.key, raw, claim - 1), rotations_.error(v.key, raw, claim + 1));
     if (g == 0 && is_fine(row.verdict)) row.verdict = SlotVerdict::key_off_claim;
     rotation_.fail(
         fmt::format("{} slot {} (uid {}, token {}): the key is not its raw key rotated by {} {} "
@@ -542,6 +547,27 @@ class StepChecker::Impl {
     issue.fits = r.fits;
     issue.closest_at_claim = best_at_claim;
     evidence.slots.push_back(issue);
+  }
+
+  // A hybrid's layer holding wrong tokens: does it hold exactly what another layer's
+  // policy keeps? Then the cache gave this layer that layer's policy.
+  void match_other_layer_policy(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence) {
+    const auto& heads = view.layers[static_cast<std::size_t>(l)].slots[static_cast<std::size_t>(b)];
+    if (heads.empty()) return;
+    std::set<std::int64_t> held;
+    for (const ViewSlot& v : heads[0])
+      if (v.uid >= 0) held.insert(v.uid);
+    const auto length = static_cast<std::int64_t>(rec.histories[b].size());
+    for (std::size_t m = 0; m < s_.layer_policies.size(); ++m) {
+      if (s_.layer_policies[m] == s_.layer_policies[static_cast<std::size_t>(l)]) continue;
+      std::set<std::int64_t> kept;
+      for (const auto& key : reference::retained_view(s_.layer_policies[m], length).keys)
+        kept.insert(static_cast<std::int64_t>(rec.histories[b][static_cast<std::size_t>(key.index)]));
+      if (kept == held) {
+        evidence.layer_holds_policy_of = std::pair<int, int>{l, static_cast<int>(m)};
+        return;
+      }
+    }
   }
 
   void compare_outputs(const StepRecord& rec, int l, int b, const float* out, const Tolerance& tol,
@@ -575,10 +601,9 @@ class StepChecker::Impl {
     if (first && !s_.attention.sink_logits.empty() && !evidence.learned_sinks_tested) {
       evidence.learned_sinks_tested = true;
       const auto [i, h] = *first;
-      const std::vector<double> without =
-          output_without_learned_sinks(
-          s_, inputs_, std::span<const std::uint64_t>(rec.histories[b].begin(), rec.histories[b].size()), ref.rows[b][i],
-          l, h);
+      const std::vector<double> without = output_without_learned_sinks(
+          s_, inputs_, std::span<const std::uint64_t>(rec.histories[b].begin(), rec.histories[b].size()),
+          ref.rows[b][i], l, h);
       const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D;
       bool fits = true;
       for (int d = 0; d < D; ++d)
@@ -705,13 +730,13 @@ class StepChecker::Impl {
   }
 
   // The table's visibility and distances, as seen by the row's last token of the step.
-  void fill_distances(const StepRecord& rec, const CacheView& view, int b, RowState& state) {
+  void fill_distances(const StepRecord& rec, const CacheView& view, int l, int b, RowState& state) {
     const bool attended = rec.append && !rec.append->rows[b].empty();
     std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> expected;  // uid -> (distance, Pk)
     if (attended) {
-      const auto& last = rec.append->rows[b].back();
-      for (const auto& key : last.view.keys)
-        expected[static_cast<std::int64_t>(rec.histories[b][key.index])] = {last.view.query_position - key.position,
+      const reference::QueryView& last = rec.append->rows[b].back().view_in(l);
+      for (const auto& key : last.keys)
+        expected[static_cast<std::int64_t>(rec.histories[b][key.index])] = {last.query_position - key.position,
                                                                             key.position};
     }
     for (SlotRow& r : state.table) {

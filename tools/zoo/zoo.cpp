@@ -1,5 +1,9 @@
 #include "tools/zoo/zoo.h"
 
+#include <algorithm>
+
+#include "optimized/hybrid_cache.h"
+#include "tools/harness/scenario.h"
 #include "tools/zoo/faulty_cache.h"
 
 namespace kvcheck {
@@ -19,9 +23,30 @@ bool serves(int mask, const Policy& p) {
 
 ZooMutant mutant(const char* name, Fault fault, int mask, const char* bug, const char* wild, BugClass expected,
                  std::vector<std::string> fixtures) {
-  CacheEntry entry{std::string("zoo/") + name, bug, [mask](const Scenario& s) { return serves(mask, s.policy); },
+  CacheEntry entry{std::string("zoo/") + name, bug,
+                   [mask](const Scenario& s) { return !s.hybrid() && serves(mask, s.policy); },
                    [fault](const optimized::CacheConfig& config) { return zoo::make_faulty_cache(config, fault); }};
   return {entry, wild, expected, std::move(fixtures)};
+}
+
+// A hybrid cache that gives each layer the next layer's policy: the sliding window lands on
+// the wrong layers.
+ZooMutant hybrid_layers_shifted() {
+  CacheEntry entry{"zoo/hybrid_layers_shifted",
+                   "gives each layer of a hybrid stack the next layer's policy, so the window lands on the wrong "
+                   "layers",
+                   [](const Scenario& s) { return s.hybrid(); },
+                   [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     optimized::CacheConfig shifted = config;
+                     std::rotate(shifted.layer_policies.begin(), shifted.layer_policies.begin() + 1,
+                                 shifted.layer_policies.end());
+                     return std::make_unique<optimized::HybridCache>(shifted);
+                   }};
+  return {entry,
+          "hybrid caches that index the per-layer pattern off by one (transformers' sliding_window_pattern, "
+          "layer_types)",
+          BugClass::layer_policy_swapped,
+          {"gemma_hybrid_sliding_full", "gpt_oss_hybrid_yarn_learned_sinks"}};
 }
 
 // A mutant whose bug needs half-precision storage: it is a correct cache in float32.
@@ -100,8 +125,8 @@ const std::vector<ZooMutant>& zoo_mutants() {
              BugClass::wrong_frequency_map, {"llama31_sink_gqa", "llama31_sliding_gqa"}),
       mutant("partial_rotates_all", Fault::partial_rotates_all, sliding | sink,
              "ignores rotary_dim: rotates every dim of the head, with frequencies over head_dim",
-             "Phi and GPT-NeoX ports whose rotary embedding is applied to the whole head",
-             BugClass::wrong_rotary_dim, {"phi_partial_rotary_sink"}),
+             "Phi and GPT-NeoX ports whose rotary embedding is applied to the whole head", BugClass::wrong_rotary_dim,
+             {"phi_partial_rotary_sink"}),
       mutant("yarn_factor_on_q_only", Fault::yarn_factor_on_q_only, sliding | sink,
              "multiplies the query by yarn's attention factor but stores the keys without it",
              "yarn implementations that fold the attention factor into the query or the softmax scale on one side",
@@ -110,8 +135,8 @@ const std::vector<ZooMutant>& zoo_mutants() {
                        "re-rotates its stored half-precision keys at every shift, rounding them again each time",
                        "SinkCache-style shifting caches run in float16 or bfloat16 (Hugging Face's SinkCache "
                        "re-rotated keys in the model's dtype)",
-                       BugClass::rerotation_drift,
-                       {"sink_long_window_bfloat16", "sink_long_window_float16"})),
+                       BugClass::rerotation_drift, {"sink_long_window_bfloat16", "sink_long_window_float16"})),
+      hybrid_layers_shifted(),
       mutant("learned_sinks_dropped", Fault::learned_sinks_dropped, sliding | sink,
              "leaves the learned sink logits out of the softmax",
              "gpt-oss ports whose attention kernel has no sink term (and caches that confuse it with sink tokens)",

@@ -1,0 +1,73 @@
+#include "optimized/hybrid_cache.h"
+
+#include <stdexcept>
+
+#include "optimized/dense_cache.h"
+#include "optimized/sink_ring_cache.h"
+#include "optimized/sliding_cache.h"
+
+namespace kvcheck::optimized {
+
+HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
+  if (config.layer_policies.size() != static_cast<std::size_t>(config.layers))
+    throw std::invalid_argument("hybrid cache: one layer policy per layer expected");
+  for (int l = 0; l < config.layers; ++l) {
+    const LayerPolicy& p = config.layer_policies[static_cast<std::size_t>(l)];
+    CacheConfig one = config;
+    one.layers = 1;
+    one.layer_policies.clear();
+    one.sink_logits.clear();
+    if (!config.sink_logits.empty()) one.sink_logits.push_back(config.sink_logits[static_cast<std::size_t>(l)]);
+    one.window = p.window;
+    one.sinks = p.sinks;
+    one.evict = p.evict;
+    one.shift_positions = p.shift_positions;
+    one.dense_prefill = p.dense_prefill;
+    switch (p.kind) {
+      case LayerPolicy::Kind::full:
+        layers_.push_back(std::make_unique<DenseCache>(one, DenseCache::Growth::dynamic));
+        break;
+      case LayerPolicy::Kind::sliding:
+        layers_.push_back(std::make_unique<SlidingCache>(one));
+        break;
+      case LayerPolicy::Kind::sink:
+        layers_.push_back(std::make_unique<SinkRingCache>(one));
+        break;
+    }
+  }
+}
+
+void HybridCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
+  layer_chunk_.length = chunk.length;
+  layer_chunk_.counts = chunk.counts;
+  layer_chunk_.uids = chunk.uids;
+  layer_chunk_.q.resize(1);
+  layer_chunk_.k.resize(1);
+  layer_chunk_.v.resize(1);
+  for (std::size_t l = 0; l < layers_.size(); ++l) {
+    layer_chunk_.q[0] = chunk.q[l];
+    layer_chunk_.k[0] = chunk.k[l];
+    layer_chunk_.v[0] = chunk.v[l];
+    if (!out.empty()) layer_out_[0] = out[l];
+    layers_[l]->append(layer_chunk_, out.empty() ? out : layer_out_, l == 0 ? log : nullptr);
+  }
+}
+
+void HybridCache::reorder(const std::vector<int>& rows) {
+  for (auto& layer : layers_) layer->reorder(rows);
+}
+
+void HybridCache::reset(int batch) {
+  for (auto& layer : layers_) layer->reset(batch);
+}
+
+void HybridCache::check_crop(std::int64_t length) const {
+  for (const auto& layer : layers_) layer->check_crop(length);
+}
+
+void HybridCache::crop(std::int64_t length) {
+  check_crop(length);  // every layer first: a refusal leaves every layer as it was
+  for (auto& layer : layers_) layer->crop(length);
+}
+
+}  // namespace kvcheck::optimized

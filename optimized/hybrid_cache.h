@@ -1,0 +1,34 @@
+// A stack whose layers follow different policies (Gemma 2 and 3: sliding layers with a
+// full one every few; gpt-oss: alternating), as transformers' HybridCache: one cache per
+// layer, each the kind its policy needs (dynamic, sliding or sink_ring), fed that layer's
+// q, k and v.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "optimized/cache.h"
+
+namespace kvcheck::optimized {
+
+class HybridCache : public KvCache {
+ public:
+  // config.layer_policies names each layer's policy.
+  explicit HybridCache(const CacheConfig& config);
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override;
+  void reorder(const std::vector<int>& rows) override;
+  void reset(int batch) override;
+  void check_crop(std::int64_t length) const override;
+  void crop(std::int64_t length) override;
+  const SlotStore& slots() const override { return layers_[0]->slots(); }
+  const SlotStore& layer_slots(int layer) const override { return layers_[static_cast<std::size_t>(layer)]->slots(); }
+  std::int64_t row_length(int row) const override { return layers_[0]->row_length(row); }
+
+ private:
+  std::vector<std::unique_ptr<KvCache>> layers_;
+  Chunk layer_chunk_;              // one layer's view of a chunk, reused
+  std::vector<float*> layer_out_;  // one layer's output
+};
+
+}  // namespace kvcheck::optimized
