@@ -393,6 +393,8 @@ class _Driver:
         if export.rope.get("rotary_dim", export.dims["head_dim"]) != export.dims["head_dim"]:
             raise UsageError("kvtrace rotates every dim of the head; the scenario has rotary_dim %d"
                              % export.rope["rotary_dim"])
+        if isinstance(export.policy, list):
+            raise UsageError("kvtrace drives one policy for every layer; the scenario has one per layer")
         if export.manifest.get("attention", {}).get("sink_logits"):
             raise UsageError("kvtrace's attention has no learned sink logits; the scenario has them")
         self.mask, self.after_forward, self.record_q = mask, after_forward, record_q

@@ -131,6 +131,26 @@ FIELD_CASES = [
     ("/tolerance", {"atol": -1}, "/tolerance/atol: expected a non-negative number"),
     ("/scale", 0, "/scale: expected a positive number"),
     ("/extra", 1, "/extra: unknown key"),
+    # SPEC 7 fields
+    ("/kv_dtype", "fp8", "/kv_dtype: expected one of float32, float16, bfloat16"),
+    ("/kv_dtype", None, "/kv_dtype: expected a string"),
+    ("/rope", {"rotary_dim": 3}, "/rope/rotary_dim: expected an even rotary_dim"),
+    ("/rope", {"rotary_dim": 2 ** 40}, "/rope/rotary_dim: expected an integer <="),
+    ("/rope", {"partial_rotary_factor": 1e308}, "/rope/partial_rotary_factor: expected a factor in \\(0, 1\\]"),
+    ("/rope", {"scaling": {"rope_type": "yarn", "factor": 1e400}}, "not valid JSON|/rope/scaling/factor"),
+    ("/rope", {"scaling": {"rope_type": "yarn", "factor": 4}},
+     "/rope/scaling/original_max_position_embeddings: missing required field"),
+    ("/rope", {"scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 1,
+                           "original_max_position_embeddings": 8192}},
+     "/rope/scaling/high_freq_factor: expected high_freq_factor > low_freq_factor"),
+    ("/rope", {"scaling": []}, "/rope/scaling: expected \"none\", \"linear\" or an object"),
+    ("/attention", {"sink_logits": [1e999]}, "not valid JSON|/attention/sink_logits"),
+    ("/attention", {"sink_logits": [1, 2, 3]}, "/attention/sink_logits: expected a list of 2 numbers"),
+    ("/attention", {"sink_logits": []}, "/attention/sink_logits: expected a list"),
+    ("/attention", {"sink_logits": [[1, 2], [1, 2]]}, "/attention/sink_logits: expected one list per layer"),
+    ("/policy", [], "/policy: expected one policy per layer"),
+    ("/policy", [{"type": "full"}, {"type": "full"}], "/policy: expected one policy per layer"),
+    ("/policy", [{"type": "sliding"}], "/policy/0/window: missing required field"),
 ]
 for path, value, message in FIELD_CASES:
     label = path.strip("/").replace("/", ".") + "=" + ("missing" if value is DELETE else json.dumps(value)[:12])

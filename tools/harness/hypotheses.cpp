@@ -12,17 +12,18 @@ std::vector<double> output_without_learned_sinks(const Scenario& s, const InputT
   const auto rotated = [&](const float* x, std::int64_t position) {
     return reference::rotate(std::vector<double>(x, x + D), static_cast<double>(position), s.rope);
   };
-  const std::vector<double> q = rotated(inputs.q_at(layer, token.uid, head), token.view.query_position);
+  const reference::QueryView& view = token.view_in(layer);
+  const std::vector<double> q = rotated(inputs.q_at(layer, token.uid, head), view.query_position);
   std::vector<double> keys, values;
-  for (const reference::VisibleKey& key : token.view.keys) {
+  for (const reference::VisibleKey& key : view.keys) {
     const std::uint64_t uid = history[static_cast<std::size_t>(key.index)];
     const std::vector<double> k = rotated(inputs.k_at(layer, uid, group), key.position);
     keys.insert(keys.end(), k.begin(), k.end());
     const float* v = inputs.v_at(layer, uid, group);
     values.insert(values.end(), v, v + D);
   }
-  std::vector<double> scores(token.view.keys.size()), out(static_cast<std::size_t>(D));
-  reference::attend(q.data(), keys.data(), values.data(), token.view.keys.size(), static_cast<std::size_t>(D),
+  std::vector<double> scores(view.keys.size()), out(static_cast<std::size_t>(D));
+  reference::attend(q.data(), keys.data(), values.data(), view.keys.size(), static_cast<std::size_t>(D),
                     s.softmax_scale(), nullptr, scores.data(), out.data());
   return out;
 }

@@ -255,7 +255,7 @@ Rope parse_rope(const Reader& r, const json& j, int head_dim) {
   if (j.contains("partial_rotary_factor")) {
     // As transformers reads a config.json: R = int(head_dim * factor).
     const double f = r.number(j["partial_rotary_factor"], p + "/partial_rotary_factor", false);
-    const auto rotary = static_cast<std::int64_t>(head_dim * f);
+    const auto rotary = f <= 1.0 ? static_cast<std::int64_t>(head_dim * f) : std::int64_t{0};  // no overflow
     if (f > 1.0 || rotary < 2 || rotary % 2 != 0)
       r.fail(p + "/partial_rotary_factor",
              fmt::format("expected a factor in (0, 1] giving an even rotary_dim of at least 2, got {} (head_dim {} "

@@ -710,14 +710,15 @@ class StepChecker::Impl {
     state.pairs_known = true;
     // A cache that keeps keys at original positions rotates the query twice (sink_ring);
     // one rotated q shows only the window rotation, so sinks are judged by keys alone.
-    const bool skip_sinks =
-        s_.policy.kind == PolicyKind::sink && options_.key_positions != KeyPositions::cache_relative;
-    for (const auto& key : last.view.keys) {
-      if (skip_sinks && key.index < s_.policy.sinks) continue;
+    const Policy& policy = s_.layer_policies[static_cast<std::size_t>(l)];
+    const reference::QueryView& seen = last.view_in(l);
+    const bool skip_sinks = policy.kind == PolicyKind::sink && options_.key_positions != KeyPositions::cache_relative;
+    for (const auto& key : seen.keys) {
+      if (skip_sinks && key.index < policy.sinks) continue;
       const auto uid = static_cast<std::int64_t>(rec.histories[b][key.index]);
       const auto it = state.key_position.find(uid);
       if (it == state.key_position.end()) continue;  // not held, or no rotation: reported with the slots
-      const std::int64_t want = last.view.query_position - key.position, got = r.position - it->second;
+      const std::int64_t want = seen.query_position - key.position, got = r.position - it->second;
       state.distance[uid] = got;
       if (want == got) continue;
       positions_.fail(
