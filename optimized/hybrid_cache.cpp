@@ -15,6 +15,9 @@ HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
     const LayerPolicy& p = config.layer_policies[static_cast<std::size_t>(l)];
     CacheConfig one = config;
     one.layers = 1;
+    // Each layer's cache would start its own worker pool: L pools of idle threads for a deep
+    // stack. The layers run one after another, each on one thread.
+    one.threads = 1;
     one.layer_policies.clear();
     one.sink_logits.clear();
     if (!config.sink_logits.empty()) one.sink_logits.push_back(config.sink_logits[static_cast<std::size_t>(l)]);

@@ -1,6 +1,7 @@
 #include "optimized/slot_store.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 namespace kvcheck::optimized {
 
@@ -56,10 +57,13 @@ void SlotStore::gather_rows(const std::vector<int>& rows) {
 }
 
 void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to) {
-  // Both stores hold the same format (a cache makes its stores alike).
+  // Raw bytes: both stores must hold the same format and shape (a cache makes its stores alike).
+  if (src.storage_ != storage_ || src.head_dim_ != head_dim_ || src.layers_ != layers_ || src.kv_heads_ != kv_heads_)
+    throw std::logic_error("copy_slot between stores of different formats or shapes");
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), row_bytes(), at(k_, l, row, g, to));
+      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), row_bytes(),
+                  at(k_, l, row, g, to));
       std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), row_bytes(),
                   at(v_, l, row, g, to));
     }

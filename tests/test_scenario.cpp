@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "tools/harness/inputs.h"
 #include "tools/harness/scenario.h"
 
 using kvcheck::InputError;
@@ -286,4 +287,25 @@ TEST(ScenarioValidation, OnePolicyPerLayer) {
   EXPECT_EQ(error_of(scenario(two_layers, R"([{"type": "full"}, {"type": "sliding", "widow": 4}])",
                               R"([{"op": "append", "tokens": 3}])")),
             "s.json: /policy/1/widow: unknown key \"widow\" (expected one of: type, window)");
+}
+
+TEST(ScenarioValidation, Float16StorageRefusesInputsBeyondItsRange) {
+  // One layer, 2 uids, 1 head, D 2: the key of uid 1 is (70000, 0), past float16's 65504.
+  const std::string text = R"({"name": "t", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "head_dim": 2},
+    "policy": {"type": "full"}, "kv_dtype": "float16",
+    "inputs": {"q": [[[[1, 0]], [[1, 0]]]], "k": [[[[1, 0]], [[70000, 0]]]], "v": [[[[1, 0]], [[1, 0]]]]},
+    "steps": [{"op": "append", "tokens": 2}]})";
+  const kvcheck::Scenario s = parse_scenario(text, "s.json");
+  try {
+    kvcheck::load_inputs(s);
+    FAIL() << "accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "s.json: /kv_dtype: float16 holds magnitudes up to 65504, but layer 0 uid 1 kv head 0 reaches 70000 (a "
+              "rotated key element or a value); use bfloat16 or float32");
+  }
+  // bfloat16 holds it.
+  kvcheck::Scenario b = s;
+  b.kv_dtype = kvcheck::KvDtype::bfloat16;
+  EXPECT_NO_THROW(kvcheck::load_inputs(b));
 }

@@ -160,6 +160,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                    {"inputs", {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}}},
                    {"steps", steps}};
   if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
+  if (s.kv_dtype != KvDtype::float32) manifest["kv_dtype"] = to_string(s.kv_dtype);
   if (s.hybrid()) {
     json policies = json::array();
     for (const Policy& p : s.layer_policies) policies.push_back(policy_json(p));

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "tools/harness/generator.h"
@@ -34,7 +35,51 @@ std::vector<float> load_tensor(const std::string& path, const std::vector<std::s
 
 }  // namespace
 
+namespace {
+
+// float16 holds magnitudes up to 65504: a key or value beyond it (a rotated key element can
+// reach its pair's length, times yarn's m) would be stored as infinity, failing a correct
+// cache. Such a scenario asks for the impossible: bad input.
+void require_float16_range(const Scenario& s, const InputTable& t) {
+  constexpr double kLargest = 65504.0;
+  const int D = s.dims.head_dim, rotary = s.rope.rotary_dim > 0 ? s.rope.rotary_dim : D;
+  const double m = s.rope.scaling == RopeScaling::yarn ? std::max(1.0, s.rope.attention_factor) : 1.0;
+  for (int l = 0; l < t.layers; ++l)
+    for (std::int64_t u = 0; u < t.uids; ++u)
+      for (int g = 0; g < t.kv_heads; ++g) {
+        const float* k = t.k_at(l, static_cast<std::uint64_t>(u), g);
+        const float* v = t.v_at(l, static_cast<std::uint64_t>(u), g);
+        for (int d = 0; d < D; ++d) {
+          // Element d's pair partner inside R, under either layout: the pair's length bounds both.
+          double reach = std::abs(static_cast<double>(k[d]));
+          if (d < rotary) {
+            const int half = rotary / 2;
+            const int other = s.rope.layout == RopeLayout::half ? (d < half ? d + half : d - half) : (d ^ 1);
+            reach = m * std::hypot(static_cast<double>(k[d]), static_cast<double>(k[other]));
+          }
+          const double worst = std::max(reach, std::abs(static_cast<double>(v[d])));
+          if (worst > kLargest)
+            throw InputError(s.file, "/kv_dtype",
+                             fmt::format("float16 holds magnitudes up to 65504, but layer {} uid {} kv head {} reaches "
+                                         "{:.6g} (a rotated key element or a value); use bfloat16 or float32",
+                                         l, u, g, worst));
+        }
+      }
+}
+
+InputTable load_raw_inputs(const Scenario& s);
+
+}  // namespace
+
 InputTable load_inputs(const Scenario& s) {
+  InputTable t = load_raw_inputs(s);
+  if (s.kv_dtype == KvDtype::float16) require_float16_range(s, t);
+  return t;
+}
+
+namespace {
+
+InputTable load_raw_inputs(const Scenario& s) {
   const std::int64_t uids = count_uids(s);
   if (s.inputs.kind == InputSource::Kind::seed) return generate_inputs(s.dims, uids, s.inputs.seed);
 
@@ -65,5 +110,7 @@ InputTable load_inputs(const Scenario& s) {
   t.v = load(s.inputs.v_path, static_cast<std::size_t>(s.dims.kv_heads), "v");
   return t;
 }
+
+}  // namespace
 
 }  // namespace kvcheck

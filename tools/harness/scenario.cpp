@@ -542,7 +542,8 @@ ScenarioCost estimate_cost(const Scenario& s) {
         work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
       }
       outputs += out;
-      views += seen_all * 16;  // one (index, position) pair per visible key
+      // One (index, position) pair per visible key; a hybrid keeps a view per layer too.
+      views += seen_all * 16 * (s.hybrid() ? d.layers + 1.0 : 1.0);
       // Checking the step holds its outputs and views, and each cache's log of the
       // visible pairs (about 90 bytes a pair, sorted copy included) and float outputs.
       step_bytes = out + seen_all * 16 + seen_all * 90 + out / 2;
@@ -550,7 +551,8 @@ ScenarioCost estimate_cost(const Scenario& s) {
     advance_lengths(step, lengths);
     // Per row and step: the retained and live sets (24 bytes a key), and a history view.
     double sets = 0;
-    for (std::int64_t n : lengths) sets += 48.0 * (n == 0 ? 0.0 : visible_keys(widest, n - 1)) + 24;
+    for (std::int64_t n : lengths)
+      sets += (48.0 * (n == 0 ? 0.0 : visible_keys(widest, n - 1)) + 24) * (s.hybrid() ? d.layers + 1.0 : 1.0);
     retained += sets;
     largest_step = std::max(largest_step, step_bytes + sets);
   }
@@ -631,7 +633,10 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     s.layer_policies.assign(static_cast<std::size_t>(s.dims.layers), s.policy);
   }
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
-  if (j.contains("tolerance")) s.tolerance = parse_tolerance(r, j["tolerance"]);
+  if (j.contains("tolerance")) {
+    s.tolerance = parse_tolerance(r, j["tolerance"]);
+    s.tolerance_given = true;
+  }
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);
   // The reference keeps every input and output: refuse what would not fit in memory,
   // before any of it is spent.

@@ -61,6 +61,7 @@ struct Scenario {
   InputSource inputs;
   std::vector<Step> steps;
   Tolerance tolerance;
+  bool tolerance_given = false;  // the scenario set it: used as it is, not derived
 
   double softmax_scale() const;
   // The layers follow different policies.

@@ -34,7 +34,7 @@ std::int64_t index_of(const RowHistory& history, std::int64_t uid) {
 // norms of the inputs. Doubled for the rounding of the output itself and of the
 // attention's own arithmetic; rtol covers an output rounded to the same format.
 Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double roundoff) {
-  if (roundoff <= kFloat32Roundoff) return s.tolerance;
+  if (roundoff <= kFloat32Roundoff || s.tolerance_given) return s.tolerance;  // a scenario may override
   const int D = inputs.head_dim;
   auto largest_norm = [D](const std::vector<float>& x) {
     double best = 0.0;
@@ -558,12 +558,18 @@ class StepChecker::Impl {
     for (const ViewSlot& v : heads[0])
       if (v.uid >= 0) held.insert(v.uid);
     const auto length = static_cast<std::int64_t>(rec.histories[b].size());
+    const auto kept_by = [&](const Policy& p) {
+      std::set<std::int64_t> kept;
+      for (const auto& key : reference::retained_view(p, length).keys)
+        kept.insert(static_cast<std::int64_t>(rec.histories[b][static_cast<std::size_t>(key.index)]));
+      return kept;
+    };
+    const std::set<std::int64_t> own = kept_by(s_.layer_policies[static_cast<std::size_t>(l)]);
+    if (held == own) return;  // the right tokens: the trouble is elsewhere (a rotation, say)
     for (std::size_t m = 0; m < s_.layer_policies.size(); ++m) {
       if (s_.layer_policies[m] == s_.layer_policies[static_cast<std::size_t>(l)]) continue;
-      std::set<std::int64_t> kept;
-      for (const auto& key : reference::retained_view(s_.layer_policies[m], length).keys)
-        kept.insert(static_cast<std::int64_t>(rec.histories[b][static_cast<std::size_t>(key.index)]));
-      if (kept == held) {
+      const std::set<std::int64_t> kept = kept_by(s_.layer_policies[m]);
+      if (kept != own && kept == held) {
         evidence.layer_holds_policy_of = std::pair<int, int>{l, static_cast<int>(m)};
         return;
       }

@@ -13,6 +13,7 @@
 #include "tools/harness/inputs.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
+#include "tools/harness/recovery.h"
 #include "tools/harness/safe_file.h"
 
 namespace kvcheck {
@@ -187,7 +188,9 @@ class TraceSource {
     const auto Hkv = static_cast<std::size_t>(s_.dims.kv_heads), H = static_cast<std::size_t>(s_.dims.heads),
                D = static_cast<std::size_t>(s_.dims.head_dim);
     view.batch = static_cast<int>(B);
-    view.roundoff = 0.0;
+    // A bfloat16 cache dumps float32 tensors (exactly): the scenario's kv_dtype says how far
+    // its values may be from the raw ones, whatever the file's word size.
+    view.roundoff = unit_roundoff(s_.kv_dtype);
     view.storage.reserve(4 * step.layers.size());
     for (std::size_t l = 0; l < step.layers.size(); ++l) {
       const TraceFiles& f = step.layers[l];
