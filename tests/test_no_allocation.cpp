@@ -19,6 +19,11 @@ namespace {
 std::atomic<long> g_allocations{0};
 }
 
+// GCC cannot see that this delete pairs with the malloc of the new above.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
 void* operator new(std::size_t size) {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
   if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
