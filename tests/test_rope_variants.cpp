@@ -11,6 +11,7 @@
 #include "optimized/rope_table.h"
 #include "reference/attention.h"
 #include "reference/rope.h"
+#include "tools/harness/cache_entry.h"
 
 using namespace kvcheck;
 
@@ -141,19 +142,7 @@ TEST(RopeVariants, OptimizedTableAgreesWithTheReferenceOnEveryVariant) {
   Rope yarn = qwen25_yarn();
   yarn.rotary_dim = 96;
   for (const Rope& rope : {llama31(), qwen25_yarn(), partial, yarn}) {
-    optimized::RopeSpec spec;
-    spec.head_dim = 128;
-    spec.rotary_dim = rope.rotary_dim;
-    spec.theta = rope.theta;
-    spec.map = rope.scaling == RopeScaling::llama3 ? optimized::FrequencyMap::llama3
-               : rope.scaling == RopeScaling::yarn ? optimized::FrequencyMap::yarn
-                                                   : optimized::FrequencyMap::plain;
-    spec.factor = rope.factor;
-    spec.low_freq_factor = rope.low_freq_factor;
-    spec.high_freq_factor = rope.high_freq_factor;
-    spec.original_context = rope.original_max_position_embeddings;
-    spec.magnitude = reference::rope_magnitude(rope);
-    optimized::RopeTable table(spec);
+    optimized::RopeTable table(rope_spec(rope, 128));
     const std::int64_t p = 3001;
     table.cover(p);
     const int rotary = reference::rotary_dim(128, rope);

@@ -28,6 +28,26 @@ optimized::LayerPolicy layer_policy(const Policy& p) {
 
 }  // namespace
 
+optimized::RopeSpec rope_spec(const Rope& r, int head_dim) {
+  optimized::RopeSpec spec;
+  spec.head_dim = head_dim;
+  spec.theta = r.theta;
+  spec.layout = r.layout == RopeLayout::half ? PairLayout::half : PairLayout::interleaved;
+  spec.position_divisor = r.scaling == RopeScaling::linear ? r.factor : 1.0;
+  spec.rotary_dim = r.rotary_dim;
+  spec.map = r.scaling == RopeScaling::llama3 ? optimized::FrequencyMap::llama3
+             : r.scaling == RopeScaling::yarn ? optimized::FrequencyMap::yarn
+                                              : optimized::FrequencyMap::plain;
+  spec.factor = r.factor;
+  spec.low_freq_factor = r.low_freq_factor;
+  spec.high_freq_factor = r.high_freq_factor;
+  spec.original_context = r.original_max_position_embeddings;
+  spec.beta_fast = r.beta_fast;
+  spec.beta_slow = r.beta_slow;
+  spec.magnitude = r.scaling == RopeScaling::yarn ? r.attention_factor : 1.0;
+  return spec;
+}
+
 CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   CacheConfig c;
   c.layers = s.dims.layers;
@@ -35,32 +55,18 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.kv_heads = s.dims.kv_heads;
   c.head_dim = s.dims.head_dim;
   c.batch = s.dims.batch;
-  c.rope.head_dim = s.dims.head_dim;
-  c.rope.theta = s.rope.theta;
-  c.rope.layout = s.rope.layout == RopeLayout::half ? PairLayout::half : PairLayout::interleaved;
-  c.rope.position_divisor = s.rope.scaling == RopeScaling::linear ? s.rope.factor : 1.0;
-  c.rope.rotary_dim = s.rope.rotary_dim;
-  c.rope.map = s.rope.scaling == RopeScaling::llama3 ? optimized::FrequencyMap::llama3
-               : s.rope.scaling == RopeScaling::yarn ? optimized::FrequencyMap::yarn
-                                                     : optimized::FrequencyMap::plain;
-  c.rope.factor = s.rope.factor;
-  c.rope.low_freq_factor = s.rope.low_freq_factor;
-  c.rope.high_freq_factor = s.rope.high_freq_factor;
-  c.rope.original_context = s.rope.original_max_position_embeddings;
-  c.rope.beta_fast = s.rope.beta_fast;
-  c.rope.beta_slow = s.rope.beta_slow;
-  c.rope.magnitude = s.rope.scaling == RopeScaling::yarn ? s.rope.attention_factor : 1.0;
+  c.rope = rope_spec(s.rope, s.dims.head_dim);
   for (const std::vector<double>& layer : s.attention.sink_logits)
     c.sink_logits.emplace_back(layer.begin(), layer.end());
   c.softmax_scale = static_cast<float>(s.softmax_scale());
   if (s.hybrid())
     for (const Policy& p : s.layer_policies) c.layer_policies.push_back(layer_policy(p));
-  c.window = s.policy.window;
-  c.sinks = s.policy.sinks;
-  c.evict = s.policy.evict;
-  // A sliding window keeps absolute positions: it is a sink cache without sinks that never shifts.
-  c.shift_positions = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache;
-  c.dense_prefill = s.policy.prefill == Prefill::dense;
+  const optimized::LayerPolicy first = layer_policy(s.policy);
+  c.window = first.window;
+  c.sinks = first.sinks;
+  c.evict = first.evict;
+  c.shift_positions = first.shift_positions;
+  c.dense_prefill = first.dense_prefill;
   c.capacity = capacity;
   c.storage = s.kv_dtype == KvDtype::float32   ? optimized::Storage::float32
               : s.kv_dtype == KvDtype::float16 ? optimized::Storage::float16

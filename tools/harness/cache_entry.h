@@ -22,6 +22,9 @@ struct CacheEntry {
   Eviction eviction = Eviction::lazy;  // every cache here drops tokens when the next arrives
 };
 
+// The optimized caches' rope, from a scenario's (every SPEC 7 parameter carried over).
+optimized::RopeSpec rope_spec(const Rope& rope, int head_dim);
+
 // The optimized caches' own configuration for a scenario; `capacity` sizes a static cache.
 optimized::CacheConfig cache_config(const Scenario& scenario, std::int64_t capacity);
 
