@@ -124,6 +124,7 @@ FIELD_CASES = [
     ("/name", "../escape", "/name: expected letters, digits"),
     ("/name", ".hidden", "/name: expected letters, digits"),
     ("/name", "", "/name: expected letters, digits"),
+    ("/name", "n" * (1 << 20), "/name: expected at most 128 characters \\(the name names output folders\\), got 1048576"),
     ("/name", DELETE, "/name: missing required field"),
     ("/seed", -1, "/seed: expected an integer from 0 to 2\\^64 - 1"),
     ("/seed", "7", "/seed: expected an integer from 0 to 2\\^64 - 1"),
@@ -262,15 +263,22 @@ def npy_scenario(q_bytes, name="q.npy"):
 
 
 NPY_CASES = [
-    ("10-byte file", b"\x93NUMPY\x01\x00\x00\x00", "q.npy: not a valid .npy file: a header of 0 bytes"),
+    ("10-byte file", b"\x93NUMPY\x01\x00\x00\x00", "q.npy: not a valid .npy file: version 1.0.s 2-byte header length says 0 bytes, but 0 follow"),
     ("empty file", b"", "q.npy: not a valid .npy file: 0 bytes"),
     ("no magic", b"PK\x03\x04" + b"\x00" * 100, "q.npy: not a valid .npy file: no \\\\x93NUMPY magic"),
-    ("version 9", b"\x93NUMPY\x09\x00" + b"\x00" * 100, "q.npy: not a valid .npy file: unknown version 9"),
+    ("version 9", b"\x93NUMPY\x09\x00" + b"\x00" * 100,
+     "q.npy: not a valid .npy file: format version 9.0 is not supported \\(expected 1.0 or 2.0"),
+    # A version 1 file with its version byte set to 3: named as the version, not as a header
+    # length read four bytes wide.
+    ("version 3.0", b"\x93NUMPY\x03" + npy_bytes()[7:],
+     "q.npy: not a valid .npy file: format version 3.0 is not supported"),
+    ("version 1.1", b"\x93NUMPY\x01\x01" + npy_bytes()[8:],
+     "q.npy: not a valid .npy file: format version 1.1 is not supported"),
     ("v2 header length 0xFFFFFFFF", b"\x93NUMPY\x02\x00\xff\xff\xff\xff",
-     "q.npy: not a valid .npy file: a header of 4294967295 bytes in a file of 12"),
+     "q.npy: not a valid .npy file: version 2.0's 4-byte header length says 4294967295 bytes, but 0 follow"),
     ("v2 truncated preamble", b"\x93NUMPY\x02\x00\x10\x00\x00", "q.npy: not a valid .npy file: shorter than the 12-byte"),
     ("header longer than the file", b"\x93NUMPY\x01\x00\xff\x7f{'descr'",
-     "q.npy: not a valid .npy file: a header of 32767 bytes"),
+     "q.npy: not a valid .npy file: version 1.0's 2-byte header length says 32767 bytes, but 8 follow"),
     ("header not a dict", npy_bytes(header="[1, 2, 3]"), "q.npy: not a valid .npy header: expected '\\{'"),
     ("header unknown key", npy_bytes(header="{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': 1}"),
      "q.npy: not a valid .npy header: unknown header key 'x'"),
@@ -492,6 +500,30 @@ def inputs_link_out(d):
     return ["export", write(d, "s.json", json.dumps(doc)), "--out", os.path.join(d, "out")]
 
 
+def export_onto_cwd(d):
+    """`--out .` run inside an export folder (the case runs in folder e)."""
+    subprocess.run([KVCHECK, "export", good_scenario(d), "--out", os.path.join(d, "e")], capture_output=True,
+                   check=True)
+    return ["export", os.path.join(d, "s.json"), "--out", "."], "e"
+
+
+def export_onto_dangling_link(d):
+    os.symlink(os.path.join(d, "nowhere", "x"), os.path.join(d, "dangling"))
+    return ["export", good_scenario(d), "--out", os.path.join(d, "dangling")]
+
+
+def golden_onto_dangling_link(d):
+    os.symlink(os.path.join(d, "nowhere", "x"), os.path.join(d, "dangling"))
+    return ["golden", "generate", good_scenario(d), "--out", os.path.join(d, "dangling")]
+
+
+def export_onto_link_to_export(d):
+    subprocess.run([KVCHECK, "export", good_scenario(d), "--out", os.path.join(d, "e")], capture_output=True,
+                   check=True)
+    os.symlink(os.path.join(d, "e"), os.path.join(d, "link"))
+    return ["export", os.path.join(d, "s.json"), "--out", os.path.join(d, "link")]
+
+
 def stray_temporary(d):
     os.mkdir(os.path.join(d, ".out.tmp-99999999999999999999"))
     return ["export", good_scenario(d), "--out", os.path.join(d, "out")]
@@ -514,6 +546,19 @@ PATH_CASES = [
     ("input named with ..", 2, "/inputs/q: \"../q.npy\" leads outside the folder", inputs_dotdot, ()),
     ("input a link leading out", 2, "/inputs/q: \"q.npy\" leads outside the folder", inputs_link_out, ()),
     ("a stray temporary with a huge pid", 0, "wrote", stray_temporary, ("out",)),
+    ("export --out ''", 2, "--out: expected a folder name, got an empty string",
+     lambda d: ["export", good_scenario(d), "--out", ""], ()),
+    ("export --out . inside an export folder", 2,
+     "--out .: is the folder kvcheck runs in, or holds it; it cannot be replaced while in use", export_onto_cwd, ()),
+    ("export --out .. from inside a folder", 2, "--out ..: is the folder kvcheck runs in, or holds it",
+     lambda d: (["export", good_scenario(d), "--out", ".."], "sub"), ()),
+    ("export --out a dangling symbolic link", 2,
+     "--out .*dangling: is a symbolic link to .*nowhere/x, which does not exist; kvcheck replaces a folder whole",
+     export_onto_dangling_link, ()),
+    ("export --out a link to an export", 2, "--out .*link: is a symbolic link to .*e; kvcheck replaces a folder whole",
+     export_onto_link_to_export, ()),
+    ("golden generate --out a dangling symbolic link", 2, "--out .*dangling: is a symbolic link",
+     golden_onto_dangling_link, ()),
 ]
 for name, code, message, run, leaves in PATH_CASES:
     case("paths", name, code, message, run, leaves)
@@ -621,9 +666,13 @@ def run_case(c):
     d = tempfile.mkdtemp(prefix="kvcheck-bad-")
     try:
         args = c["run"](d)
+        cwd = d
+        if isinstance(args, tuple):  # (arguments, the subfolder to run in)
+            args, cwd = args[0], os.path.join(d, args[1])
+            os.makedirs(cwd, exist_ok=True)
         before = listing(d)
         try:
-            r = subprocess.run([KVCHECK] + args, capture_output=True, timeout=20, cwd=d, stdin=subprocess.DEVNULL)
+            r = subprocess.run([KVCHECK] + args, capture_output=True, timeout=20, cwd=cwd, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             return "hung (no answer in 20 s)"
         out = (r.stdout + r.stderr).decode("utf-8", "replace")

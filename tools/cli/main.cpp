@@ -149,6 +149,7 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
 }
 
 int cmd_export(const std::string& path, const std::string& out) {
+  check_output_folder(out, "--out");
   const Scenario scenario = load_scenario(path);
   const InputTable inputs = load_inputs(scenario);
   const ReferenceRun run = run_reference(scenario, inputs);
@@ -381,6 +382,7 @@ int main(int argc, char** argv) {
       golden_options.scenario_files = collect(golden_paths);
       golden_options.prune = golden_paths.empty();  // the whole suite: drop goldens of deleted scenarios
       if (golden_options.dir.empty()) golden_options.dir = std::string(KVCHECK_SOURCE_DIR) + "/fixtures/golden";
+      if (*generate) check_output_folder(golden_options.dir, "--out");
       return *generate ? generate_goldens(golden_options) : check_goldens(golden_options);
     }
     if (*list) return cmd_list(list_paths);

@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <fstream>
 #include <stdexcept>
 #include <vector>
@@ -59,6 +60,31 @@ void recover_interrupted(const fs::path& target) {
     } else {
       fs::remove_all(p, ec);
     }
+  }
+}
+
+void check_output_folder(const fs::path& target, const std::string& option) {
+  const std::string shown = option + " " + (target.empty() ? std::string("''") : target.string());
+  if (target.empty()) throw InputError(option, "", "expected a folder name, got an empty string");
+  std::error_code ec;
+  const fs::path absolute = fs::absolute(target, ec).lexically_normal();
+  fs::path folder = absolute;
+  if (folder.filename().empty()) folder = folder.parent_path();  // "out/" names "out"
+  const fs::path cwd = fs::current_path(ec).lexically_normal();
+  if (!ec) {
+    const auto [end, rest] = std::mismatch(folder.begin(), folder.end(), cwd.begin(), cwd.end());
+    if (end == folder.end())  // every part of the target starts the working folder
+      throw InputError(shown, "",
+                       "is the folder kvcheck runs in, or holds it; it cannot be replaced while in use: name a "
+                       "new folder (for example --out ./export) or run from elsewhere");
+  }
+  if (fs::is_symlink(fs::symlink_status(folder, ec))) {
+    const fs::path to = fs::read_symlink(folder, ec);
+    const bool dangling = !fs::exists(folder, ec);
+    throw InputError(shown, "",
+                     fmt::format("is a symbolic link to {}{}; kvcheck replaces a folder whole and would replace "
+                                 "the link, not follow it: name the folder itself",
+                                 to.string(), dangling ? ", which does not exist" : ""));
   }
 }
 

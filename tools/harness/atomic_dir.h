@@ -28,6 +28,11 @@ class AtomicDir {
 // does this itself; readers of `target` call it first so they see the folder as it was.
 void recover_interrupted(const std::filesystem::path& target);
 
+// Refuses, before any work, an output folder that AtomicDir could not replace sensibly: an
+// empty name, the folder kvcheck runs in (or one holding it), a symbolic link (dangling or
+// not: the link would be replaced, not followed). `option` names the argument (--out).
+void check_output_folder(const std::filesystem::path& target, const std::string& option);
+
 // Writes `text` to `path` through a temporary file and a rename.
 void write_file_atomically(const std::filesystem::path& path, const std::string& text);
 

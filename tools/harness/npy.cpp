@@ -124,8 +124,14 @@ NpyHeader read_header(std::ifstream& in, const std::string& path, std::uint64_t 
   if (file_size < 10) bad(fmt::format("{} bytes, shorter than the 10-byte preamble", file_size));
   in.read(start, 10);
   if (std::memcmp(start, "\x93NUMPY", 6) != 0) bad("no \\x93NUMPY magic");
-  const int major = static_cast<unsigned char>(start[6]);
-  if (major < 1 || major > 3) bad(fmt::format("unknown version {}", major));
+  // Versions 1.0 and 2.0 are what numpy.save writes for float arrays (3.0 only adds UTF-8
+  // field names, which a float array has none of): any other is named as such, before its
+  // header length is read with a width that may not be its own.
+  const int major = static_cast<unsigned char>(start[6]), minor = static_cast<unsigned char>(start[7]);
+  if ((major != 1 && major != 2) || minor != 0)
+    bad(fmt::format("format version {}.{} is not supported (expected 1.0 or 2.0, as numpy.save writes for float "
+                    "arrays)",
+                    major, minor));
   std::uint64_t header_len = 0, offset = 10;
   if (major == 1) {
     header_len = static_cast<unsigned char>(start[8]) | static_cast<unsigned char>(start[9]) << 8;
@@ -136,7 +142,8 @@ NpyHeader read_header(std::ifstream& in, const std::string& path, std::uint64_t 
     offset = 12;
   }
   if (header_len == 0 || header_len > file_size - offset || header_len > (1u << 20))
-    bad(fmt::format("a header of {} bytes in a file of {}", header_len, file_size));
+    bad(fmt::format("version {}.0's {}-byte header length says {} bytes, but {} follow the preamble", major,
+                    major == 1 ? 2 : 4, header_len, file_size - offset));
   std::string text(header_len, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_len));
   if (!in) bad("the header could not be read");

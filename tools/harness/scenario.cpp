@@ -50,6 +50,7 @@ namespace {
 
 constexpr int kMaxBatch = 4096;
 constexpr std::int64_t kMaxStepRows = std::int64_t{1} << 24;
+constexpr std::size_t kMaxNameLength = 128;  // a file name is at most 255 bytes: room for suffixes
 
 // The names a step may give in `expect_error`.
 const std::vector<std::string> kKnownErrors = {"crop_evicted"};
@@ -613,6 +614,9 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
       s.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") !=
           std::string::npos)
     r.fail("/name", "expected letters, digits, '_', '-' or '.', not starting with '.' (the name names output folders)");
+  if (s.name.size() > kMaxNameLength)
+    r.fail("/name", fmt::format("expected at most {} characters (the name names output folders), got {}",
+                                kMaxNameLength, s.name.size()));
   if (j.contains("description")) s.description = r.string(j["description"], "/description");
   s.dims = parse_dims(r, r.field(j, "", "dimensions"));
   if (j.contains("rope")) s.rope = parse_rope(r, j["rope"], s.dims.head_dim);
