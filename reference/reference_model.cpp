@@ -107,7 +107,7 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   }
 }
 
-AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
+AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, bool attend) {
   if (counts.size() != histories_.size()) throw std::invalid_argument("append: one count per row expected");
   AppendResult result;
   result.chunk = *std::max_element(counts.begin(), counts.end());
@@ -145,8 +145,9 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts) {
         largest = std::max(largest, view.query_position);
         for (const VisibleKey& key : view.keys) largest = std::max(largest, key.position);
       }
-      for (int l = 0; l < L; ++l)
-        for (int g = 0; g < Hkv; ++g) units.push_back({b, l, g, t - start});
+      if (attend)
+        for (int l = 0; l < L; ++l)
+          for (int g = 0; g < Hkv; ++g) units.push_back({b, l, g, t - start});
       result.rows[b].push_back(std::move(token));
     }
   }

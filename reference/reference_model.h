@@ -60,7 +60,9 @@ class ReferenceModel {
                  const InputTable& inputs, const Attention& attention = {});
 
   // counts[b] new tokens for row b (left-padded to the longest); size must equal batch().
-  AppendResult append(const std::vector<std::int64_t>& counts);
+  // With attend false the step only extends the histories and computes the views: the
+  // outputs stay NaN (a caller that needs the state, not the numbers, saves the attention).
+  AppendResult append(const std::vector<std::int64_t>& counts, bool attend = true);
   void reorder(const std::vector<int>& rows);
   void reset(int batch);
   // Every row keeps its first `length` tokens. Throws StepRefused("crop_evicted") when

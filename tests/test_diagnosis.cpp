@@ -62,6 +62,17 @@ TEST(Diagnosis, OutputsAloneMeanTheArithmetic) {
   EXPECT_EQ(classify(sink_scenario(), StepEvidence{}, {}), BugClass::none);
 }
 
+TEST(Diagnosis, WrongOutputsBesideADeadTokenGoneBeforeTheForwardAreADropBeforeItsLastUse) {
+  // transformers 4.46's SlidingWindowCache (W 6) at token 5: token 0 is dead after the
+  // step, but token 5 should have seen it, and the buffer rolled it out before the forward.
+  StepEvidence e;
+  e.outputs.push_back({0, 0, 0, 0, 5, 10, 0.0557, 0.0793});
+  e.dropped_before_last_use = true;
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::dropped_before_last_use);
+  e.outputs.clear();  // the same state with right outputs: an eager cache, nothing to name
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::none);
+}
+
 TEST(Diagnosis, KeptKeysMovedBackBeforeAnyEvictionIsAShiftOneTokenEarly) {
   // Hugging Face SinkCache at the step the window fills (S = 2, W = 6, token 5 arrives):
   // nothing is evicted yet, but window keys 2..4 were re-rotated one position back.

@@ -232,6 +232,11 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertIn("first divergence: step 2 (decode, /steps/1), row 0, layer 0, head 0, query token 5",
                       verify.stdout)
         self.assertIn("output of token 5 (uid 10)", verify.stdout)
+        # The table calls token 0's absence fine (it is dead after the step); the headline
+        # must not say every slot checks out: token 5 should have seen it.
+        self.assertNotIn("every slot checks out", verify.stdout)
+        self.assertIn("token 0 (uid 0) should be visible to token 5 and is not", verify.stdout)
+        self.assertIn("class: token dropped before its last use", verify.stdout)
 
     def test_static_cache_passes_verify(self):
         result, verify = self.drive("full_baseline", lambda batch: StaticCache(batch, 32), positions="absolute")
@@ -273,6 +278,25 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 3 (decode, /steps/1)", verify.stdout)
         self.assertIn("class: shift one token early", verify.stdout)
+
+    def test_verify_json_carries_the_first_divergence_as_fields(self):
+        # The same SinkCache run as above: step 3 (the first decode after the window fills),
+        # query token 5, slot 2 holding token 2 (uid 2), re-rotated back by one too early.
+        exp = export(self.work, "sink_decode_through_windows")
+        kvtrace.drive_hf_cache(exp, lambda: SinkCache(6, 2), self.trace, positions="absolute",
+                               key_positions="cache-relative", as_tensor="torch")
+        report = os.path.join(self.work, "report.json")
+        verify = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", self.trace,
+                         "--json", report)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        with open(report) as f:
+            first = json.load(f)["results"][0]["first_divergence"]
+        self.assertEqual({k: first[k] for k in ("step", "op", "source", "row", "layer", "query_token", "slot", "uid",
+                                                 "token", "class")},
+                         {"step": 3, "op": "decode", "source": "/steps/1", "row": 0, "layer": 0, "query_token": 5,
+                          "slot": 2, "uid": 2, "token": 2, "class": "shift_one_token_early"})
+        self.assertEqual((first["expected_distance"], first["actual_distance"]), (3, 4))
+        self.assertIn(first["where"], verify.stdout)
 
     def test_sink_cache_keeps_a_long_prompt_whole(self):
         # sink_prompt_longer_than_window: S = 4, W = 12, a 30-token prompt. SinkCache stores

@@ -1,6 +1,9 @@
 // The reference's invariants: chunk invariance and the one-by-one split it relies on.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "tools/harness/inputs.h"
 #include "tools/harness/reference_checks.h"
 
@@ -65,4 +68,59 @@ TEST(ReferenceChecks, MissingExpectedErrorFails) {
   EXPECT_FALSE(o.passed());
   EXPECT_EQ(find(o, "expected errors").detail,
             "step 1 (crop, /steps/1): expected the error \"crop_evicted\", but the step was accepted");
+}
+
+TEST(ReferenceChecks, AStepThatDoesNotAttendKeepsTheStateExact) {
+  // The sampled self-check steps through unsampled tokens without attending: their outputs
+  // are NaN, their views and every later output are those of a run that attended.
+  const Scenario s = padded(R"({"type": "sink", "sinks": 1, "window": 5, "evict": 2})");
+  const InputTable inputs = load_inputs(s);
+  std::vector<bool> attend(s.steps.size(), true);
+  attend[1] = false;
+  ReferenceStepper all(s, inputs), some(s, inputs, attend);
+  for (std::size_t i = 0; i < s.steps.size(); ++i) {
+    const StepRecord a = all.next(), b = some.next();
+    ASSERT_EQ(a.append->rows.size(), b.append->rows.size());
+    for (std::size_t r = 0; r < a.append->rows.size(); ++r)
+      for (std::size_t t = 0; t < a.append->rows[r].size(); ++t)
+        EXPECT_EQ(a.append->rows[r][t].view.keys.size(), b.append->rows[r][t].view.keys.size());
+    ASSERT_EQ(a.append->out.size(), b.append->out.size());
+    const auto same = [](double x, double y) { return x == y || (std::isnan(x) && std::isnan(y)); };
+    if (i == 1)
+      EXPECT_TRUE(std::all_of(b.append->out.begin(), b.append->out.end(), [](double x) { return std::isnan(x); }));
+    else
+      EXPECT_TRUE(std::equal(a.append->out.begin(), a.append->out.end(), b.append->out.begin(), same)) << "step " << i;
+  }
+}
+
+TEST(ReferenceChecks, OverTheBudgetTheSelfCheckSamplesChunkAndWindowEdges) {
+  // One row, sliding W 6: a 20-token prompt, a 10-token chunk, 3 decodes. The cost (hand
+  // count: the prompt's tokens see 1..6 keys, 105 in all; the chunk's 60, the decodes' 18;
+  // 183 keys x 2 heads x D 4 x 2) is 2928 multiply-adds; a budget of 1000 samples every 3rd.
+  const Scenario s = parse_scenario(R"({"name": "edges", "dimensions": {"layers": 1, "batch": 1, "heads": 2, "head_dim": 4},
+    "policy": {"type": "sliding", "window": 6}, "seed": 3,
+    "steps": [{"op": "append", "tokens": 20}, {"op": "append", "tokens": 10}, {"op": "decode", "steps": 3}]})",
+                                    "edges.json");
+  const InvarianceSample sample = invariance_sample(s, 1000);
+  EXPECT_EQ(sample.every, 3);
+  ASSERT_EQ(sample.attend.size(), 33u);
+  std::vector<int> chosen;
+  for (int i = 0; i < 33; ++i)
+    if (sample.attend[static_cast<std::size_t>(i)]) chosen.push_back(i);
+  // Prompt: 0-3 and 16-19 (edges), 1-9 (within 4 of t = 5), every 3rd (0, 3, ..., 18);
+  // chunk (tokens 20-29): 20-23, 26-29, 21 and 24 (every 3rd); decodes 30-32.
+  EXPECT_EQ(chosen, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 26, 27,
+                                      28, 29, 30, 31, 32}));
+  EXPECT_EQ(sample.sampled, 28);
+  EXPECT_EQ(invariance_sample(s, 1e10).attend.size(), 0u);  // within the budget: every token
+
+  const InputTable inputs = load_inputs(s);
+  ReferenceChecks checks(s, inputs, 1000);
+  const ReferenceRun run = run_reference(s, inputs);
+  for (std::size_t i = 0; i < run.steps.size(); ++i) checks.step(i, run.steps[i]);
+  const Outcome o = checks.finish({});
+  EXPECT_TRUE(o.passed());
+  EXPECT_EQ(find(o, "chunk invariance").detail,
+            "bit-identical to one-by-one feeding on a sample of 28 of 33 tokens (chunk and window edges, one token in 3), "
+            "as the scenario is over the full self-check's budget");
 }

@@ -36,7 +36,7 @@ const Check& check_named(const Outcome& o, const std::string& name) {
   throw std::runtime_error("no check " + name);
 }
 
-const SlotRow& first_bad_slot(const FirstDivergence& f) {
+const SlotRow& first_bad_slot(const StepDiagnosis& f) {
   for (const SlotRow& r : f.slots)
     if (!is_fine(r.verdict)) return r;
   throw std::runtime_error("no slot flagged");

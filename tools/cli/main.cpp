@@ -66,7 +66,8 @@ int cmd_verify(const std::string& path, const std::string& trace_dir, const Veri
   const Scenario scenario = load_scenario(path);
   const CacheTrace trace = verify_trace(scenario, trace_dir, options);
   Progress::line().clear();
-  print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir), trace);
+  print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir), scenario,
+                  trace);
   if (!html.empty()) write_html(html, "trace", false, scenario, "the trace in " + trace_dir, trace);
   if (!junit.empty()) write_junit(junit, {trace.outcome});
   if (!json.empty()) write_json_report(json, {trace.outcome});
@@ -176,7 +177,7 @@ int cmd_list(const std::vector<std::string>& paths) {
 }
 
 int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const std::string& html,
-                 std::optional<std::size_t> step) {
+                 const std::string& json, std::optional<std::size_t> step) {
   const Scenario scenario = load_scenario(path);
   if (caches.empty())
     for (const CacheEntry& c : real_caches())
@@ -189,6 +190,7 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   for (const std::string& problem : run.problems)
     fmt::print(stderr, "kvcheck: the scenario's expectation does not hold: {}\n", problem);
   bool diverged = !run.problems.empty();
+  std::vector<Outcome> outcomes;
   for (const std::string& name : caches) {
     const CacheEntry* cache = find_cache(name);
     if (!cache->serves(scenario))
@@ -197,10 +199,12 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
           fmt::format("cache {} does not serve the {} policy of this scenario", name, to_string(scenario.policy.kind)));
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty(), step);
     Progress::line().clear();
-    print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), trace);
+    print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), scenario, trace);
     if (!html.empty()) write_html(html, name, caches.size() > 1, scenario, name, trace);
     diverged = diverged || !trace.outcome.passed();
+    outcomes.push_back(trace.outcome);
   }
+  if (!json.empty()) write_json_report(json, outcomes);
   return diverged ? kFail : kPass;
 }
 
@@ -298,6 +302,9 @@ int main(int argc, char** argv) {
                    "cache to diagnose (repeatable; default: every cache serving the policy)")
       ->allow_extra_args(false);
   diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
+  std::string diagnose_json;
+  diagnose->add_option("--json", diagnose_json,
+                       "write a JSON report to FILE (per cache: the checks and the first divergence as fields)");
   std::optional<std::size_t> diagnose_step, verify_step;
   diagnose->add_option("--step", diagnose_step, "also show step N's evidence and slot table (as numbered in reports)");
 
@@ -369,7 +376,7 @@ int main(int argc, char** argv) {
     if (*exp) return cmd_export(export_path, export_out);
     if (*diagnose) {
       validate_cache_names(diagnose_caches);
-      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_step);
+      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step);
     }
     if (*zoo) return cmd_zoo(zoo_only, zoo_dtype);
     if (*verify) {

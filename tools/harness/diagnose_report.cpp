@@ -1,5 +1,7 @@
 #include "tools/harness/diagnose_report.h"
 
+#include "tools/harness/divergence_report.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,53 +11,6 @@ namespace {
 
 std::string opt(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : "-"; }
 const char* yes(bool b) { return b ? "yes" : "no"; }
-
-// The slot the report points at: the most direct evidence, the first slot among equals.
-const SlotRow* culprit(const StepDiagnosis& f) {
-  // A dropped live token is the cause whatever it did to the other slots' positions.
-  if (f.bug == BugClass::dropped_live_token)
-    for (const SlotRow& r : f.slots)
-      if (r.verdict == SlotVerdict::missing) return &r;
-  const SlotRow* best = nullptr;
-  for (const SlotRow& r : f.slots)
-    if (severity(r.verdict) > (best ? severity(best->verdict) : 0)) best = &r;
-  return best;
-}
-
-std::string headline(const StepDiagnosis& f) {
-  const StepEvidence& e = f.evidence;
-  std::string where = fmt::format("{}, row {}", e.label, f.row);
-  where += fmt::format(", layer {}", f.layer);
-  if (!e.outputs.empty() && e.outputs.front().layer == f.layer)
-    where += fmt::format(", head {}", e.outputs.front().head);
-  if (f.query_index >= 0) where += fmt::format(", query token {}", f.query_index);
-  return where;
-}
-
-std::string culprit_line(const StepDiagnosis& f) {
-  const SlotRow* r = culprit(f);
-  if (!f.evidence.refusal.empty()) return f.evidence.refusal;
-  if (r == nullptr) {
-    if (!f.evidence.slots.empty()) {
-      const SlotIssue& i = f.evidence.slots.front();
-      return fmt::format("layer {} row {}: uid {} (token {}) {}", i.layer, i.row, i.uid, i.true_index,
-                         i.kind == SlotIssue::Kind::lost ? "is no longer held" : "is held where it should not be");
-    }
-    if (!f.evidence.outputs.empty()) {
-      const OutputMismatch& o = f.evidence.outputs.front();
-      return fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; every slot checks out",
-                         o.query_index, o.uid, o.dim, o.expected, o.actual);
-    }
-    return f.evidence.empty() ? "every check passes at this step" : "no single slot stands out";
-  }
-  return fmt::format(
-      "{}, uid {} (token {}): visible expected {}, actual {}; position expected {}, claimed {}, "
-      "recovered {}; Pq-Pk expected {}, actual {}: {}",
-      r->slot < 0 ? std::string("no slot") : fmt::format("slot {}", r->slot), r->uid, r->index,
-      yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected), opt(r->position_claimed),
-      r->position_recovered.empty() ? "-" : r->position_recovered, opt(r->distance_expected), opt(r->distance_actual),
-      verdict_text(*r));
-}
 
 std::string escape(const std::string& s) {
   std::string out;
@@ -98,9 +53,10 @@ std::string colour(const PictureCell& c) {
   return "#ffffff";
 }
 
-void print_step(std::FILE* out, const char* what, const StepDiagnosis& f) {
-  fmt::print(out, "{}: {}\n", what, headline(f));
-  fmt::print(out, "  {}\n", culprit_line(f));
+void print_step(std::FILE* out, const char* what, const Scenario& s, const StepDiagnosis& f) {
+  const FirstDivergence d = first_divergence(s, f);
+  fmt::print(out, "{}: {}\n", what, d.where);
+  fmt::print(out, "  {}\n", d.what);
   if (f.bug != BugClass::none) fmt::print(out, "class: {}\n  {}\n", class_name(f.bug), class_explanation(f.bug));
   fmt::print(out, "\n");
   if (f.slots.empty()) return;
@@ -121,7 +77,7 @@ void print_step(std::FILE* out, const char* what, const StepDiagnosis& f) {
 
 }  // namespace
 
-void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace& trace) {
+void print_diagnosis(std::FILE* out, const std::string& title, const Scenario& s, const CacheTrace& trace) {
   fmt::print(out, "{}\n", title);
   if (!trace.first) {
     fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
@@ -137,10 +93,10 @@ void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace&
     for (const Check& c : trace.outcome.checks)
       if (!c.passed) fmt::print(out, "  {}: {}\n", c.name, c.detail);
     fmt::print(out, "\n");
-    print_step(out, "first divergence", f);
+    print_step(out, "first divergence", s, f);
     if (!trace.drift.points.empty()) fmt::print(out, "after it: {}\n\n", trace.drift.to_string());
   }
-  if (trace.focus) print_step(out, "asked for", *trace.focus);
+  if (trace.focus) print_step(out, "asked for", s, *trace.focus);
 }
 
 std::string diagnosis_html(const Scenario& s, const std::string& cache, const CacheTrace& trace) {
@@ -155,7 +111,8 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
     const StepDiagnosis& f = *trace.first;
     divergent_step = f.evidence.step;
     row = f.row;
-    body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(headline(f)), escape(culprit_line(f)));
+    const FirstDivergence d = first_divergence(s, f);
+    body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(d.where), escape(d.what));
     body += fmt::format("<h2 class=\"bad\">Class: {}</h2>\n<p>{}</p>\n", escape(class_name(f.bug)),
                         escape(class_explanation(f.bug)));
     if (!trace.drift.points.empty())

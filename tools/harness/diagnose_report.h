@@ -10,7 +10,7 @@
 namespace kvcheck {
 
 // `title` heads the report, e.g. "kvcheck diagnose: SCENARIO on CACHE".
-void print_diagnosis(std::FILE* out, const std::string& title, const CacheTrace& trace);
+void print_diagnosis(std::FILE* out, const std::string& title, const Scenario& scenario, const CacheTrace& trace);
 
 // The whole page as one string (no external resources).
 std::string diagnosis_html(const Scenario& scenario, const std::string& cache, const CacheTrace& trace);

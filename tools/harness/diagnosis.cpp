@@ -71,6 +71,8 @@ const char* class_name(BugClass c) {
       return "re-rotation drift";
     case BugClass::layer_policy_swapped:
       return "layer given another layer's policy";
+    case BugClass::dropped_before_last_use:
+      return "token dropped before its last use";
   }
   return "?";
 }
@@ -170,6 +172,11 @@ const char* class_explanation(BugClass c) {
     case BugClass::learned_sinks_dropped:
       return "Positions and visible tokens are right and the outputs equal the attention without the learned "
              "sink logits: the per-head sink (gpt-oss) was left out of the softmax, or confused with sink tokens.";
+    case BugClass::dropped_before_last_use:
+      return "The step's last query should see a token that no later query needs, and the cache had already "
+             "dropped it: holding it no longer after the step is fine, but it went before the forward, not after "
+             "it (a buffer that rolls when its last slot is reached instead of when it is passed: transformers "
+             "4.46's SlidingWindowCache).";
     case BugClass::output_mismatch_positions_correct:
       return "Every position and visible token is right but the outputs differ: the attention arithmetic "
              "(scale, softmax, GQA head mapping, value copy) is wrong, or the tolerance is too tight.";
@@ -352,6 +359,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (!e.pairs.empty() || e.query_unreadable) return BugClass::positions_wrong;
   if (lost || extra) return BugClass::evicted_wrong_token;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
+  if (!e.outputs.empty() && e.dropped_before_last_use) return BugClass::dropped_before_last_use;
   return BugClass::output_mismatch_positions_correct;
 }
 

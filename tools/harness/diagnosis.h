@@ -44,6 +44,7 @@ enum class BugClass {
   learned_sinks_dropped,
   rerotation_drift,
   layer_policy_swapped,
+  dropped_before_last_use,
 };
 
 const char* class_name(BugClass c);
@@ -111,6 +112,9 @@ struct StepEvidence {
   std::optional<std::pair<int, int>> layer_holds_policy_of;
   bool learned_sinks_tested = false;               // the first output mismatch was recomputed without learned sinks
   bool outputs_fit_without_learned_sinks = false;  // ... and it matched: the cache dropped them
+  // The diagnosed query should see a token that is dead after the step and gone: dropping it
+  // is allowed after this forward, not before it.
+  bool dropped_before_last_use = false;
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
            pairs.empty() && slots.empty();

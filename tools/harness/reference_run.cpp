@@ -53,10 +53,11 @@ struct ReferenceStepper::State {
   SharedHistories histories;
 };
 
-ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs)
+ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, std::vector<bool> attend)
     : scenario_(s),
       state_(new State{
-          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}}) {}
+          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}}),
+      attend_(std::move(attend)) {}
 
 ReferenceStepper::~ReferenceStepper() = default;
 
@@ -70,7 +71,7 @@ StepRecord ReferenceStepper::next() {
   try {
     switch (step.op) {
       case StepOp::append:
-        record.append = model.append(step.tokens);
+        record.append = model.append(step.tokens, attend_.empty() || attend_.at(i));
         break;
       case StepOp::reorder:
         model.reorder(step.rows);

@@ -56,7 +56,8 @@ struct ReferenceRun {
 // of a step needs to outlive its checks.
 class ReferenceStepper {
  public:
-  ReferenceStepper(const Scenario& scenario, const InputTable& inputs);
+  // attend[i] false: step i's outputs are not computed (NaN); empty: every step attends.
+  ReferenceStepper(const Scenario& scenario, const InputTable& inputs, std::vector<bool> attend = {});
   ~ReferenceStepper();
   ReferenceStepper(const ReferenceStepper&) = delete;
   ReferenceStepper& operator=(const ReferenceStepper&) = delete;
@@ -70,6 +71,7 @@ class ReferenceStepper {
   struct State;
   const Scenario& scenario_;
   std::unique_ptr<State> state_;
+  std::vector<bool> attend_;
   std::size_t next_ = 0;
   std::vector<std::string> problems_;
 };

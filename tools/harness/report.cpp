@@ -125,6 +125,44 @@ void write_junit(const std::string& path, const std::vector<Outcome>& outcomes) 
   write_file_atomically(path, xml);
 }
 
+namespace {
+
+template <typename T>
+nlohmann::json or_null(const std::optional<T>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+nlohmann::json divergence_json(const std::optional<FirstDivergence>& first) {
+  if (!first) return nullptr;
+  const FirstDivergence& d = *first;
+  return {{"step", d.step},
+          {"op", d.op},
+          {"source", d.source},
+          {"row", d.row},
+          {"layer", d.layer},
+          {"head", or_null(d.head)},
+          {"dim", or_null(d.dim)},
+          {"query_token", or_null(d.query_token)},
+          {"query_uid", or_null(d.query_uid)},
+          {"slot", or_null(d.slot)},
+          {"uid", or_null(d.uid)},
+          {"token", or_null(d.token)},
+          {"expected_distance", or_null(d.expected_distance)},
+          {"actual_distance", or_null(d.actual_distance)},
+          {"expected_position", or_null(d.expected_position)},
+          {"claimed_position", or_null(d.claimed_position)},
+          {"expected_output", or_null(d.expected_output)},
+          {"actual_output", or_null(d.actual_output)},
+          {"verdict", d.verdict},
+          {"class", d.class_id},
+          {"class_name", d.class_name},
+          {"explanation", d.explanation},
+          {"where", d.where},
+          {"what", d.what}};
+}
+
+}  // namespace
+
 void write_json_report(const std::string& path, const std::vector<Outcome>& outcomes) {
   nlohmann::json results = nlohmann::json::array();
   for (const Outcome& o : outcomes) {
@@ -138,7 +176,8 @@ void write_json_report(const std::string& path, const std::vector<Outcome>& outc
                        {"nmse", o.nmse},
                        {"position_mismatches", o.position_mismatches},
                        {"retained_mismatches", o.retained_mismatches},
-                       {"checks", checks}});
+                       {"checks", checks},
+                       {"first_divergence", divergence_json(o.first_divergence)}});
   }
   const auto failed = std::count_if(outcomes.begin(), outcomes.end(), [](const Outcome& o) { return !o.passed(); });
   const nlohmann::json report = {{"format", "kvcheck-report-1"},

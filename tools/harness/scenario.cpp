@@ -483,7 +483,8 @@ std::string duration_text(double seconds) {
   return fmt::format("{:.0f} seconds", seconds);
 }
 
-// Each row's token count after `step`, from the counts before it.
+}  // namespace
+
 void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths) {
   switch (step.op) {
     case StepOp::append:
@@ -503,6 +504,8 @@ void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths) {
       break;
   }
 }
+
+namespace {
 
 // Keys a token at index t sees under the policy (the query's own included).
 double visible_keys(const Policy& p, std::int64_t t) {

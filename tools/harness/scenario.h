@@ -73,6 +73,9 @@ std::int64_t count_uids(const Scenario& scenario);
 // The largest token count any row reaches (a static cache's capacity).
 std::int64_t longest_row(const Scenario& scenario);
 
+// Each row's token count after `step`, from the counts before it.
+void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths);
+
 // What a scenario costs the reference, estimated from its steps before anything runs:
 // the memory the run keeps and the multiply-adds of its attention.
 struct ScenarioCost {

@@ -11,6 +11,7 @@
 
 #include "reference/policy.h"
 #include "reference/rope.h"
+#include "tools/harness/divergence_report.h"
 #include "tools/harness/hypotheses.h"
 #include "tools/harness/progress.h"
 #include "tools/harness/recovery.h"
@@ -262,6 +263,7 @@ class StepChecker::Impl {
       }
     }
     trace_.outcome = outcome();
+    if (trace_.first) trace_.outcome.first_divergence = first_divergence(s_, *trace_.first);
     return std::move(trace_);
   }
 
@@ -787,6 +789,13 @@ class StepChecker::Impl {
       d.table_query_index = rec.append->rows[d.row].back().index;
       if (d.query_index < 0) d.query_index = d.table_query_index;
       evidence.evicted_before_last = reference::evicted_count(s_.policy, d.table_query_index);
+      if (static_cast<std::size_t>(d.layer) < rows.size() && static_cast<std::size_t>(d.row) < rows[d.layer].size() &&
+          d.query_index == d.table_query_index) {
+        const auto& table = rows[d.layer][d.row].table;
+        evidence.dropped_before_last_use = std::any_of(table.begin(), table.end(), [](const SlotRow& r) {
+          return r.verdict == SlotVerdict::dead_dropped && r.visible_expected;
+        });
+      }
     }
     d.bug = classify(s_, evidence, context);
     d.evidence = std::move(evidence);

@@ -34,7 +34,6 @@ struct StepDiagnosis {
   std::int64_t table_query_index = -1;
   std::vector<SlotRow> slots;
 };
-using FirstDivergence = StepDiagnosis;
 
 struct CacheTrace {
   Outcome outcome;
