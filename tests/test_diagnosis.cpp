@@ -1,6 +1,8 @@
 // Classification rules on hand-made evidence: each case is the evidence a bug leaves.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "tools/harness/diagnosis.h"
 
 using namespace kvcheck;
@@ -71,6 +73,23 @@ TEST(Diagnosis, WrongOutputsBesideADeadTokenGoneBeforeTheForwardAreADropBeforeIt
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::dropped_before_last_use);
   e.outputs.clear();  // the same state with right outputs: an eager cache, nothing to name
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::none);
+}
+
+TEST(Diagnosis, KeysMovedForwardByTheirRowsPaddingAreCountedPadding) {
+  // Row 0 padded by 5 (keys at 5, 6 claimed 0, 1), row 1 by 0 but its key off by 2.
+  StepEvidence e;
+  for (auto [row, index, recovered] : {std::tuple{0, 0, 5}, {0, 1, 6}, {1, 3, 5}}) {
+    SlotIssue i = SlotIssue::of(SlotIssue::Kind::rotation, row, index, index);
+    i.claimed_position = index;
+    i.recovered_position = recovered;
+    e.slots.push_back(i);
+  }
+  StepContext padded;
+  padded.padded = true;
+  EXPECT_EQ(classify(sink_scenario(), e, padded), BugClass::padding_counted);
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::key_at_wrong_position);  // no padding so far
+  e.slots[1].recovered_position = 7;  // row 0's keys moved by different amounts
+  EXPECT_EQ(classify(sink_scenario(), e, padded), BugClass::key_at_wrong_position);
 }
 
 TEST(Diagnosis, KeptKeysMovedBackBeforeAnyEvictionIsAShiftOneTokenEarly) {

@@ -14,6 +14,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import kvtrace  # noqa: E402
+from spec_cache import SpecCache  # noqa: E402
 
 KVCHECK = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
 SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
@@ -546,6 +547,67 @@ class KvtraceTest(unittest.TestCase):
         result = kvcheck("verify", scenario, "--trace", trace, "--step", "99")
         self.assertEqual(result.returncode, 2, result.stdout + result.stderr)
         self.assertIn("--step: step 99 does not exist: this scenario has steps 0 to 30", result.stderr)
+
+    def drive_every_fixture(self, policies, features=(), without=()):
+        """Every built-in fixture of these policies, driven through kvtrace by SpecCache (a
+        cache that claims exactly the policy), must pass verify; none may be refused."""
+        found = kvtrace.fixtures(KVCHECK, policies=policies, features=features, without=without)
+        self.assertGreater(len(found), 0)
+        failures = []
+        for fixture in found:
+            work = tempfile.mkdtemp(prefix="kvtrace-fixture-", dir=self.work)
+            out = os.path.join(work, "export")
+            done = kvcheck("export", fixture["file"], "--out", out)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            exp = kvtrace.Export(out)
+            trace = os.path.join(work, "trace")
+            result = kvtrace.drive_hf_cache(exp, lambda batch: SpecCache(exp, batch), trace, positions="policy",
+                                            key_positions="cache-relative", chunks="eviction", eviction="lazy")
+            verify = kvcheck("verify", fixture["file"], "--trace", trace)
+            if result.error or result.skipped or verify.returncode != 0:
+                failures.append("%s: %s %s\n%s" % (fixture["name"], result.error, result.skipped,
+                                                    verify.stdout[-3000:] + verify.stderr))
+        self.assertEqual(failures, [], "\n\n".join(failures))
+        return found
+
+    def test_every_full_fixture_passes_through_kvtrace(self):
+        self.drive_every_fixture(["full"])
+
+    def test_every_sliding_fixture_passes_through_kvtrace(self):
+        self.drive_every_fixture(["sliding"])
+
+    def test_every_sink_fixture_passes_through_kvtrace(self):
+        found = self.drive_every_fixture(["sink"])
+        features = set(f for fixture in found for f in fixture["features"])
+        for feature in ("left_padding", "crop", "reorder", "reset", "dense_prefill", "original_positions",
+                        "evict_block", "learned_sinks", "rope_scaling", "partial_rotary", "half_precision"):
+            self.assertIn(feature, features)
+
+    def test_every_per_layer_fixture_passes_through_kvtrace(self):
+        found = self.drive_every_fixture(["full", "sliding", "sink"], features=["per_layer_policy"])
+        self.assertIn("gpt_oss_hybrid_yarn_learned_sinks", [f["name"] for f in found])
+
+    def test_fixture_filters_follow_policies_and_features(self):
+        every = kvtrace.fixtures(KVCHECK)
+        sliding = kvtrace.fixtures(KVCHECK, policies=["sliding"])
+        self.assertTrue(sliding and all(f["policies"] == ["sliding"] * len(f["policies"]) for f in sliding))
+        plain = kvtrace.fixtures(KVCHECK, without=["left_padding", "per_layer_policy"])
+        self.assertTrue(plain and not any("left_padding" in f["features"] for f in plain))
+        self.assertEqual(len(every), len(plain) + len([f for f in every if {"left_padding", "per_layer_policy"}
+                                                       & set(f["features"])]))
+        with self.assertRaisesRegex(ValueError, "--without: nope not in"):
+            kvtrace.fixtures(KVCHECK, without=["nope"])
+
+    def test_a_cache_counting_padding_as_tokens_fails(self):
+        # The same cache, but it takes the padded places for tokens: its sinks are padding.
+        exp = export(self.work, "sink_left_padding_mixed_lengths")
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda batch: SpecCache(exp, batch, honours_padding=False), trace,
+                               positions="policy", key_positions="cache-relative", chunks="eviction")
+        verify = kvcheck("verify", os.path.join(SCENARIOS, "sink_left_padding_mixed_lengths.json"), "--trace", trace)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("class: padding counted as sink or position", verify.stdout)
 
     def test_rotate_matches_the_reference_convention(self):
         # D = 2: one pair turning one radian per position.

@@ -343,15 +343,29 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertTrue(all("layers" in step for step in steps[11:]))
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
-    def test_left_padding_is_skipped_until_the_next_reset(self):
-        # sink_batch_resize_reset: steps 0..2 driven, reset (3), a padded append (4) and its
-        # decodes (5..7) not driven, reset (8), then driven again (9..12).
-        result, _ = self.drive("sink_batch_resize_reset", lambda: DynamicCache(), positions="absolute")
-        steps = manifest(self.trace)["steps"]
-        self.assertEqual([i for i, step in enumerate(steps) if "layers" in step], [0, 1, 2, 9, 10, 11, 12])
-        self.assertIn("left padding is not driven", steps[4]["skipped"])
-        self.assertEqual([step for step, _ in result.skipped], [4])
+    def test_left_padded_static_cache_passes_verify(self):
+        # gqa_full_two_kv_heads pads rows on the left: the driver feeds zero q, k, v there,
+        # cache_position counts the padded slots, positions skip them, and the mask hides them.
+        result, verify = self.drive("gqa_full_two_kv_heads", lambda batch: StaticCache(batch, 32),
+                                    positions="absolute")
         self.assertIsNone(result.error)
+        self.assertEqual(result.skipped, [])
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        steps = manifest(self.trace)["steps"]
+        self.assertTrue(all("layers" in step for step in steps))
+
+    def test_static_cache_positioned_by_cache_position_fails_where_padding_starts(self):
+        # The same cache with keys and queries rotated at the padded slot index (cache_position,
+        # as a model that takes position ids from arange instead of the mask): row 0 of the
+        # first step is padded, so its distances are right but its token indices shift.
+        def slot_position(token, held, place):
+            return held + place
+
+        _, verify = self.drive("gqa_full_two_kv_heads", lambda batch: StaticCache(batch, 32),
+                               positions=slot_position)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("class: padding counted as sink or position", verify.stdout)
 
     def test_argument_errors_are_clear(self):
         exp = export(self.work, "sliding_baseline")

@@ -80,32 +80,110 @@ class Export:
         return self.policy[layer] if isinstance(self.policy, list) else self.policy
 
 
-def rotate(x, positions, rope):
-    """RoPE (SPEC 2): x [..., n, D] rotated at positions [n] (or broadcastable to [..., n])."""
+def rope_frequencies(rope, head_dim):
+    """The inverse frequencies of the rotated pairs [R/2] and the attention factor m, as
+    SPEC 2 and 7 define them: R = rope["rotary_dim"] (default head_dim), theta^(-2i/R),
+    then the scaling's map (linear: / factor; llama3 and yarn: per frequency); m is yarn's
+    attention factor (1 otherwise). Written from the SPEC, apart from kvcheck's C++."""
+    r = int(rope.get("rotary_dim") or head_dim)
+    theta = float(rope["theta"])
+    inv = theta ** (-2.0 * np.arange(r // 2) / r)
+    scaling, m = rope.get("scaling", "none"), 1.0
+    if scaling == "linear":
+        inv = inv / rope.get("factor", 1.0)
+    elif scaling == "llama3":
+        f, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * np.pi / inv
+        s = (old / wavelen - low) / (high - low)
+        inv = np.where(wavelen < old / high, inv, np.where(wavelen > old / low, inv / f, inv * ((1 - s) / f + s)))
+    elif scaling == "yarn":
+        f, old = rope["factor"], rope["original_max_position_embeddings"]
+
+        def correction(rotations):
+            return r * np.log(old / (2 * np.pi * rotations)) / (2 * np.log(theta))
+
+        lo = max(np.floor(correction(rope.get("beta_fast", 32.0))), 0.0)
+        hi = min(np.ceil(correction(rope.get("beta_slow", 1.0))), r - 1.0)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(r // 2) - lo) / (hi - lo), 0.0, 1.0)
+        inv = inv / f * ramp + inv * (1 - ramp)
+        m = rope.get("attention_factor", 0.1 * np.log(f) + 1.0)
+    elif scaling != "none":
+        raise UsageError("unknown rope scaling %r (SPEC 7 defines none, linear, llama3, yarn)" % (scaling,))
+    return inv, float(m)
+
+
+def rotate(x, positions, rope, scaled=True):
+    """RoPE (SPEC 2 and 7): x [..., n, D] rotated at positions [n] (or broadcastable to
+    [..., n]): the first R dims in the scenario's layout, the rest unchanged; scaled by
+    yarn's attention factor m unless scaled=False (a pure rotation, as a shift needs)."""
     x = to_numpy(x).astype(np.float64)
     d = x.shape[-1]
-    factor = rope.get("factor", 1.0) if rope.get("scaling", "none") == "linear" else 1.0
-    inv_freq = rope["theta"] ** (-2.0 * np.arange(d // 2) / d)
-    angle = (np.asarray(positions, dtype=np.float64)[..., None] / factor) * inv_freq  # [..., n, D/2]
+    inv, m = rope_frequencies(rope, d)
+    r = 2 * len(inv)
+    angle = np.asarray(positions, dtype=np.float64)[..., None] * inv  # [..., n, R/2]
     cos, sin = np.cos(angle), np.sin(angle)
+    if scaled and m != 1.0:
+        cos, sin = cos * m, sin * m
+    out = x.copy()
     if rope["layout"] == "half":
-        a, b = x[..., : d // 2], x[..., d // 2 :]
-        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-    a, b = x[..., 0::2], x[..., 1::2]
-    out = np.empty_like(x)
-    out[..., 0::2] = a * cos - b * sin
-    out[..., 1::2] = a * sin + b * cos
+        a, b = x[..., : r // 2], x[..., r // 2 : r]
+        out[..., :r] = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    else:
+        a, b = x[..., 0:r:2], x[..., 1:r:2]
+        out[..., 0:r:2] = a * cos - b * sin
+        out[..., 1:r:2] = a * sin + b * cos
+    return out
+
+
+def unrotate(x, positions, rope):
+    """The raw vector of one rotated at positions: rotate's inverse (m divided out)."""
+    out = rotate(x, -np.asarray(positions, dtype=np.float64), rope, scaled=False)
+    inv, m = rope_frequencies(rope, out.shape[-1])
+    out[..., : 2 * len(inv)] /= m
     return out
 
 
 def hf_cos_sin(positions, rope, head_dim):
     """cos and sin as Hugging Face's rotary embedding hands them to cache_kwargs:
-    [..., n, D], each frequency repeated for both halves (rotate_half layout)."""
-    factor = rope.get("factor", 1.0) if rope.get("scaling", "none") == "linear" else 1.0
-    inv_freq = rope["theta"] ** (-2.0 * np.arange(head_dim // 2) / head_dim)
-    freqs = (np.asarray(positions, dtype=np.float64)[..., None] / factor) * inv_freq
+    [..., n, R], each frequency repeated for both halves (rotate_half layout), multiplied
+    by the attention factor (yarn's m, as transformers' attention_scaling)."""
+    inv, m = rope_frequencies(rope, head_dim)
+    freqs = np.asarray(positions, dtype=np.float64)[..., None] * inv
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb), np.sin(emb)
+    return np.cos(emb) * m, np.sin(emb) * m
+
+
+def evicted(policy, t):
+    """E(t) of SPEC 3: tokens a streaming sink policy has evicted when token t is the newest."""
+    k = policy.get("evict", 1)
+    return k * -(-max(0, t + 1 - policy["window"]) // k)
+
+
+def fixtures(kvcheck="kvcheck", paths=(), policies=(), without=(), features=()):
+    """The scenarios `kvcheck list --json` shows (default: the built-in suite), as dicts with
+    name, file, policies (one per layer), features, caches (kvcheck's own that serve it) and
+    description. policies: keep scenarios whose every layer has one of these ("full",
+    "sliding", "sink"); without: leave out scenarios with any of these features
+    ("left_padding", "crop", "reorder", "per_layer_policy", "learned_sinks", ... as `kvcheck
+    list --help` names them); features: keep only scenarios with all of these.
+
+        for f in kvtrace.fixtures("build/kvcheck", policies=["sink"], without=["crop"]):
+            ...   # kvcheck export f["file"] --out DIR, then drive_hf_cache
+    """
+    import subprocess
+    args = [os.fspath(kvcheck), "list", "--json", *map(os.fspath, paths)]
+    for p in policies:
+        args += ["--policy", p]
+    for f in without:
+        args += ["--without", f]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError("%s failed (exit %d): %s" % (" ".join(args), done.returncode, done.stderr.strip()))
+    found = json.loads(done.stdout)["scenarios"]
+    return [f for f in found if all(feature in f["features"] for feature in features)]
 
 
 def _is_trace(path):
@@ -230,7 +308,7 @@ class DriveResult:
 
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",
                    producer="kvtrace.drive_hf_cache", as_tensor=None, mask="auto", dtype="float32",
-                   eviction=None, after_forward=None):
+                   eviction=None, after_forward=None, chunks="whole"):
     """Runs the export's schedule through caches made by make_cache and writes a trace;
     returns a DriveResult.
 
@@ -238,28 +316,45 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     exactly one required positional parameter, else make_cache(); a reset makes a new one
     with the reset's batch size.
     positions: where new keys and queries are rotated. "policy": the query position Pq the
-    scenario's policy gives each token (for a correct cache-relative sink cache: t - E);
-    "absolute": the token index, as generate() computes position ids; "cache": slots held
-    before the step plus the place in the chunk; or a function (token_index,
-    slots_held_before, place_in_chunk) -> position.
-    cache_kwargs: Hugging Face's "cos" and "sin" [B, n, D] (rotate_half convention) and
-    "cache_position" (the new tokens' absolute indices, as generate() computes them: tokens
-    seen plus arange(n); a 1-D LongTensor with as_tensor="torch", else a NumPy int64 array),
-    plus "positions" [B, n], "rope" and a NumPy "rotate"(x, p) in the scenario's layout.
-    A scenario with the interleaved layout raises UsageError when the cache reads cos/sin:
-    they follow rotate_half, so a cache re-rotating with them would be judged on the
-    driver's convention instead of its own (re-rotate with cache_kwargs["rotate"]).
+    scenario's policy gives each token (per layer for a per-layer policy; for a correct
+    cache-relative sink cache: t - E); "absolute": the token index, as generate() computes
+    position ids (padding skipped); "cache": slots held before the step plus the place in
+    the chunk; or a function (token_index, slots_held_before, place_in_chunk) -> position.
+    RoPE follows the scenario's rope (SPEC 2 and 7: layout, rotary_dim, linear, llama3 and
+    yarn scaling, yarn's attention factor on q and k).
+    cache_kwargs, per layer: Hugging Face's "cos" and "sin" [B, n, R] (rotate_half
+    convention, times yarn's attention factor), "cache_position" (the new slots' indices
+    as generate() computes them: slots seen, padding included, plus arange(n); a 1-D
+    LongTensor with torch tensors, else NumPy int64), "sliding_window" (the layer's window
+    when its policy is sliding, else None, as Gemma 2 passes it), plus "positions" [B, n],
+    "padding" [B, n] (True at left padding), "rope", and NumPy functions in the scenario's
+    layout: "rotate"(x, p) (what the model applies to a raw vector), "unrotate"(x, p) (its
+    inverse) and "rerotate"(x, delta) (a pure rotation by delta, what a shift applies to a
+    stored key: no attention factor). A scenario with the interleaved layout raises
+    UsageError when the cache reads cos/sin: they follow rotate_half, so a cache
+    re-rotating keys with them would be judged on the driver's convention, not its own.
+    Left padding is driven as transformers models do: a padded row's chunk is filled on the
+    left with zero q, k and v (position 0), which the mask hides; cache_position counts
+    them; positions skip them.
     mask: how the driver's eager attention masks what update() returns, standing in for the
-    model. "causal": a growing cache: right-aligned causal, and a sliding policy's window
-    inside the chunk (key index > query index - W), so a long prompt is judged on the
-    sliding mask. "cache_position": a preallocated buffer (StaticCache, SlidingWindowCache):
-    slot j is visible to the query at cache position p iff j <= p, and for a sliding policy
-    also j > p - W when the buffer returned is longer than W (transformers' rule: its
-    SlidingWindowCache buffer of W slots is masked by j <= p alone). "auto" (default): per
-    cache object, "cache_position" once the cache has a `max_cache_len` attribute or returns
-    more slots than the row has tokens (get_max_cache_shape is no sign: SinkCache has it),
-    else "causal". In every mode a slot whose values are all zero is unwritten and never
-    attended (kvcheck verify skips such slots too).
+    model. "causal": a growing cache: right-aligned causal, and a sliding layer's window
+    counted in written slots (key within the query's last W). "cache_position": a
+    preallocated buffer (StaticCache, SlidingWindowCache): slot j is visible to the query
+    at cache position p iff j <= p, and for a sliding layer among the last W written slots
+    up to p. "auto" (default): per cache object, "cache_position" once the cache has a
+    `max_cache_len` attribute or returns more slots than it was given, else "causal". Or a
+    function mask(cache, cache_position, chunk) -> [B, n, slots] booleans (True: visible),
+    the model's own mask, so model and cache are checked together; chunk is a kvtrace.Chunk
+    (layer, n, slots, positions, padding, token_index). In every mode a slot whose values
+    are all zero is unwritten (or padding) and never attended (kvcheck verify skips such
+    slots too).
+    chunks: "whole" (default): one forward per append step, as generate() and a model do.
+    "eviction": a chunk is fed as consecutive forwards within which no streaming sink
+    layer evicts (E(t) constant in every row), as an engine that evicts between forwards;
+    under a sink policy one key tensor cannot serve queries whose kept keys sit at
+    different positions, so a cache-relative sink cache is driven this way. "tokens": one
+    forward per token. The step's outputs and queries are those of all its forwards; its
+    state is recorded after the last.
     Recorded per step and layer: the cache's own state when it exposes one (transformers'
     key_cache/value_cache or layers[l].keys/values), else what update() returned (so a
     preallocated buffer is recorded whole), with the outputs and the rotated queries (not
@@ -270,15 +365,18 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     crop(), reorder_cache() or after_forward, or a missing crop/reorder_cache, becomes the
     step's {"error": "Type: message"}; driving stops there (later steps {}), except on a
     crop the policy refuses, where refusing is right and driving goes on. A crop the policy
-    refuses is still offered to the cache. Left-padded steps (rows with different token
-    counts) are not driven: {"skipped": reason}, then {} up to the next reset.
-    as_tensor: "torch" hands update() float32 torch tensors (a transformers cache), None
-    NumPy arrays, or any function array -> tensor.
-    mask, dtype ("float32" or "float16" .npy files) and eviction ("eager", "lazy", or None
-    to leave it undeclared): see above and TraceWriter.
-    after_forward: a function called with the cache after every append step's forward (all
-    layers), as StreamingLLM's loop calls its kv_cache(past_key_values); what it returns,
-    when not None, replaces the cache.
+    refuses is still offered to the cache.
+    as_tensor: "torch" hands update() torch tensors in the scenario's kv_dtype (float32,
+    float16 or bfloat16; cache_position and beam indices as int64), None NumPy arrays
+    (float16 for float16, float32 rounded to bfloat16 for bfloat16), or any function
+    float32 array -> tensor (integer arrays then go to torch as int64 when it returns torch
+    tensors, else stay NumPy int64).
+    learned sink logits (SPEC 7) join the driver's softmax.
+    dtype ("float32" or "float16" .npy files) and eviction ("eager", "lazy", or None to
+    leave it undeclared): see TraceWriter.
+    after_forward: a function called with the cache after every forward (all layers), as
+    StreamingLLM's loop calls its kv_cache(past_key_values); what it returns, when not
+    None, replaces the cache.
     Mistakes in the call raise TypeError or ValueError (UsageError) and leave no trace.
     """
     if not isinstance(export, Export):
@@ -288,9 +386,24 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
                     if what.endswith(".json") else "load it with kvtrace.Export(%r)" % what)
             raise TypeError("export must be a kvtrace.Export, got the path %r: %s" % (what, hint))
         raise TypeError("export must be a kvtrace.Export (a `kvcheck export` folder), got %s" % type(export).__name__)
-    driver = _Driver(export, make_cache, positions, as_tensor, mask, after_forward, key_positions != "unrotated")
+    driver = _Driver(export, make_cache, positions, as_tensor, mask, after_forward, key_positions != "unrotated",
+                     chunks)
     with TraceWriter(trace_path, export.name, producer, key_positions, dtype, eviction) as writer:
         return driver.run(writer)
+
+
+@dataclass
+class Chunk:
+    """What a model's mask function (drive_hf_cache's mask) is told about one forward of one
+    layer: n new tokens per row, `slots` key slots returned by the cache, the rotary
+    positions [B, n], padding [B, n] (True: a left-padding slot) and token indices [B, n]
+    (-1 at padding)."""
+    layer: int
+    n: int
+    slots: int
+    positions: np.ndarray
+    padding: np.ndarray
+    token_index: np.ndarray
 
 
 def _cache_factory(make_cache):
@@ -363,52 +476,82 @@ def _cache_state(cache, layers):
     return [(to_numpy(k).astype(np.float64), to_numpy(v).astype(np.float64)) for k, v in pairs]
 
 
-def _attention(q, keys, values, scale, visible):
+def _attention(q, keys, values, scale, visible, sink_logits=None):
     """Eager attention: q [B, H, n, D] over keys/values [B, Hkv, S, D] where visible
-    [B, Hkv, n, S] allows; a query that sees nothing gets NaN."""
+    [B, Hkv, n, S] allows; learned sink logits [H] (SPEC 7) join each softmax with no value.
+    A query that sees nothing (and has no sink) gets NaN."""
     group = q.shape[1] // keys.shape[1]
     keys, values, visible = (np.repeat(x, group, axis=1) for x in (keys, values, visible))
     scores = np.where(visible, np.einsum("bhnd,bhsd->bhns", q, keys) * scale, -np.inf)
     top = scores.max(axis=-1, keepdims=True)
+    sink = None
+    if sink_logits is not None:
+        sink = np.asarray(sink_logits, dtype=np.float64)[None, :, None, None]
+        top = np.maximum(top, sink)
     with np.errstate(invalid="ignore"):
         weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
-        weights /= weights.sum(axis=-1, keepdims=True)
+        total = weights.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total = total + np.exp(sink - top)
+        weights /= total
     return np.einsum("bhns,bhsd->bhnd", weights, values)
+
+
+def _round_bfloat16(x):
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept in float32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
 
 
 class _Driver:
     """The state of one drive_hf_cache run (one cache object at a time)."""
 
-    def __init__(self, export, make_cache, positions, as_tensor, mask, after_forward, record_q):
+    def __init__(self, export, make_cache, positions, as_tensor, mask, after_forward, record_q, chunks):
         self.exp = export
         self.make = _cache_factory(make_cache)
         self.position_of = _position_function(positions)
-        if mask not in ("auto", "causal", "cache_position"):
-            raise UsageError("mask must be \"auto\", \"causal\" or \"cache_position\", got %r" % (mask,))
+        self.model_mask = None
+        if callable(mask) and not isinstance(mask, str):
+            self.model_mask, mask = mask, "causal"
+        elif mask not in ("auto", "causal", "cache_position"):
+            raise UsageError("mask must be \"auto\", \"causal\", \"cache_position\" or a function (cache, "
+                             "cache_position, chunk) -> [B, n, slots] booleans, got %r" % (mask,))
+        if chunks not in ("whole", "eviction", "tokens"):
+            raise UsageError("chunks must be \"whole\", \"eviction\" or \"tokens\", got %r" % (chunks,))
         if after_forward is not None and not callable(after_forward):
             raise TypeError("after_forward must be a function of the cache, got %s" % type(after_forward).__name__)
-        if export.rope.get("scaling", "none") not in ("none", "linear"):
-            raise UsageError("kvtrace rotates with no or linear RoPE scaling only, the scenario has %r"
-                             % export.rope["scaling"])
-        if export.rope.get("rotary_dim", export.dims["head_dim"]) != export.dims["head_dim"]:
-            raise UsageError("kvtrace rotates every dim of the head; the scenario has rotary_dim %d"
-                             % export.rope["rotary_dim"])
-        if isinstance(export.policy, list):
-            raise UsageError("kvtrace drives one policy for every layer; the scenario has one per layer")
-        if export.manifest.get("attention", {}).get("sink_logits"):
-            raise UsageError("kvtrace's attention has no learned sink logits; the scenario has them")
-        self.mask, self.after_forward, self.record_q = mask, after_forward, record_q
+        rope_frequencies(export.rope, export.dims["head_dim"])  # an unknown scaling is a usage error now
+        self.mask, self.after_forward, self.record_q, self.chunks = mask, after_forward, record_q, chunks
+        layers = export.dims["layers"]
+        logits = export.manifest.get("attention", {}).get("sink_logits")
+        if logits and not isinstance(logits[0], list):
+            logits = [logits] * layers
+        self.sink_logits = logits or [None] * layers
+        self.kv_dtype = export.manifest.get("kv_dtype", "float32")
         self.numpy_given = as_tensor is None
         self.as_index = np.asarray  # beam indices for reorder_cache
         self.as_position = lambda p: np.asarray(p, dtype=np.int64)
         if as_tensor == "torch":
             import torch  # only when asked for
-            self.as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.kv_dtype]
+            self.as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch_dtype)
             self.as_index = self.as_position = lambda p: torch.as_tensor(np.asarray(p), dtype=torch.long)
         elif as_tensor is None:
-            self.as_tensor = lambda x: x
+            if self.kv_dtype == "float16":
+                self.as_tensor = lambda x: np.asarray(x, dtype=np.float16)
+            elif self.kv_dtype == "bfloat16":
+                self.as_tensor = _round_bfloat16
+            else:
+                self.as_tensor = lambda x: x
         elif callable(as_tensor) and not isinstance(as_tensor, str):
-            self.as_tensor = as_tensor
+            def convert(x):
+                tensor = as_tensor(np.ascontiguousarray(x, dtype=np.float32))
+                if type(tensor).__module__.startswith("torch"):  # keep integer tensors integer
+                    import torch
+                    self.as_index = self.as_position = lambda p: torch.as_tensor(np.asarray(p), dtype=torch.long)
+                return tensor
+            self.as_tensor = convert
         else:
             raise UsageError("as_tensor must be None (NumPy), \"torch\" or a function array -> tensor, got %r"
                              % (as_tensor,))
@@ -417,26 +560,22 @@ class _Driver:
             self.cos_sin_refusal = (
                 "the scenario uses the %s RoPE layout, but cache_kwargs cos/sin follow Hugging Face's rotate_half "
                 "convention: a cache re-rotating keys with them would be judged on the driver's convention, not its "
-                "own. Use a scenario with layout \"half\", or re-rotate with cache_kwargs[\"rotate\"], which follows "
-                "the scenario's layout" % export.rope["layout"])
+                "own. Use a scenario with layout \"half\", or re-rotate with cache_kwargs[\"rerotate\"], which "
+                "follows the scenario's layout" % export.rope["layout"])
 
     def run(self, writer):
         self.writer, self.result = writer, DriveResult()
         self.new_cache(self.exp.dims["batch"])
-        stopped = False  # after a skipped step, until the next reset (after an error: to the end)
         for index, step in enumerate(self.exp.steps):
             op = step["op"]
             if self.result.error is not None:
                 writer.skip_step()
             elif op == "reset":
                 self.new_cache(step.get("batch", self.batch))
-                stopped = False
                 writer.skip_step()
-            elif stopped:
-                writer.skipped_step("not driven: an earlier step of this generation was skipped (left padding)")
             else:
                 try:
-                    stopped = self.run_step(index, step)
+                    self.run_step(index, step)
                 except _CacheFailed:
                     pass
         self.result.recorded = sum(1 for s in writer.manifest["steps"] if "layers" in s)
@@ -445,10 +584,10 @@ class _Driver:
     def new_cache(self, batch):
         self.cache, self.batch = self.make(batch), batch
         self.held = 0            # slots held, for positions="cache" when the cache does not say
+        self.seen = 0            # slots fed so far, padding included: the next cache_position
         self.preallocated = None if self.mask == "auto" else self.mask == "cache_position"  # None: not known yet
 
     def run_step(self, index, step):
-        """Drives one step and writes its entry; True when driving must pause until a reset."""
         op = step["op"]
         if op == "reorder":
             self.call(index, "reorder_cache", "reorder", self.as_index(step["rows_from"]))
@@ -461,12 +600,12 @@ class _Driver:
             except _CacheFailed:
                 if not refused:
                     raise
-                return False  # refusing is what the policy wants: the cache goes on intact
+                return  # refusing is what the policy wants: the cache goes on intact
             self.held = min(self.held, step["length"])
+            self.seen = min(self.seen, step["length"])  # transformers' crop keeps that many slots
             self.record_state()
         else:
-            return self.append(index, step)
-        return False
+            self.append(index, step)
 
     def fail(self, index, message):
         self.writer.error_step(message)
@@ -497,52 +636,113 @@ class _Driver:
         else:
             self.writer.step([{"keys": k, "values": v} for k, v in state])
 
+    def policy_positions(self, rows, layer, n):
+        """Pq per row and chunk place for one layer, from the export (0 at padding)."""
+        pos = np.zeros((len(rows), n))
+        for b, r in enumerate(rows):
+            qp = r["query_positions"]
+            if qp and isinstance(qp[0], list):  # per-layer policies: one list per layer
+                qp = qp[layer]
+            if qp:
+                pos[b, n - len(qp):] = qp
+        return pos
+
+    def forwards(self, token, padding):
+        """The chunk's places split into forwards [(first, end)] as `chunks` asks."""
+        n = token.shape[1]
+        if self.chunks == "whole" or n == 1:
+            return [(0, n)]
+        if self.chunks == "tokens":
+            return [(i, i + 1) for i in range(n)]
+        sinks = [p for p in (self.exp.layer_policy(l) for l in range(self.exp.dims["layers"]))
+                 if p.get("type") == "sink" and p.get("prefill", "streaming") == "streaming"]
+        cuts, first = [], 0
+        for i in range(1, n):
+            if any(evicted(p, token[b, i]) != evicted(p, token[b, i - 1])
+                   for p in sinks for b in range(token.shape[0]) if not padding[b, i - 1]):
+                cuts.append((first, i))
+                first = i
+        return cuts + [(first, n)]
+
     def append(self, index, step):
-        rows = step["rows"]
-        if len({tuple(r["indices"]) for r in rows}) != 1:
-            reason = ("left padding is not driven: rows with different token counts need Hugging Face's attention "
-                      "mask and position ids; nothing is driven until the next reset")
-            self.writer.skipped_step(reason)
-            self.result.skipped.append((index, reason))
-            return True
         exp, layers = self.exp, self.exp.dims["layers"]
-        uids = np.asarray([r["uids"] for r in rows])                      # [B, n]
-        n = uids.shape[1]
-        indices = rows[0]["indices"]
+        rows = step["rows"]
+        n = max(len(r["uids"]) for r in rows)
+        batch = len(rows)
+        uid = np.full((batch, n), -1, dtype=np.int64)
+        token = np.full((batch, n), -1, dtype=np.int64)
+        for b, r in enumerate(rows):
+            uid[b, n - len(r["uids"]):] = r["uids"]
+            token[b, n - len(r["indices"]):] = r["indices"]
+        padding = uid < 0
+        policy_pos = [self.policy_positions(rows, l, n) for l in range(layers)]
+        outs = [np.full((batch, exp.dims["heads"], n, exp.dims["head_dim"]), np.nan) for _ in range(layers)]
+        qs = [np.zeros_like(o) for o in outs]
+        recorded = None
+        for first, end in self.forwards(token, padding):
+            recorded = self.forward(index, uid[:, first:end], token[:, first:end], padding[:, first:end],
+                                    [p[:, first:end] for p in policy_pos])
+            for l in range(layers):
+                outs[l][:, :, first:end], qs[l][:, :, first:end] = recorded[l]["out"], recorded[l]["q"]
+        for l in range(layers):
+            recorded[l]["out"], recorded[l]["q"] = outs[l], (qs[l] if self.record_q else None)
+        # What the cache holds between steps is what kvcheck checks; it may differ from what
+        # update() returned (a SlidingWindowCache returns a long prompt whole, keeps W of it).
+        state = _cache_state(self.cache, layers)
+        for layer, (k, v) in zip(recorded, state or []):
+            layer["keys"], layer["values"] = k, v
+        self.writer.step(recorded)
+
+    def forward(self, index, uid, token, padding, policy_pos):
+        """One forward of every layer over n places per row; returns per layer keys, values,
+        out and q as the driver saw them."""
+        exp, layers = self.exp, self.exp.dims["layers"]
+        n = uid.shape[1]
         if hasattr(self.cache, "get_seq_length"):  # Hugging Face caches say it themselves
             try:
                 self.held = int(self.cache.get_seq_length())
             except Exception as e:
                 self.fail(index, "%s: %s" % (type(e).__name__, e))
-        if self.position_of is None:
-            pos = np.asarray([r["query_positions"] for r in rows])
-        else:
-            pos = np.asarray([[self.position_of(t, self.held, i) for i, t in enumerate(r["indices"])] for r in rows])
-        cos, sin = hf_cos_sin(pos, exp.rope, exp.dims["head_dim"])
-        cache_position = np.asarray(indices, dtype=np.int64)
+        cache_position = self.seen + np.arange(n, dtype=np.int64)
+        real = ~padding
+        safe = np.where(real, uid, 0)
         recorded = []
         for l in range(layers):
-            q = np.transpose(exp.q[l][uids], (0, 2, 1, 3))                 # [B, H, n, D]
-            k = np.transpose(exp.k[l][uids], (0, 2, 1, 3))                 # [B, Hkv, n, D]
-            v = np.transpose(exp.v[l][uids], (0, 2, 1, 3))
+            if self.position_of is None:
+                pos = policy_pos[l]
+            else:
+                pos = np.asarray([[self.position_of(int(t), self.held, i) if t >= 0 else 0
+                                   for i, t in enumerate(row)] for row in token], dtype=np.float64)
+            cos, sin = hf_cos_sin(pos, exp.rope, exp.dims["head_dim"])
+            mask4 = real[:, None, :, None]
+            q = np.where(mask4, np.transpose(exp.q[l][safe], (0, 2, 1, 3)), 0.0)   # [B, H, n, D]
+            k = np.where(mask4, np.transpose(exp.k[l][safe], (0, 2, 1, 3)), 0.0)   # [B, Hkv, n, D]
+            v = np.where(mask4, np.transpose(exp.v[l][safe], (0, 2, 1, 3)), 0.0)
             q_rot = rotate(q, pos[:, None, :], exp.rope)
             k_rot = rotate(k, pos[:, None, :], exp.rope)
+            policy = exp.layer_policy(l)
             kwargs = {"cos": self.as_tensor(cos), "sin": self.as_tensor(sin),
-                      "cache_position": self.as_position(cache_position), "positions": pos, "rope": exp.rope,
-                      "rotate": lambda x, p: rotate(x, p, exp.rope)}
+                      "cache_position": self.as_position(cache_position),
+                      "sliding_window": policy.get("window") if policy.get("type") == "sliding" else None,
+                      "positions": pos, "padding": padding, "rope": exp.rope,
+                      "rotate": lambda x, p: rotate(x, p, exp.rope),
+                      "unrotate": lambda x, p: unrotate(x, p, exp.rope),
+                      "rerotate": lambda x, d: rotate(x, d, exp.rope, scaled=False)}
             if self.cos_sin_refusal:
                 kwargs = _CacheKwargs(kwargs, self.cos_sin_refusal)
             keys, values = self.update(index, l, self.as_tensor(k_rot), self.as_tensor(v), kwargs, k.shape)
-            if self.preallocated is None and (hasattr(self.cache, "max_cache_len") or keys.shape[2] > indices[-1] + 1):
+            if self.preallocated is None and (hasattr(self.cache, "max_cache_len") or keys.shape[2] > self.seen + n):
                 self.preallocated = True
             if not self.preallocated and keys.shape[2] < n:
                 self.fail(index, "the cache returned %d slots for a chunk of %d tokens: it trims before attention, so "
                                  "the chunk's first tokens cannot see each other" % (keys.shape[2], n))
-            visible = self.visible(l, keys.shape[2], n, cache_position, values)
-            out = _attention(q_rot, keys, values, exp.scale, visible)
-            recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot if self.record_q else None})
+            chunk = Chunk(l, n, keys.shape[2], pos, padding, token)
+            visible = self.visible(index, l, chunk, cache_position, values)
+            out = _attention(q_rot, keys, values, exp.scale, visible, self.sink_logits[l])
+            recorded.append({"keys": keys, "values": values, "out": out, "q": q_rot})
         if self.preallocated is None:
-            self.preallocated = False  # decided by the first step: later growth must not flip it
+            self.preallocated = False  # decided by the first forward: later growth must not flip it
+        self.seen += n
         if self.after_forward is not None:
             try:
                 replacement = self.after_forward(self.cache)
@@ -552,15 +752,11 @@ class _Driver:
                 self.fail(index, "%s: %s" % (type(e).__name__, e))
             if replacement is not None:
                 self.cache = replacement
-        # What the cache holds between steps is what kvcheck checks; it may differ from what
-        # update() returned (a SlidingWindowCache returns a long prompt whole, keeps W of it).
-        state = _cache_state(self.cache, layers)
-        for layer, (k, v) in zip(recorded, state or []):
-            layer["keys"], layer["values"] = k, v
         # Slots held, for positions="cache": a preallocated buffer counts only written slots.
-        self.held = int(np.count_nonzero(np.any(recorded[0]["values"][0, 0] != 0, axis=-1)))
-        self.writer.step(recorded)
-        return False
+        state = _cache_state(self.cache, layers)
+        values0 = state[0][1] if state else recorded[0]["values"]
+        self.held = int(np.count_nonzero(np.any(values0[0, 0] != 0, axis=-1)))
+        return recorded
 
     def update(self, index, layer, key_states, value_states, kwargs, shape):
         """cache.update(); returns float64 (keys, values), or writes the failure."""
@@ -589,23 +785,37 @@ class _Driver:
                       % (_describe(returned), b, hkv, d))
         return keys, values
 
-    def visible(self, layer, slots, n, cache_position, values):
+    def visible(self, index, layer, chunk, cache_position, values):
         """The mask the model would build [B, Hkv, n, S] (see drive_hf_cache's `mask`)."""
+        n, slots = chunk.n, chunk.slots
+        written = np.any(values != 0, axis=-1)    # [B, Hkv, S]: unwritten and padding slots are zero
+        if self.model_mask is not None:
+            try:
+                allowed = to_numpy(self.model_mask(self.cache, self.as_position(cache_position), chunk)).astype(bool)
+            except UsageError:
+                raise
+            except Exception as e:
+                raise UsageError("the mask function raised %s: %s" % (type(e).__name__, e)) from e
+            if allowed.shape != (values.shape[0], n, slots):
+                raise UsageError("the mask function returned shape %s, expected [B, n, slots] = [%d, %d, %d]"
+                                 % (list(allowed.shape), values.shape[0], n, slots))
+            return allowed[:, None] & written[:, :, None, :]
         policy = self.exp.layer_policy(layer)
         window = policy.get("window") if policy.get("type") == "sliding" else None
-        j = np.arange(slots)[None, :]
+        j = np.arange(slots)
         if self.preallocated:
-            p = cache_position[:, None]
-            visible = j <= p
-            if window is not None and slots > window:
-                visible &= j > p - window
+            last = np.minimum(cache_position, slots - 1)     # the query's own slot (or the buffer's end)
+            visible = j[None, :] <= cache_position[:, None]  # [n, S]
         else:
-            own = slots - n + np.arange(n)[:, None]  # right-aligned: the slot of each query's own token
-            visible = j <= own
-            if window is not None:
-                visible &= j > own - window
-        written = np.any(values != 0, axis=-1)    # [B, Hkv, S]
-        return visible[None, None] & written[:, :, None, :]
+            last = slots - n + np.arange(n)                  # right-aligned: each query's own slot
+            visible = j[None, :] <= last[:, None]
+        visible = visible[None, None] & written[:, :, None, :]  # [B, Hkv, n, S]
+        if window is not None:
+            # Within the last W written slots up to the query's own: padding never counts.
+            counts = np.cumsum(written, axis=-1)                             # [B, Hkv, S]
+            upto = counts[:, :, last]                                         # [B, Hkv, n]
+            visible &= (upto[..., None] - counts[:, :, None, :]) < window
+        return visible
 
 
 def _describe(returned):

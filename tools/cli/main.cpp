@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
@@ -27,6 +28,7 @@
 #include "tools/harness/runner.h"
 #include "tools/harness/safe_file.h"
 #include "tools/harness/scenario.h"
+#include "tools/harness/scenario_features.h"
 #include "tools/harness/trace_verify.h"
 #include "tools/zoo/zoo.h"
 
@@ -161,11 +163,58 @@ int cmd_export(const std::string& path, const std::string& out) {
   return run.problems.empty() ? kPass : kFail;
 }
 
-int cmd_list(const std::vector<std::string>& paths) {
-  fmt::print("scenarios:\n");
+// Which scenarios `list` shows: every layer's policy among `policies` (none given: any),
+// and none of the features in `without`.
+struct ListFilter {
+  std::vector<PolicyKind> policies;
+  std::vector<Feature> without;
+  bool json = false;
+};
+
+int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
+  nlohmann::json scenarios = nlohmann::json::array();
+  std::vector<std::pair<Scenario, std::vector<Feature>>> shown;
   for (const std::string& file : collect(paths)) {
-    const Scenario s = load_scenario(file);
-    fmt::print("  {:<40} {}\n", s.name, s.description);
+    Scenario s = load_scenario(file);
+    const std::vector<Feature> features = scenario_features(s);
+    const bool policy_ok = filter.policies.empty() ||
+                           std::all_of(s.layer_policies.begin(), s.layer_policies.end(), [&](const Policy& p) {
+                             return std::find(filter.policies.begin(), filter.policies.end(), p.kind) !=
+                                    filter.policies.end();
+                           });
+    const bool features_ok = std::none_of(features.begin(), features.end(), [&](Feature f) {
+      return std::find(filter.without.begin(), filter.without.end(), f) != filter.without.end();
+    });
+    if (policy_ok && features_ok) shown.emplace_back(std::move(s), features);
+  }
+  if (filter.json) {
+    for (const auto& [s, features] : shown) {
+      nlohmann::json policies = nlohmann::json::array(), names = nlohmann::json::array(),
+                     caches = nlohmann::json::array();
+      for (const Policy& p : s.layer_policies) policies.push_back(to_string(p.kind));
+      for (Feature f : features) names.push_back(to_string(f));
+      for (const CacheEntry& c : real_caches())
+        if (c.serves(s)) caches.push_back(c.name);
+      scenarios.push_back({{"name", s.name},
+                           {"file", s.file},
+                           {"policies", policies},
+                           {"features", names},
+                           {"caches", caches},
+                           {"description", s.description}});
+    }
+    nlohmann::json caches = nlohmann::json::array();
+    for (const CacheEntry& c : real_caches()) caches.push_back({{"name", c.name}, {"description", c.description}});
+    fmt::print("{}\n", nlohmann::json{{"scenarios", scenarios}, {"caches", caches}}.dump(
+                           1, ' ', false, nlohmann::json::error_handler_t::replace));
+    return kPass;
+  }
+  fmt::print("scenarios:\n");
+  for (const auto& [s, features] : shown) {
+    std::string tags;
+    for (const Policy& p : s.layer_policies)
+      if (tags.find(to_string(p.kind)) == std::string::npos) tags += (tags.empty() ? "" : ",") + std::string(to_string(p.kind));
+    for (Feature f : features) tags += std::string(" ") + to_string(f);
+    fmt::print("  {:<40} {}\n  {:<40} {}\n", s.name, tags, "", s.description);
   }
   fmt::print("\ncaches:\n");
   for (const CacheEntry& c : real_caches()) fmt::print("  {:<40} {}\n", c.name, c.description);
@@ -290,8 +339,22 @@ int main(int argc, char** argv) {
   exp->add_option("--out", export_out, "output folder (replaced whole, atomically)")->required();
 
   std::vector<std::string> list_paths;
-  CLI::App* list = app.add_subcommand("list", "list scenarios and caches, one line each");
+  ListFilter list_filter;
+  CLI::App* list = app.add_subcommand("list", "list scenarios (with their policies and features) and caches");
   list->add_option("paths", list_paths, "scenario files or folders");
+  const std::map<std::string, PolicyKind> policy_names = {
+      {"full", PolicyKind::full}, {"sliding", PolicyKind::sliding}, {"sink", PolicyKind::sink}};
+  std::map<std::string, Feature> feature_names;
+  for (Feature f : all_features()) feature_names[to_string(f)] = f;
+  std::vector<std::string> list_policies, list_without;
+  list->add_option("--policy", list_policies,
+                   "only scenarios whose every layer has one of these policies (repeatable: full, sliding, sink)")
+      ->check(CLI::IsMember(policy_names))
+      ->allow_extra_args(false);
+  list->add_option("--without", list_without, "leave out scenarios with this feature (repeatable)")
+      ->check(CLI::IsMember(feature_names))
+      ->allow_extra_args(false);
+  list->add_flag("--json", list_filter.json, "print JSON: each scenario's file, policies, features and caches");
 
   std::string diagnose_path, html;
   std::vector<std::string> diagnose_caches;
@@ -392,7 +455,11 @@ int main(int argc, char** argv) {
       if (*generate) check_output_folder(golden_options.dir, "--out");
       return *generate ? generate_goldens(golden_options) : check_goldens(golden_options);
     }
-    if (*list) return cmd_list(list_paths);
+    if (*list) {
+      for (const std::string& p : list_policies) list_filter.policies.push_back(policy_names.at(p));
+      for (const std::string& f : list_without) list_filter.without.push_back(feature_names.at(f));
+      return cmd_list(list_paths, list_filter);
+    }
   } catch (const InputError& e) {
     print_input_error(e);
     return kBadInput;

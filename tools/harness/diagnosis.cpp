@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 namespace kvcheck {
@@ -300,6 +301,18 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (rotations && std::all_of(e.slots.begin(), e.slots.end(),
                                [](const SlotIssue& i) { return i.kind != K::rotation || i.closest_at_claim; }))
     return BugClass::rerotation_drift;
+  // After left padding, keys of a row all moved forward by one amount (its padding, in
+  // positions taken from slot indices or cache_position instead of the mask).
+  if (rotations && ctx.padded) {
+    std::map<int, std::int64_t> offset;  // per row
+    bool forward = true;
+    for (const SlotIssue& i : e.slots) {
+      if (i.kind != K::rotation) continue;
+      const std::int64_t by = i.recovered_position ? *i.recovered_position - i.claimed_position : 0;
+      forward = forward && by > 0 && offset.emplace(i.row, by).first->second == by;
+    }
+    if (forward) return BugClass::padding_counted;
+  }
   if (rotations) return BugClass::key_at_wrong_position;
 
   if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::wrong_index; })) {
