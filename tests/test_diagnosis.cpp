@@ -92,6 +92,16 @@ TEST(Diagnosis, KeysMovedForwardByTheirRowsPaddingAreCountedPadding) {
   EXPECT_EQ(classify(sink_scenario(), e, padded), BugClass::key_at_wrong_position);
 }
 
+TEST(Diagnosis, OutputsThatFitTheChunksLaterKeysAreAMissingCausalMask) {
+  StepEvidence e;
+  e.outputs.push_back({0, 0, 0, 0, 12, 12, 0.30, 0.24});
+  e.hypotheses_tested = true;
+  e.outputs_fit_with_later_chunk_keys = true;
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::chunk_sees_future_keys);
+  e.outputs_fit_with_later_chunk_keys = false;  // no hypothesis fits: the arithmetic
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::output_mismatch_positions_correct);
+}
+
 TEST(Diagnosis, KeptKeysMovedBackBeforeAnyEvictionIsAShiftOneTokenEarly) {
   // Hugging Face SinkCache at the step the window fills (S = 2, W = 6, token 5 arrives):
   // nothing is evicted yet, but window keys 2..4 were re-rotated one position back.

@@ -609,6 +609,38 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
         self.assertIn("class: padding counted as sink or position", verify.stdout)
 
+    def test_a_model_mask_over_a_sink_cache_shows_a_chunk_its_future(self):
+        # transformers 4.46's Llama mask: slot j is hidden from the query at cache_position p
+        # only when j > p. Over a cache that shifts, slot indices stay below W while p grows,
+        # so once the cache is full every query of a chunk sees every slot: the chunk's own
+        # later tokens included. The driver's own mask is right, so only the model's shows it.
+        def llama_mask(cache, cache_position, chunk):
+            batch = chunk.positions.shape[0]
+            slots = np.arange(chunk.slots)
+            visible = slots[None, None, :] <= np.asarray(cache_position)[None, :, None]
+            return np.broadcast_to(visible, (batch, chunk.n, chunk.slots))
+
+        exp = export(self.work, "sink_chunk_into_full_cache", DATA)
+        scenario = os.path.join(DATA, "sink_chunk_into_full_cache.json")
+        for mask, expected in (("auto", 0), (llama_mask, 1)):
+            trace = os.path.join(self.work, "trace")
+            kvtrace.drive_hf_cache(exp, lambda batch: SpecCache(exp, batch), trace, positions="policy",
+                                   key_positions="cache-relative", mask=mask)
+            verify = kvcheck("verify", scenario, "--trace", trace)
+            self.assertEqual(verify.returncode, expected, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 5 (append, /steps/2), row 0, layer 0, head 0, query token 12",
+                      verify.stdout)
+        self.assertIn("class: chunk sees future keys", verify.stdout)
+
+    def test_a_mask_function_that_fails_is_a_usage_error(self):
+        exp = export(self.work, "sliding_baseline")
+        trace = os.path.join(self.work, "trace")
+        with self.assertRaisesRegex(ValueError, "the mask function returned shape \\[2\\], expected \\[B, n, slots\\]"):
+            kvtrace.drive_hf_cache(exp, lambda: GrowingCache(), trace, mask=lambda cache, p, chunk: np.ones(2))
+        with self.assertRaisesRegex(ValueError, "the mask function raised ZeroDivisionError"):
+            kvtrace.drive_hf_cache(exp, lambda: GrowingCache(), trace, mask=lambda cache, p, chunk: 1 / 0)
+        self.assertFalse(os.path.exists(trace))
+
     def test_rotate_matches_the_reference_convention(self):
         # D = 2: one pair turning one radian per position.
         out = kvtrace.rotate(np.array([[1.0, 0.0]]), [1.0], {"theta": 10000.0, "layout": "half"})

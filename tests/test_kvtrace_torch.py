@@ -134,6 +134,55 @@ class SlidingWindowCache(StaticCache):
         return rolled_keys, rolled_values
 
 
+class HybridCache(StaticCache):
+    """transformers' HybridCache (Gemma 2 and 3, gpt-oss): per layer a static buffer of
+    max_cache_len slots or, on a sliding layer, a buffer of min(window, max_cache_len) slots
+    updated like SlidingWindowCache (a prefill longer than it keeps its last `window` tokens
+    and is returned whole). 4.52 (default): layer i slides when (i + 1) % pattern != 0 and
+    rolls when the chunk's last cache position passes the buffer; 4.46: even layers get
+    sliding buffers, update() picks the sliding path when cache_kwargs["sliding_window"] is
+    set (a model that does not pass it gets the static path into the short buffer), and it
+    rolls one position early. No crop, as in both."""
+
+    def __init__(self, batch, max_cache_len, window, pattern=2, version="4.52"):
+        super().__init__(batch, max_cache_len)
+        self.window, self.pattern, self.version = window, pattern, version
+
+    def sliding(self, layer_idx):
+        return layer_idx % 2 == 0 if self.version == "4.46" else (layer_idx + 1) % self.pattern != 0
+
+    def buffers(self, key_states, layer_idx):
+        if layer_idx == len(self.key_cache):
+            _, heads, _, dim = key_states.shape
+            size = min(self.window, self.max_cache_len) if self.sliding(layer_idx) else self.max_cache_len
+            for store in (self.key_cache, self.value_cache):
+                store.append(torch.zeros(self.batch, heads, size, dim, dtype=key_states.dtype))
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs):
+        keys, values = self.buffers(key_states, layer_idx)
+        slides = cache_kwargs.get("sliding_window") if self.version == "4.46" else self.sliding(layer_idx)
+        position, size = cache_kwargs["cache_position"], keys.shape[2]
+        if not slides:
+            keys.index_copy_(2, position, key_states.to(keys.dtype))  # 4.46: past a short buffer, raises
+            values.index_copy_(2, position, value_states.to(values.dtype))
+            return keys, values
+        if position.shape[0] > size:
+            keys.copy_(key_states[:, :, -size:])
+            values.copy_(value_states[:, :, -size:])
+            return key_states, value_states
+        last = int(position[-1])
+        roll = last >= size - 1 if self.version == "4.46" else last + 1 > size
+        order = (torch.arange(size) + int(roll)) % size
+        rolled_keys, rolled_values = keys[:, :, order], values[:, :, order]
+        slots = position.clamp(0, size - 1)
+        rolled_keys.index_copy_(2, slots, key_states.to(keys.dtype))
+        rolled_values.index_copy_(2, slots, value_states.to(values.dtype))
+        keys.copy_(rolled_keys)
+        values.copy_(rolled_values)
+        return rolled_keys, rolled_values
+
+
 class SinkCache:
     """transformers 4.46's SinkCache(window_length, num_sink_tokens): the window counts the
     sinks. It grows while held + n < window_length, else shifts: keeps the sinks and the
@@ -366,6 +415,68 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
         self.assertIn("class: padding counted as sink or position", verify.stdout)
+
+    def test_hybrid_cache_passes_the_gpt_oss_hybrid_fixture(self):
+        # Sliding W 8 and full layers alternating, yarn, learned sinks, a padded 14-token prompt:
+        # the sliding buffers keep the prompt's last 8 slots and are masked by cache position.
+        result, verify = self.drive("gpt_oss_hybrid_yarn_learned_sinks", lambda batch: HybridCache(batch, 64, 8),
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("steps recorded: 11 of 11 steps", verify.stdout)
+
+    def test_hybrid_cache_has_no_crop(self):
+        # gemma_hybrid_sliding_full crops at step 1: HybridCache has no crop in 4.46 or 4.52.
+        result, verify = self.drive("gemma_hybrid_sliding_full", lambda batch: HybridCache(batch, 64, 8, pattern=5),
+                                    positions="absolute")
+        self.assertEqual((result.error_step, result.error), (1, "the cache does not support crop"))
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("class: the cache raised", verify.stdout)
+
+    def test_hybrid_cache_of_4_46_rolls_its_sliding_buffer_one_early(self):
+        # W 6, a 4-token prompt: at token 5 the 4.46 buffer rolls token 0 out before token 5
+        # attends to it; 4.52 waits until the buffer is passed.
+        _, verify = self.drive("hybrid_short_prompt", lambda batch: HybridCache(batch, 16, 6, version="4.46"), DATA,
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 2 (decode, /steps/1), row 0, layer 0", verify.stdout)
+        self.assertIn("class: token dropped before its last use", verify.stdout)
+        _, verify = self.drive("hybrid_short_prompt", lambda batch: HybridCache(batch, 16, 6), DATA,
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_half_precision_scenarios_hand_the_cache_their_dtype(self):
+        # transformers 4.46's SlidingWindowCache allocates in the dtype of the first keys and
+        # copies later ones in: float32 keys into a float16 buffer raised before. Tensors now
+        # come in the scenario's kv_dtype; cache_position stays int64.
+        seen = []
+
+        class Recording(SlidingWindowCache):
+            def update(self, key_states, value_states, layer_idx, cache_kwargs):
+                seen.append((key_states.dtype, value_states.dtype, cache_kwargs["cos"].dtype,
+                             cache_kwargs["cache_position"].dtype))
+                return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+        for scenario, dtype in (("sliding_prompt_longer_than_window_float16", torch.float16),
+                                ("sliding_prompt_longer_than_window_bfloat16", torch.bfloat16)):
+            seen.clear()
+            result, verify = self.drive(scenario, lambda batch: Recording(batch, 8), positions="absolute")
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+            self.assertEqual(set(seen), {(dtype, dtype, dtype, torch.int64)})
+
+    def test_a_custom_tensor_function_keeps_integer_tensors_integer(self):
+        seen = []
+
+        class Recording(SlidingWindowCache):
+            def update(self, key_states, value_states, layer_idx, cache_kwargs):
+                seen.append((key_states.dtype, cache_kwargs["cache_position"].dtype))
+                return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+        _, verify = self.drive("sliding_prompt_longer_than_window_float16", lambda batch: Recording(batch, 8),
+                               positions="absolute", as_tensor=lambda x: torch.from_numpy(x).to(torch.float16))
+        self.assertEqual(set(seen), {(torch.float16, torch.int64)})
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
     def test_argument_errors_are_clear(self):
         exp = export(self.work, "sliding_baseline")

@@ -810,11 +810,21 @@ class _Driver:
             last = slots - n + np.arange(n)                  # right-aligned: each query's own slot
             visible = j[None, :] <= last[:, None]
         visible = visible[None, None] & written[:, :, None, :]  # [B, Hkv, n, S]
+        counts = np.cumsum(written, axis=-1)                                 # [B, Hkv, S]
+        upto = counts[:, :, last]                                             # [B, Hkv, n]
         if window is not None:
             # Within the last W written slots up to the query's own: padding never counts.
-            counts = np.cumsum(written, axis=-1)                             # [B, Hkv, S]
-            upto = counts[:, :, last]                                         # [B, Hkv, n]
             visible &= (upto[..., None] - counts[:, :, None, :]) < window
+        elif policy.get("type") == "sink" and policy.get("prefill", "streaming") == "streaming" \
+                and not self.preallocated:
+            # A growing sink cache (sinks first, then the window, in order): token t sees the
+            # first S written slots and its last t + 1 - S - E(t) (SPEC 3), so a chunk that
+            # evicts inside itself is masked per token.
+            t = np.maximum(chunk.token_index, 0)
+            recent = t + 1 - policy["sinks"] - np.vectorize(lambda x: evicted(policy, int(x)))(t)   # [B, n]
+            sink = (counts - 1) < policy["sinks"]                                                 # [B, Hkv, S]
+            in_window = (upto[..., None] - counts[:, :, None, :]) < recent[:, None, :, None]
+            visible &= sink[:, :, None, :] | in_window
         return visible
 
 

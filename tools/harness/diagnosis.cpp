@@ -74,6 +74,8 @@ const char* class_name(BugClass c) {
       return "layer given another layer's policy";
     case BugClass::dropped_before_last_use:
       return "token dropped before its last use";
+    case BugClass::chunk_sees_future_keys:
+      return "chunk sees future keys";
   }
   return "?";
 }
@@ -178,6 +180,11 @@ const char* class_explanation(BugClass c) {
              "dropped it: holding it no longer after the step is fine, but it went before the forward, not after "
              "it (a buffer that rolls when its last slot is reached instead of when it is passed: transformers "
              "4.46's SlidingWindowCache).";
+    case BugClass::chunk_sees_future_keys:
+      return "A token of a multi-token chunk attended the chunk's later tokens: its output equals the attention "
+             "over its visible keys plus those. The causal mask inside the chunk is missing, typically a model's "
+             "mask comparing slot indices with cache_position over a cache that shifts or rolls (transformers' "
+             "Llama mask over SinkCache once the window is full).";
     case BugClass::output_mismatch_positions_correct:
       return "Every position and visible token is right but the outputs differ: the attention arithmetic "
              "(scale, softmax, GQA head mapping, value copy) is wrong, or the tolerance is too tight.";
@@ -372,6 +379,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (!e.pairs.empty() || e.query_unreadable) return BugClass::positions_wrong;
   if (lost || extra) return BugClass::evicted_wrong_token;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
+  if (e.outputs_fit_with_later_chunk_keys) return BugClass::chunk_sees_future_keys;
   if (!e.outputs.empty() && e.dropped_before_last_use) return BugClass::dropped_before_last_use;
   return BugClass::output_mismatch_positions_correct;
 }

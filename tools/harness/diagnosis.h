@@ -45,6 +45,7 @@ enum class BugClass {
   rerotation_drift,
   layer_policy_swapped,
   dropped_before_last_use,
+  chunk_sees_future_keys,
 };
 
 const char* class_name(BugClass c);
@@ -110,8 +111,9 @@ struct StepEvidence {
   bool unrecorded = false;               // a trace left out an append step without saying why
   // Layer `first` of a hybrid holds exactly what layer `second`'s policy keeps.
   std::optional<std::pair<int, int>> layer_holds_policy_of;
-  bool learned_sinks_tested = false;               // the first output mismatch was recomputed without learned sinks
-  bool outputs_fit_without_learned_sinks = false;  // ... and it matched: the cache dropped them
+  bool hypotheses_tested = false;                  // the first output mismatch was recomputed under named mistakes:
+  bool outputs_fit_without_learned_sinks = false;  // without learned sinks: it matched, the cache dropped them
+  bool outputs_fit_with_later_chunk_keys = false;  // with the chunk's later tokens visible: the mask missed causality
   // The diagnosed query should see a token that is dead after the step and gone: dropping it
   // is allowed after this forward, not before it.
   bool dropped_before_last_use = false;

@@ -17,4 +17,12 @@ std::vector<double> output_without_learned_sinks(const Scenario& scenario, const
                                                  std::span<const std::uint64_t> history,
                                                  const reference::AppendedToken& token, int layer, int head);
 
+// The output of the chunk's token i with the chunk's later tokens visible too, each key at
+// the position its own token's query had (a causal mask missing inside the chunk: a
+// model's mask built from slot indices and cache_position over a cache that shifts).
+std::vector<double> output_with_later_chunk_keys(const Scenario& scenario, const InputTable& inputs,
+                                                 std::span<const std::uint64_t> history,
+                                                 std::span<const reference::AppendedToken> chunk, std::size_t i,
+                                                 int layer, int head);
+
 }  // namespace kvcheck

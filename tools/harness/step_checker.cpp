@@ -605,19 +605,23 @@ class StepChecker::Impl {
           if (evidence.outputs.size() < 64)
             evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
         }
-    // Learned sinks declared: does the output fit the same attention without them?
-    if (first && !s_.attention.sink_logits.empty() && !evidence.learned_sinks_tested) {
-      evidence.learned_sinks_tested = true;
-      const auto [i, h] = *first;
-      const std::vector<double> without = output_without_learned_sinks(
-          s_, inputs_, std::span<const std::uint64_t>(rec.histories[b].begin(), rec.histories[b].size()),
-          ref.rows[b][i], l, h);
-      const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D;
-      bool fits = true;
+    if (!first || evidence.hypotheses_tested) return;
+    // The first wrong output recomputed under named mistakes: does one of them fit it?
+    evidence.hypotheses_tested = true;
+    const auto [i, h] = *first;
+    const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D;
+    const auto fits = [&](const std::vector<double>& other) {
       for (int d = 0; d < D; ++d)
-        fits = fits && std::abs(out[at + d] - without[d]) <= tol.atol + tol.rtol * std::abs(without[d]);
-      evidence.outputs_fit_without_learned_sinks = fits;
-    }
+        if (!(std::abs(out[at + d] - other[d]) <= tol.atol + tol.rtol * std::abs(other[d]))) return false;
+      return true;
+    };
+    const std::span<const std::uint64_t> history(rec.histories[b].begin(), rec.histories[b].size());
+    if (!s_.attention.sink_logits.empty())
+      evidence.outputs_fit_without_learned_sinks =
+          fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
+    if (i + 1 < ref.rows[b].size())
+      evidence.outputs_fit_with_later_chunk_keys =
+          fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));
   }
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
