@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tools/catalog/catalog.h"
+#include "tools/cli/llamacpp_command.h"
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/cache_checks.h"
 #include "tools/harness/diagnose_report.h"
@@ -395,6 +396,28 @@ int main(int argc, char** argv) {
   verify->add_option("--json", verify_json, "write a JSON report to FILE");
   verify->add_option("--step", verify_step, "also show step N's evidence and slot table (as numbered in reports)");
 
+  LlamacppOptions llamacpp_options;
+  CLI::App* llamacpp = app.add_subcommand(
+      "llamacpp", "run a scenario through llama.cpp's own KV cache (context shift as llama-server) and check it");
+  llamacpp->add_option("scenario", llamacpp_options.scenario, "scenario file (policy sink or full, one row)")
+      ->required();
+  const std::vector<std::string> cache_types = {"f32", "f16", "q8_0", "bf16"};
+  llamacpp->add_option("--type-k", llamacpp_options.type_k, "K cache type (default f32)")
+      ->check(CLI::IsMember(cache_types));
+  llamacpp->add_option("--type-v", llamacpp_options.type_v, "V cache type (default f32)")
+      ->check(CLI::IsMember(cache_types));
+  std::string flash = "off";
+  llamacpp->add_option("--flash-attn", flash, "flash attention on or off (default off)")
+      ->check(CLI::IsMember({"on", "off"}));
+  llamacpp->add_option("--trace", llamacpp_options.keep, "keep the captured scenario and trace in DIR");
+  llamacpp->add_option("--plant-fault", llamacpp_options.plant,
+                       "kvcheck's self-test: break the driver's own shift (remove-without-add: seq_rm without "
+                       "seq_add; add-short: seq_add by k - 1)")
+      ->check(CLI::IsMember({"remove-without-add", "add-short"}));
+  llamacpp->add_option("--html", llamacpp_options.html, "also write a self-contained HTML page");
+  llamacpp->add_option("--junit", llamacpp_options.junit, "write a JUnit XML report to FILE");
+  llamacpp->add_option("--json", llamacpp_options.json, "write a JSON report to FILE");
+
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
   zoo->add_option("--mutant", zoo_only, "only this mutant (zoo/NAME; repeatable)")->allow_extra_args(false);
@@ -442,6 +465,10 @@ int main(int argc, char** argv) {
       return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step);
     }
     if (*zoo) return cmd_zoo(zoo_only, zoo_dtype);
+    if (*llamacpp) {
+      llamacpp_options.flash_attn = flash == "on";
+      return run_llamacpp(llamacpp_options);
+    }
     if (*verify) {
       VerifyOptions verify_options;
       verify_options.picture = !verify_html.empty();

@@ -162,7 +162,9 @@ const char* class_explanation(BugClass c) {
              "GPT-NeoX, GLM) applied to the whole head, or the frequencies taken over head_dim instead of R.";
     case BugClass::attention_factor_wrong:
       return "Stored keys have the right rotation but the wrong length: yarn's attention factor m multiplies "
-             "cos and sin for q and k alike; it is missing on the keys (applied to q only) or applied twice.";
+             "cos and sin for q and k alike; it is missing on the keys (applied to q only) or applied twice (a "
+             "context shift that re-rotates kept keys with the scaled cos and sin multiplies them by m again at "
+             "every shift, as llama.cpp's YaRN shift does).";
     case BugClass::layer_policy_swapped:
       return "A layer of a hybrid stack holds exactly what another layer's policy keeps: the cache maps the "
              "per-layer pattern (sliding or full) onto the wrong layers, e.g. off by one in a layer_types or "
@@ -293,16 +295,20 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     }
     if (early && shift) return BugClass::shift_one_token_early;
   }
+  bool new_unshifted = false;
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation || !i.recovered_position) continue;
     const std::int64_t w = s.policy.window;
     if (w > 0 && i.claimed_position >= w && *i.recovered_position == i.claimed_position % w)
       return BugClass::rope_table_wraps;
-    // A key still at its absolute position where a cache position was due: the newest
-    // key was never shifted, or the kept keys were never re-rotated.
-    if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index)
-      return i.newest ? BugClass::new_key_not_shifted : BugClass::kept_keys_not_shifted;
+    // A key still at its absolute position where a cache position was due: the kept keys
+    // were never re-rotated (whatever the newest key did), or only the newest was not.
+    if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index) {
+      if (!i.newest) return BugClass::kept_keys_not_shifted;
+      new_unshifted = true;
+    }
   }
+  if (new_unshifted) return BugClass::new_key_not_shifted;
   // Every bad key is nearest its claim: right positions, too much rounding.
   const bool rotations = any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; });
   if (rotations && std::all_of(e.slots.begin(), e.slots.end(),

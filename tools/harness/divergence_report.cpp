@@ -30,6 +30,24 @@ const SlotRow* unseen(const StepDiagnosis& f) {
   return nullptr;
 }
 
+const char* issue_text(const SlotIssue& i) {
+  switch (i.kind) {
+    case SlotIssue::Kind::lost:
+      return "is no longer held";
+    case SlotIssue::Kind::stale:
+      return "is not this row's token";
+    case SlotIssue::Kind::duplicated:
+      return "is held twice";
+    case SlotIssue::Kind::wrong_index:
+      return "claims another token index";
+    case SlotIssue::Kind::rotation:
+      return "has a key that is not its raw key rotated at its position (beyond the storage's rounding)";
+    case SlotIssue::Kind::extra:
+      break;
+  }
+  return "is held where it should not be";
+}
+
 std::string where(const StepDiagnosis& f) {
   const StepEvidence& e = f.evidence;
   std::string text = fmt::format("{}, row {}, layer {}", e.label, f.row, f.layer);
@@ -43,8 +61,7 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
   if (r == nullptr) {
     if (!f.evidence.slots.empty()) {
       const SlotIssue& i = f.evidence.slots.front();
-      return fmt::format("layer {} row {}: uid {} (token {}) {}", i.layer, i.row, i.uid, i.true_index,
-                         i.kind == SlotIssue::Kind::lost ? "is no longer held" : "is held where it should not be");
+      return fmt::format("layer {} row {}: uid {} (token {}) {}", i.layer, i.row, i.uid, i.true_index, issue_text(i));
     }
     if (!f.evidence.outputs.empty()) {
       const OutputMismatch& o = f.evidence.outputs.front();

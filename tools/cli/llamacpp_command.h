@@ -1,0 +1,22 @@
+// `kvcheck llamacpp SCENARIO`: runs the scenario through llama.cpp's own KV cache (a child
+// process, tools/llamacpp/engine.cpp) and judges what it captured with the one checker.
+#pragma once
+
+#include <string>
+
+namespace kvcheck {
+
+struct LlamacppOptions {
+  std::string scenario;
+  std::string type_k = "f32", type_v = "f32";
+  bool flash_attn = false;
+  std::string keep;  // --trace DIR: keep the captured scenario and trace there
+  std::string plant;  // --plant-fault: a fault in the driver's own shift (kvcheck's self-test)
+  std::string html, junit, json;
+};
+
+// Exit status as the other commands: 0 pass, 1 a finding (the engine crashing included),
+// 2 bad input or a scenario the driver does not support, 3 an internal error.
+int run_llamacpp(const LlamacppOptions& options);
+
+}  // namespace kvcheck

@@ -1,0 +1,468 @@
+// kvcheck_llamacpp_engine: runs one scenario through llama.cpp's own KV cache and writes
+// what it captured, for `kvcheck llamacpp` to judge. It runs as a child process, so a
+// crash in llama.cpp is a finding of the parent's, never a crash of kvcheck.
+//
+//   kvcheck_llamacpp_engine --lib DIR --scenario FILE --out DIR [--type-k f32|f16]
+//                           [--type-v f32|f16] [--flash-attn on|off]
+//
+// It writes into --out: model.gguf (a tiny `llama` model of the scenario's dimensions),
+// q.npy, k.npy, v.npy (the pre-rope q, k, v llama.cpp computed, by uid), scenario.json (the
+// scenario with those inputs) and trace/ (kvcheck-trace-1: every cell's K and V after each
+// step, the rotated queries and the attention outputs). The schedule is llama-server's
+// context shift: when the cache cannot take the next tokens, it removes `evict` tokens after
+// the `sinks` kept ones and shifts the rest down (seq_rm, then seq_add). Exit status: 0
+// done, 2 a scenario or option this driver does not support (the message names it), 3 the
+// library refused something.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "reference/policy.h"
+#include "tools/harness/generator.h"
+#include "tools/harness/npy.h"
+#include "tools/harness/scenario.h"
+#include "tools/llamacpp/gguf_writer.h"
+#include "tools/llamacpp/llama_api.h"
+#include "tools/llamacpp/state_reader.h"
+
+namespace {
+
+using namespace kvcheck;
+using namespace kvcheck::llamacpp;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+struct Unsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::string lib, scenario, out;
+  GgmlType type_k = GgmlType::f32, type_v = GgmlType::f32;
+  bool flash_attn = false;
+  // A fault planted in this driver's shift (a self-test of kvcheck, not of llama.cpp):
+  // "remove-without-add" (seq_rm, no seq_add) or "add-short" (seq_add by k - 1).
+  std::string plant;
+};
+
+GgmlType parse_type(const std::string& option, const std::string& text) {
+  if (text == "f32") return GgmlType::f32;
+  if (text == "f16") return GgmlType::f16;
+  if (text == "q8_0") return GgmlType::q8_0;
+  if (text == "bf16") return GgmlType::bf16;
+  throw Unsupported(fmt::format("{}: expected f32, f16, q8_0 or bf16, got \"{}\"", option, text));
+}
+
+// What the driver can run, checked before anything is loaded.
+void require_supported(const Scenario& s) {
+  auto no = [&](const std::string& path, const std::string& why) {
+    throw Unsupported(fmt::format("{}: {}: {}", s.file, path, why));
+  };
+  if (s.hybrid()) no("/policy", "one policy for every layer (llama.cpp's unified cache)");
+  const Policy& p = s.policy;
+  if (p.kind == PolicyKind::sliding) no("/policy/type", "sliding: the llama arch has no sliding window; use sink or full");
+  if (p.kind == PolicyKind::sink && p.positions != SinkPositions::cache)
+    no("/policy/positions", "llama.cpp's context shift re-encodes kept keys: positions \"cache\" only");
+  if (p.kind == PolicyKind::sink && p.prefill != Prefill::streaming)
+    no("/policy/prefill", "prefill \"streaming\" only (the driver shifts between forwards)");
+  if (s.rope.scaling == RopeScaling::llama3)
+    no("/rope/scaling", "llama3 scaling reaches the llama arch as a rope_freqs tensor, not written yet");
+  if (s.rope.rotary_dim != 0 && s.rope.rotary_dim != s.dims.head_dim)
+    no("/rope/rotary_dim", "the llama arch rotates every dim of the head");
+  if (!s.attention.sink_logits.empty()) no("/attention/sink_logits", "the llama arch has no learned sinks");
+  if (s.scale && std::abs(*s.scale - 1.0 / std::sqrt(s.dims.head_dim)) > 1e-12)
+    no("/scale", "the llama arch scales by 1/sqrt(head_dim)");
+  if (s.dims.batch != 1) no("/dimensions/batch", "kvcheck llamacpp drives one sequence for now (batch 1)");
+  if (s.inputs.kind != InputSource::Kind::seed)
+    no("/inputs", "llama.cpp computes q, k and v itself: give a seed (it seeds the embeddings and weights)");
+  for (const Step& step : s.steps)
+    if (step.op == StepOp::reorder || step.op == StepOp::crop)
+      no(fmt::format("/steps/{}", step.source_index),
+         fmt::format("{} is not driven yet (one sequence: append, decode and reset)", to_string(step.op)));
+}
+
+// Deterministic weights: the scenario's generator under its own tags, scaled.
+std::vector<float> weights(std::uint64_t seed, int tag, std::size_t count, float scale) {
+  std::vector<float> w(count);
+  for (std::size_t i = 0; i < count; ++i)
+    w[i] = scale * generated_value(seed, 1000 + tag, i, Tensor::q, 0, 0);
+  return w;
+}
+
+GgufFile tiny_llama(const Scenario& s, std::int64_t n_ctx) {
+  const std::int64_t H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim, embd = H * D, ff = 16,
+                     vocab = 8;
+  const std::uint64_t seed = s.inputs.seed;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(embd));
+  GgufFile f;
+  auto meta = [&](const std::string& key, GgufValue v) { f.metadata.emplace_back(key, std::move(v)); };
+  meta("general.architecture", std::string("llama"));
+  meta("general.name", s.name);
+  meta("llama.vocab_size", static_cast<std::uint32_t>(vocab));
+  meta("llama.context_length", static_cast<std::uint32_t>(std::max<std::int64_t>(n_ctx, 8192)));
+  meta("llama.embedding_length", static_cast<std::uint32_t>(embd));
+  meta("llama.block_count", static_cast<std::uint32_t>(s.dims.layers));
+  meta("llama.feed_forward_length", static_cast<std::uint32_t>(ff));
+  meta("llama.attention.head_count", static_cast<std::uint32_t>(H));
+  meta("llama.attention.head_count_kv", static_cast<std::uint32_t>(Hkv));
+  meta("llama.attention.key_length", static_cast<std::uint32_t>(D));
+  meta("llama.attention.value_length", static_cast<std::uint32_t>(D));
+  meta("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  meta("llama.rope.dimension_count", static_cast<std::uint32_t>(D));
+  meta("llama.rope.freq_base", static_cast<float>(s.rope.theta));
+  if (s.rope.scaling == RopeScaling::linear || s.rope.scaling == RopeScaling::yarn) {
+    meta("llama.rope.scaling.type", std::string(s.rope.scaling == RopeScaling::linear ? "linear" : "yarn"));
+    meta("llama.rope.scaling.factor", static_cast<float>(s.rope.factor));
+    if (s.rope.scaling == RopeScaling::yarn)
+      meta("llama.rope.scaling.original_context_length",
+           static_cast<std::uint32_t>(s.rope.original_max_position_embeddings));
+  }
+  meta("tokenizer.ggml.model", std::string("none"));
+  int tag = 0;
+  auto tensor = [&](const std::string& name, std::vector<std::int64_t> ne, float w) {
+    std::size_t count = 1;
+    for (std::int64_t n : ne) count *= static_cast<std::size_t>(n);
+    std::vector<float> data = w == 0.0f ? std::vector<float>(count, 1.0f) : weights(seed, tag++, count, w);
+    f.tensors.push_back({name + ".weight", std::move(ne), std::move(data)});
+  };
+  tensor("token_embd", {embd, vocab}, scale);
+  tensor("output_norm", {embd}, 0.0f);
+  tensor("output", {embd, vocab}, scale);
+  for (int l = 0; l < s.dims.layers; ++l) {
+    const std::string b = fmt::format("blk.{}.", l);
+    tensor(b + "attn_norm", {embd}, 0.0f);
+    tensor(b + "attn_q", {embd, H * D}, 2 * scale);
+    tensor(b + "attn_k", {embd, Hkv * D}, 2 * scale);
+    tensor(b + "attn_v", {embd, Hkv * D}, 2 * scale);
+    tensor(b + "attn_output", {H * D, embd}, scale);
+    tensor(b + "ffn_norm", {embd}, 0.0f);
+    tensor(b + "ffn_gate", {embd, ff}, scale);
+    tensor(b + "ffn_up", {embd, ff}, scale);
+    tensor(b + "ffn_down", {ff, embd}, 0.1f * scale);
+  }
+  return f;
+}
+
+// The graph tensors one forward produced, by name and op ("Qcur-0/RESHAPE"), as float in
+// logical order (ne[0] fastest).
+struct Capture {
+  const Api* api = nullptr;
+  int layers = 0;
+  std::map<std::string, std::vector<float>> tensors;
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+};
+
+bool wanted(const std::string& name, int layers) {
+  for (int l = 0; l < layers; ++l)
+    for (const char* stem : {"Qcur-", "Kcur-", "Vcur-", "kqv_out-"})
+      if (name == stem + std::to_string(l)) return true;
+  return false;
+}
+
+bool on_tensor(void* t, bool ask, void* user) {
+  auto& c = *static_cast<Capture*>(user);
+  const std::string name = c.api->ggml_get_name(t);
+  if (name != reinterpret_cast<const char*>(t) + tensor_offset::name) return false;  // another layout: stop
+  if (!wanted(name, c.layers)) return !ask;  // keep computing; ask for nothing else
+  if (ask) return true;
+  std::int32_t type;
+  std::int64_t ne[4];
+  std::uint64_t nb[4];
+  std::int32_t op;
+  std::memcpy(&type, static_cast<const char*>(t) + tensor_offset::type, 4);
+  std::memcpy(ne, static_cast<const char*>(t) + tensor_offset::ne, sizeof ne);
+  std::memcpy(nb, static_cast<const char*>(t) + tensor_offset::nb, sizeof nb);
+  std::memcpy(&op, static_cast<const char*>(t) + tensor_offset::op, 4);
+  std::vector<std::uint8_t> bytes(c.api->ggml_nbytes(t));
+  c.api->ggml_backend_tensor_get(t, bytes.data(), 0, bytes.size());
+  std::vector<float> values;
+  values.reserve(static_cast<std::size_t>(ne[0] * ne[1] * ne[2] * ne[3]));
+  for (std::int64_t i3 = 0; i3 < ne[3]; ++i3)
+    for (std::int64_t i2 = 0; i2 < ne[2]; ++i2)
+      for (std::int64_t i1 = 0; i1 < ne[1]; ++i1)
+        for (std::int64_t i0 = 0; i0 < ne[0]; ++i0) {
+          const std::size_t at = i0 * nb[0] + i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+          if (type == 0) {
+            float f;
+            std::memcpy(&f, bytes.data() + at, 4);
+            values.push_back(f);
+          } else {
+            std::uint16_t h;
+            std::memcpy(&h, bytes.data() + at, 2);
+            values.push_back(c.api->ggml_fp16_to_fp32(h));
+          }
+        }
+  const std::string key = name + "/" + c.api->ggml_op_name(op);
+  c.tensors[key] = std::move(values);
+  c.shapes[key] = {ne[0], ne[1], ne[2], ne[3]};
+  return true;
+}
+
+const std::vector<float>& captured(const Capture& c, const std::string& name, const std::vector<std::string>& ops) {
+  for (const std::string& op : ops)
+    if (const auto it = c.tensors.find(name + "/" + op); it != c.tensors.end()) return it->second;
+  throw std::runtime_error(fmt::format("the graph had no {} ({}): another llama.cpp graph", name, ops.front()));
+}
+
+template <typename T>
+void set_at(ContextParams& p, std::size_t offset, T value) {
+  std::memcpy(p.bytes + offset, &value, sizeof(T));
+}
+
+void write_atomically(const fs::path& path, const std::string& text) {
+  const fs::path temp = path.string() + ".tmp";
+  std::ofstream(temp, std::ios::binary) << text;
+  fs::rename(temp, path);
+}
+
+int run(const Options& o) {
+  const Scenario s = load_scenario(o.scenario);
+  require_supported(s);
+  if (o.type_k == GgmlType::q8_0 || o.type_v == GgmlType::q8_0 || o.type_k == GgmlType::q4_0)
+    throw Unsupported("--type-k/--type-v q8_0: quantized cells are judged once SPEC 9 (quantized KV) lands");
+  const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
+  const Policy& policy = s.policy;
+  const std::int64_t n_ctx = policy.kind == PolicyKind::sink ? policy.window : std::max<std::int64_t>(longest_row(s), 1);
+  const std::int64_t uids = count_uids(s);
+
+  fs::create_directories(fs::path(o.out) / "trace");
+  const std::string model_path = (fs::path(o.out) / "model.gguf").string();
+  write_atomically(model_path, gguf_bytes(tiny_llama(s, n_ctx)));
+
+  const Api api = load_api(o.lib);
+  api.llama_log_set([](int level, const char* text, void*) {
+    if (level == 4) fmt::print(stderr, "llama.cpp: {}", text);  // errors only
+  }, nullptr);
+  api.ggml_backend_load_all_from_path(o.lib.c_str());
+  api.llama_backend_init();
+  void* model = api.llama_model_load_from_file(model_path.c_str(), api.llama_model_default_params());
+  if (model == nullptr) throw std::runtime_error("llama.cpp refused the model it was given (model.gguf)");
+  Capture capture{&api, L, {}, {}};
+  ContextParams cp = api.llama_context_default_params();
+  const auto cells = static_cast<std::uint32_t>(n_ctx);
+  set_at(cp, context_offset::n_ctx, cells);
+  set_at(cp, context_offset::n_batch, cells);
+  set_at(cp, context_offset::n_ubatch, cells);
+  set_at(cp, context_offset::flash_attn_type, static_cast<std::int32_t>(o.flash_attn ? 1 : 0));
+  set_at(cp, context_offset::type_k, static_cast<std::int32_t>(o.type_k));
+  set_at(cp, context_offset::type_v, static_cast<std::int32_t>(o.type_v));
+  set_at(cp, context_offset::n_threads, static_cast<std::int32_t>(1));  // tiny graphs: a second thread only spins
+  set_at(cp, context_offset::n_threads_batch, static_cast<std::int32_t>(1));
+  set_at(cp, context_offset::cb_eval, reinterpret_cast<void*>(&on_tensor));
+  set_at(cp, context_offset::cb_eval_user_data, static_cast<void*>(&capture));
+  void* ctx = api.llama_init_from_model(model, cp);
+  if (ctx == nullptr) throw std::runtime_error("llama.cpp refused the context parameters");
+  if (api.llama_n_threads(ctx) != 1)
+    throw std::runtime_error(fmt::format("llama_n_threads() is {}, set 1: the context parameters are laid out otherwise",
+                                         api.llama_n_threads(ctx)));
+  if (api.llama_n_batch(ctx) != cells)
+    throw std::runtime_error(fmt::format("llama_n_batch() is {}, set {}: the context parameters are laid out otherwise",
+                                         api.llama_n_batch(ctx), cells));
+  void* memory = api.llama_get_memory(ctx);
+  if (policy.kind == PolicyKind::sink && !api.llama_memory_can_shift(memory))
+    throw Unsupported("this cache cannot shift (llama_memory_can_shift is false)");
+
+  const auto embd = static_cast<std::size_t>(H * D);
+  std::vector<float> q_in(static_cast<std::size_t>(L * uids * H * D)), k_in(static_cast<std::size_t>(L * uids * Hkv * D)),
+      v_in(k_in.size());
+  json steps = json::array();
+  std::int64_t n_past = 0, evicted = 0, tokens = 0;
+  std::uint64_t next_uid = 0;
+  std::string failure;  // llama.cpp refused a step: the trace says so there, and stops
+  for (std::size_t i = 0; i < s.steps.size(); ++i) {
+    const Step& step = s.steps[i];
+    if (!failure.empty()) {
+      steps.push_back(json::object());
+      continue;
+    }
+    std::ofstream(fs::path(o.out) / "progress") << i << "\n";  // where a crash happened
+    if (step.op == StepOp::reset) {
+      api.llama_memory_clear(memory, true);
+      n_past = evicted = tokens = 0;
+      steps.push_back(json::object());
+      continue;
+    }
+    const std::int64_t n = step.tokens.at(0);
+    std::vector<float> out(static_cast<std::size_t>(L * H * n * D)), q_rot(out.size());  // [L][H][n][D]
+    std::int64_t first = 0;
+    while (first < n) {  // forwards within which nothing is evicted
+      std::int64_t end = first + 1;
+      if (policy.kind == PolicyKind::sink)
+        while (end < n && reference::evicted_count(policy, tokens + end) == reference::evicted_count(policy, tokens + first))
+          ++end;
+      else
+        end = n;
+      const std::int64_t due = policy.kind == PolicyKind::sink ? reference::evicted_count(policy, tokens + first) : 0;
+      n_past = api.llama_memory_seq_pos_max(memory, 0) + 1;
+      while (evicted < due) {  // llama-server's context shift: n_keep = sinks, n_discard = evict
+        const auto keep = static_cast<std::int32_t>(policy.sinks), discard = static_cast<std::int32_t>(policy.evict);
+        api.llama_memory_seq_rm(memory, 0, keep, keep + discard);
+        if (o.plant != "remove-without-add")
+          api.llama_memory_seq_add(memory, 0, keep + discard, static_cast<std::int32_t>(n_past),
+                                   o.plant == "add-short" ? 1 - discard : -discard);
+        n_past -= discard;
+        evicted += discard;
+      }
+      // The next position is the cache's own (pos_max + 1), as a server that trusts its
+      // cache: a driver fault that leaves positions unshifted then shows in the cells.
+      n_past = api.llama_memory_seq_pos_max(memory, 0) + 1;
+      const auto count = static_cast<std::int32_t>(end - first);
+      Batch batch = api.llama_batch_init(count, static_cast<std::int32_t>(embd), 1);
+      batch.n_tokens = count;
+      for (std::int32_t j = 0; j < count; ++j) {
+        const std::uint64_t uid = next_uid + static_cast<std::uint64_t>(first + j);
+        for (std::size_t e = 0; e < embd; ++e)
+          batch.embd[static_cast<std::size_t>(j) * embd + e] =
+              generated_value(s.inputs.seed, 0, uid, static_cast<Tensor>(3), 0, static_cast<int>(e));
+        batch.pos[j] = static_cast<std::int32_t>(n_past + j);
+        batch.n_seq_id[j] = 1;
+        batch.seq_id[j][0] = 0;
+        batch.logits[j] = 1;
+      }
+      capture.tensors.clear();
+      const std::int32_t status = api.llama_decode(ctx, batch);
+      api.llama_batch_free(batch);
+      if (status != 0) {
+        failure = fmt::format("llama_decode returned {} (see llama.cpp's words on stderr)", status);
+        break;
+      }
+      for (int l = 0; l < L; ++l) {
+        const std::string tag = std::to_string(l);
+        const auto& qp = captured(capture, "Qcur-" + tag, {"RESHAPE"});
+        const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE"});
+        const auto& vp = captured(capture, "Vcur-" + tag, {"RESHAPE", "VIEW", "MUL_MAT"});
+        const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"});
+        const auto& kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"});
+        for (std::int32_t j = 0; j < count; ++j) {
+          const std::uint64_t uid = next_uid + static_cast<std::uint64_t>(first + j);
+          const std::size_t token = static_cast<std::size_t>(first + j);
+          for (int h = 0; h < H; ++h)
+            for (int d = 0; d < D; ++d) {
+              const std::size_t src = (static_cast<std::size_t>(j) * H + h) * D + d;  // [n][H][D]
+              q_in[((static_cast<std::size_t>(l) * uids + uid) * H + h) * D + d] = qp[src];
+              q_rot[((static_cast<std::size_t>(l) * H + h) * n + token) * D + d] = qr[src];
+              out[((static_cast<std::size_t>(l) * H + h) * n + token) * D + d] = kqv[src];
+            }
+          for (int g = 0; g < Hkv; ++g)
+            for (int d = 0; d < D; ++d) {
+              const std::size_t src = (static_cast<std::size_t>(j) * Hkv + g) * D + d;
+              k_in[((static_cast<std::size_t>(l) * uids + uid) * Hkv + g) * D + d] = kp[src];
+              v_in[((static_cast<std::size_t>(l) * uids + uid) * Hkv + g) * D + d] = vp[src];
+            }
+        }
+      }
+      n_past += count;
+      first = end;
+    }
+    if (!failure.empty()) {
+      steps.push_back({{"error", failure}});
+      continue;
+    }
+    next_uid += static_cast<std::uint64_t>(n);
+    tokens += n;
+    // Every cell of the sequence after the step.
+    std::vector<std::uint8_t> state(api.llama_state_seq_get_size(ctx, 0));
+    if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), 0) != state.size())
+      throw std::runtime_error("llama_state_seq_get_data wrote another size than llama_state_seq_get_size said");
+    const Cells c = read_cells(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32);
+    json layers = json::array();
+    const std::size_t slots = c.positions.size();
+    for (int l = 0; l < L; ++l) {
+      std::vector<float> keys(static_cast<std::size_t>(Hkv) * slots * D), values(keys.size());
+      for (std::size_t cell = 0; cell < slots; ++cell)
+        for (int g = 0; g < Hkv; ++g)
+          for (int d = 0; d < D; ++d) {
+            const std::size_t src = (cell * Hkv + g) * D + d, dst = (static_cast<std::size_t>(g) * slots + cell) * D + d;
+            keys[dst] = c.layers[l].k[src];
+            values[dst] = c.layers[l].v[src];
+          }
+      const std::string stem = fmt::format("step{:03d}_l{}_", i, l);
+      const fs::path dir = fs::path(o.out) / "trace";
+      const auto Hs = static_cast<std::size_t>(H), Ds = static_cast<std::size_t>(D), ns = static_cast<std::size_t>(n);
+      write_npy((dir / (stem + "keys.npy")).string(), {1, static_cast<std::size_t>(Hkv), slots, Ds}, keys);
+      write_npy((dir / (stem + "values.npy")).string(), {1, static_cast<std::size_t>(Hkv), slots, Ds}, values);
+      const auto layer_begin = out.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * Hs * ns * Ds);
+      write_npy((dir / (stem + "out.npy")).string(), {1, Hs, ns, Ds},
+                std::vector<float>(layer_begin, layer_begin + static_cast<std::ptrdiff_t>(Hs * ns * Ds)));
+      const auto q_begin = q_rot.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * Hs * ns * Ds);
+      write_npy((dir / (stem + "q.npy")).string(), {1, Hs, ns, Ds},
+                std::vector<float>(q_begin, q_begin + static_cast<std::ptrdiff_t>(Hs * ns * Ds)));
+      layers.push_back({{"keys", stem + "keys.npy"}, {"values", stem + "values.npy"}, {"out", stem + "out.npy"},
+                        {"q", stem + "q.npy"}});
+    }
+    steps.push_back({{"layers", layers}});
+  }
+  api.llama_free(ctx);
+  api.llama_model_free(model);
+
+  const auto Ls = static_cast<std::size_t>(L), Us = static_cast<std::size_t>(uids), Ds = static_cast<std::size_t>(D);
+  write_npy((fs::path(o.out) / "q.npy").string(), {Ls, Us, static_cast<std::size_t>(H), Ds}, q_in);
+  write_npy((fs::path(o.out) / "k.npy").string(), {Ls, Us, static_cast<std::size_t>(Hkv), Ds}, k_in);
+  write_npy((fs::path(o.out) / "v.npy").string(), {Ls, Us, static_cast<std::size_t>(Hkv), Ds}, v_in);
+  // The scenario as run: llama.cpp's own inputs, its rope layout (the llama arch rotates
+  // interleaved pairs), and the precision its outputs carry.
+  json scenario = json::parse(s.source_json);
+  scenario.erase("seed");
+  scenario["inputs"] = {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}};
+  scenario["rope"]["layout"] = "interleaved";
+  const bool bf16 = o.type_k == GgmlType::bf16 || o.type_v == GgmlType::bf16;
+  const bool half = o.type_k == GgmlType::f16 || o.type_v == GgmlType::f16 || o.flash_attn;
+  scenario["kv_dtype"] = bf16 ? "bfloat16" : half ? "float16" : "float32";
+  write_atomically(fs::path(o.out) / "scenario.json", scenario.dump(2) + "\n");
+  const json manifest = {{"format", "kvcheck-trace-1"},
+                         {"scenario", s.name},
+                         {"producer", fmt::format("kvcheck_llamacpp_engine, llama.cpp {}", api.llama_version())},
+                         {"key_positions", "cache-relative"},
+                         {"eviction", "lazy"},
+                         {"steps", steps}};
+  write_atomically(fs::path(o.out) / "trace" / "manifest.json", manifest.dump(1) + "\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string arg = argv[i];
+      if (i + 1 >= argc) throw Unsupported(arg + ": expected a value");
+      const std::string value = argv[++i];
+      if (arg == "--lib")
+        o.lib = value;
+      else if (arg == "--scenario")
+        o.scenario = value;
+      else if (arg == "--out")
+        o.out = value;
+      else if (arg == "--type-k")
+        o.type_k = parse_type(arg, value);
+      else if (arg == "--type-v")
+        o.type_v = parse_type(arg, value);
+      else if (arg == "--flash-attn")
+        o.flash_attn = value == "on";
+      else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short"))
+        o.plant = value;
+      else
+        throw Unsupported("unknown option " + arg);
+    }
+    if (o.lib.empty() || o.scenario.empty() || o.out.empty()) throw Unsupported("--lib, --scenario and --out are required");
+    return run(o);
+  } catch (const Unsupported& e) {
+    fmt::print(stderr, "kvcheck: error: {}\n", e.what());
+    return 2;
+  } catch (const InputError& e) {
+    fmt::print(stderr, "kvcheck: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kvcheck llamacpp: {}\n", e.what());
+    return 3;
+  }
+}

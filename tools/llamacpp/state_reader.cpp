@@ -1,0 +1,124 @@
+#include "tools/llamacpp/state_reader.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <stdexcept>
+
+namespace kvcheck::llamacpp {
+namespace {
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<std::uint8_t>& bytes) : bytes_(bytes) {}
+  template <typename T>
+  T get(const char* what) {
+    need(sizeof(T), what);
+    T value;
+    std::memcpy(&value, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return value;
+  }
+  const std::uint8_t* take(std::size_t n, const char* what) {
+    need(n, what);
+    const std::uint8_t* p = bytes_.data() + at_;
+    at_ += n;
+    return p;
+  }
+  bool done() const { return at_ == bytes_.size(); }
+  std::size_t at() const { return at_; }
+
+ private:
+  void need(std::size_t n, const char* what) const {
+    if (n > bytes_.size() - at_)
+      throw std::runtime_error(fmt::format("sequence state: {} needs {} bytes at offset {}, {} left", what, n, at_,
+                                           bytes_.size() - at_));
+  }
+  const std::vector<std::uint8_t>& bytes_;
+  std::size_t at_ = 0;
+};
+
+// One element of a row of `type` (f32 0, f16 1 or bf16 30) as float.
+float element(const std::uint8_t* row, std::int32_t type, std::size_t i, const std::function<float(std::uint16_t)>& fp16) {
+  if (type == 0) {
+    float f;
+    std::memcpy(&f, row + 4 * i, 4);
+    return f;
+  }
+  std::uint16_t h;
+  std::memcpy(&h, row + 2 * i, 2);
+  if (type == 30) {  // bfloat16: the upper half of a float32
+    const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  return fp16(h);
+}
+
+std::size_t element_size(std::int32_t type, const char* what) {
+  if (type == 0) return 4;
+  if (type == 1 || type == 30) return 2;
+  throw std::runtime_error(fmt::format("sequence state: {} stored as ggml type {}; kvcheck reads f32 and f16 cells "
+                                       "and bf16 cells (quantized cells need SPEC 9)",
+                                       what, type));
+}
+
+}  // namespace
+
+Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
+                 const std::function<float(std::uint16_t)>& fp16) {
+  Reader r(state);
+  r.take(8, "the prefix");
+  const auto streams = r.get<std::uint32_t>("n_stream");
+  if (streams != 1) throw std::runtime_error(fmt::format("sequence state: {} streams, expected 1", streams));
+  const auto count = r.get<std::uint32_t>("cell_count");
+  Cells c;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    c.positions.push_back(r.get<std::int32_t>("a cell's position"));
+    const auto seqs = r.get<std::uint32_t>("a cell's n_seq");
+    r.take(4 * static_cast<std::size_t>(seqs), "a cell's seq ids");
+  }
+  if (count == 0) {
+    if (!r.done()) throw std::runtime_error("sequence state: bytes after an empty cell list");
+    return c;
+  }
+  const auto v_trans = r.get<std::uint32_t>("v_trans");
+  const auto layers = r.get<std::uint32_t>("n_layer");
+  c.layers.resize(layers);
+  for (CellLayer& layer : c.layers) {
+    const auto type = r.get<std::int32_t>("a K type");
+    const auto row = r.get<std::uint64_t>("a K row size");
+    if (row != element_size(type, "K") * width)
+      throw std::runtime_error(fmt::format("sequence state: K rows of {} bytes, expected {}", row,
+                                           element_size(type, "K") * width));
+    const std::uint8_t* rows = r.take(row * count, "the K rows");
+    for (std::uint32_t cell = 0; cell < count; ++cell)
+      for (std::size_t i = 0; i < width; ++i) layer.k.push_back(element(rows + cell * row, type, i, fp16));
+  }
+  for (CellLayer& layer : c.layers) {
+    const auto type = r.get<std::int32_t>("a V type");
+    layer.v.assign(count * width, 0.0f);
+    if (v_trans == 0) {
+      const auto row = r.get<std::uint64_t>("a V row size");
+      if (row != element_size(type, "V") * width) throw std::runtime_error("sequence state: V rows of another width");
+      const std::uint8_t* rows = r.take(row * count, "the V rows");
+      for (std::uint32_t cell = 0; cell < count; ++cell)
+        for (std::size_t i = 0; i < width; ++i) layer.v[cell * width + i] = element(rows + cell * row, type, i, fp16);
+    } else {
+      const auto size = r.get<std::uint32_t>("a V element size");
+      const auto dims = r.get<std::uint32_t>("a V width");
+      if (size != element_size(type, "V") || dims != width)
+        throw std::runtime_error("sequence state: transposed V of another element size or width");
+      const std::uint8_t* data = r.take(static_cast<std::size_t>(size) * dims * count, "the V columns");
+      for (std::uint32_t d = 0; d < dims; ++d)
+        for (std::uint32_t cell = 0; cell < count; ++cell)
+          layer.v[cell * width + d] = element(data + static_cast<std::size_t>(d) * count * size, type, cell, fp16);
+    }
+  }
+  if (!r.done())
+    throw std::runtime_error(fmt::format("sequence state: {} bytes left after the cells", state.size() - r.at()));
+  return c;
+}
+
+}  // namespace kvcheck::llamacpp

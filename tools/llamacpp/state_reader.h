@@ -1,0 +1,29 @@
+// A sequence's KV cells as llama_state_seq_get_data() serializes them in the checked build:
+// an 8-byte prefix, then u32 n_stream, u32 cell_count; per cell i32 pos, u32 n_seq and the
+// seq ids; then u32 v_trans, u32 n_layer; per layer K as i32 type, u64 row size and the
+// rows (f32, f16 or bf16); V likewise, or transposed (i32 type, u32 element size, u32 row width, then one
+// column per dim). Every length is checked against the buffer.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvcheck::llamacpp {
+
+struct CellLayer {
+  std::vector<float> k, v;  // [cell][width] as float
+};
+
+struct Cells {
+  std::vector<std::int32_t> positions;  // per cell
+  std::vector<CellLayer> layers;
+};
+
+// width: n_embd_k_gqa = n_embd_v_gqa (Hkv * D); fp16: the library's converter. Throws
+// std::runtime_error naming the first thing that does not fit.
+Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
+                 const std::function<float(std::uint16_t)>& fp16);
+
+}  // namespace kvcheck::llamacpp
