@@ -102,6 +102,18 @@ TEST(Diagnosis, OutputsThatFitTheChunksLaterKeysAreAMissingCausalMask) {
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::output_mismatch_positions_correct);
 }
 
+TEST(Diagnosis, RotationDriftSaysWhetherTheErrorGrows) {
+  Drift d;
+  d.rotation_errors = {{0, 0.001}, {5, 0.01}, {10, 0.02}};
+  EXPECT_EQ(d.to_string(),
+            "positions stay exact while the largest rotation error of a stored key grows 20.0-fold over 3 steps: "
+            "0.001 at step 0, 0.01 at step 5, 0.02 at step 10");
+  d.rotation_errors = {{0, 0.01}, {5, 0.012}, {10, 0.015}};  // 1.5-fold: rounding, not growth
+  EXPECT_EQ(d.to_string(),
+            "positions stay exact and the largest rotation error of a stored key does not grow: 0.01 at step 0, "
+            "0.012 at step 5, 0.015 at step 10");
+}
+
 TEST(Diagnosis, KeptKeysMovedBackBeforeAnyEvictionIsAShiftOneTokenEarly) {
   // Hugging Face SinkCache at the step the window fills (S = 2, W = 6, token 5 arrives):
   // nothing is evicted yet, but window keys 2..4 were re-rotated one position back.

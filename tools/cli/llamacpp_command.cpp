@@ -72,6 +72,10 @@ int run_llamacpp(const LlamacppOptions& o) {
   std::vector<std::string> args = {engine,    "--lib",        lib,      "--scenario", scenario.file,
                                    "--out",   out.string(),   "--type-k", o.type_k,   "--type-v",
                                    o.type_v,  "--flash-attn", o.flash_attn ? "on" : "off"};
+  if (o.restore_after_shift) {
+    args.push_back("--restore-after-shift");
+    args.push_back("on");
+  }
   if (!o.plant.empty()) {
     args.push_back("--plant-fault");
     args.push_back(o.plant);

@@ -11,7 +11,8 @@ struct LlamacppOptions {
   std::string type_k = "f32", type_v = "f32";
   bool flash_attn = false;
   std::string keep;  // --trace DIR: keep the captured scenario and trace there
-  std::string plant;  // --plant-fault: a fault in the driver's own shift (kvcheck's self-test)
+  std::string plant;
+  bool restore_after_shift = false;  // save after the first seq_add, restore into a fresh context  // --plant-fault: a fault in the driver's own shift (kvcheck's self-test)
   std::string html, junit, json;
 };
 

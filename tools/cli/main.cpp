@@ -414,6 +414,9 @@ int main(int argc, char** argv) {
                        "kvcheck's self-test: break the driver's own shift (remove-without-add: seq_rm without "
                        "seq_add; add-short: seq_add by k - 1)")
       ->check(CLI::IsMember({"remove-without-add", "add-short"}));
+  llamacpp->add_flag("--restore-after-shift", llamacpp_options.restore_after_shift,
+                     "save the sequence right after the first shift's seq_add and restore it into a fresh context "
+                     "before the next decode (a server swapping a slot out between the two)");
   llamacpp->add_option("--html", llamacpp_options.html, "also write a self-contained HTML page");
   llamacpp->add_option("--junit", llamacpp_options.junit, "write a JUnit XML report to FILE");
   llamacpp->add_option("--json", llamacpp_options.json, "write a JSON report to FILE");

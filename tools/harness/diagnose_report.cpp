@@ -88,13 +88,13 @@ void print_diagnosis(std::FILE* out, const std::string& title, const Scenario& s
     std::string failed;
     for (const Check& c : trace.outcome.checks)
       if (!c.passed) failed += (failed.empty() ? "" : ", ") + c.name;
-    fmt::print(out, "checks failed: {} ({} position mismatches, {} retained-set mismatches)\n", failed,
+    fmt::print(out, "checks failed: {} ({} position or rotation mismatches, {} retained-set mismatches)\n", failed,
                trace.outcome.position_mismatches, trace.outcome.retained_mismatches);
     for (const Check& c : trace.outcome.checks)
       if (!c.passed) fmt::print(out, "  {}: {}\n", c.name, c.detail);
     fmt::print(out, "\n");
     print_step(out, "first divergence", s, f);
-    if (!trace.drift.points.empty()) fmt::print(out, "after it: {}\n\n", trace.drift.to_string());
+    if (!trace.drift.empty()) fmt::print(out, "after it: {}\n\n", trace.drift.to_string());
   }
   if (trace.focus) print_step(out, "asked for", s, *trace.focus);
 }
@@ -115,7 +115,7 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
     body += fmt::format("<h2>First divergence: {}</h2>\n<p>{}</p>\n", escape(d.where), escape(d.what));
     body += fmt::format("<h2 class=\"bad\">Class: {}</h2>\n<p>{}</p>\n", escape(class_name(f.bug)),
                         escape(class_explanation(f.bug)));
-    if (!trace.drift.points.empty())
+    if (!trace.drift.empty())
       body += fmt::format("<p><b>After it:</b> {}</p>\n", escape(trace.drift.to_string()));
   }
 

@@ -423,6 +423,18 @@ Drift summarize_drift(std::vector<Drift::Point> points) {
 }
 
 std::string Drift::to_string() const {
+  if (points.empty() && !rotation_errors.empty()) {
+    const auto& [first_step, first_error] = rotation_errors.front();
+    const auto& [last_step, last_error] = rotation_errors.back();
+    const auto middle = rotation_errors[rotation_errors.size() / 2];
+    const std::string seen = fmt::format("{:.3g} at step {}, {:.3g} at step {}, {:.3g} at step {}", first_error,
+                                         first_step, middle.second, middle.first, last_error, last_step);
+    if (last_error > 2 * first_error)
+      return fmt::format("positions stay exact while the largest rotation error of a stored key grows {:.1f}-fold "
+                         "over {} steps: {}",
+                         last_error / first_error, rotation_errors.size(), seen);
+    return "positions stay exact and the largest rotation error of a stored key does not grow: " + seen;
+  }
   std::string seen;
   for (std::size_t i = 0; i < points.size() && i < 8; ++i)
     seen += fmt::format("{}{:+d} at step {}", i ? ", " : "", points[i].error, points[i].step);

@@ -142,6 +142,10 @@ struct Drift {
     bool evicted;  // the row evicted at this step
   };
   std::vector<Point> points;
+  // Re-rotation drift: the largest rotation error of a stored key per append step, when
+  // positions are right but keys are rounded again and again.
+  std::vector<std::pair<std::size_t, double>> rotation_errors;
+  bool empty() const { return points.empty() && rotation_errors.empty(); }
   std::string to_string() const;  // one sentence
 };
 

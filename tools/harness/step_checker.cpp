@@ -230,6 +230,8 @@ class StepChecker::Impl {
     }
     if (trace_.first && rec.append && view.recorded && trace_.first->evidence.step <= i)
       drift_.push_back(drift_point(rec, evidence, trace_.first->row));
+    if (rec.append && view.recorded) rotation_errors_.emplace_back(i, step_rotation_error_);
+    step_rotation_error_ = 0.0;
     if (options_.picture && !rows.empty()) {
       columns_.resize(std::max(columns_.size(), rows.size()));
       for (std::size_t l = 0; l < rows.size(); ++l) {
@@ -254,6 +256,8 @@ class StepChecker::Impl {
     // A drift line only where positions were off at all.
     if (trace_.first && std::any_of(drift_.begin(), drift_.end(), [](const Drift::Point& p) { return p.error != 0; }))
       trace_.drift = summarize_drift(std::move(drift_));
+    else if (trace_.first && trace_.first->bug == BugClass::rerotation_drift && rotation_errors_.size() > 1)
+      trace_.drift.rotation_errors = std::move(rotation_errors_);
     if (options_.picture) {
       const std::size_t layer = trace_.first ? static_cast<std::size_t>(trace_.first->layer) : 0;
       const std::size_t row = trace_.first ? static_cast<std::size_t>(trace_.first->row) : 0;
@@ -522,7 +526,9 @@ class StepChecker::Impl {
       state.keys[v.uid] = v.key;
     }
     const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
-    if (rotations_.error(v.key, raw, claim) <= rotation_tolerance(raw, D, view.roundoff)) {
+    const double error = rotations_.error(v.key, raw, claim);
+    step_rotation_error_ = std::max(step_rotation_error_, error);
+    if (error <= rotation_tolerance(raw, D, view.roundoff)) {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
     }
@@ -898,6 +904,8 @@ class StepChecker::Impl {
   StepContext context_;
   bool stopped_ = false;  // an earlier step ended the run's meaning (the cache raised)
   std::vector<Drift::Point> drift_;
+  double step_rotation_error_ = 0.0;                              // of the step being checked
+  std::vector<std::pair<std::size_t, double>> rotation_errors_;  // per append step
   std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns_;  // [layer][row][step][slot]
   Tally refusals_, outputs_, positions_, retained_, rotation_, unrecorded_;
   Tolerance used_tolerance_{0.0, 0.0};

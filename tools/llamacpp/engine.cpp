@@ -51,6 +51,9 @@ struct Options {
   // A fault planted in this driver's shift (a self-test of kvcheck, not of llama.cpp):
   // "remove-without-add" (seq_rm, no seq_add) or "add-short" (seq_add by k - 1).
   std::string plant;
+  // Save the sequence right after the first shift's seq_add and restore it into a fresh
+  // context before the next decode, as a server that swaps a slot out between the two.
+  bool restore_after_shift = false;
 };
 
 GgmlType parse_type(const std::string& option, const std::string& text) {
@@ -277,6 +280,7 @@ int run(const Options& o) {
   std::int64_t n_past = 0, evicted = 0, tokens = 0;
   std::uint64_t next_uid = 0;
   std::string failure;  // llama.cpp refused a step: the trace says so there, and stops
+  bool restored = false;
   for (std::size_t i = 0; i < s.steps.size(); ++i) {
     const Step& step = s.steps[i];
     if (!failure.empty()) {
@@ -310,6 +314,18 @@ int run(const Options& o) {
                                    o.plant == "add-short" ? 1 - discard : -discard);
         n_past -= discard;
         evicted += discard;
+        if (o.restore_after_shift && !restored) {
+          restored = true;
+          std::vector<std::uint8_t> saved(api.llama_state_seq_get_size(ctx, 0));
+          if (api.llama_state_seq_get_data(ctx, saved.data(), saved.size(), 0) != saved.size())
+            throw std::runtime_error("llama_state_seq_get_data wrote another size than it said");
+          api.llama_free(ctx);
+          ctx = api.llama_init_from_model(model, cp);
+          if (ctx == nullptr) throw std::runtime_error("llama.cpp refused a second context");
+          memory = api.llama_get_memory(ctx);
+          if (api.llama_state_seq_set_data(ctx, saved.data(), saved.size(), 0) == 0)
+            throw std::runtime_error("llama_state_seq_set_data refused the saved sequence");
+        }
       }
       // The next position is the cache's own (pos_max + 1), as a server that trusts its
       // cache: a driver fault that leaves positions unshifted then shows in the cells.
@@ -450,6 +466,8 @@ int main(int argc, char** argv) {
         o.flash_attn = value == "on";
       else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short"))
         o.plant = value;
+      else if (arg == "--restore-after-shift")
+        o.restore_after_shift = value == "on";
       else
         throw Unsupported("unknown option " + arg);
     }

@@ -86,6 +86,7 @@ Api load_api(const std::string& folder) {
   KVCHECK_RESOLVE(llama, llama_memory_can_shift);
   KVCHECK_RESOLVE(llama, llama_state_seq_get_size);
   KVCHECK_RESOLVE(llama, llama_state_seq_get_data);
+  KVCHECK_RESOLVE(llama, llama_state_seq_set_data);
   KVCHECK_RESOLVE(ggml, ggml_backend_load_all_from_path);
   KVCHECK_RESOLVE(base, ggml_backend_tensor_get);
   KVCHECK_RESOLVE(base, ggml_get_name);

@@ -75,6 +75,7 @@ struct Api {
   bool (*llama_memory_can_shift)(void*);
   std::size_t (*llama_state_seq_get_size)(void*, std::int32_t);
   std::size_t (*llama_state_seq_get_data)(void*, std::uint8_t*, std::size_t, std::int32_t);
+  std::size_t (*llama_state_seq_set_data)(void*, const std::uint8_t*, std::size_t, std::int32_t);
   void (*ggml_backend_load_all_from_path)(const char*);
   void (*ggml_backend_tensor_get)(const void*, void*, std::size_t, std::size_t);
   const char* (*ggml_get_name)(const void*);
