@@ -1,5 +1,5 @@
 """`kvcheck llamacpp` on sink scenarios it was never tuned on: sinks, window, n_discard,
-prompt and chunk lengths, heads and head sizes drawn from a fixed seed, each run through
+rows (sequences), prompt and chunk lengths, heads and head sizes drawn from a fixed seed, each run through
 llama.cpp's own cache (f32, f16, flash attention) and judged by the one checker."""
 
 import json
@@ -19,10 +19,15 @@ def draw(rng, index):
     sinks = rng.randint(0, 6)
     window = rng.choice([12, 20, 33, 48, 64])
     heads, kv_heads = rng.choice([(4, 4), (8, 2), (6, 3), (4, 1), (2, 2)])
-    steps = [{"op": "append", "tokens": rng.randint(1, 2 * window)}, {"op": "decode", "steps": rng.randint(1, window)},
-             {"op": "append", "tokens": rng.randint(2, window)}, {"op": "decode", "steps": rng.randint(window, 2 * window)}]
+    batch = rng.randint(1, 3)  # several rows: llama.cpp sequences, each fed only its own tokens
+
+    def counts(low, high):
+        return [rng.randint(low, high) for _ in range(batch)]
+
+    steps = [{"op": "append", "tokens": counts(1, 2 * window)}, {"op": "decode", "steps": rng.randint(1, window)},
+             {"op": "append", "tokens": counts(2, window)}, {"op": "decode", "steps": rng.randint(window, 2 * window)}]
     return {"name": "llamacpp_drawn_%d" % index, "description": "drawn by tests/test_llamacpp.py",
-            "dimensions": {"layers": rng.randint(1, 3), "batch": 1, "heads": heads, "kv_heads": kv_heads,
+            "dimensions": {"layers": rng.randint(1, 3), "batch": batch, "heads": heads, "kv_heads": kv_heads,
                            "head_dim": rng.choice([32, 64, 128])},
             "rope": {"theta": rng.choice([10000.0, 500000.0, 1000000.0])},
             "policy": {"type": "sink", "sinks": sinks, "window": window, "evict": rng.randint(1, window - sinks)},

@@ -15,11 +15,13 @@
 // library refused something.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -83,13 +85,11 @@ void require_supported(const Scenario& s) {
   if (!s.attention.sink_logits.empty()) no("/attention/sink_logits", "the llama arch has no learned sinks");
   if (s.scale && std::abs(*s.scale - 1.0 / std::sqrt(s.dims.head_dim)) > 1e-12)
     no("/scale", "the llama arch scales by 1/sqrt(head_dim)");
-  if (s.dims.batch != 1) no("/dimensions/batch", "kvcheck llamacpp drives one sequence for now (batch 1)");
   if (s.inputs.kind != InputSource::Kind::seed)
     no("/inputs", "llama.cpp computes q, k and v itself: give a seed (it seeds the embeddings and weights)");
   for (const Step& step : s.steps)
-    if (step.op == StepOp::reorder || step.op == StepOp::crop)
-      no(fmt::format("/steps/{}", step.source_index),
-         fmt::format("{} is not driven yet (one sequence: append, decode and reset)", to_string(step.op)));
+    if (step.op == StepOp::crop)
+      no(fmt::format("/steps/{}", step.source_index), "crop is not driven yet (append, decode, reorder and reset)");
 }
 
 // Deterministic weights: the scenario's generator under its own tags, scaled.
@@ -233,7 +233,18 @@ int run(const Options& o) {
     throw Unsupported("--type-k/--type-v q8_0: quantized cells are judged once SPEC 9 (quantized KV) lands");
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
   const Policy& policy = s.policy;
-  const std::int64_t n_ctx = policy.kind == PolicyKind::sink ? policy.window : std::max<std::int64_t>(longest_row(s), 1);
+  // Rows are sequences of one unified cache: each holds at most a window (or its longest
+  // row), and a reorder needs as many temporary sequence ids again.
+  std::int64_t max_rows = s.dims.batch;
+  for (const Step& step : s.steps)
+    max_rows = std::max<std::int64_t>(max_rows, step.op == StepOp::reset     ? *step.batch
+                                                : step.op == StepOp::reorder ? static_cast<std::int64_t>(step.rows.size())
+                                                                             : 0);
+  if (2 * max_rows > 256) throw Unsupported(fmt::format("{}: {} rows: llama.cpp holds at most 128 here", s.file, max_rows));
+  if (o.restore_after_shift && max_rows > 1)
+    throw Unsupported("--restore-after-shift restores one sequence into a fresh context: batch 1 only");
+  const std::int64_t per_row = policy.kind == PolicyKind::sink ? policy.window : std::max<std::int64_t>(longest_row(s), 1);
+  const std::int64_t n_ctx = per_row * max_rows;
   const std::int64_t uids = count_uids(s);
 
   fs::create_directories(fs::path(o.out) / "trace");
@@ -254,6 +265,8 @@ int run(const Options& o) {
   set_at(cp, context_offset::n_ctx, cells);
   set_at(cp, context_offset::n_batch, cells);
   set_at(cp, context_offset::n_ubatch, cells);
+  set_at(cp, context_offset::n_seq_max, static_cast<std::uint32_t>(2 * max_rows));
+  set_at(cp, context_offset::kv_unified, true);  // one cache for every sequence, cells shared by forks
   set_at(cp, context_offset::flash_attn_type, static_cast<std::int32_t>(o.flash_attn ? 1 : 0));
   set_at(cp, context_offset::type_k, static_cast<std::int32_t>(o.type_k));
   set_at(cp, context_offset::type_v, static_cast<std::int32_t>(o.type_v));
@@ -277,10 +290,91 @@ int run(const Options& o) {
   std::vector<float> q_in(static_cast<std::size_t>(L * uids * H * D)), k_in(static_cast<std::size_t>(L * uids * Hkv * D)),
       v_in(k_in.size());
   json steps = json::array();
-  std::int64_t n_past = 0, evicted = 0, tokens = 0;
+  // One llama.cpp sequence per row (seq id = row). Tokens evicted and seen, per row.
+  struct Row {
+    std::int64_t evicted = 0, tokens = 0;
+  };
+  std::vector<Row> rows(static_cast<std::size_t>(s.dims.batch));
   std::uint64_t next_uid = 0;
   std::string failure;  // llama.cpp refused a step: the trace says so there, and stops
   bool restored = false;
+  // The next position of a sequence is the cache's own (pos_max + 1), as a server that
+  // trusts its cache: a driver fault that leaves positions unshifted then shows in the cells.
+  const auto next_position = [&](int seq) { return api.llama_memory_seq_pos_max(memory, seq) + 1; };
+  // llama-server's context shift for one sequence: n_keep = sinks, n_discard = evict.
+  const auto shift = [&](int seq, std::int64_t due) {
+    Row& row = rows[static_cast<std::size_t>(seq)];
+    while (row.evicted < due) {
+      const auto keep = static_cast<std::int32_t>(policy.sinks), discard = static_cast<std::int32_t>(policy.evict);
+      const auto end = static_cast<std::int32_t>(next_position(seq));
+      api.llama_memory_seq_rm(memory, seq, keep, keep + discard);
+      if (o.plant != "remove-without-add")
+        api.llama_memory_seq_add(memory, seq, keep + discard, end, o.plant == "add-short" ? 1 - discard : -discard);
+      row.evicted += discard;
+      if (o.restore_after_shift && !restored) {
+        restored = true;
+        std::vector<std::uint8_t> saved(api.llama_state_seq_get_size(ctx, seq));
+        if (api.llama_state_seq_get_data(ctx, saved.data(), saved.size(), seq) != saved.size())
+          throw std::runtime_error("llama_state_seq_get_data wrote another size than it said");
+        api.llama_free(ctx);
+        ctx = api.llama_init_from_model(model, cp);
+        if (ctx == nullptr) throw std::runtime_error("llama.cpp refused a second context");
+        memory = api.llama_get_memory(ctx);
+        if (api.llama_state_seq_set_data(ctx, saved.data(), saved.size(), seq) == 0)
+          throw std::runtime_error("llama_state_seq_set_data refused the saved sequence");
+      }
+    }
+  };
+  const auto evicted_at = [&](std::int64_t t) {
+    return policy.kind == PolicyKind::sink ? reference::evicted_count(policy, t) : std::int64_t{0};
+  };
+  // Every cell of every sequence after step i, and (an append) the rotated queries and the
+  // outputs [L][B][H][n][D] (zero at left padding).
+  const auto record = [&](std::size_t i, std::int64_t n, const std::vector<float>* out, const std::vector<float>* q_rot) {
+    const auto B = rows.size();
+    std::vector<Cells> held;  // per row
+    std::size_t slots = 0;
+    for (std::size_t b = 0; b < B; ++b) {
+      const auto seq = static_cast<std::int32_t>(b);
+      std::vector<std::uint8_t> state(api.llama_state_seq_get_size(ctx, seq));
+      if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), seq) != state.size())
+        throw std::runtime_error("llama_state_seq_get_data wrote another size than llama_state_seq_get_size said");
+      held.push_back(read_cells(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32));
+      slots = std::max(slots, held.back().positions.size());
+    }
+    json layers = json::array();
+    const auto Hs = static_cast<std::size_t>(H), Hkvs = static_cast<std::size_t>(Hkv), Ds = static_cast<std::size_t>(D),
+               ns = static_cast<std::size_t>(n);
+    for (int l = 0; l < L; ++l) {
+      std::vector<float> keys(B * Hkvs * slots * Ds, 0.0f), values(keys.size(), 0.0f);  // zero: an unused slot
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t cell = 0; cell < held[b].positions.size(); ++cell)
+          for (std::size_t g = 0; g < Hkvs; ++g)
+            for (std::size_t d = 0; d < Ds; ++d) {
+              const std::size_t src = (cell * Hkvs + g) * Ds + d, dst = ((b * Hkvs + g) * slots + cell) * Ds + d;
+              keys[dst] = held[b].layers[static_cast<std::size_t>(l)].k[src];
+              values[dst] = held[b].layers[static_cast<std::size_t>(l)].v[src];
+            }
+      const std::string stem = fmt::format("step{:03d}_l{}_", i, l);
+      const fs::path dir = fs::path(o.out) / "trace";
+      write_npy((dir / (stem + "keys.npy")).string(), {B, Hkvs, slots, Ds}, keys);
+      write_npy((dir / (stem + "values.npy")).string(), {B, Hkvs, slots, Ds}, values);
+      json files = {{"keys", stem + "keys.npy"}, {"values", stem + "values.npy"}};
+      if (out != nullptr) {
+        const std::size_t size = B * Hs * ns * Ds;
+        const auto at = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * size);
+        write_npy((dir / (stem + "out.npy")).string(), {B, Hs, ns, Ds},
+                  std::vector<float>(out->begin() + at, out->begin() + at + static_cast<std::ptrdiff_t>(size)));
+        write_npy((dir / (stem + "q.npy")).string(), {B, Hs, ns, Ds},
+                  std::vector<float>(q_rot->begin() + at, q_rot->begin() + at + static_cast<std::ptrdiff_t>(size)));
+        files["out"] = stem + "out.npy";
+        files["q"] = stem + "q.npy";
+      }
+      layers.push_back(files);
+    }
+    steps.push_back({{"layers", layers}});
+  };
+
   for (std::size_t i = 0; i < s.steps.size(); ++i) {
     const Step& step = s.steps[i];
     if (!failure.empty()) {
@@ -290,57 +384,74 @@ int run(const Options& o) {
     std::ofstream(fs::path(o.out) / "progress") << i << "\n";  // where a crash happened
     if (step.op == StepOp::reset) {
       api.llama_memory_clear(memory, true);
-      n_past = evicted = tokens = 0;
+      rows.assign(static_cast<std::size_t>(*step.batch), Row{});
       steps.push_back(json::object());
       continue;
     }
-    const std::int64_t n = step.tokens.at(0);
-    std::vector<float> out(static_cast<std::size_t>(L * H * n * D)), q_rot(out.size());  // [L][H][n][D]
-    std::int64_t first = 0;
-    while (first < n) {  // forwards within which nothing is evicted
-      std::int64_t end = first + 1;
-      if (policy.kind == PolicyKind::sink)
-        while (end < n && reference::evicted_count(policy, tokens + end) == reference::evicted_count(policy, tokens + first))
-          ++end;
-      else
-        end = n;
-      const std::int64_t due = policy.kind == PolicyKind::sink ? reference::evicted_count(policy, tokens + first) : 0;
-      n_past = api.llama_memory_seq_pos_max(memory, 0) + 1;
-      while (evicted < due) {  // llama-server's context shift: n_keep = sinks, n_discard = evict
-        const auto keep = static_cast<std::int32_t>(policy.sinks), discard = static_cast<std::int32_t>(policy.evict);
-        api.llama_memory_seq_rm(memory, 0, keep, keep + discard);
-        if (o.plant != "remove-without-add")
-          api.llama_memory_seq_add(memory, 0, keep + discard, static_cast<std::int32_t>(n_past),
-                                   o.plant == "add-short" ? 1 - discard : -discard);
-        n_past -= discard;
-        evicted += discard;
-        if (o.restore_after_shift && !restored) {
-          restored = true;
-          std::vector<std::uint8_t> saved(api.llama_state_seq_get_size(ctx, 0));
-          if (api.llama_state_seq_get_data(ctx, saved.data(), saved.size(), 0) != saved.size())
-            throw std::runtime_error("llama_state_seq_get_data wrote another size than it said");
-          api.llama_free(ctx);
-          ctx = api.llama_init_from_model(model, cp);
-          if (ctx == nullptr) throw std::runtime_error("llama.cpp refused a second context");
-          memory = api.llama_get_memory(ctx);
-          if (api.llama_state_seq_set_data(ctx, saved.data(), saved.size(), 0) == 0)
-            throw std::runtime_error("llama_state_seq_set_data refused the saved sequence");
-        }
+    if (step.op == StepOp::reorder) {
+      // New row b takes old row rows[b]'s cells, shared (seq_cp), through temporary ids
+      // above every old and new row, as a beam search keeps its beams.
+      const auto old = static_cast<std::int32_t>(rows.size());
+      const std::int32_t temp = std::max(old, static_cast<std::int32_t>(step.rows.size()));
+      for (std::int32_t r = 0; r < old; ++r) api.llama_memory_seq_cp(memory, r, temp + r, -1, -1);
+      for (std::int32_t r = 0; r < old; ++r) api.llama_memory_seq_rm(memory, r, -1, -1);
+      std::vector<Row> next;
+      for (std::size_t b = 0; b < step.rows.size(); ++b) {
+        api.llama_memory_seq_cp(memory, temp + step.rows[b], static_cast<std::int32_t>(b), -1, -1);
+        next.push_back(rows[static_cast<std::size_t>(step.rows[b])]);
       }
-      // The next position is the cache's own (pos_max + 1), as a server that trusts its
-      // cache: a driver fault that leaves positions unshifted then shows in the cells.
-      n_past = api.llama_memory_seq_pos_max(memory, 0) + 1;
-      const auto count = static_cast<std::int32_t>(end - first);
+      for (std::int32_t r = 0; r < old; ++r) api.llama_memory_seq_rm(memory, temp + r, -1, -1);
+      rows = std::move(next);
+      record(i, 0, nullptr, nullptr);
+      continue;
+    }
+    const auto B = rows.size();
+    const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
+    std::vector<std::uint64_t> base(B);  // each row's first uid in this step
+    for (std::size_t b = 0; b < B; ++b) base[b] = next_uid + static_cast<std::uint64_t>(
+        std::accumulate(step.tokens.begin(), step.tokens.begin() + static_cast<std::ptrdiff_t>(b), std::int64_t{0}));
+    const auto pad = [&](std::size_t b) { return n - step.tokens[b]; };
+    const auto token_at = [&](std::size_t b, std::int64_t place) { return rows[b].tokens + place - pad(b); };
+    std::vector<float> out(static_cast<std::size_t>(L) * B * H * n * D, 0.0f), q_rot(out.size(), 0.0f);
+    std::int64_t first = 0;
+    while (first < n) {  // forwards within which no row evicts
+      std::int64_t end = first + 1;
+      const auto same_eviction = [&](std::int64_t place) {
+        for (std::size_t b = 0; b < B; ++b)
+          if (place - 1 >= pad(b) && evicted_at(token_at(b, place)) != evicted_at(token_at(b, place - 1))) return false;
+        return true;
+      };
+      while (end < n && same_eviction(end)) ++end;
+      struct Entry {
+        std::size_t row;
+        std::int64_t place;
+        std::uint64_t uid;
+      };
+      std::vector<Entry> entries;
+      for (std::size_t b = 0; b < B; ++b) {
+        const std::int64_t from = std::max(first, pad(b));
+        if (from >= end) continue;
+        shift(static_cast<int>(b), evicted_at(token_at(b, from)));
+        for (std::int64_t place = from; place < end; ++place)
+          entries.push_back({b, place, base[b] + static_cast<std::uint64_t>(place - pad(b))});
+      }
+      if (entries.empty()) {  // every row padded here
+        first = end;
+        continue;
+      }
+      const auto count = static_cast<std::int32_t>(entries.size());
       Batch batch = api.llama_batch_init(count, static_cast<std::int32_t>(embd), 1);
       batch.n_tokens = count;
+      std::vector<std::int64_t> position(B);
+      for (std::size_t b = 0; b < B; ++b) position[b] = next_position(static_cast<int>(b));
       for (std::int32_t j = 0; j < count; ++j) {
-        const std::uint64_t uid = next_uid + static_cast<std::uint64_t>(first + j);
-        for (std::size_t e = 0; e < embd; ++e)
-          batch.embd[static_cast<std::size_t>(j) * embd + e] =
-              generated_value(s.inputs.seed, 0, uid, static_cast<Tensor>(3), 0, static_cast<int>(e));
-        batch.pos[j] = static_cast<std::int32_t>(n_past + j);
+        const Entry& e = entries[static_cast<std::size_t>(j)];
+        for (std::size_t x = 0; x < embd; ++x)
+          batch.embd[static_cast<std::size_t>(j) * embd + x] =
+              generated_value(s.inputs.seed, 0, e.uid, static_cast<Tensor>(3), 0, static_cast<int>(x));
+        batch.pos[j] = static_cast<std::int32_t>(position[e.row]++);
         batch.n_seq_id[j] = 1;
-        batch.seq_id[j][0] = 0;
+        batch.seq_id[j][0] = static_cast<std::int32_t>(e.row);
         batch.logits[j] = 1;
       }
       capture.tensors.clear();
@@ -358,63 +469,35 @@ int run(const Options& o) {
         const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"});
         const auto& kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"});
         for (std::int32_t j = 0; j < count; ++j) {
-          const std::uint64_t uid = next_uid + static_cast<std::uint64_t>(first + j);
-          const std::size_t token = static_cast<std::size_t>(first + j);
+          const Entry& e = entries[static_cast<std::size_t>(j)];
+          const auto ls = static_cast<std::size_t>(l), place = static_cast<std::size_t>(e.place);
           for (int h = 0; h < H; ++h)
             for (int d = 0; d < D; ++d) {
-              const std::size_t src = (static_cast<std::size_t>(j) * H + h) * D + d;  // [n][H][D]
-              q_in[((static_cast<std::size_t>(l) * uids + uid) * H + h) * D + d] = qp[src];
-              q_rot[((static_cast<std::size_t>(l) * H + h) * n + token) * D + d] = qr[src];
-              out[((static_cast<std::size_t>(l) * H + h) * n + token) * D + d] = kqv[src];
+              const std::size_t src = (static_cast<std::size_t>(j) * H + h) * D + d;  // [tokens][H][D]
+              const std::size_t dst = (((ls * B + e.row) * H + h) * n + place) * D + d;
+              q_in[((ls * uids + e.uid) * H + h) * D + d] = qp[src];
+              q_rot[dst] = qr[src];
+              out[dst] = kqv[src];
             }
           for (int g = 0; g < Hkv; ++g)
             for (int d = 0; d < D; ++d) {
               const std::size_t src = (static_cast<std::size_t>(j) * Hkv + g) * D + d;
-              k_in[((static_cast<std::size_t>(l) * uids + uid) * Hkv + g) * D + d] = kp[src];
-              v_in[((static_cast<std::size_t>(l) * uids + uid) * Hkv + g) * D + d] = vp[src];
+              k_in[((ls * uids + e.uid) * Hkv + g) * D + d] = kp[src];
+              v_in[((ls * uids + e.uid) * Hkv + g) * D + d] = vp[src];
             }
         }
       }
-      n_past += count;
       first = end;
     }
     if (!failure.empty()) {
       steps.push_back({{"error", failure}});
       continue;
     }
-    next_uid += static_cast<std::uint64_t>(n);
-    tokens += n;
-    // Every cell of the sequence after the step.
-    std::vector<std::uint8_t> state(api.llama_state_seq_get_size(ctx, 0));
-    if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), 0) != state.size())
-      throw std::runtime_error("llama_state_seq_get_data wrote another size than llama_state_seq_get_size said");
-    const Cells c = read_cells(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32);
-    json layers = json::array();
-    const std::size_t slots = c.positions.size();
-    for (int l = 0; l < L; ++l) {
-      std::vector<float> keys(static_cast<std::size_t>(Hkv) * slots * D), values(keys.size());
-      for (std::size_t cell = 0; cell < slots; ++cell)
-        for (int g = 0; g < Hkv; ++g)
-          for (int d = 0; d < D; ++d) {
-            const std::size_t src = (cell * Hkv + g) * D + d, dst = (static_cast<std::size_t>(g) * slots + cell) * D + d;
-            keys[dst] = c.layers[l].k[src];
-            values[dst] = c.layers[l].v[src];
-          }
-      const std::string stem = fmt::format("step{:03d}_l{}_", i, l);
-      const fs::path dir = fs::path(o.out) / "trace";
-      const auto Hs = static_cast<std::size_t>(H), Ds = static_cast<std::size_t>(D), ns = static_cast<std::size_t>(n);
-      write_npy((dir / (stem + "keys.npy")).string(), {1, static_cast<std::size_t>(Hkv), slots, Ds}, keys);
-      write_npy((dir / (stem + "values.npy")).string(), {1, static_cast<std::size_t>(Hkv), slots, Ds}, values);
-      const auto layer_begin = out.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * Hs * ns * Ds);
-      write_npy((dir / (stem + "out.npy")).string(), {1, Hs, ns, Ds},
-                std::vector<float>(layer_begin, layer_begin + static_cast<std::ptrdiff_t>(Hs * ns * Ds)));
-      const auto q_begin = q_rot.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * Hs * ns * Ds);
-      write_npy((dir / (stem + "q.npy")).string(), {1, Hs, ns, Ds},
-                std::vector<float>(q_begin, q_begin + static_cast<std::ptrdiff_t>(Hs * ns * Ds)));
-      layers.push_back({{"keys", stem + "keys.npy"}, {"values", stem + "values.npy"}, {"out", stem + "out.npy"},
-                        {"q", stem + "q.npy"}});
+    for (std::size_t b = 0; b < B; ++b) {
+      rows[b].tokens += step.tokens[b];
+      next_uid += static_cast<std::uint64_t>(step.tokens[b]);
     }
-    steps.push_back({{"layers", layers}});
+    record(i, n, &out, &q_rot);
   }
   api.llama_free(ctx);
   api.llama_model_free(model);

@@ -82,6 +82,7 @@ Api load_api(const std::string& folder) {
   KVCHECK_RESOLVE(llama, llama_memory_clear);
   KVCHECK_RESOLVE(llama, llama_memory_seq_rm);
   KVCHECK_RESOLVE(llama, llama_memory_seq_add);
+  KVCHECK_RESOLVE(llama, llama_memory_seq_cp);
   KVCHECK_RESOLVE(llama, llama_memory_seq_pos_max);
   KVCHECK_RESOLVE(llama, llama_memory_can_shift);
   KVCHECK_RESOLVE(llama, llama_state_seq_get_size);

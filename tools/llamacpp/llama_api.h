@@ -71,6 +71,7 @@ struct Api {
   void (*llama_memory_clear)(void*, bool);
   bool (*llama_memory_seq_rm)(void*, std::int32_t, std::int32_t, std::int32_t);
   void (*llama_memory_seq_add)(void*, std::int32_t, std::int32_t, std::int32_t, std::int32_t);
+  void (*llama_memory_seq_cp)(void*, std::int32_t, std::int32_t, std::int32_t, std::int32_t);
   std::int32_t (*llama_memory_seq_pos_max)(void*, std::int32_t);
   bool (*llama_memory_can_shift)(void*);
   std::size_t (*llama_state_seq_get_size)(void*, std::int32_t);
