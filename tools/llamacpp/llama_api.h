@@ -44,7 +44,7 @@ static_assert(sizeof(Batch) == 56);
 
 // ggml_tensor fields read here, by offset (336 bytes in the checked build).
 namespace tensor_offset {
-inline constexpr std::size_t type = 0, ne = 16, nb = 48, op = 80, name = 256;
+inline constexpr std::size_t type = 0, ne = 16, nb = 48, op = 80, src = 152, name = 256;
 }
 
 using EvalCallback = bool (*)(void* tensor, bool ask, void* user_data);

@@ -38,30 +38,47 @@ class Reader {
   std::size_t at_ = 0;
 };
 
-// One element of a row of `type` (f32 0, f16 1 or bf16 30) as float.
+constexpr std::int32_t kF32 = 0, kF16 = 1, kQ8_0 = 8, kBF16 = 30;
+constexpr std::size_t kQ8Block = 32, kQ8BlockBytes = 34;  // ggml's q8_0: f16 scale d, then 32 int8 codes
+
+// Bytes of a row of `width` elements of `type`.
+std::size_t row_bytes(std::int32_t type, std::size_t width, const char* what) {
+  switch (type) {
+    case kF32:
+      return 4 * width;
+    case kF16:
+    case kBF16:
+      return 2 * width;
+    case kQ8_0:
+      if (width % kQ8Block == 0) return width / kQ8Block * kQ8BlockBytes;
+      break;
+  }
+  throw std::runtime_error(fmt::format("sequence state: {} stored as ggml type {}; kvcheck reads f32, f16, bf16 and q8_0 "
+                                       "cells",
+                                       what, type));
+}
+
+// Element i of a row of `type` as float (q8_0 dequantized: d * code).
 float element(const std::uint8_t* row, std::int32_t type, std::size_t i, const std::function<float(std::uint16_t)>& fp16) {
-  if (type == 0) {
+  if (type == kF32) {
     float f;
     std::memcpy(&f, row + 4 * i, 4);
     return f;
   }
   std::uint16_t h;
+  if (type == kQ8_0) {
+    const std::uint8_t* block = row + i / kQ8Block * kQ8BlockBytes;
+    std::memcpy(&h, block, 2);
+    return fp16(h) * static_cast<float>(static_cast<std::int8_t>(block[2 + i % kQ8Block]));
+  }
   std::memcpy(&h, row + 2 * i, 2);
-  if (type == 30) {  // bfloat16: the upper half of a float32
+  if (type == kBF16) {  // the upper half of a float32
     const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
   }
   return fp16(h);
-}
-
-std::size_t element_size(std::int32_t type, const char* what) {
-  if (type == 0) return 4;
-  if (type == 1 || type == 30) return 2;
-  throw std::runtime_error(fmt::format("sequence state: {} stored as ggml type {}; kvcheck reads f32 and f16 cells "
-                                       "and bf16 cells (quantized cells need SPEC 9)",
-                                       what, type));
 }
 
 }  // namespace
@@ -89,9 +106,9 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
   for (CellLayer& layer : c.layers) {
     const auto type = r.get<std::int32_t>("a K type");
     const auto row = r.get<std::uint64_t>("a K row size");
-    if (row != element_size(type, "K") * width)
-      throw std::runtime_error(fmt::format("sequence state: K rows of {} bytes, expected {}", row,
-                                           element_size(type, "K") * width));
+    if (row != row_bytes(type, width, "K"))
+      throw std::runtime_error(
+          fmt::format("sequence state: K rows of {} bytes, expected {}", row, row_bytes(type, width, "K")));
     const std::uint8_t* rows = r.take(row * count, "the K rows");
     for (std::uint32_t cell = 0; cell < count; ++cell)
       for (std::size_t i = 0; i < width; ++i) layer.k.push_back(element(rows + cell * row, type, i, fp16));
@@ -101,14 +118,14 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
     layer.v.assign(count * width, 0.0f);
     if (v_trans == 0) {
       const auto row = r.get<std::uint64_t>("a V row size");
-      if (row != element_size(type, "V") * width) throw std::runtime_error("sequence state: V rows of another width");
+      if (row != row_bytes(type, width, "V")) throw std::runtime_error("sequence state: V rows of another width");
       const std::uint8_t* rows = r.take(row * count, "the V rows");
       for (std::uint32_t cell = 0; cell < count; ++cell)
         for (std::size_t i = 0; i < width; ++i) layer.v[cell * width + i] = element(rows + cell * row, type, i, fp16);
     } else {
       const auto size = r.get<std::uint32_t>("a V element size");
       const auto dims = r.get<std::uint32_t>("a V width");
-      if (size != element_size(type, "V") || dims != width)
+      if (type == kQ8_0 || size * width != row_bytes(type, width, "V") || dims != width)
         throw std::runtime_error("sequence state: transposed V of another element size or width");
       const std::uint8_t* data = r.take(static_cast<std::size_t>(size) * dims * count, "the V columns");
       for (std::uint32_t d = 0; d < dims; ++d)
