@@ -76,7 +76,8 @@ TEST(Diagnosis, WrongOutputsBesideADeadTokenGoneBeforeTheForwardAreADropBeforeIt
 }
 
 TEST(Diagnosis, KeysMovedForwardByTheirRowsPaddingAreCountedPadding) {
-  // Row 0 padded by 5 (keys at 5, 6 claimed 0, 1), row 1 by 0 but its key off by 2.
+  // Rows 0 and 1 both padded (by 5 and 2): row 0's keys at 5, 6 claimed 0, 1; row 1's at 5
+  // claimed 3. Each padded row's keys moved forward by one amount: padding counted.
   StepEvidence e;
   for (auto [row, index, recovered] : {std::tuple{0, 0, 5}, {0, 1, 6}, {1, 3, 5}}) {
     SlotIssue i = SlotIssue::of(SlotIssue::Kind::rotation, row, index, index);
@@ -86,8 +87,12 @@ TEST(Diagnosis, KeysMovedForwardByTheirRowsPaddingAreCountedPadding) {
   }
   StepContext padded;
   padded.padded = true;
+  padded.padded_rows = {true, true};
   EXPECT_EQ(classify(sink_scenario(), e, padded), BugClass::padding_counted);
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::key_at_wrong_position);  // no padding so far
+  StepContext row0_only = padded;
+  row0_only.padded_rows = {true, false};  // row 1 was never padded: its moved key is no padding
+  EXPECT_EQ(classify(sink_scenario(), e, row0_only), BugClass::key_at_wrong_position);
   e.slots[1].recovered_position = 7;  // row 0's keys moved by different amounts
   EXPECT_EQ(classify(sink_scenario(), e, padded), BugClass::key_at_wrong_position);
 }

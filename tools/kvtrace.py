@@ -583,7 +583,7 @@ class _Driver:
 
     def new_cache(self, batch):
         self.cache, self.batch = self.make(batch), batch
-        self.held = 0            # slots held, for positions="cache" when the cache does not say
+        self.held = [0] * batch  # slots held per row, for positions="cache" when the cache does not say
         self.seen = 0            # slots fed so far, padding included: the next cache_position
         self.preallocated = None if self.mask == "auto" else self.mask == "cache_position"  # None: not known yet
 
@@ -592,6 +592,7 @@ class _Driver:
         if op == "reorder":
             self.call(index, "reorder_cache", "reorder", self.as_index(step["rows_from"]))
             self.batch = len(step["rows_from"])
+            self.held = [self.held[r] if r < len(self.held) else 0 for r in step["rows_from"]]
             self.record_state()
         elif op == "crop":
             refused = "refused" in step
@@ -601,7 +602,7 @@ class _Driver:
                 if not refused:
                     raise
                 return  # refusing is what the policy wants: the cache goes on intact
-            self.held = min(self.held, step["length"])
+            self.held = [min(h, step["length"]) for h in self.held]
             self.seen = min(self.seen, step["length"])  # transformers' crop keeps that many slots
             self.record_state()
         else:
@@ -700,7 +701,7 @@ class _Driver:
         n = uid.shape[1]
         if hasattr(self.cache, "get_seq_length"):  # Hugging Face caches say it themselves
             try:
-                self.held = int(self.cache.get_seq_length())
+                self.held = [int(self.cache.get_seq_length())] * uid.shape[0]
             except Exception as e:
                 self.fail(index, "%s: %s" % (type(e).__name__, e))
         cache_position = self.seen + np.arange(n, dtype=np.int64)
@@ -711,8 +712,8 @@ class _Driver:
             if self.position_of is None:
                 pos = policy_pos[l]
             else:
-                pos = np.asarray([[self.position_of(int(t), self.held, i) if t >= 0 else 0
-                                   for i, t in enumerate(row)] for row in token], dtype=np.float64)
+                pos = np.asarray([[self.position_of(int(t), self.held[b], i) if t >= 0 else 0
+                                   for i, t in enumerate(row)] for b, row in enumerate(token)], dtype=np.float64)
             cos, sin = hf_cos_sin(pos, exp.rope, exp.dims["head_dim"])
             mask4 = real[:, None, :, None]
             q = np.where(mask4, np.transpose(exp.q[l][safe], (0, 2, 1, 3)), 0.0)   # [B, H, n, D]
@@ -755,7 +756,7 @@ class _Driver:
         # Slots held, for positions="cache": a preallocated buffer counts only written slots.
         state = _cache_state(self.cache, layers)
         values0 = state[0][1] if state else recorded[0]["values"]
-        self.held = int(np.count_nonzero(np.any(values0[0, 0] != 0, axis=-1)))
+        self.held = [int(np.count_nonzero(np.any(row[0] != 0, axis=-1))) for row in values0]
         return recorded
 
     def update(self, index, layer, key_states, value_states, kwargs, shape):

@@ -33,13 +33,21 @@ std::string library_folder() {
   return KVCHECK_LLAMACPP_DIR;
 }
 
-// The step the engine was at, from its progress file (-1: unknown).
+// The step the engine was driving, from its progress file (-1: none: before the first
+// step, or after the last).
 long last_step(const fs::path& out) {
   std::ifstream in(out / "progress");
   long step = -1;
-  in >> step;
+  if (!(in >> step)) return -1;
   return step;
 }
+
+// Signals by which a library crashes (not a kill from outside, such as the OOM killer's).
+bool crash_signal(int sig) {
+  return sig == SIGSEGV || sig == SIGABRT || sig == SIGBUS || sig == SIGFPE || sig == SIGILL;
+}
+
+constexpr const char* kMarker = "kvcheck-llamacpp-capture";  // names a folder this command wrote
 
 }  // namespace
 
@@ -54,11 +62,20 @@ int run_llamacpp(const LlamacppOptions& o) {
                                  "libllama.so and libggml*.so",
                                  lib));
   const bool keep = !o.keep.empty();
-  fs::path out = keep ? fs::path(o.keep) : fs::temp_directory_path() / fmt::format("kvcheck-llamacpp-{}", ::getpid());
-  if (keep && fs::exists(out) && !fs::exists(out / "scenario.json"))
-    throw InputError(o.keep, "", "--trace: refusing to write into a folder that is not a kvcheck llamacpp capture");
-  fs::remove_all(out, ec);
-  fs::create_directories(out);
+  fs::path out;
+  if (keep) {
+    check_output_folder(o.keep, "--trace");
+    out = o.keep;
+    if (fs::exists(out, ec) && !(fs::is_directory(out, ec) && (fs::is_empty(out, ec) || fs::exists(out / kMarker, ec))))
+      throw InputError(o.keep, "", "--trace: refusing to write into a folder that is not a kvcheck llamacpp capture");
+    fs::remove_all(out, ec);
+    fs::create_directories(out);
+  } else {
+    std::string pattern = (fs::temp_directory_path() / "kvcheck-llamacpp-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("cannot make a temporary folder");
+    out = pattern;
+  }
+  std::ofstream(out / kMarker) << "written by kvcheck llamacpp; replaced whole by the next run\n";
   struct Cleanup {
     fs::path dir;
     bool keep;
@@ -95,11 +112,14 @@ int run_llamacpp(const LlamacppOptions& o) {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) throw std::runtime_error("waitpid failed");
+  const long step = last_step(out);
+  if (WIFSIGNALED(status) &&
+      (!crash_signal(WTERMSIG(status)) || step < 0 || static_cast<std::size_t>(step) >= scenario.steps.size()))
+    throw std::runtime_error(fmt::format("the engine ended by signal {} ({}) outside any step", WTERMSIG(status),
+                                         ::strsignal(WTERMSIG(status))));
   if (WIFSIGNALED(status)) {  // a finding at the step the engine was driving
-    const long step = last_step(out);
-    const std::string where = step >= 0 && static_cast<std::size_t>(step) < scenario.steps.size()
-                                  ? step_label(scenario.steps[static_cast<std::size_t>(step)], static_cast<std::size_t>(step))
-                                  : "an unknown step";
+    const std::string where =
+        step_label(scenario.steps[static_cast<std::size_t>(step)], static_cast<std::size_t>(step));
     const std::string what = fmt::format("the engine crashed: signal {} ({}) at {}", WTERMSIG(status),
                                          ::strsignal(WTERMSIG(status)), where);
     fmt::print("kvcheck llamacpp: {} through llama.cpp (K {}, V {}, flash attention {})\n{}\n", scenario.name, o.type_k,

@@ -67,16 +67,18 @@ void check_output_folder(const fs::path& target, const std::string& option) {
   const std::string shown = option + " " + (target.empty() ? std::string("''") : target.string());
   if (target.empty()) throw InputError(option, "", "expected a folder name, got an empty string");
   std::error_code ec;
-  const fs::path absolute = fs::absolute(target, ec).lexically_normal();
-  fs::path folder = absolute;
+  fs::path folder = fs::absolute(target, ec).lexically_normal();
   if (folder.filename().empty()) folder = folder.parent_path();  // "out/" names "out"
-  const fs::path cwd = fs::current_path(ec).lexically_normal();
+  // Physical paths on both sides: a link on the way to the working folder still leads there.
+  const fs::path real = fs::weakly_canonical(folder, ec);
+  const fs::path cwd = fs::current_path(ec);
   if (!ec) {
-    const auto [end, rest] = std::mismatch(folder.begin(), folder.end(), cwd.begin(), cwd.end());
-    if (end == folder.end())  // every part of the target starts the working folder
+    const auto [end, rest] = std::mismatch(real.begin(), real.end(), cwd.begin(), cwd.end());
+    if (end == real.end())  // every part of the target starts the working folder
       throw InputError(shown, "",
-                       "is the folder kvcheck runs in, or holds it; it cannot be replaced while in use: name a "
-                       "new folder (for example --out ./export) or run from elsewhere");
+                       fmt::format("is the folder kvcheck runs in, or holds it; it cannot be replaced while in use: "
+                                   "name a new folder (for example {} ./new-folder) or run from elsewhere",
+                                   option));
   }
   if (fs::is_symlink(fs::symlink_status(folder, ec))) {
     const fs::path to = fs::read_symlink(folder, ec);

@@ -314,15 +314,17 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (rotations && std::all_of(e.slots.begin(), e.slots.end(),
                                [](const SlotIssue& i) { return i.kind != K::rotation || i.closest_at_claim; }))
     return BugClass::rerotation_drift;
-  // After left padding, keys of a row all moved forward by one amount (its padding, in
-  // positions taken from slot indices or cache_position instead of the mask).
+  // After left padding, keys of a padded row all moved forward by one amount (its padding,
+  // in positions taken from slot indices or cache_position instead of the mask).
   if (rotations && ctx.padded) {
     std::map<int, std::int64_t> offset;  // per row
     bool forward = true;
     for (const SlotIssue& i : e.slots) {
       if (i.kind != K::rotation) continue;
+      const bool padded_row =
+          static_cast<std::size_t>(i.row) < ctx.padded_rows.size() && ctx.padded_rows[static_cast<std::size_t>(i.row)];
       const std::int64_t by = i.recovered_position ? *i.recovered_position - i.claimed_position : 0;
-      forward = forward && by > 0 && offset.emplace(i.row, by).first->second == by;
+      forward = forward && padded_row && by > 0 && offset.emplace(i.row, by).first->second == by;
     }
     if (forward) return BugClass::padding_counted;
   }
@@ -430,9 +432,13 @@ std::string Drift::to_string() const {
     const std::string seen = fmt::format("{:.3g} at step {}, {:.3g} at step {}, {:.3g} at step {}", first_error,
                                          first_step, middle.second, middle.first, last_error, last_step);
     if (last_error > 2 * first_error)
-      return fmt::format("positions stay exact while the largest rotation error of a stored key grows {:.1f}-fold "
-                         "over {} steps: {}",
-                         last_error / first_error, rotation_errors.size(), seen);
+      return first_error > 0
+                 ? fmt::format("positions stay exact while the largest rotation error of a stored key grows "
+                               "{:.1f}-fold over {} steps: {}",
+                               last_error / first_error, rotation_errors.size(), seen)
+                 : fmt::format("positions stay exact while the largest rotation error of a stored key grows from 0 "
+                               "over {} steps: {}",
+                               rotation_errors.size(), seen);
     return "positions stay exact and the largest rotation error of a stored key does not grow: " + seen;
   }
   std::string seen;

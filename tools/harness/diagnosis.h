@@ -127,7 +127,8 @@ struct StepEvidence {
 struct StepContext {
   // The most recent step that rearranged rows: what a stale or misplaced slot points back to.
   enum class RowChange { none, reset_same_batch, reset_new_batch, reorder } last_row_change = RowChange::none;
-  bool padded = false;  // some append so far left-padded a row
+  bool padded = false;              // some append so far left-padded a row
+  std::vector<bool> padded_rows;    // which rows (as now numbered) were left-padded so far
 };
 
 BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);

@@ -67,13 +67,13 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
       const OutputMismatch& o = f.evidence.outputs.front();
       std::string text = fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; ", o.query_index,
                                      o.uid, o.dim, o.expected, o.actual);
-      const SlotRow* gone = unseen(f);
+      const SlotRow* gone = f.evidence.dropped_before_last_use ? unseen(f) : nullptr;
       if (gone == nullptr) return text + "every slot checks out";
       return text + fmt::format(
                         "token {} (uid {}) should be visible to token {} and is not: it is dead after this step, "
                         "so the cache may drop it (the table calls its absence fine), but only after this "
                         "forward, not before",
-                        gone->index, gone->uid, f.table_query_index, gone->index);
+                        gone->index, gone->uid, f.table_query_index);
     }
     return f.evidence.empty() ? "every check passes at this step" : "no single slot stands out";
   }
@@ -122,7 +122,8 @@ FirstDivergence first_divergence(const Scenario& s, const StepDiagnosis& f) {
       break;
     }
   const SlotRow* r = culprit(f);
-  const SlotRow* named = r != nullptr ? r : (e.slots.empty() && !e.outputs.empty() ? unseen(f) : nullptr);
+  const SlotRow* named =
+      r != nullptr ? r : (e.slots.empty() && e.dropped_before_last_use ? unseen(f) : nullptr);
   if (named != nullptr) {
     if (named->slot >= 0) d.slot = named->slot;
     d.uid = named->uid;

@@ -141,7 +141,8 @@ NpyHeader read_header(std::ifstream& in, const std::string& path, std::uint64_t 
     for (int b = 3; b >= 0; --b) header_len = header_len << 8 | static_cast<unsigned char>(start[8 + b]);
     offset = 12;
   }
-  if (header_len == 0 || header_len > file_size - offset || header_len > (1u << 20))
+  if (header_len > (1u << 20)) bad(fmt::format("a header of {} bytes, over the 1 MiB kvcheck reads", header_len));
+  if (header_len == 0 || header_len > file_size - offset)
     bad(fmt::format("version {}.0's {}-byte header length says {} bytes, but {} follow the preamble", major,
                     major == 1 ? 2 : 4, header_len, file_size - offset));
   std::string text(header_len, '\0');

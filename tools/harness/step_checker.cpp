@@ -155,10 +155,21 @@ void advance(StepContext& c, const StepRecord& rec) {
   if (rec.step.op == StepOp::reset)
     c.last_row_change = rec.batch_before != *rec.step.batch ? StepContext::RowChange::reset_new_batch
                                                             : StepContext::RowChange::reset_same_batch;
-  if (rec.step.op == StepOp::reorder) c.last_row_change = StepContext::RowChange::reorder;
+  if (rec.step.op == StepOp::reorder) {
+    c.last_row_change = StepContext::RowChange::reorder;
+    std::vector<bool> moved;
+    for (int r : rec.step.rows)
+      moved.push_back(static_cast<std::size_t>(r) < c.padded_rows.size() && c.padded_rows[static_cast<std::size_t>(r)]);
+    c.padded_rows = std::move(moved);
+  }
+  if (rec.step.op == StepOp::reset) c.padded_rows.clear();
   if (rec.append)
-    for (const auto& row : rec.append->rows)
-      if (static_cast<std::int64_t>(row.size()) < rec.append->chunk) c.padded = true;
+    for (std::size_t b = 0; b < rec.append->rows.size(); ++b)
+      if (static_cast<std::int64_t>(rec.append->rows[b].size()) < rec.append->chunk) {
+        c.padded = true;
+        c.padded_rows.resize(std::max(c.padded_rows.size(), b + 1), false);
+        c.padded_rows[b] = true;
+      }
 }
 
 // The first token index of the retained window (after the sinks).

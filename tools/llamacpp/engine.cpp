@@ -78,6 +78,11 @@ void require_supported(const Scenario& s) {
     no("/policy/positions", "llama.cpp's context shift re-encodes kept keys: positions \"cache\" only");
   if (p.kind == PolicyKind::sink && p.prefill != Prefill::streaming)
     no("/policy/prefill", "prefill \"streaming\" only (the driver shifts between forwards)");
+  if (s.rope.scaling == RopeScaling::yarn &&
+      (s.rope.beta_fast != 32.0 || s.rope.beta_slow != 1.0 ||
+       std::abs(s.rope.attention_factor - (0.1 * std::log(s.rope.factor) + 1.0)) > 1e-12))
+    no("/rope/scaling", "yarn with beta_fast 32, beta_slow 1 and the default attention factor only (what the llama "
+                        "arch reads from a GGUF)");
   if (s.rope.scaling == RopeScaling::llama3)
     no("/rope/scaling", "llama3 scaling reaches the llama arch as a rope_freqs tensor, not written yet");
   if (s.rope.rotary_dim != 0 && s.rope.rotary_dim != s.dims.head_dim)
@@ -165,6 +170,8 @@ struct Capture {
   // MUL_MAT whose first source is named attn_inp_k_rot (attn_inp_v_rot); the attention
   // output is multiplied back before kqv_out.
   bool keys_hadamard = false, values_hadamard = false;
+  std::int64_t rotation_size = 0;  // the Hadamard matrix's ne[0]
+  std::string unreadable;          // a wanted tensor of a type this driver does not read
 };
 
 bool wanted(const std::string& name, int layers) {
@@ -185,8 +192,10 @@ bool on_tensor(void* t, bool ask, void* user) {
     std::memcpy(&src0, static_cast<const char*>(t) + tensor_offset::src, sizeof src0);
     if (src0 != nullptr && std::strcmp(c.api->ggml_op_name(op), "MUL_MAT") == 0) {
       const std::string factor = c.api->ggml_get_name(src0);
-      c.keys_hadamard = c.keys_hadamard || factor == "attn_inp_k_rot";
-      c.values_hadamard = c.values_hadamard || factor == "attn_inp_v_rot";
+      if (factor == "attn_inp_k_rot" || factor == "attn_inp_v_rot") {
+        (factor == "attn_inp_k_rot" ? c.keys_hadamard : c.values_hadamard) = true;
+        std::memcpy(&c.rotation_size, static_cast<const char*>(src0) + tensor_offset::ne, sizeof c.rotation_size);
+      }
     }
   }
   if (!wanted(name, c.layers)) return !ask;  // keep computing; ask for nothing else
@@ -212,10 +221,13 @@ bool on_tensor(void* t, bool ask, void* user) {
             float f;
             std::memcpy(&f, bytes.data() + at, 4);
             values.push_back(f);
-          } else {
+          } else if (type == 1) {
             std::uint16_t h;
             std::memcpy(&h, bytes.data() + at, 2);
             values.push_back(c.api->ggml_fp16_to_fp32(h));
+          } else {
+            c.unreadable = fmt::format("{} is of ggml type {}, expected f32 or f16", name, type);
+            return true;
           }
         }
   const std::string key = name + "/" + c.api->ggml_op_name(op);
@@ -224,9 +236,17 @@ bool on_tensor(void* t, bool ask, void* user) {
   return true;
 }
 
-const std::vector<float>& captured(const Capture& c, const std::string& name, const std::vector<std::string>& ops) {
+// A captured tensor of exactly `size` values, by name and the first op found.
+const std::vector<float>& captured(const Capture& c, const std::string& name, const std::vector<std::string>& ops,
+                                   std::size_t size) {
+  if (!c.unreadable.empty()) throw std::runtime_error(c.unreadable);
   for (const std::string& op : ops)
-    if (const auto it = c.tensors.find(name + "/" + op); it != c.tensors.end()) return it->second;
+    if (const auto it = c.tensors.find(name + "/" + op); it != c.tensors.end()) {
+      if (it->second.size() != size)
+        throw std::runtime_error(fmt::format("{} ({}) holds {} values, expected {}: another llama.cpp graph", name, op,
+                                             it->second.size(), size));
+      return it->second;
+    }
   throw std::runtime_error(fmt::format("the graph had no {} ({}): another llama.cpp graph", name, ops.front()));
 }
 
@@ -293,7 +313,9 @@ int run(const Options& o) {
   api.llama_backend_init();
   void* model = api.llama_model_load_from_file(model_path.c_str(), api.llama_model_default_params());
   if (model == nullptr) throw std::runtime_error("llama.cpp refused the model it was given (model.gguf)");
-  Capture capture{&api, L, {}, {}};
+  Capture capture;
+  capture.api = &api;
+  capture.layers = L;
   ContextParams cp = api.llama_context_default_params();
   const auto cells = static_cast<std::uint32_t>(n_ctx);
   set_at(cp, context_offset::n_ctx, cells);
@@ -374,6 +396,8 @@ int run(const Options& o) {
       if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), seq) != state.size())
         throw std::runtime_error("llama_state_seq_get_data wrote another size than llama_state_seq_get_size said");
       held.push_back(read_cells(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32));
+      if (!held.back().positions.empty() && held.back().layers.size() != static_cast<std::size_t>(L))
+        throw std::runtime_error(fmt::format("the sequence state holds {} layers, the model {}", held.back().layers.size(), L));
       slots = std::max(slots, held.back().positions.size());
     }
     json layers = json::array();
@@ -389,6 +413,11 @@ int run(const Options& o) {
               keys[dst] = held[b].layers[static_cast<std::size_t>(l)].k[src];
               values[dst] = held[b].layers[static_cast<std::size_t>(l)].v[src];
             }
+      if ((capture.keys_hadamard || capture.values_hadamard) &&
+          (capture.rotation_size != D || (Ds & (Ds - 1)) != 0))
+        throw std::runtime_error(fmt::format("llama.cpp's Hadamard rotation is {} wide at head_dim {}: not the "
+                                             "normalized Sylvester matrix of the head this driver undoes",
+                                             capture.rotation_size, D));
       if (capture.keys_hadamard) unrotate_hadamard(keys, Ds);  // H R(p) k back to R(p) k
       if (capture.values_hadamard) unrotate_hadamard(values, Ds);
       const std::string stem = fmt::format("step{:03d}_l{}_", i, l);
@@ -417,7 +446,7 @@ int run(const Options& o) {
       steps.push_back(json::object());
       continue;
     }
-    std::ofstream(fs::path(o.out) / "progress") << i << "\n";  // where a crash happened
+    std::ofstream(fs::path(o.out) / "progress") << i << "\n";  // where a crash happens
     if (step.op == StepOp::reset) {
       api.llama_memory_clear(memory, true);
       rows.assign(static_cast<std::size_t>(*step.batch), Row{});
@@ -499,11 +528,13 @@ int run(const Options& o) {
       }
       for (int l = 0; l < L; ++l) {
         const std::string tag = std::to_string(l);
-        const auto& qp = captured(capture, "Qcur-" + tag, {"RESHAPE"});
-        const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE"});
-        const auto& vp = captured(capture, "Vcur-" + tag, {"RESHAPE", "VIEW", "MUL_MAT"});
-        const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"});
-        const auto& kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"});
+        const auto tokens = static_cast<std::size_t>(count);
+        const std::size_t q_size = tokens * static_cast<std::size_t>(H * D), kv_size = tokens * static_cast<std::size_t>(Hkv * D);
+        const auto& qp = captured(capture, "Qcur-" + tag, {"RESHAPE"}, q_size);
+        const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE"}, kv_size);
+        const auto& vp = captured(capture, "Vcur-" + tag, {"RESHAPE", "VIEW", "MUL_MAT"}, kv_size);
+        const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"}, q_size);
+        const auto& kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"}, q_size);
         for (std::int32_t j = 0; j < count; ++j) {
           const Entry& e = entries[static_cast<std::size_t>(j)];
           const auto ls = static_cast<std::size_t>(l), place = static_cast<std::size_t>(e.place);
@@ -535,6 +566,7 @@ int run(const Options& o) {
     }
     record(i, n, &out, &q_rot);
   }
+  std::ofstream(fs::path(o.out) / "progress") << "done\n";  // a crash from here on is no step's
   api.llama_free(ctx);
   api.llama_model_free(model);
 
@@ -601,6 +633,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const InputError& e) {
     fmt::print(stderr, "kvcheck: error: {}\n", e.what());
+    return 2;
+  } catch (const ApiRefused& e) {
+    fmt::print(stderr, "kvcheck: error: LLAMACPP_DIR: {}\n", e.what());
     return 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "kvcheck llamacpp: {}\n", e.what());

@@ -22,23 +22,23 @@ std::string library(const std::string& folder, const std::string& stem) {
                                  name.compare(name.size() - 3, 3, ".so") == 0))
       found = e.path().string();
   }
-  if (ec) throw std::runtime_error(fmt::format("{}: cannot list the folder ({})", folder, ec.message()));
+  if (ec) throw ApiRefused(fmt::format("{}: cannot list the folder ({})", folder, ec.message()));
   if (found.empty())
-    throw std::runtime_error(fmt::format("{}: no {}.so here (LLAMACPP_DIR names the folder holding libllama and libggml)",
+    throw ApiRefused(fmt::format("{}: no {}.so here (LLAMACPP_DIR names the folder holding libllama and libggml)",
                                          folder, stem));
   return found;
 }
 
 void* open(const std::string& path) {
   void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-  if (handle == nullptr) throw std::runtime_error(fmt::format("cannot load {}: {}", path, ::dlerror()));
+  if (handle == nullptr) throw ApiRefused(fmt::format("cannot load {}: {}", path, ::dlerror()));
   return handle;
 }
 
 template <typename F>
 void resolve(void* handle, const char* name, F& out) {
   void* symbol = ::dlsym(handle, name);
-  if (symbol == nullptr) throw std::runtime_error(fmt::format("the library has no {} (another llama.cpp?)", name));
+  if (symbol == nullptr) throw ApiRefused(fmt::format("the library has no {} (another llama.cpp?)", name));
   out = reinterpret_cast<F>(symbol);
 }
 
@@ -60,7 +60,7 @@ Api load_api(const std::string& folder) {
   KVCHECK_RESOLVE(llama, llama_version);
   const std::string version = a.llama_version();
   if (version != kKnownVersion)
-    throw std::runtime_error(fmt::format(
+    throw ApiRefused(fmt::format(
         "llama_version() is \"{}\"; kvcheck knows the structures of \"{}\" only (their layouts changed three times "
         "in recent months, and a wrong guess would corrupt memory silently)",
         version, kKnownVersion));
@@ -98,7 +98,7 @@ Api load_api(const std::string& folder) {
 #undef KVCHECK_RESOLVE
   // The layouts this file assumes, checked against what the library says of itself.
   if (a.ggml_tensor_overhead() != 368)
-    throw std::runtime_error(fmt::format("ggml_tensor_overhead() is {}, expected 368: another ggml_tensor layout",
+    throw ApiRefused(fmt::format("ggml_tensor_overhead() is {}, expected 368: another ggml_tensor layout",
                                          a.ggml_tensor_overhead()));
   const ContextParams d = a.llama_context_default_params();
   const bool defaults = read_at<std::uint32_t>(d, context_offset::n_ctx) == 512 &&
@@ -110,7 +110,7 @@ Api load_api(const std::string& folder) {
                         read_at<float>(d, context_offset::yarn_ext_factor) == -1.0f &&
                         read_at<void*>(d, context_offset::cb_eval) == nullptr;
   if (!defaults)
-    throw std::runtime_error(
+    throw ApiRefused(
         "llama_context_default_params() does not read back as expected (n_ctx 512, n_batch 2048, n_ubatch 512, "
         "type_k and type_v f16, flash attention auto, yarn_ext_factor -1, no eval callback): another layout");
   return a;

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 namespace kvcheck::llamacpp {
@@ -86,10 +87,16 @@ struct Api {
   float (*ggml_fp16_to_fp32)(std::uint16_t);
 };
 
+// The libraries are not the ones this driver knows (version, layout, missing file): the
+// user's to fix, exit 2, unlike a failure of the library itself.
+struct ApiRefused : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Loads the libraries of `folder` (libggml-base, libggml, libllama as the npm package
 // names them, or libggml*.so / libllama.so of a build), resolves every function, checks
-// llama_version() and the default context parameters. Throws std::runtime_error naming
-// what is wrong.
+// llama_version() and the default context parameters. Throws ApiRefused naming what is
+// wrong.
 Api load_api(const std::string& folder);
 
 }  // namespace kvcheck::llamacpp
