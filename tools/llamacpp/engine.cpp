@@ -165,7 +165,6 @@ struct Capture {
   const Api* api = nullptr;
   int layers = 0;
   std::map<std::string, std::vector<float>> tensors;
-  std::map<std::string, std::vector<std::int64_t>> shapes;
   // llama.cpp multiplied K (V) by a Hadamard matrix before storing it (quantized cells): a
   // MUL_MAT whose first source is named attn_inp_k_rot (attn_inp_v_rot); the attention
   // output is multiplied back before kqv_out.
@@ -232,7 +231,6 @@ bool on_tensor(void* t, bool ask, void* user) {
         }
   const std::string key = name + "/" + c.api->ggml_op_name(op);
   c.tensors[key] = std::move(values);
-  c.shapes[key] = {ne[0], ne[1], ne[2], ne[3]};
   return true;
 }
 
