@@ -166,8 +166,8 @@ struct Capture {
   int layers = 0;
   std::map<std::string, std::vector<float>> tensors;
   // llama.cpp multiplied K (V) by a Hadamard matrix before storing it (quantized cells): a
-  // MUL_MAT whose first source is named attn_inp_k_rot (attn_inp_v_rot); the attention
-  // output is multiplied back before kqv_out.
+  // MUL_MAT whose first source is named attn_inp_k_rot (attn_inp_v_rot). With V rotated,
+  // kqv_out is still in the rotated basis (measured), one reason q8_0 V is refused.
   bool keys_hadamard = false, values_hadamard = false;
   std::int64_t rotation_size = 0;  // the Hadamard matrix's ne[0]
   std::string unreadable;          // a wanted tensor of a type this driver does not read
