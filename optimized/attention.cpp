@@ -197,7 +197,7 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
     most_slots = std::max(most_slots, blocks_[b].slots.size());
     most_queries = std::max(most_queries, blocks_[b].count);
   }
-  const bool half = !sources.empty() && sources[0].store->storage() != Storage::float32;
+  const bool half = !sources.empty() && !sources[0].store->plain_float32();
   for (Scratch& w : scratch_) {
     w.fit(most_queries * G, most_slots, static_cast<std::size_t>(D));
     if (half) w.fit_converted(most_slots, static_cast<std::size_t>(D));
@@ -236,7 +236,7 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
         }
       }
       // Half-precision storage is converted to float32 rows once per task, then read as such.
-      const bool converted = !block.slots.empty() && block.slots[0].store->storage() != Storage::float32;
+      const bool converted = !block.slots.empty() && !block.slots[0].store->plain_float32();
       if (converted) {
         w.k_rows.resize(n * D);
         w.v_rows.resize(n * D);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,6 +35,7 @@ struct CacheConfig {
   std::int64_t capacity = 0;                    // static: slots per row
   int threads = 1;                              // attention threads (results do not depend on it)
   Storage storage = Storage::float32;           // how keys and values are stored (SPEC 7, kv_dtype)
+  std::optional<RowFormat> key_quant, value_quant;  // quantized instead (SPEC 9)
   std::vector<LayerPolicy> layer_policies;      // hybrid: one per layer; the fields above are layer 0's
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
 };
@@ -80,6 +82,10 @@ class KvCache {
 };
 
 // ---- Pieces the caches share ----
+
+// The formats a cache of this configuration stores keys and values in.
+inline RowFormat key_format(const CacheConfig& c) { return c.key_quant ? *c.key_quant : float_format(c.storage); }
+inline RowFormat value_format(const CacheConfig& c) { return c.value_quant ? *c.value_quant : float_format(c.storage); }
 
 // E(t) for a sink cache of capacity W with S sinks evicting k at a time.
 std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t t);

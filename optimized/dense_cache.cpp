@@ -13,7 +13,7 @@ DenseCache::DenseCache(const CacheConfig& config, Growth growth)
       growth_(growth),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, config.storage) {
+      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   reset(config.batch);
 }
 

@@ -8,8 +8,8 @@ SinkRingCache::SinkRingCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, config.storage),
-      chunk_(config.layers, config.kv_heads, config.head_dim, config.storage) {
+      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
+      chunk_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   reset(config.batch);
 }
 

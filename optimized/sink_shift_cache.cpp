@@ -8,7 +8,7 @@ SinkShiftCache::SinkShiftCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, config.storage) {
+      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   turned_.resize(static_cast<std::size_t>(config.head_dim));
   reset(config.batch);
 }

@@ -6,15 +6,27 @@
 namespace kvcheck::optimized {
 
 SlotStore::SlotStore(int layers, int kv_heads, int head_dim, Storage storage)
-    : layers_(layers), kv_heads_(kv_heads), head_dim_(head_dim), storage_(storage), k_(layers), v_(layers) {}
+    : SlotStore(layers, kv_heads, head_dim, float_format(storage), float_format(storage)) {}
+
+SlotStore::SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format)
+    : layers_(layers),
+      kv_heads_(kv_heads),
+      head_dim_(head_dim),
+      key_format_(std::move(key_format)),
+      value_format_(std::move(value_format)),
+      key_bytes_(row_bytes(key_format_, head_dim)),
+      value_bytes_(row_bytes(value_format_, head_dim)),
+      scratch_(static_cast<std::size_t>(head_dim)),
+      k_(layers),
+      v_(layers) {}
 
 void SlotStore::reset(int batch, std::int64_t capacity) {
   batch_ = batch;
   capacity_ = capacity;
-  const std::size_t bytes = static_cast<std::size_t>(batch) * kv_heads_ * capacity * row_bytes();
+  const std::size_t rows = static_cast<std::size_t>(batch) * kv_heads_ * capacity;
   for (int l = 0; l < layers_; ++l) {
-    k_[l].assign(bytes, std::byte{0});
-    v_[l].assign(bytes, std::byte{0});
+    k_[l].assign(rows * key_bytes_, std::byte{0});
+    v_[l].assign(rows * value_bytes_, std::byte{0});
   }
   meta_.assign(static_cast<std::size_t>(batch) * capacity, SlotMeta{});
 }
@@ -28,28 +40,28 @@ void SlotStore::make_empty(int batch, std::int64_t capacity) {
 
 void SlotStore::grow(std::int64_t capacity) {
   if (capacity <= capacity_) return;
-  SlotStore bigger(layers_, kv_heads_, head_dim_, storage_);
+  SlotStore bigger(layers_, kv_heads_, head_dim_, key_format_, value_format_);
   bigger.reset(batch_, capacity);
-  const std::size_t run = static_cast<std::size_t>(capacity_) * row_bytes();
+  const std::size_t slots = static_cast<std::size_t>(capacity_);
   for (int l = 0; l < layers_; ++l)
     for (int b = 0; b < batch_; ++b)
       for (int g = 0; g < kv_heads_; ++g) {
-        std::copy_n(at(k_, l, b, g, 0), run, bigger.at(bigger.k_, l, b, g, 0));
-        std::copy_n(at(v_, l, b, g, 0), run, bigger.at(bigger.v_, l, b, g, 0));
+        std::copy_n(at(k_, l, b, g, 0), slots * key_bytes_, bigger.at(bigger.k_, l, b, g, 0));
+        std::copy_n(at(v_, l, b, g, 0), slots * value_bytes_, bigger.at(bigger.v_, l, b, g, 0));
       }
   for (int b = 0; b < batch_; ++b) std::copy_n(row_meta(b), capacity_, &bigger.meta(b, 0));
   *this = std::move(bigger);
 }
 
 void SlotStore::gather_rows(const std::vector<int>& rows) {
-  SlotStore next(layers_, kv_heads_, head_dim_, storage_);
+  SlotStore next(layers_, kv_heads_, head_dim_, key_format_, value_format_);
   next.reset(static_cast<int>(rows.size()), capacity_);
-  const std::size_t run = static_cast<std::size_t>(capacity_) * row_bytes();
+  const std::size_t slots = static_cast<std::size_t>(capacity_);
   for (std::size_t b = 0; b < rows.size(); ++b) {
     for (int l = 0; l < layers_; ++l)
       for (int g = 0; g < kv_heads_; ++g) {
-        std::copy_n(at(k_, l, rows[b], g, 0), run, next.at(next.k_, l, static_cast<int>(b), g, 0));
-        std::copy_n(at(v_, l, rows[b], g, 0), run, next.at(next.v_, l, static_cast<int>(b), g, 0));
+        std::copy_n(at(k_, l, rows[b], g, 0), slots * key_bytes_, next.at(next.k_, l, static_cast<int>(b), g, 0));
+        std::copy_n(at(v_, l, rows[b], g, 0), slots * value_bytes_, next.at(next.v_, l, static_cast<int>(b), g, 0));
       }
     std::copy_n(row_meta(rows[b]), capacity_, &next.meta(static_cast<int>(b), 0));
   }
@@ -58,13 +70,14 @@ void SlotStore::gather_rows(const std::vector<int>& rows) {
 
 void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to) {
   // Raw bytes: both stores must hold the same format and shape (a cache makes its stores alike).
-  if (src.storage_ != storage_ || src.head_dim_ != head_dim_ || src.layers_ != layers_ || src.kv_heads_ != kv_heads_)
+  if (!(src.key_format_ == key_format_) || !(src.value_format_ == value_format_) || src.head_dim_ != head_dim_ ||
+      src.layers_ != layers_ || src.kv_heads_ != kv_heads_)
     throw std::logic_error("copy_slot between stores of different formats or shapes");
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), row_bytes(),
+      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), key_bytes_,
                   at(k_, l, row, g, to));
-      std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), row_bytes(),
+      std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), value_bytes_,
                   at(v_, l, row, g, to));
     }
   meta(row, to) = src.meta(from_row, from_slot);
@@ -73,8 +86,8 @@ void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_
 void SlotStore::move_slot(int row, std::int64_t from, std::int64_t to) {
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(at(k_, l, row, g, from), row_bytes(), at(k_, l, row, g, to));
-      std::copy_n(at(v_, l, row, g, from), row_bytes(), at(v_, l, row, g, to));
+      std::copy_n(at(k_, l, row, g, from), key_bytes_, at(k_, l, row, g, to));
+      std::copy_n(at(v_, l, row, g, from), value_bytes_, at(v_, l, row, g, to));
     }
   meta(row, to) = meta(row, from);
 }

@@ -1,7 +1,8 @@
 // Cache storage shared by every optimized cache: per layer, keys and values laid out
 // [row][kv_head][slot][head_dim], so one head of one row is a contiguous run that a
-// decode step reads once; plus three integers of metadata per (row, slot). Elements are
-// float32, float16 or bfloat16 (SPEC 7, kv_dtype): written rounded, read converted.
+// decode step reads once; plus three integers of metadata per (row, slot). Rows are
+// float32, float16, bfloat16 (SPEC 7, kv_dtype) or quantized (SPEC 9), keys and values
+// each in their own format (row_codec.h): written rounded, read converted.
 #pragma once
 
 #include <cstddef>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "optimized/half.h"
+#include "optimized/row_codec.h"
 
 namespace kvcheck::optimized {
 
@@ -23,6 +25,7 @@ class SlotStore {
  public:
   SlotStore() = default;
   SlotStore(int layers, int kv_heads, int head_dim, Storage storage = Storage::float32);
+  SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format);
 
   // Drops everything and makes `batch` rows of `capacity` empty slots.
   void reset(int batch, std::int64_t capacity);
@@ -39,7 +42,7 @@ class SlotStore {
   void move_slot(int row, std::int64_t from, std::int64_t to);
   void clear_slot(int row, std::int64_t slot) { meta(row, slot) = SlotMeta{}; }
 
-  // A key or value as stored: head_dim elements in storage() format.
+  // A key or value as stored: one row in key_format() or value_format().
   const void* key(int layer, int row, int kv_head, std::int64_t slot) const {
     auto* self = const_cast<SlotStore*>(this);
     return self->at(self->k_, layer, row, kv_head, slot);
@@ -48,20 +51,29 @@ class SlotStore {
     auto* self = const_cast<SlotStore*>(this);
     return self->at(self->v_, layer, row, kv_head, slot);
   }
-  // Writes head_dim floats, rounded to the storage format; reads them back as floats.
+  // Writes head_dim floats, rounded or quantized to the format; reads them back as floats.
   void write_key(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
-    encode(storage_, x, head_dim_, at(k_, layer, row, kv_head, slot));
+    encode_row(key_format_, kv_head, x, head_dim_, at(k_, layer, row, kv_head, slot), scratch_.data());
   }
   void write_value(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
-    encode(storage_, x, head_dim_, at(v_, layer, row, kv_head, slot));
+    encode_row(value_format_, kv_head, x, head_dim_, at(v_, layer, row, kv_head, slot), scratch_.data());
   }
   void read_key(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
-    decode(storage_, key(layer, row, kv_head, slot), head_dim_, x);
+    decode_row(key_format_, kv_head, static_cast<const std::byte*>(key(layer, row, kv_head, slot)), head_dim_, x);
   }
   void read_value(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
-    decode(storage_, value(layer, row, kv_head, slot), head_dim_, x);
+    decode_row(value_format_, kv_head, static_cast<const std::byte*>(value(layer, row, kv_head, slot)), head_dim_, x);
   }
-  Storage storage() const { return storage_; }
+  const RowFormat& key_format() const { return key_format_; }
+  const RowFormat& value_format() const { return value_format_; }
+  // Keys and values are plain float32 rows: the attention reads them in place.
+  bool plain_float32() const { return key_format_.codec == Codec::float32 && value_format_.codec == Codec::float32; }
+  // The float storage of the keys (float32 for a quantized format).
+  Storage storage() const {
+    return key_format_.codec == Codec::float16    ? Storage::float16
+           : key_format_.codec == Codec::bfloat16 ? Storage::bfloat16
+                                                  : Storage::float32;
+  }
   SlotMeta& meta(int row, std::int64_t slot) { return meta_[static_cast<std::size_t>(row) * capacity_ + slot]; }
   const SlotMeta& meta(int row, std::int64_t slot) const {
     return meta_[static_cast<std::size_t>(row) * capacity_ + slot];
@@ -76,12 +88,14 @@ class SlotStore {
 
  private:
   std::byte* at(std::vector<std::vector<std::byte>>& data, int layer, int row, int kv_head, std::int64_t slot) {
-    return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * row_bytes();
+    const std::size_t bytes = &data == &k_ ? key_bytes_ : value_bytes_;
+    return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * bytes;
   }
-  std::size_t row_bytes() const { return static_cast<std::size_t>(head_dim_) * element_bytes(storage_); }
 
   int layers_ = 0, kv_heads_ = 0, head_dim_ = 0, batch_ = 0;
-  Storage storage_ = Storage::float32;
+  RowFormat key_format_, value_format_;
+  std::size_t key_bytes_ = 0, value_bytes_ = 0;  // one row of each
+  std::vector<float> scratch_;                   // head_dim floats for a transform
   std::int64_t capacity_ = 0;
   std::vector<std::vector<std::byte>> k_, v_;  // per layer
   std::vector<SlotMeta> meta_;             // [row][slot]

@@ -31,6 +31,11 @@ ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const std::ve
       threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       rotary_(rotary_dim(dims.head_dim, rope)) {}
 
+void ReferenceModel::store_as(const KvQuant& quant, KvDtype kv_dtype) {
+  stored_ = std::make_unique<StoredKv>(dims_, rope_, quant, kv_dtype, inputs_);
+  stored_->reset(batch());
+}
+
 void ReferenceModel::ensure_positions(std::int64_t largest) {
   const int half = rotary_ / 2;
   const double m = rope_magnitude(rope_);
@@ -176,16 +181,74 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
   for (std::size_t k = 1; k < threads; ++k) pool.emplace_back(work, k, threads);
   work(0, threads);
   for (std::thread& th : pool) th.join();
+
+  // R_stored: one token after the other, since a shift re-rotates stored keys in the order
+  // the queries see them move.
+  if (stored_) {
+    if (attend) result.out_stored.assign(result.out.size(), std::numeric_limits<double>::quiet_NaN());
+    Scratch scratch;
+    for (int b = 0; b < B; ++b) {
+      const std::int64_t pad = n - counts[b];
+      for (std::size_t i = 0; i < result.rows[b].size(); ++i)
+        for (int l = 0; l < L; ++l) {
+          const AppendedToken& token = result.rows[b][i];
+          const std::size_t base = (((static_cast<std::size_t>(l) * B + b) * n + pad + static_cast<std::int64_t>(i)) * H) * D;
+          attend_stored(b, l, token.index, token.view_in(l), attend, scratch,
+                        attend ? result.out_stored.data() + base : nullptr);
+        }
+      // What the row keeps after the step, at the positions its next token sees them (a
+      // dense prefill shifts once more after its forward).
+      for (int l = 0; l < L; ++l)
+        for (const VisibleKey& key :
+             retained_view(layer_policies_[static_cast<std::size_t>(l)], static_cast<std::int64_t>(histories_[b].size())).keys)
+          stored_->settle(b, l, key.index, histories_[b][static_cast<std::size_t>(key.index)], key.position);
+    }
+  }
   return result;
+}
+
+void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const QueryView& view, bool attend,
+                                   Scratch& scratch, double* out) {
+  const std::vector<std::uint64_t>& history = histories_[static_cast<std::size_t>(row)];
+  const std::size_t n = view.keys.size(), D = static_cast<std::size_t>(dims_.head_dim);
+  const int Hkv = dims_.kv_heads, G = dims_.heads / dims_.kv_heads;
+  // keys and values [kv head][key][D]
+  scratch.keys.resize(Hkv * n * D);
+  scratch.values.resize(Hkv * n * D);
+  for (std::size_t j = 0; j < n; ++j) {
+    const VisibleKey& key = view.keys[j];
+    const StoredLayer& s = stored_->settle(row, layer, key.index, history[static_cast<std::size_t>(key.index)], key.position);
+    for (int g = 0; g < Hkv; ++g) {
+      const StoredHead& h = s.heads[static_cast<std::size_t>(g)];
+      std::copy(h.key.begin(), h.key.end(), scratch.keys.begin() + static_cast<std::ptrdiff_t>((g * n + j) * D));
+      std::copy(h.value.begin(), h.value.end(), scratch.values.begin() + static_cast<std::ptrdiff_t>((g * n + j) * D));
+    }
+  }
+  if (!attend) return;
+  scratch.query.resize(D);
+  scratch.scores.resize(n);
+  for (int head = 0; head < dims_.heads; ++head) {
+    const int g = head / G;
+    rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), cos_sin(view.query_position),
+                dims_.head_dim, rotary_, rope_.layout, scratch.query.data());
+    const double* sink_logit =
+        attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
+    reference::attend(scratch.query.data(), scratch.keys.data() + g * n * D, scratch.values.data() + g * n * D, n, D,
+                      scale_, sink_logit, scratch.scores.data(), out + static_cast<std::size_t>(head) * D);
+  }
 }
 
 void ReferenceModel::reorder(const std::vector<int>& rows) {
   std::vector<std::vector<std::uint64_t>> next;
   for (int r : rows) next.push_back(histories_.at(r));
   histories_ = std::move(next);
+  if (stored_) stored_->reorder(rows);
 }
 
-void ReferenceModel::reset(int batch) { histories_.assign(static_cast<std::size_t>(batch), {}); }
+void ReferenceModel::reset(int batch) {
+  histories_.assign(static_cast<std::size_t>(batch), {});
+  if (stored_) stored_->reset(batch);
+}
 
 void ReferenceModel::crop(std::int64_t length) {
   for (std::size_t b = 0; b < histories_.size(); ++b) {
@@ -210,6 +273,7 @@ void ReferenceModel::crop(std::int64_t length) {
   }
   for (auto& row : histories_)
     if (static_cast<std::int64_t>(row.size()) > length) row.resize(static_cast<std::size_t>(length));
+  if (stored_) stored_->crop(length);
 }
 
 RowRetained ReferenceModel::retained(int row, int layer) const {

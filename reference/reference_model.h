@@ -3,12 +3,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "reference/kv_quant.h"
 #include "reference/model.h"
 #include "reference/policy.h"
+#include "reference/stored_kv.h"
 
 namespace kvcheck::reference {
 
@@ -33,6 +36,7 @@ struct AppendResult {
   std::int64_t chunk = 0;                        // n, the longest chunk of the step
   std::vector<std::vector<AppendedToken>> rows;  // real tokens only, per row
   std::vector<double> out;                       // [L, B, n, H, D], NaN where padded
+  std::vector<double> out_stored;                // R_stored (SPEC 9.1), same layout; empty: not quantized
 };
 
 struct RetainedKey {
@@ -74,6 +78,12 @@ class ReferenceModel {
   // alone, so results do not depend on the count). Default: the machine's cores.
   void set_threads(int threads) { threads_ = threads < 1 ? 1 : threads; }
 
+  // SPEC 9: the caches quantize keys and values; every append also computes R_stored, the
+  // attention over the values they must hold.
+  void store_as(const KvQuant& quant, KvDtype kv_dtype);
+  // The simulated store after the last step (null unless store_as was called).
+  const StoredKv* stored() const { return stored_.get(); }
+
   int batch() const { return static_cast<int>(histories_.size()); }
   std::uint64_t next_uid() const { return next_uid_; }
   const std::vector<std::uint64_t>& history(int row) const { return histories_.at(row); }
@@ -106,6 +116,10 @@ class ReferenceModel {
   int rotary_;                   // R
   std::vector<double> cos_sin_;  // [position][m cos of each pair, then m sin of each pair]
   std::int64_t positions_ = 0;
+  std::unique_ptr<StoredKv> stored_;
+  // R_stored of one token in one layer, every kv head, into out (H heads of D).
+  void attend_stored(int row, int layer, std::int64_t t, const QueryView& view, bool attend, Scratch& scratch,
+                     double* out);
 };
 
 }  // namespace kvcheck::reference

@@ -550,8 +550,9 @@ class KvtraceTest(unittest.TestCase):
 
     def drive_every_fixture(self, policies, features=(), without=()):
         """Every built-in fixture of these policies, driven through kvtrace by SpecCache (a
-        cache that claims exactly the policy), must pass verify; none may be refused."""
-        found = kvtrace.fixtures(KVCHECK, policies=policies, features=features, without=without)
+        cache that claims exactly the policy), must pass verify; none may be refused.
+        SpecCache stores floats: the quantized fixtures (SPEC 9) are not its to pass."""
+        found = kvtrace.fixtures(KVCHECK, policies=policies, features=features, without=("quantized", *without))
         self.assertGreater(len(found), 0)
         failures = []
         for fixture in found:

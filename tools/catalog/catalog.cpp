@@ -24,14 +24,20 @@ const std::vector<CacheEntry>& real_caches() {
        [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sliding; },
        [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }},
       // float32 only: re-rotating a half-precision key at every shift rounds it again each
-      // time, and the error grows with the shifts (the zoo's rerotates_half_keys).
+      // time, and the error grows with the shifts (the zoo's rerotates_half_keys). Quantized
+      // (SPEC 9), the reference simulates each of those roundings, so it serves every format.
       {"sink_shift", "attention sinks, keys at cache positions, re-rotated when the window shifts",
        [](const Scenario& s) {
-         return !s.hybrid() && s.policy.kind == PolicyKind::sink && s.kv_dtype == KvDtype::float32;
+         return !s.hybrid() && s.policy.kind == PolicyKind::sink && (s.kv_dtype == KvDtype::float32 || s.kv_quant);
        },
        [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); }},
+      // Its keys stay at their first rotation, so a quantized key is never re-quantized: not
+      // the `shift: "requantize"` convention SPEC 9 defines for cache positions.
       {"sink_ring", "attention sinks, ring buffer, keys rotated once, query rotated twice",
-       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sink; },
+       [](const Scenario& s) {
+         return !s.hybrid() && s.policy.kind == PolicyKind::sink &&
+                !(s.kv_quant && s.kv_quant->k && s.policy.positions == SinkPositions::cache);
+       },
        [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
       // Layers of different policies (SPEC 7), each served by the cache above that fits it.
       {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "tools/harness/cache_entry.h"
+#include "tools/harness/quant_checks.h"
 
 namespace kvcheck {
 
@@ -60,7 +61,7 @@ std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_co
     // A hybrid cache keeps one single-layer store per layer.
     const optimized::SlotStore& store = cache.layer_slots(layer_index);
     const int l = store.layers() == layer_count ? layer_index : 0;
-    const bool convert = store.storage() != optimized::Storage::float32;
+    const bool convert = !store.plain_float32();
     if (convert)
       storage[static_cast<std::size_t>(layer_index)].resize(static_cast<std::size_t>(store.batch()) * store.kv_heads() *
                                                             store.capacity() * store.head_dim());
@@ -81,8 +82,14 @@ std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_co
             store.read_key(l, b, g, slot, x);
             key = x;
           }
-          layer.slots[static_cast<std::size_t>(b)][static_cast<std::size_t>(g)].push_back(
-              {slot, m.uid, m.index, m.position, key});
+          ViewSlot& v = layer.slots[static_cast<std::size_t>(b)][static_cast<std::size_t>(g)].emplace_back(
+              ViewSlot{slot, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
+          const auto* k_bytes = static_cast<const std::byte*>(store.key(l, b, g, slot));
+          const auto* v_bytes = static_cast<const std::byte*>(store.value(l, b, g, slot));
+          if (optimized::is_quantized(store.key_format().codec))
+            v.key_codes = optimized::unpack_row(store.key_format(), g, k_bytes, store.head_dim());
+          if (optimized::is_quantized(store.value_format().codec))
+            v.value_codes = optimized::unpack_row(store.value_format(), g, v_bytes, store.head_dim());
         }
   }
   return layers;
@@ -111,7 +118,7 @@ CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
   if (view.error && rec.refused.empty()) return view;
   view.batch = cache_->batch();
   view.layers = slot_layers(*cache_, s_.dims.layers, out_, view.storage);
-  view.roundoff = unit_roundoff(s_.kv_dtype);
+  view.roundoff = key_roundoff(s_);
   if (rec.append) view.pairs = std::move(log_);
   return view;
 }

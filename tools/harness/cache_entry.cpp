@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "tools/harness/quant_checks.h"
 #include "tools/harness/scenario.h"
 
 namespace kvcheck {
@@ -71,6 +72,10 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.storage = s.kv_dtype == KvDtype::float32   ? optimized::Storage::float32
               : s.kv_dtype == KvDtype::float16 ? optimized::Storage::float16
                                                : optimized::Storage::bfloat16;
+  if (s.kv_quant) {
+    if (s.kv_quant->k) c.key_quant = row_format(*s.kv_quant->k, s.kv_quant->transform);
+    if (s.kv_quant->v) c.value_quant = row_format(*s.kv_quant->v, s.kv_quant->transform);
+  }
   // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so
   // every check also runs the threaded path.
   c.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);

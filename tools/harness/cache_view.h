@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "optimized/attention.h"
+#include "optimized/row_codec.h"
 
 namespace kvcheck {
 
@@ -36,6 +37,8 @@ struct ViewSlot {
   std::optional<std::int64_t> claimed_index;     // slot metadata, when the cache keeps it
   std::optional<std::int64_t> claimed_position;  // likewise
   const float* key = nullptr;                    // head_dim floats as stored (rotated)
+  // A quantized cache's codes and scales (SPEC 9.2.1), when the source shows them.
+  std::optional<optimized::UnpackedRow> key_codes, value_codes;
 };
 
 struct ViewLayer {

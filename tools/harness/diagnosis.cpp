@@ -76,6 +76,14 @@ const char* class_name(BugClass c) {
       return "token dropped before its last use";
     case BugClass::chunk_sees_future_keys:
       return "chunk sees future keys";
+    case BugClass::quant_scale_wrong:
+      return "quantization scale wrong";
+    case BugClass::quant_codes_wrong:
+      return "quantized codes wrong";
+    case BugClass::quant_scale_not_applied:
+      return "scale not applied";
+    case BugClass::quant_dequantization_layout:
+      return "dequantization layout";
   }
   return "?";
 }
@@ -182,6 +190,19 @@ const char* class_explanation(BugClass c) {
              "dropped it: holding it no longer after the step is fine, but it went before the forward, not after "
              "it (a buffer that rolls when its last slot is reached instead of when it is passed: transformers "
              "4.46's SlidingWindowCache).";
+    case BugClass::quant_scale_wrong:
+      return "A stored scale is not the one the format's rule gives for the values it covers (SPEC 9.2.1): a scale "
+             "computed once and frozen, from another batch, the wrong group, or never loaded from the checkpoint.";
+    case BugClass::quant_codes_wrong:
+      return "Scales are right but stored codes are not the format's rounding of the values the cache should hold: "
+             "wrong rounding, group or axis, a transform missing on a path, or a key quantized at another position "
+             "(a shift that skipped the quantized store).";
+    case BugClass::quant_scale_not_applied:
+      return "Codes and scales are stored right, but the attention read the codes with a scale of 1: the outputs "
+             "equal the attention over unscaled codes. Scale plumbing (SGLang's k_scale never reaching the kernel).";
+    case BugClass::quant_dequantization_layout:
+      return "Codes and scales are stored right, but the attention dequantized them wrongly: nibble order, stride, "
+             "or V read with K's scales (ik_llama.cpp's FlashMLA reading V as a view of K).";
     case BugClass::chunk_sees_future_keys:
       return "A token of a multi-token chunk attended the chunk's later tokens: its output equals the attention "
              "over its visible keys plus those. The causal mask inside the chunk is missing, typically a model's "
@@ -386,6 +407,12 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (early) return BugClass::shift_one_token_early;
   if (!e.pairs.empty() || e.query_unreadable) return BugClass::positions_wrong;
   if (lost || extra) return BugClass::evicted_wrong_token;
+  if (!e.codes.empty())
+    return any(e.codes, [](const CodeMismatch& c) { return c.element < 0; }) ? BugClass::quant_scale_wrong
+                                                                             : BugClass::quant_codes_wrong;
+  if (e.outputs_fit_unit_scale) return BugClass::quant_scale_not_applied;
+  if (s.kv_quant && !e.outputs.empty() && e.slots.empty() && e.pairs.empty())
+    return BugClass::quant_dequantization_layout;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
   if (e.outputs_fit_with_later_chunk_keys) return BugClass::chunk_sees_future_keys;
   if (!e.outputs.empty() && e.dropped_before_last_use) return BugClass::dropped_before_last_use;

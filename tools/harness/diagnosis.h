@@ -46,6 +46,10 @@ enum class BugClass {
   layer_policy_swapped,
   dropped_before_last_use,
   chunk_sees_future_keys,
+  quant_scale_wrong,
+  quant_codes_wrong,
+  quant_scale_not_applied,
+  quant_dequantization_layout,
 };
 
 const char* class_name(BugClass c);
@@ -90,6 +94,17 @@ struct SlotIssue {
   }
 };
 
+// SPEC 9.2.1: a stored code or scale that is not the format's rule applied to the key or
+// value the cache should hold.
+struct CodeMismatch {
+  int layer, row, kv_head;
+  bool value;  // in V (else K)
+  std::int64_t uid, slot;
+  int element;           // -1: the scale of group `group`
+  int group;
+  double expected, actual;  // the code, or the scale
+};
+
 struct OutputMismatch {
   int layer, row, head, dim;
   std::int64_t query_index, uid;
@@ -104,6 +119,8 @@ struct StepEvidence {
   std::vector<OutputMismatch> outputs;
   std::vector<PairMismatch> pairs;
   std::vector<SlotIssue> slots;
+  std::vector<CodeMismatch> codes;        // SPEC 9.2.1
+  bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
   bool chunk_kept_whole = false;         // a row holds all of a chunk longer than the policy keeps
   bool wrong_row_count = false;          // the cache holds another number of rows than the reference
@@ -119,7 +136,7 @@ struct StepEvidence {
   bool dropped_before_last_use = false;
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
-           pairs.empty() && slots.empty();
+           pairs.empty() && slots.empty() && codes.empty();
   }
 };
 

@@ -2,10 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "reference/quantize.h"
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
@@ -76,6 +79,65 @@ json cache_json(std::size_t index, const StepRecord& record) {
   return {{"step", index}, {"layers", layers}};
 }
 
+json kv_quant_json(const KvQuant& q, int head_dim) {
+  const auto tensor = [head_dim](const TensorQuant& t) {
+    json scale = {{"granularity", to_string(t.scale.granularity)},
+                  {"dtype", to_string(t.scale.dtype)},
+                  {"elements", reference::scale_group(t, head_dim)}};  // per scale, along head_dim
+    if (t.scale.granularity == ScaleGranularity::group) scale["group"] = t.scale.group;
+    if (t.scale.rule == ScaleRule::fixed)
+      scale["value"] = t.scale.values;
+    else
+      scale["value"] = "amax";
+    return json{{"format", to_string(t.format)}, {"scale", scale}};
+  };
+  json j = {{"transform", to_string(q.transform)}, {"shift", "requantize"}, {"residual", 0}, {"flush", "append"},
+            {"prefill", "store"}, {"chunk_reads", "stored"}};
+  if (q.k) j["k"] = tensor(*q.k);
+  if (q.v) j["v"] = tensor(*q.v);
+  return j;
+}
+
+// SPEC 9: the codes and scales a quantized cache must hold after the step, for the keys of
+// the step's cache file in its order ([L, B, R, Hkv, D] codes and [L, B, R, Hkv, groups]
+// scales, R the most keys any row keeps; a shorter row is padded with code 0 and scale NaN).
+void write_stored_codes(const std::filesystem::path& dir, const std::string& stem, const Scenario& s,
+                        const StepRecord& r, json& step) {
+  const std::size_t L = r.stored.size(), B = r.stored.empty() ? 0 : r.stored[0].size();
+  const std::size_t Hkv = static_cast<std::size_t>(s.dims.kv_heads), D = static_cast<std::size_t>(s.dims.head_dim);
+  std::size_t R = 0;
+  for (const auto& layer : r.stored)
+    for (const auto& row : layer) R = std::max(R, row.size());
+  for (const bool value : {false, true}) {
+    const std::optional<TensorQuant>& t = value ? s.kv_quant->v : s.kv_quant->k;
+    if (!t) continue;
+    const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(*t, s.dims.head_dim));
+    const bool affine = t->format == QuantFormat::int4 || t->format == QuantFormat::int2;
+    std::vector<std::int32_t> codes(L * B * R * Hkv * D, 0), zeros(affine ? L * B * R * Hkv * G : 0, 0);
+    std::vector<double> scales(L * B * R * Hkv * G, std::numeric_limits<double>::quiet_NaN());
+    for (std::size_t l = 0; l < L; ++l)
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t i = 0; i < r.stored[l][b].size(); ++i)
+          for (std::size_t g = 0; g < Hkv; ++g) {
+            const reference::StoredHead& h = r.stored[l][b][i].heads[g];
+            const reference::QuantizedRow& row = value ? h.value_codes : h.key_codes;
+            const std::size_t at = (((l * B + b) * R + i) * Hkv + g);
+            std::copy(row.codes.begin(), row.codes.end(), codes.begin() + static_cast<std::ptrdiff_t>(at * D));
+            std::copy(row.scales.begin(), row.scales.end(), scales.begin() + static_cast<std::ptrdiff_t>(at * G));
+            if (affine) std::copy(row.zeros.begin(), row.zeros.end(), zeros.begin() + static_cast<std::ptrdiff_t>(at * G));
+          }
+    const std::string name = value ? "v" : "k";
+    step[name + "_codes"] = stem + "_" + name + "_codes.npy";
+    step[name + "_scales"] = stem + "_" + name + "_scales.npy";
+    write_npy((dir / (stem + "_" + name + "_codes.npy")).string(), {L, B, R, Hkv, D}, codes);
+    write_npy((dir / (stem + "_" + name + "_scales.npy")).string(), {L, B, R, Hkv, G}, scales);
+    if (affine) {
+      step[name + "_zero"] = stem + "_" + name + "_zero.npy";
+      write_npy((dir / (stem + "_" + name + "_zero.npy")).string(), {L, B, R, Hkv, G}, zeros);
+    }
+  }
+}
+
 }  // namespace
 
 bool is_export_folder(const std::string& dir) {
@@ -138,7 +200,13 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
       step["rows"] = rows;
       step["out"] = step_stem(i) + "_out.npy";
       write_npy((dir.path() / (step_stem(i) + "_out.npy")).string(), {L, B, n, H, D}, r.append->out);
+      if (!r.append->out_stored.empty()) {  // SPEC 9.1: over what a quantized cache must hold
+        step["out_stored"] = step_stem(i) + "_out_stored.npy";
+        write_npy((dir.path() / (step_stem(i) + "_out_stored.npy")).string(), {L, B, n, H, D},
+                  r.append->out_stored);
+      }
     }
+    if (!r.stored.empty()) write_stored_codes(dir.path(), step_stem(i), s, r, step);
     if (r.step.op == StepOp::reorder) step["rows_from"] = r.step.rows;
     if (r.step.op == StepOp::crop) step["length"] = r.step.length;
     if (!r.step.expect_error.empty()) step["expect_error"] = r.step.expect_error;
@@ -161,6 +229,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                    {"steps", steps}};
   if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
   if (s.kv_dtype != KvDtype::float32) manifest["kv_dtype"] = to_string(s.kv_dtype);
+  if (s.kv_quant) manifest["kv_quant"] = kv_quant_json(*s.kv_quant, s.dims.head_dim);
   if (s.hybrid()) {
     json policies = json::array();
     for (const Policy& p : s.layer_policies) policies.push_back(policy_json(p));

@@ -257,6 +257,9 @@ void write_npy(const std::string& path, const std::vector<std::size_t>& shape, c
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<double>& data) {
   write(path, shape, data);
 }
+void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<std::int32_t>& data) {
+  write(path, shape, data);
+}
 
 std::string shape_string(const std::vector<std::size_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 

@@ -24,6 +24,7 @@ NpyArray<float> read_npy_floats(const std::string& path, double* roundoff);
 
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data);
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<double>& data);
+void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<std::int32_t>& data);
 
 // "[2, 3, 4]"
 std::string shape_string(const std::vector<std::size_t>& shape);

@@ -57,7 +57,9 @@ ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, 
     : scenario_(s),
       state_(new State{
           reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}}),
-      attend_(std::move(attend)) {}
+      attend_(std::move(attend)) {
+  if (s.kv_quant) state_->model.store_as(*s.kv_quant, s.kv_dtype);
+}
 
 ReferenceStepper::~ReferenceStepper() = default;
 
@@ -67,7 +69,7 @@ StepRecord ReferenceStepper::next() {
   const std::size_t i = next_++;
   const Step& step = scenario_.steps.at(i);
   reference::ReferenceModel& model = state_->model;
-  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}};
+  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}, {}};
   try {
     switch (step.op) {
       case StepOp::append:
@@ -102,6 +104,14 @@ StepRecord ReferenceStepper::next() {
         record.layer_retained[static_cast<std::size_t>(l)].push_back(model.retained(b, l));
   }
   record.histories = state_->histories.after(step, model);
+  if (const reference::StoredKv* stored = model.stored()) {
+    record.stored.resize(static_cast<std::size_t>(scenario_.dims.layers));
+    for (int l = 0; l < scenario_.dims.layers; ++l)
+      for (int b = 0; b < model.batch(); ++b) {
+        auto& keys = record.stored[static_cast<std::size_t>(l)].emplace_back();
+        for (const reference::RetainedKey& key : record.retained_in(l, b).keys) keys.push_back(stored->at(b, l, key.index));
+      }
+  }
   return record;
 }
 

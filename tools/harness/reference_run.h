@@ -43,6 +43,9 @@ struct StepRecord {
                                   : layer_retained[static_cast<std::size_t>(layer)][static_cast<std::size_t>(row)];
   }
   std::vector<RowHistory> histories;  // per row, after the step
+  // SPEC 9: what a quantized cache must hold after the step, [layer][row][i] for the i-th
+  // key of retained_in(layer, row); empty unless the scenario quantizes.
+  std::vector<std::vector<std::vector<reference::StoredLayer>>> stored;
   std::string refused;                // the code when the step was refused
   std::string refusal_message;
 };

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "reference/kv_quant.h"
 #include "reference/model.h"
 
 namespace kvcheck {
@@ -55,6 +56,7 @@ struct Scenario {
   Rope rope;
   Attention attention;                  // learned sink logits (SPEC 7)
   KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
+  std::optional<KvQuant> kv_quant;      // quantized storage (SPEC 9); kv_dtype holds what is not quantized
   Policy policy;                        // layer 0's (every layer's unless `policy` was a list)
   std::vector<Policy> layer_policies;   // one per layer (SPEC 7): Gemma- and gpt-oss-style hybrids
   std::optional<double> scale;          // softmax scale; 1/sqrt(D) when absent

@@ -36,6 +36,8 @@ const char* to_string(Feature f) {
       return "evict_block";
     case Feature::gqa:
       return "gqa";
+    case Feature::quantized:
+      return "quantized";
   }
   return "?";
 }
@@ -45,7 +47,8 @@ const std::vector<Feature>& all_features() {
       Feature::left_padding,     Feature::reorder,        Feature::crop,           Feature::refused_step,
       Feature::reset,            Feature::per_layer_policy, Feature::learned_sinks, Feature::rope_scaling,
       Feature::partial_rotary,   Feature::interleaved_rope, Feature::half_precision, Feature::dense_prefill,
-      Feature::original_positions, Feature::evict_block,  Feature::gqa};
+      Feature::original_positions, Feature::evict_block,  Feature::gqa,
+                                             Feature::quantized};
   return all;
 }
 
@@ -81,6 +84,7 @@ std::vector<Feature> scenario_features(const Scenario& s) {
       }));
   add(Feature::evict_block, any_policy([](const Policy& p) { return p.kind == PolicyKind::sink && p.evict > 1; }));
   add(Feature::gqa, s.dims.kv_heads < s.dims.heads);
+  add(Feature::quantized, s.kv_quant.has_value());
   return f;
 }
 

@@ -25,6 +25,7 @@ enum class Feature {
   original_positions, // sink positions "original"
   evict_block,        // sink evict > 1 (llama.cpp's context shift)
   gqa,                // kv_heads < heads
+  quantized,          // kv_quant (SPEC 9): codes and scales, not floats
 };
 
 const char* to_string(Feature f);

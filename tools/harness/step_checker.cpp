@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -14,6 +15,7 @@
 #include "tools/harness/divergence_report.h"
 #include "tools/harness/hypotheses.h"
 #include "tools/harness/progress.h"
+#include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
 
 namespace kvcheck {
@@ -213,6 +215,7 @@ class StepChecker::Impl {
         options_(options),
         max_position_(largest_position(s)),
         rotations_(s.dims.head_dim, s.rope, largest_position(s)) {
+    if (s.kv_quant) quant_.emplace(s, inputs);
     rotations_.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
@@ -329,7 +332,11 @@ class StepChecker::Impl {
           fmt::format("{}: the cache has {} rows, the reference {}", evidence.label, view.batch, rec.retained.size()));
       return false;
     }
-    const Tolerance tolerance = output_tolerance(s_, inputs_, view.roundoff);
+    // Quantized: outputs are compared with R_stored, the attention over exactly what the
+    // cache must hold, so float32's tolerance, plus what codes a cache may round the other
+    // way at a boundary can move.
+    Tolerance tolerance = quant_ ? s_.tolerance : output_tolerance(s_, inputs_, view.roundoff);
+    if (quant_) tolerance.atol += quant_->check_codes(rec, view, evidence);
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
@@ -603,12 +610,15 @@ class StepChecker::Impl {
     const std::int64_t n = ref.chunk;
     const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
     outputs_seen_ = true;
+    // A quantized cache is held to R_stored here and to the format's bound of R_ideal there.
+    const std::vector<double>& expected = ref.out_stored.empty() ? ref.out : ref.out_stored;
+    if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, evidence.label);
     std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < D; ++d) {
           const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;
-          const double want = ref.out[static_cast<std::size_t>(l) * B * n * H * D + at];
+          const double want = expected[static_cast<std::size_t>(l) * B * n * H * D + at];
           const double got = out[at];
           const double err = std::abs(got - want);
           sum_sq_err_ += std::isnan(err) ? 0.0 : err * err;
@@ -636,6 +646,7 @@ class StepChecker::Impl {
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
           fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
+    if (quant_) evidence.outputs_fit_unit_scale = quant_->fits_unit_scale(rec, l, b, i, h, out, tol.atol, tol.rtol);
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =
           fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));
@@ -899,6 +910,7 @@ class StepChecker::Impl {
             ? std::string("every stored key is its raw key rotated by its claimed position")
             : fmt::format("every stored key is its raw key rotated at its {} position",
                           to_string(options_.key_positions)));
+    if (quant_) quant_->add_checks(o);
     o.max_abs_error = max_abs_;
     o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
     o.position_mismatches = positions_.failures + rotation_.failures;
@@ -919,6 +931,7 @@ class StepChecker::Impl {
   std::vector<std::pair<std::size_t, double>> rotation_errors_;  // per append step
   std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns_;  // [layer][row][step][slot]
   Tally refusals_, outputs_, positions_, retained_, rotation_, unrecorded_;
+  std::optional<QuantChecks> quant_;  // SPEC 9: the scenario quantizes the cache
   Tolerance used_tolerance_{0.0, 0.0};
   std::string skipped_;
   std::int64_t lazy_rows_ = 0, eager_rows_ = 0, recorded_ = 0;

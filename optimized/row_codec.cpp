@@ -1,0 +1,304 @@
+#include "optimized/row_codec.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace kvcheck::optimized {
+
+namespace {
+
+bool affine(Codec c) { return c == Codec::int4 || c == Codec::int2; }
+bool fp8(Codec c) { return c == Codec::fp8_e4m3 || c == Codec::fp8_e5m2; }
+
+int code_bits(Codec c) {
+  switch (c) {
+    case Codec::q4_0:
+    case Codec::int4:
+      return 4;
+    case Codec::int2:
+      return 2;
+    default:
+      return 8;
+  }
+}
+
+int group_of(const RowFormat& f, int d) {
+  if (f.codec == Codec::q8_0 || f.codec == Codec::q4_0) return 32;
+  return f.group > 0 ? f.group : d;
+}
+
+bool stores_scale(const RowFormat& f) { return f.static_scales.empty(); }
+// ggml's blocks always keep a float16 scale.
+bool half_scale(const RowFormat& f) { return f.scale_half || f.codec == Codec::q8_0 || f.codec == Codec::q4_0; }
+std::size_t scale_bytes(const RowFormat& f) { return stores_scale(f) ? (half_scale(f) ? 2 : 4) : 0; }
+
+std::size_t group_bytes(const RowFormat& f, int g) {
+  return scale_bytes(f) + (affine(f.codec) ? 2 : 0) + (static_cast<std::size_t>(g) * code_bits(f.codec) + 7) / 8;
+}
+
+// fp8 (OCP E4M3FN and E5M2): round to nearest, ties to even, saturating at the largest
+// finite value. The code's low bits are the mantissa, so an even q is an even code.
+struct Fp8 {
+  int mantissa_bits, bias, top;  // top: the largest finite positive code
+};
+constexpr Fp8 kE4m3{3, 7, 0x7E}, kE5m2{2, 15, 0x7B};
+
+std::uint8_t fp8_encode(const Fp8& f, float y) {
+  const std::uint8_t sign = std::signbit(y) ? 0x80 : 0;
+  const float a = std::abs(y);
+  const float min_normal = std::ldexp(1.0f, 1 - f.bias);
+  int code = 0;
+  if (!(a < std::ldexp(1.0f, 20))) {  // huge or NaN: saturate
+    code = f.top;
+  } else if (a < min_normal) {  // subnormal: steps of 2^(1 - bias - m)
+    code = static_cast<int>(std::nearbyint(std::ldexp(a, f.bias - 1 + f.mantissa_bits)));
+  } else {
+    int e = 0;
+    std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1): the exponent is e - 1
+    const float q = std::nearbyint(std::ldexp(a, f.mantissa_bits - (e - 1)));  // in [2^m, 2^(m+1)]
+    code = ((e - 1 + f.bias) << f.mantissa_bits) + static_cast<int>(q) - (1 << f.mantissa_bits);
+  }
+  return static_cast<std::uint8_t>(sign | std::min(code, f.top));
+}
+
+float fp8_decode(const Fp8& f, std::uint8_t c) {
+  const int e = (c & 0x7F) >> f.mantissa_bits, m = c & ((1 << f.mantissa_bits) - 1);
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - f.bias - f.mantissa_bits)
+                         : std::ldexp(static_cast<float>(m + (1 << f.mantissa_bits)), e - f.bias - f.mantissa_bits);
+  return (c & 0x80) ? -v : v;
+}
+
+const Fp8& fp8_of(Codec c) { return c == Codec::fp8_e4m3 ? kE4m3 : kE5m2; }
+
+float code_range(Codec c) {
+  switch (c) {
+    case Codec::fp8_e4m3:
+      return 448.0f;
+    case Codec::fp8_e5m2:
+      return 57344.0f;
+    default:
+      return 127.0f;
+  }
+}
+
+// The normalized fast Walsh-Hadamard transform, in place (n a power of two).
+void walsh_hadamard(float* x, int n) {
+  for (int h = 1; h < n; h *= 2)
+    for (int i = 0; i < n; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= norm;
+}
+
+float as_stored(bool half, float s) { return half ? from_float16(to_float16(s)) : s; }
+
+void put_scale(const RowFormat& f, float s, std::byte*& p) {
+  if (!stores_scale(f)) return;
+  if (half_scale(f)) {
+    const std::uint16_t h = to_float16(s);
+    std::memcpy(p, &h, 2);
+  } else {
+    std::memcpy(p, &s, 4);
+  }
+  p += scale_bytes(f);
+}
+
+float get_scale(const RowFormat& f, int kv_head, const std::byte*& p) {
+  if (!stores_scale(f))
+    return f.static_scales.size() == 1 ? f.static_scales[0] : f.static_scales[static_cast<std::size_t>(kv_head)];
+  float s = 0.0f;
+  if (half_scale(f)) {
+    std::uint16_t h = 0;
+    std::memcpy(&h, p, 2);
+    s = from_float16(h);
+  } else {
+    std::memcpy(&s, p, 4);
+  }
+  p += scale_bytes(f);
+  return s;
+}
+
+void put_code(const RowFormat& f, std::byte* codes, int i, int g, int c) {
+  const auto u = static_cast<std::uint8_t>(c);
+  if (f.codec == Codec::q4_0) {  // ggml: byte j holds element j (low) and j + 16 (high)
+    const int half = g / 2, j = i % half;
+    auto& byte = reinterpret_cast<std::uint8_t&>(codes[j]);
+    byte = i < half ? static_cast<std::uint8_t>((byte & 0xF0) | (u & 0x0F))
+                    : static_cast<std::uint8_t>((byte & 0x0F) | (u << 4));
+    return;
+  }
+  const int bits = code_bits(f.codec);
+  if (bits == 8) {
+    codes[i] = static_cast<std::byte>(u);
+    return;
+  }
+  const int bit = i * bits, mask = (1 << bits) - 1;
+  auto& byte = reinterpret_cast<std::uint8_t&>(codes[bit / 8]);
+  byte = static_cast<std::uint8_t>((byte & ~(mask << (bit % 8))) | ((u & mask) << (bit % 8)));
+}
+
+int get_code(const RowFormat& f, const std::byte* codes, int i, int g) {
+  if (f.codec == Codec::q4_0) {
+    const int half = g / 2;
+    const auto byte = static_cast<std::uint8_t>(codes[i % half]);
+    return i < half ? byte & 0x0F : byte >> 4;
+  }
+  const int bits = code_bits(f.codec);
+  const auto byte = static_cast<std::uint8_t>(codes[i * bits / 8]);
+  if (bits == 8) return f.codec == Codec::int8 || f.codec == Codec::q8_0 ? static_cast<std::int8_t>(byte) : byte;
+  return (byte >> (i * bits % 8)) & ((1 << bits) - 1);
+}
+
+}  // namespace
+
+RowFormat float_format(Storage storage) {
+  RowFormat f;
+  f.codec = storage == Storage::float32 ? Codec::float32 : storage == Storage::float16 ? Codec::float16 : Codec::bfloat16;
+  return f;
+}
+
+bool is_quantized(Codec codec) {
+  return codec != Codec::float32 && codec != Codec::float16 && codec != Codec::bfloat16;
+}
+
+std::size_t row_bytes(const RowFormat& f, int d) {
+  switch (f.codec) {
+    case Codec::float32:
+      return static_cast<std::size_t>(d) * 4;
+    case Codec::float16:
+    case Codec::bfloat16:
+      return static_cast<std::size_t>(d) * 2;
+    default: {
+      const int g = group_of(f, d);
+      return static_cast<std::size_t>(d / g) * group_bytes(f, g);
+    }
+  }
+}
+
+void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byte* out, float* scratch) {
+  switch (f.codec) {
+    case Codec::float32:
+      return encode(Storage::float32, x, d, out);
+    case Codec::float16:
+      return encode(Storage::float16, x, d, out);
+    case Codec::bfloat16:
+      return encode(Storage::bfloat16, x, d, out);
+    default:
+      break;
+  }
+  if (f.hadamard) {
+    std::copy_n(x, d, scratch);
+    walsh_hadamard(scratch, d);
+    x = scratch;
+  }
+  const int g = group_of(f, d);
+  std::memset(out, 0, row_bytes(f, d));
+  for (int g0 = 0; g0 < d; g0 += g) {
+    const float* xs = x + g0;
+    std::byte* p = out + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
+    float amax = 0.0f;
+    for (int i = 0; i < g; ++i) amax = std::max(amax, std::abs(xs[i]));
+    if (f.codec == Codec::q8_0) {  // as ggml's quantize_row_q8_0
+      const float s = amax / 127.0f, inv = s != 0.0f ? 1.0f / s : 0.0f;
+      put_scale(f, s, p);
+      for (int i = 0; i < g; ++i) put_code(f, p, i, g, static_cast<int>(std::round(xs[i] * inv)));
+    } else if (f.codec == Codec::q4_0) {  // as ggml's quantize_row_q4_0
+      float m = 0.0f;
+      for (int i = 0; i < g; ++i)
+        if (std::abs(xs[i]) > std::abs(m)) m = xs[i];
+      const float s = m / -8.0f, inv = s != 0.0f ? 1.0f / s : 0.0f;
+      put_scale(f, s, p);
+      for (int i = 0; i < g; ++i)
+        put_code(f, p, i, g, std::min(15, static_cast<int>(static_cast<std::int8_t>(xs[i] * inv + 8.5f))));
+    } else if (affine(f.codec)) {
+      float lo = *std::min_element(xs, xs + g), hi = *std::max_element(xs, xs + g);
+      if (lo == hi) lo = std::min(lo, 0.0f), hi = std::max(hi, 0.0f);
+      const int top = (1 << code_bits(f.codec)) - 1;
+      const float s = as_stored(f.scale_half, static_cast<float>((static_cast<double>(hi) - lo) / top));
+      const int z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
+      put_scale(f, s, p);
+      const auto z16 = static_cast<std::int16_t>(z);
+      std::memcpy(p, &z16, 2);
+      p += 2;
+      for (int i = 0; i < g; ++i)
+        put_code(f, p, i, g, std::clamp(static_cast<int>(s != 0.0f ? std::round(xs[i] / s) : 0.0f) + z, 0, top));
+    } else {  // int8 and fp8: a static scale, or the group's amax over the code range
+      float s = 0.0f;
+      if (!stores_scale(f))
+        s = f.static_scales.size() == 1 ? f.static_scales[0] : f.static_scales[static_cast<std::size_t>(kv_head)];
+      else
+        s = as_stored(f.scale_half, static_cast<float>(static_cast<double>(amax) / code_range(f.codec)));
+      put_scale(f, s, p);
+      for (int i = 0; i < g; ++i) {
+        const float y = s != 0.0f ? xs[i] / s : 0.0f;
+        put_code(f, p, i, g,
+                 f.codec == Codec::int8 ? std::clamp(static_cast<int>(std::round(y)), -127, 127)
+                                        : fp8_encode(fp8_of(f.codec), y));
+      }
+    }
+  }
+}
+
+void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, float* x) {
+  switch (f.codec) {
+    case Codec::float32:
+      return decode(Storage::float32, in, d, x);
+    case Codec::float16:
+      return decode(Storage::float16, in, d, x);
+    case Codec::bfloat16:
+      return decode(Storage::bfloat16, in, d, x);
+    default:
+      break;
+  }
+  const int g = group_of(f, d);
+  for (int g0 = 0; g0 < d; g0 += g) {
+    const std::byte* p = in + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
+    const float s = get_scale(f, kv_head, p);
+    int z = 0;
+    if (affine(f.codec)) {
+      std::int16_t z16 = 0;
+      std::memcpy(&z16, p, 2);
+      z = z16;
+      p += 2;
+    }
+    for (int i = 0; i < g; ++i) {
+      const int c = get_code(f, p, i, g);
+      float v = 0.0f;
+      if (fp8(f.codec))
+        v = fp8_decode(fp8_of(f.codec), static_cast<std::uint8_t>(c)) * s;
+      else if (f.codec == Codec::q4_0)
+        v = static_cast<float>(c - 8) * s;
+      else
+        v = static_cast<float>(c - z) * s;
+      x[g0 + i] = v;
+    }
+  }
+  if (f.hadamard) walsh_hadamard(x, d);
+}
+
+UnpackedRow unpack_row(const RowFormat& f, int kv_head, const std::byte* in, int d) {
+  if (!is_quantized(f.codec)) throw std::logic_error("unpack_row: the row is not quantized");
+  UnpackedRow u;
+  const int g = group_of(f, d);
+  for (int g0 = 0; g0 < d; g0 += g) {
+    const std::byte* p = in + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
+    u.scales.push_back(get_scale(f, kv_head, p));
+    if (affine(f.codec)) {
+      std::int16_t z16 = 0;
+      std::memcpy(&z16, p, 2);
+      u.zeros.push_back(z16);
+      p += 2;
+    }
+    for (int i = 0; i < g; ++i) u.codes.push_back(get_code(f, p, i, g));
+  }
+  return u;
+}
+
+}  // namespace kvcheck::optimized

@@ -1,0 +1,46 @@
+// How one stored row (head_dim elements of one token and kv head) is laid out: float32,
+// float16, bfloat16 (SPEC 7) or a quantized format (SPEC 9), written by the cache and read
+// back by its attention. Quantized rows are groups of [scale][zero point][codes], as ggml's
+// blocks are; q4_0 keeps ggml's nibble order (byte j: element j low, j + 16 high).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "optimized/half.h"
+
+namespace kvcheck::optimized {
+
+enum class Codec { float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
+
+struct RowFormat {
+  Codec codec = Codec::float32;
+  int group = 0;                     // elements per scale; 0: the whole row
+  bool scale_half = false;           // scales stored in float16 (else float32)
+  std::vector<float> static_scales;  // fixed scales: one, or one per kv head; empty: from the values
+  bool hadamard = false;             // the row is multiplied by the normalized Hadamard matrix first
+  bool operator==(const RowFormat&) const = default;
+};
+
+RowFormat float_format(Storage storage);
+bool is_quantized(Codec codec);
+
+// Bytes of one stored row of d elements.
+std::size_t row_bytes(const RowFormat& format, int d);
+
+// Writes x[0..d) of kv head `kv_head` into `out` (row_bytes long). `scratch` holds d floats.
+void encode_row(const RowFormat& format, int kv_head, const float* x, int d, std::byte* out, float* scratch);
+// Reads a stored row back into d floats (the transform undone).
+void decode_row(const RowFormat& format, int kv_head, const std::byte* in, int d, float* x);
+
+// What a quantized row holds, unpacked: one code per element (fp8: its bit pattern),
+// the scales and (affine formats) the zero points, one per group.
+struct UnpackedRow {
+  std::vector<int> codes;
+  std::vector<float> scales;
+  std::vector<int> zeros;
+};
+UnpackedRow unpack_row(const RowFormat& format, int kv_head, const std::byte* in, int d);
+
+}  // namespace kvcheck::optimized

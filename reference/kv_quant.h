@@ -1,0 +1,79 @@
+// SPEC 9: how a quantized cache stores keys and values, as a scenario declares it (the
+// `kv_quant` field). Plain value types: the reference's quantizer is reference/quantize.h.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+namespace kvcheck {
+
+enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
+
+// What one scale covers: the whole tensor, one kv head, one token's row of head_dim (per kv
+// head), or `group` consecutive elements of that row.
+enum class ScaleGranularity { tensor, head, token, group };
+enum class ScaleDtype { float32, float16 };
+// A static scale (a checkpoint's k_scale) or one computed from the values quantized together.
+enum class ScaleRule { fixed, amax };
+
+struct QuantScale {
+  ScaleGranularity granularity = ScaleGranularity::token;
+  int group = 0;  // elements per scale (group, q8_0, q4_0); head_dim for token
+  ScaleDtype dtype = ScaleDtype::float32;
+  ScaleRule rule = ScaleRule::amax;
+  std::vector<double> values;  // fixed: one (tensor) or one per kv head (head)
+  bool operator==(const QuantScale&) const = default;
+};
+
+struct TensorQuant {
+  QuantFormat format = QuantFormat::q8_0;
+  QuantScale scale;
+  bool operator==(const TensorQuant&) const = default;
+};
+
+enum class QuantTransform { none, hadamard };
+
+struct KvQuant {
+  std::optional<TensorQuant> k, v;  // absent: stored in kv_dtype
+  QuantTransform transform = QuantTransform::none;
+  // A shifting policy re-rotates a quantized key by dequantize, rotate, quantize.
+  bool requantize_on_shift = true;
+  bool operator==(const KvQuant&) const = default;
+};
+
+inline const char* to_string(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::fp8_e4m3:
+      return "fp8_e4m3";
+    case QuantFormat::fp8_e5m2:
+      return "fp8_e5m2";
+    case QuantFormat::int8:
+      return "int8";
+    case QuantFormat::q8_0:
+      return "q8_0";
+    case QuantFormat::q4_0:
+      return "q4_0";
+    case QuantFormat::int4:
+      return "int4";
+    case QuantFormat::int2:
+      return "int2";
+  }
+  return "?";
+}
+inline const char* to_string(ScaleGranularity g) {
+  switch (g) {
+    case ScaleGranularity::tensor:
+      return "tensor";
+    case ScaleGranularity::head:
+      return "head";
+    case ScaleGranularity::token:
+      return "token";
+    case ScaleGranularity::group:
+      return "group";
+  }
+  return "?";
+}
+inline const char* to_string(ScaleDtype d) { return d == ScaleDtype::float32 ? "float32" : "float16"; }
+inline const char* to_string(QuantTransform t) { return t == QuantTransform::none ? "none" : "hadamard"; }
+
+}  // namespace kvcheck

@@ -1,0 +1,243 @@
+#include "reference/quantize.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <stdexcept>
+
+namespace kvcheck::reference {
+
+namespace {
+
+// A cache's float32 rotation (and transform) may differ from this double one by a few
+// ulps of the row's largest element; a value that close to a rounding boundary may take
+// either code. 8 ulps of float32 (2^-20 relative) covers a rotation and a 128-wide
+// transform, and is still a tiny fraction of a code step.
+constexpr double kBoundaryWindow = 0x1p-20;
+
+bool near_half_integer(double y, double window) { return std::abs(std::abs(y - std::floor(y)) - 0.5) <= window; }
+
+double in_dtype(ScaleDtype dtype, double s) {
+  return dtype == ScaleDtype::float16 ? round_to_float16(s) : static_cast<double>(static_cast<float>(s));
+}
+
+double largest_magnitude(const float* x, int n) {
+  double m = 0.0;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::abs(static_cast<double>(x[i])));
+  return m;
+}
+
+int bits_of(QuantFormat f) { return f == QuantFormat::int4 ? 4 : 2; }
+
+}  // namespace
+
+double round_to_float16(double x) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  int e = 0;
+  std::frexp(x, &e);  // |x| = f 2^e with f in [0.5, 1): 11 significant bits means a step of 2^(e - 11)
+  const double step = e - 1 < -14 ? std::ldexp(1.0, -24) : std::ldexp(1.0, e - 11);
+  const double r = std::nearbyint(x / step) * step;  // the default rounding mode: ties to even
+  return std::abs(r) > 65504.0 ? std::copysign(INFINITY, x) : r;
+}
+
+int scale_group(const TensorQuant& quant, int head_dim) {
+  switch (quant.format) {
+    case QuantFormat::q8_0:
+    case QuantFormat::q4_0:
+      return 32;
+    default:
+      break;
+  }
+  switch (quant.scale.granularity) {
+    case ScaleGranularity::group:
+      return quant.scale.group;
+    default:
+      return head_dim;  // tensor, head and token scales cover the whole row
+  }
+}
+
+double code_range(QuantFormat format) {
+  switch (format) {
+    case QuantFormat::fp8_e4m3:
+      return 448.0;
+    case QuantFormat::fp8_e5m2:
+      return 57344.0;
+    case QuantFormat::int8:
+    case QuantFormat::q8_0:
+      return 127.0;
+    case QuantFormat::q4_0:
+      return 8.0;
+    case QuantFormat::int4:
+      return 15.0;
+    case QuantFormat::int2:
+      return 3.0;
+  }
+  return 1.0;
+}
+
+double fp8_value(QuantFormat format, int bits) {
+  const bool e4m3 = format == QuantFormat::fp8_e4m3;
+  const int mantissa_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const int sign = bits >> 7, exponent = (bits >> mantissa_bits) & (e4m3 ? 15 : 31),
+            mantissa = bits & ((1 << mantissa_bits) - 1);
+  const double m = static_cast<double>(mantissa) / (1 << mantissa_bits);
+  const double magnitude = exponent == 0 ? std::ldexp(m, 1 - bias) : std::ldexp(1.0 + m, exponent - bias);
+  return sign ? -magnitude : magnitude;
+}
+
+int fp8_code(QuantFormat format, double y) {
+  // Positive patterns 0 .. top hold increasing magnitudes; the sign is bit 7.
+  const int top = format == QuantFormat::fp8_e4m3 ? 0x7E : 0x7B;  // 448 and 57344
+  const double a = std::abs(y);
+  int best = 0;
+  for (int c = 1; c <= top; ++c) {
+    const double here = std::abs(fp8_value(format, c) - a), there = std::abs(fp8_value(format, best) - a);
+    if (here < there || (here == there && c % 2 == 0)) best = c;
+  }
+  if (a >= fp8_value(format, top)) best = top;  // saturating
+  return y < 0 ? best | 0x80 : best;
+}
+
+double element_bound(QuantFormat format, double x, double s) {
+  const double a = std::abs(x), d = std::abs(s);
+  switch (format) {
+    case QuantFormat::fp8_e4m3:
+      return std::max(a * 0x1p-4, d * 0x1p-10);
+    case QuantFormat::fp8_e5m2:
+      return std::max(a * 0x1p-3, d * 0x1p-17);
+    case QuantFormat::int8:
+      return d / 2;
+    case QuantFormat::q8_0:
+      return d / 2 + 127 * d * 0x1p-11;
+    case QuantFormat::q4_0:
+      return d * (1 + 0x1p-8);
+    case QuantFormat::int4:
+    case QuantFormat::int2:
+      return d;
+  }
+  return INFINITY;
+}
+
+QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head) {
+  const int group = scale_group(quant, n);
+  if (group <= 0 || n % group != 0) throw std::invalid_argument("quantize: the row is not a whole number of groups");
+  QuantizedRow row;
+  row.codes.resize(static_cast<std::size_t>(n));
+  row.near_boundary.assign(static_cast<std::size_t>(n), false);
+  const QuantFormat f = quant.format;
+  for (int g0 = 0; g0 < n; g0 += group) {
+    const float* xs = x + g0;
+    const double window = kBoundaryWindow * largest_magnitude(x, n);
+    auto mark = [&](int i, double y, double s) {
+      row.near_boundary[static_cast<std::size_t>(g0 + i)] = s != 0.0 && near_half_integer(y, window / s);
+    };
+    if (f == QuantFormat::q8_0) {
+      // ggml quantize_row_q8_0_ref: d = amax / 127 and id = 1 / d in float32; codes roundf(x * id).
+      const float d = static_cast<float>(largest_magnitude(xs, group)) / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      row.scales.push_back(round_to_float16(d));
+      for (int i = 0; i < group; ++i) {
+        const float y = xs[i] * id;
+        row.codes[static_cast<std::size_t>(g0 + i)] = static_cast<int>(std::round(y));
+        mark(i, y, d);
+      }
+    } else if (f == QuantFormat::q4_0) {
+      // ggml quantize_row_q4_0_ref: m the element of largest magnitude, d = m / -8;
+      // codes min(15, trunc(x * id + 8.5)).
+      float m = 0.0f;
+      for (int i = 0; i < group; ++i)
+        if (std::abs(xs[i]) > std::abs(m)) m = xs[i];
+      const float d = m / -8.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      row.scales.push_back(round_to_float16(d));
+      for (int i = 0; i < group; ++i) {
+        const float y = xs[i] * id + 8.5f;
+        row.codes[static_cast<std::size_t>(g0 + i)] = std::min(15, static_cast<int>(std::trunc(y)));
+        row.near_boundary[static_cast<std::size_t>(g0 + i)] =
+            d != 0.0f && std::abs(y - std::round(y)) <= kBoundaryWindow * largest_magnitude(x, n) / std::abs(d);
+      }
+    } else if (f == QuantFormat::int4 || f == QuantFormat::int2) {
+      // Affine: S = (max - min) / (2^b - 1), Z = round(-min / S), c = clamp(round(x / S) + Z).
+      // An all-equal group takes its range from zero to its value, so it stays exact.
+      double lo = INFINITY, hi = -INFINITY;
+      for (int i = 0; i < group; ++i) lo = std::min(lo, static_cast<double>(xs[i])), hi = std::max(hi, static_cast<double>(xs[i]));
+      if (lo == hi) lo = std::min(lo, 0.0), hi = std::max(hi, 0.0);
+      const int top = (1 << bits_of(f)) - 1;
+      const double s = in_dtype(quant.scale.dtype, (hi - lo) / top);
+      const int z = s != 0.0 ? static_cast<int>(std::round(-lo / s)) : 0;
+      row.scales.push_back(s);
+      row.zeros.push_back(z);
+      for (int i = 0; i < group; ++i) {
+        const double y = s != 0.0 ? xs[i] / s : 0.0;
+        row.codes[static_cast<std::size_t>(g0 + i)] = std::clamp(static_cast<int>(std::round(y)) + z, 0, top);
+        mark(i, y, s);
+      }
+    } else {  // fp8 and int8: one scale per group, static or from the group's amax
+      double s = 0.0;
+      if (quant.scale.rule == ScaleRule::fixed) {
+        const auto& v = quant.scale.values;
+        s = v.size() == 1 ? v[0] : v.at(static_cast<std::size_t>(kv_head));
+      } else {
+        s = largest_magnitude(xs, group) / code_range(f);
+      }
+      s = in_dtype(quant.scale.dtype, s);
+      row.scales.push_back(s);
+      for (int i = 0; i < group; ++i) {
+        const double y = s != 0.0 ? xs[i] / s : 0.0;
+        int& c = row.codes[static_cast<std::size_t>(g0 + i)];
+        if (f == QuantFormat::int8) {
+          c = std::clamp(static_cast<int>(std::round(y)), -127, 127);
+          mark(i, y, s);
+        } else {
+          c = fp8_code(f, y);
+          // Near the midpoint between c's value and a neighbour's.
+          const double v = fp8_value(f, c);
+          for (int other : {c - 1, c + 1}) {
+            if ((other & 0x7F) > (f == QuantFormat::fp8_e4m3 ? 0x7E : 0x7B) || other < 0 || other > 255) continue;
+            if ((other ^ c) & 0x80) continue;
+            const double mid = (v + fp8_value(f, other)) / 2;
+            if (s != 0.0 && std::abs(y - mid) <= window / s) row.near_boundary[static_cast<std::size_t>(g0 + i)] = true;
+          }
+        }
+      }
+    }
+  }
+  return row;
+}
+
+void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out) {
+  const int n = static_cast<int>(row.codes.size());
+  const int group = scale_group(quant, n);
+  for (int i = 0; i < n; ++i) {
+    const double s = row.scales[static_cast<std::size_t>(i / group)];
+    const int c = row.codes[static_cast<std::size_t>(i)];
+    switch (quant.format) {
+      case QuantFormat::fp8_e4m3:
+      case QuantFormat::fp8_e5m2:
+        out[i] = fp8_value(quant.format, c) * s;
+        break;
+      case QuantFormat::q4_0:
+        out[i] = (c - 8) * s;
+        break;
+      case QuantFormat::int4:
+      case QuantFormat::int2:
+        out[i] = (c - row.zeros[static_cast<std::size_t>(i / group)]) * s;
+        break;
+      default:
+        out[i] = c * s;
+    }
+  }
+}
+
+void hadamard(double* x, int n) {
+  if (n <= 0 || !std::has_single_bit(static_cast<unsigned>(n)))
+    throw std::invalid_argument("hadamard: the length must be a power of two");
+  std::vector<double> y(static_cast<std::size_t>(n), 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j)
+      y[static_cast<std::size_t>(i)] += (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -x[j] : x[j]);
+  const double norm = 1.0 / std::sqrt(static_cast<double>(n));
+  for (int i = 0; i < n; ++i) x[i] = y[static_cast<std::size_t>(i)] * norm;
+}
+
+}  // namespace kvcheck::reference

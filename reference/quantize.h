@@ -1,0 +1,54 @@
+// SPEC 9 in the reference: each format's quantize and dequantize, written from the
+// format table, plainly and apart from the optimized caches' codecs (the two share no
+// code, so a quantizer bug shows as a disagreement, not as agreement).
+//
+// Arithmetic follows the formats' own definitions where they are defined in float32
+// (ggml's q8_0 and q4_0 compute codes with the float32 scale and its float32 reciprocal,
+// then store the scale in float16); elsewhere x / s in double, rounded as the table says.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "reference/kv_quant.h"
+
+namespace kvcheck::reference {
+
+// One row of head_dim values (one token, one kv head) as a quantized cache stores it.
+struct QuantizedRow {
+  std::vector<int> codes;      // one per element: a signed integer, or fp8's bit pattern 0..255
+  std::vector<double> scales;  // one per scale group, exactly as stored (in the scale dtype)
+  std::vector<int> zeros;      // affine int4 / int2: one zero point per group; else empty
+  // Per element: x / s came within the boundary window of a rounding boundary, so a cache
+  // whose float32 arithmetic differs by a few ulps may store the neighbouring code.
+  std::vector<bool> near_boundary;
+  bool operator==(const QuantizedRow&) const = default;
+};
+
+// x rounded to float16 (nearest, ties to even; subnormals; beyond 65504: infinity).
+double round_to_float16(double x);
+
+// Elements per scale for `format` at head_dim `d` (q8_0 and q4_0: 32).
+int scale_group(const TensorQuant& quant, int head_dim);
+
+// The largest magnitude a code can hold, in units of the scale (fp8: 448 or 57344, int8: 127).
+double code_range(QuantFormat format);
+
+// Quantizes the float32 values x[0..n) of kv head `kv_head` (static scales may differ per head).
+QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head);
+// The values the codes stand for.
+void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out);
+
+// fp8: the value of a bit pattern (0..255) and the pattern nearest y, ties to the even
+// pattern, saturating at the largest finite value.
+double fp8_value(QuantFormat format, int bits);
+int fp8_code(QuantFormat format, double y);
+
+// SPEC 9's per-element bound e(x) for a value x quantized with (stored) scale s.
+double element_bound(QuantFormat format, double x, double s);
+
+// The normalized Sylvester Hadamard transform of n (a power of two) doubles, in place:
+// H[i][j] = (-1)^popcount(i & j) / sqrt(n). H is symmetric and its own inverse.
+void hadamard(double* x, int n);
+
+}  // namespace kvcheck::reference

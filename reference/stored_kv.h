@@ -1,0 +1,55 @@
+// R_stored's inputs (SPEC 9.1): what a quantized cache must hold for every token, simulated
+// exactly: the key rotated to its position, rounded to float32, transformed (Hadamard),
+// quantized; re-rotated through the format when a shifting policy moves it (dequantize,
+// rotate, quantize again: each shift rounds once more, and the drift is simulated, not
+// tolerated); values quantized once. A tensor that is not quantized is rounded to kv_dtype.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "reference/kv_quant.h"
+#include "reference/model.h"
+#include "reference/quantize.h"
+
+namespace kvcheck::reference {
+
+// One token's key and value in one kv head of one layer.
+struct StoredHead {
+  QuantizedRow key_codes, value_codes;  // empty when that tensor is not quantized
+  std::vector<double> key, value;       // what they stand for, transform undone: the key rotated
+};
+
+struct StoredLayer {
+  std::int64_t position = -1;  // where the key is rotated; -1: not written yet
+  std::vector<StoredHead> heads;
+};
+
+class StoredKv {
+ public:
+  StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvDtype kv_dtype, const InputTable& inputs);
+
+  // Token `index` (uid) of `row` in `layer` with its key at `position`: written the first
+  // time, re-rotated through the format when the position has moved since.
+  const StoredLayer& settle(int row, int layer, std::int64_t index, std::uint64_t uid, std::int64_t position);
+  // As stored now (settle() must have written it).
+  const StoredLayer& at(int row, int layer, std::int64_t index) const;
+
+  void reorder(const std::vector<int>& rows);
+  void reset(int batch);
+  void crop(std::int64_t length);
+  const KvQuant& quant() const { return quant_; }
+
+ private:
+  // Rounds (kv_dtype) or quantizes, then decodes, one head's key or value held as float32.
+  void encode(const std::optional<TensorQuant>& format, int kv_head, std::vector<double>& x, QuantizedRow& codes) const;
+
+  Dims dims_;
+  Rope rope_, turn_;  // turn_: a pure rotation (a shift does not apply yarn's factor again)
+  KvQuant quant_;
+  KvDtype kv_dtype_;
+  const InputTable& inputs_;
+  std::vector<std::vector<std::vector<StoredLayer>>> rows_;  // [row][token index][layer]
+};
+
+}  // namespace kvcheck::reference

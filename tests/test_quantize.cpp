@@ -1,0 +1,262 @@
+// SPEC 9's formats: the reference's quantizer on values worked out by hand from the format
+// table (ties, saturation, zero blocks, subnormals, all-equal groups), and the optimized
+// caches' codec, written apart, agreeing with it code for code on many rows.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "optimized/row_codec.h"
+#include "reference/quantize.h"
+
+using namespace kvcheck;
+using reference::QuantizedRow;
+
+namespace {
+
+TensorQuant format(QuantFormat f, ScaleGranularity g = ScaleGranularity::token, int group = 0,
+                   ScaleDtype dtype = ScaleDtype::float32, std::vector<double> fixed = {}) {
+  TensorQuant q;
+  q.format = f;
+  q.scale.granularity = g;
+  q.scale.group = group;
+  q.scale.dtype = dtype;
+  q.scale.rule = fixed.empty() ? ScaleRule::amax : ScaleRule::fixed;
+  q.scale.values = fixed;
+  return q;
+}
+
+std::vector<double> decoded(const TensorQuant& q, const QuantizedRow& row) {
+  std::vector<double> out(row.codes.size());
+  reference::dequantize(q, row, out.data());
+  return out;
+}
+
+}  // namespace
+
+TEST(ReferenceQuantize, Float16Rounding) {
+  EXPECT_EQ(reference::round_to_float16(65504.0), 65504.0);
+  EXPECT_TRUE(std::isinf(reference::round_to_float16(65520.0)));  // the midpoint to 65536: ties to even, overflow
+  EXPECT_EQ(reference::round_to_float16(std::ldexp(1.0, -25)), 0.0);  // half the smallest subnormal: even is 0
+  EXPECT_EQ(reference::round_to_float16(std::ldexp(3.0, -25)), std::ldexp(1.0, -23));  // 1.5 units: up to 2
+  // 1/127 in float32 is 0.0078740157...; float16 near 2^-7 steps by 2^-17: 1032 * 2^-17.
+  EXPECT_EQ(reference::round_to_float16(static_cast<float>(1.0 / 127.0)), 1032.0 / 131072.0);
+}
+
+TEST(ReferenceQuantize, Q8_0RoundsHalfAwayWithTheFloat32Scale) {
+  // amax 127: d = 1 exactly, so the codes are round(x) with ties away from zero.
+  std::vector<float> x(32, 0.0f);
+  x[0] = 127.0f, x[1] = 2.5f, x[2] = -2.5f, x[3] = 0.49f, x[4] = -126.5f;
+  const TensorQuant q = format(QuantFormat::q8_0);
+  const QuantizedRow r = reference::quantize(q, x.data(), 32, 0);
+  ASSERT_EQ(r.scales.size(), 1u);
+  EXPECT_EQ(r.scales[0], 1.0);
+  EXPECT_EQ(r.codes[0], 127);
+  EXPECT_EQ(r.codes[1], 3);
+  EXPECT_EQ(r.codes[2], -3);
+  EXPECT_EQ(r.codes[3], 0);
+  EXPECT_EQ(r.codes[4], -127);
+  EXPECT_TRUE(r.near_boundary[1] && r.near_boundary[2] && r.near_boundary[4]);  // exact ties
+  EXPECT_FALSE(r.near_boundary[3]);
+  // The scale is stored in float16: amax 1 gives d = 1032 * 2^-17, not 1/127.
+  std::vector<float> y(32, 0.0f);
+  y[7] = -1.0f;
+  const QuantizedRow s = reference::quantize(q, y.data(), 32, 0);
+  EXPECT_EQ(s.scales[0], 1032.0 / 131072.0);
+  EXPECT_EQ(s.codes[7], -127);
+  EXPECT_EQ(decoded(q, s)[7], -127 * 1032.0 / 131072.0);
+}
+
+TEST(ReferenceQuantize, ZeroBlocksStoreZero) {
+  std::vector<float> x(64, 0.0f);
+  for (QuantFormat f : {QuantFormat::q8_0, QuantFormat::q4_0, QuantFormat::int8, QuantFormat::int4, QuantFormat::int2,
+                        QuantFormat::fp8_e4m3}) {
+    const TensorQuant q = format(f);
+    const QuantizedRow r = reference::quantize(q, x.data(), 64, 0);
+    for (double v : decoded(q, r)) EXPECT_EQ(v, 0.0) << to_string(f);
+  }
+}
+
+TEST(ReferenceQuantize, Q4_0NibblesAndTheClampedExtreme) {
+  // m = -8 (largest magnitude, negative): d = 1; code = min(15, trunc(x + 8.5)).
+  std::vector<float> x(32, 0.0f);
+  x[0] = -8.0f, x[1] = 7.4f, x[2] = -0.5f, x[3] = 0.5f, x[4] = 0.49f;
+  const TensorQuant q = format(QuantFormat::q4_0);
+  const QuantizedRow r = reference::quantize(q, x.data(), 32, 0);
+  EXPECT_EQ(r.scales[0], 1.0);
+  EXPECT_EQ(r.codes[0], 0);
+  EXPECT_EQ(r.codes[1], 15);
+  EXPECT_EQ(r.codes[2], 8);  // trunc(8.0)
+  EXPECT_EQ(r.codes[3], 9);  // trunc(9.0)
+  EXPECT_EQ(r.codes[4], 8);  // trunc(8.99)
+  EXPECT_EQ(r.codes[5], 8);  // zero
+  // m = +8: d = -1, and -8 maps to trunc(16.5) = 16, clamped to 15: it reads back as -7.
+  std::vector<float> y(32, 0.0f);
+  y[0] = 8.0f, y[1] = -8.0f;
+  const QuantizedRow s = reference::quantize(q, y.data(), 32, 0);
+  EXPECT_EQ(s.scales[0], -1.0);
+  EXPECT_EQ(decoded(q, s)[0], 8.0);
+  EXPECT_EQ(decoded(q, s)[1], -7.0);  // an error of |d|, the bound of the table
+}
+
+TEST(ReferenceQuantize, Int8StaticScaleSaturates) {
+  const TensorQuant q = format(QuantFormat::int8, ScaleGranularity::tensor, 0, ScaleDtype::float32, {0.5});
+  const std::vector<float> x = {1.25f, -1.25f, 200.0f, -63.4f};  // 2.5 and -2.5 are ties: away from zero
+  const QuantizedRow r = reference::quantize(q, x.data(), 4, 0);
+  EXPECT_EQ(r.scales[0], 0.5);
+  EXPECT_EQ(r.codes, (std::vector<int>{3, -3, 127, -127}));
+}
+
+TEST(ReferenceQuantize, Fp8KnownPatternsTiesAndSaturation) {
+  const QuantFormat e4 = QuantFormat::fp8_e4m3, e5 = QuantFormat::fp8_e5m2;
+  EXPECT_EQ(reference::fp8_value(e4, 0x7E), 448.0);
+  EXPECT_EQ(reference::fp8_value(e4, 0x38), 1.0);
+  EXPECT_EQ(reference::fp8_value(e4, 0x08), std::ldexp(1.0, -6));  // the smallest normal
+  EXPECT_EQ(reference::fp8_value(e4, 0x01), std::ldexp(1.0, -9));  // the smallest subnormal
+  EXPECT_EQ(reference::fp8_value(e5, 0x7B), 57344.0);
+  EXPECT_EQ(reference::fp8_value(e5, 0x3C), 1.0);
+  EXPECT_EQ(reference::fp8_code(e4, 1.0625), 0x38);  // halfway 1 and 1.125: the even pattern
+  EXPECT_EQ(reference::fp8_code(e4, 1.1875), 0x3A);  // halfway 1.125 and 1.25: the even pattern
+  EXPECT_EQ(reference::fp8_code(e4, -1.0), 0xB8);
+  EXPECT_EQ(reference::fp8_code(e4, 500.0), 0x7E);  // saturating, not infinity or NaN
+  EXPECT_EQ(reference::fp8_code(e4, std::ldexp(1.0, -10)), 0x00);  // half a subnormal step: even 0
+  EXPECT_EQ(reference::fp8_code(e4, std::ldexp(3.0, -10)), 0x02);  // 1.5 steps: even 2
+  EXPECT_EQ(reference::fp8_code(e5, 1.125), 0x3C);
+  EXPECT_EQ(reference::fp8_code(e5, 1e9), 0x7B);
+}
+
+TEST(ReferenceQuantize, AffineInt4AndAllEqualGroups) {
+  const TensorQuant q4 = format(QuantFormat::int4);
+  // S = 4.5 / 15 = 0.3 (as float32), Z = round(1.5 / S) = 5: codes (x / S) + 5.
+  const std::vector<float> x = {-1.5f, 0.0f, 3.0f, 1.5f};
+  const QuantizedRow r = reference::quantize(q4, x.data(), 4, 0);
+  EXPECT_EQ(r.scales[0], static_cast<double>(0.3f));
+  EXPECT_EQ(r.zeros[0], 5);
+  EXPECT_EQ(r.codes, (std::vector<int>{0, 5, 15, 10}));
+  // An all-equal group takes its range from 0: it reads back within float32 rounding.
+  const std::vector<float> same = {2.0f, 2.0f, 2.0f, 2.0f};
+  const QuantizedRow e = reference::quantize(q4, same.data(), 4, 0);
+  EXPECT_EQ(e.codes, (std::vector<int>{15, 15, 15, 15}));
+  for (double v : decoded(q4, e)) EXPECT_NEAR(v, 2.0, 1e-6);
+  const TensorQuant q2 = format(QuantFormat::int2);
+  const std::vector<float> ramp = {0.0f, 1.0f, 2.0f, 3.0f};
+  EXPECT_EQ(reference::quantize(q2, ramp.data(), 4, 0).codes, (std::vector<int>{0, 1, 2, 3}));
+}
+
+TEST(ReferenceQuantize, HadamardByHandAndItsOwnInverse) {
+  std::vector<double> a = {1.0, 0.0};
+  reference::hadamard(a.data(), 2);
+  EXPECT_NEAR(a[0], std::sqrt(0.5), 1e-15);
+  EXPECT_NEAR(a[1], std::sqrt(0.5), 1e-15);
+  std::vector<double> b = {1.0, 1.0, 1.0, 1.0};
+  reference::hadamard(b.data(), 4);
+  EXPECT_NEAR(b[0], 2.0, 1e-15);
+  for (int i = 1; i < 4; ++i) EXPECT_NEAR(b[i], 0.0, 1e-15);
+  std::vector<double> c(64);
+  for (int i = 0; i < 64; ++i) c[i] = std::sin(i * 1.7);
+  std::vector<double> d = c;
+  reference::hadamard(d.data(), 64);
+  reference::hadamard(d.data(), 64);
+  for (int i = 0; i < 64; ++i) EXPECT_NEAR(d[i], c[i], 1e-13);
+}
+
+// The codec of optimized/ against the reference, format by format, on rows of every kind:
+// random magnitudes from 1e-6 to 1e3, exact ties, zero and all-equal groups. Codes agree
+// except where the reference says the value sits on a rounding boundary; scales agree
+// exactly; decoded values agree to float32 rounding.
+TEST(QuantCodec, AgreesWithTheReferenceCodeForCode) {
+  using optimized::Codec;
+  struct Case {
+    TensorQuant ref;
+    optimized::RowFormat opt;
+  };
+  const auto opt = [](Codec c, int group = 0, bool half = false, std::vector<float> fixed = {}) {
+    optimized::RowFormat f;
+    f.codec = c;
+    f.group = group;
+    f.scale_half = half;
+    f.static_scales = fixed;
+    return f;
+  };
+  const std::vector<Case> cases = {
+      {format(QuantFormat::q8_0), opt(Codec::q8_0)},
+      {format(QuantFormat::q4_0), opt(Codec::q4_0)},
+      {format(QuantFormat::int8), opt(Codec::int8)},
+      {format(QuantFormat::int8, ScaleGranularity::group, 16, ScaleDtype::float16), opt(Codec::int8, 16, true)},
+      {format(QuantFormat::fp8_e4m3), opt(Codec::fp8_e4m3)},
+      {format(QuantFormat::fp8_e4m3, ScaleGranularity::tensor, 0, ScaleDtype::float32, {0.05}),
+       opt(Codec::fp8_e4m3, 0, false, {0.05f})},
+      {format(QuantFormat::fp8_e5m2, ScaleGranularity::token, 0, ScaleDtype::float16), opt(Codec::fp8_e5m2, 0, true)},
+      {format(QuantFormat::int4, ScaleGranularity::group, 32), opt(Codec::int4, 32)},
+      {format(QuantFormat::int2, ScaleGranularity::group, 16, ScaleDtype::float16), opt(Codec::int2, 16, true)},
+  };
+  const int D = 64;
+  std::uint64_t state = 12345;
+  const auto next = [&] {  // splitmix64: the same rows everywhere
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1p-53;
+  };
+  std::vector<float> x(D), scratch(D), back(D);
+  for (const Case& c : cases) {
+    std::vector<std::byte> bytes(optimized::row_bytes(c.opt, D));
+    int compared = 0;
+    for (int row = 0; row < 400; ++row) {
+      const double magnitude = std::pow(10.0, -6.0 + 9.0 * next());
+      for (int i = 0; i < D; ++i) x[i] = static_cast<float>((2.0 * next() - 1.0) * magnitude);
+      if (row % 7 == 0) std::fill(x.begin(), x.begin() + 32, 0.0f);           // a zero block
+      if (row % 11 == 0) std::fill(x.begin() + 32, x.end(), x[33]);           // an all-equal block
+      if (row % 5 == 0) x[3] = 2.5f, x[4] = -2.5f, x[5] = 127.0f, x[6] = 0.0f;  // exact ties
+      const QuantizedRow want = reference::quantize(c.ref, x.data(), D, 0);
+      optimized::encode_row(c.opt, 0, x.data(), D, bytes.data(), scratch.data());
+      const optimized::UnpackedRow got = optimized::unpack_row(c.opt, 0, bytes.data(), D);
+      ASSERT_EQ(got.scales.size(), want.scales.size()) << to_string(c.ref.format);
+      for (std::size_t g = 0; g < want.scales.size(); ++g)
+        ASSERT_EQ(static_cast<double>(got.scales[g]), want.scales[g]) << to_string(c.ref.format) << " row " << row;
+      ASSERT_EQ(got.zeros, want.zeros) << to_string(c.ref.format) << " row " << row;
+      for (int i = 0; i < D; ++i) {
+        if (got.codes[i] == want.codes[i]) {
+          ++compared;
+          continue;
+        }
+        EXPECT_TRUE(want.near_boundary[i] && std::abs(got.codes[i] - want.codes[i]) == 1)
+            << to_string(c.ref.format) << " row " << row << " element " << i << ": x " << x[i] << " reference "
+            << want.codes[i] << ", codec " << got.codes[i];
+      }
+      std::vector<double> values(D);
+      reference::dequantize(c.ref, want, values.data());
+      optimized::decode_row(c.opt, 0, bytes.data(), D, back.data());
+      for (int i = 0; i < D; ++i) {
+        if (got.codes[i] != want.codes[i]) continue;
+        ASSERT_NEAR(back[i], values[i], 1e-6 * std::abs(values[i]) + 1e-37) << to_string(c.ref.format);
+      }
+    }
+    EXPECT_GT(compared, 400 * D * 99 / 100) << to_string(c.ref.format);
+  }
+}
+
+// The optimized Hadamard transform is undone on read: a row round-trips through it to
+// within the format's error, and the codes are those of the transformed row.
+TEST(QuantCodec, HadamardRowsRoundTrip) {
+  optimized::RowFormat f;
+  f.codec = optimized::Codec::q8_0;
+  f.hadamard = true;
+  const int D = 64;
+  std::vector<float> x(D), scratch(D), back(D);
+  for (int i = 0; i < D; ++i) x[i] = static_cast<float>(std::cos(0.37 * i) * (i % 5 + 1));
+  std::vector<std::byte> bytes(optimized::row_bytes(f, D));
+  optimized::encode_row(f, 0, x.data(), D, bytes.data(), scratch.data());
+  optimized::decode_row(f, 0, bytes.data(), D, back.data());
+  std::vector<double> h(x.begin(), x.end());
+  reference::hadamard(h.data(), D);
+  double amax = 0.0;
+  for (double v : h) amax = std::max(amax, std::abs(v));
+  for (int i = 0; i < D; ++i) EXPECT_NEAR(back[i], x[i], amax / 127.0 * std::sqrt(static_cast<double>(D)));
+  std::vector<float> transformed(h.begin(), h.end());
+  const QuantizedRow want = reference::quantize(format(QuantFormat::q8_0), transformed.data(), D, 0);
+  const optimized::UnpackedRow got = optimized::unpack_row(f, 0, bytes.data(), D);
+  for (int i = 0; i < D; ++i)
+    EXPECT_TRUE(got.codes[i] == want.codes[i] || (want.near_boundary[i] && std::abs(got.codes[i] - want.codes[i]) == 1));
+}

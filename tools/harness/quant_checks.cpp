@@ -1,0 +1,302 @@
+#include "tools/harness/quant_checks.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "reference/attention.h"
+#include "reference/quantize.h"
+#include "reference/rope.h"
+#include "tools/harness/recovery.h"
+
+namespace kvcheck {
+
+namespace {
+
+double norm(const float* x, int d) {
+  double sum = 0.0;
+  for (int i = 0; i < d; ++i) sum += static_cast<double>(x[i]) * x[i];
+  return std::sqrt(sum);
+}
+
+// The largest per-element error SPEC 9's e(x) allows in a row whose elements are at most
+// `a` in magnitude; infinite when a static scale lets the row saturate. Scales computed
+// from the values are rounded to their dtype: (1 + 2^-10) covers float16's rounding.
+double worst_element_error(const TensorQuant& q, double a, std::string& saturation, const char* tensor) {
+  const double r = 1.0 + 0x1p-10, range = reference::code_range(q.format);
+  double s = a / range * r;
+  if (q.scale.rule == ScaleRule::fixed) {
+    const double smallest = *std::min_element(q.scale.values.begin(), q.scale.values.end());
+    if (a > range * smallest) {
+      saturation = fmt::format("{} values up to {:.4g} saturate a static scale of {:.4g} (range {:.4g})", tensor, a,
+                               smallest, range * smallest);
+      return std::numeric_limits<double>::infinity();
+    }
+    s = *std::max_element(q.scale.values.begin(), q.scale.values.end());
+  }
+  switch (q.format) {
+    case QuantFormat::q8_0:
+    case QuantFormat::q4_0:
+      return reference::element_bound(q.format, a, a / range * r);
+    case QuantFormat::int4:
+    case QuantFormat::int2:
+      return 2.0 * a / range * r;  // S = (max - min) / (2^b - 1) <= 2a / (2^b - 1)
+    default:
+      return reference::element_bound(q.format, a, s);
+  }
+}
+
+// A stored row as the reference's type, to dequantize the cache's codes the same way.
+reference::QuantizedRow as_row(const optimized::UnpackedRow& u) {
+  reference::QuantizedRow r;
+  r.codes = u.codes;
+  r.scales.assign(u.scales.begin(), u.scales.end());
+  r.zeros = u.zeros;
+  return r;
+}
+
+}  // namespace
+
+double key_roundoff(const Scenario& s) {
+  if (!s.kv_quant || !s.kv_quant->k) return unit_roundoff(s.kv_dtype);
+  std::string ignored;
+  TensorQuant k = *s.kv_quant->k;
+  k.scale.rule = ScaleRule::amax;  // as if a static scale fitted the row
+  return worst_element_error(k, 1.0, ignored, "key");
+}
+
+optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) {
+  using optimized::Codec;
+  static const Codec codecs[] = {Codec::fp8_e4m3, Codec::fp8_e5m2, Codec::int8, Codec::q8_0,
+                                 Codec::q4_0,     Codec::int4,     Codec::int2};
+  optimized::RowFormat f;
+  f.codec = codecs[static_cast<int>(q.format)];
+  f.group = q.scale.granularity == ScaleGranularity::group ? q.scale.group : 0;
+  f.scale_half = q.scale.dtype == ScaleDtype::float16;
+  if (q.scale.rule == ScaleRule::fixed)
+    for (double v : q.scale.values) f.static_scales.push_back(static_cast<float>(v));
+  f.hadamard = transform == QuantTransform::hadamard;
+  return f;
+}
+
+QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), inputs_(inputs) {
+  const int D = inputs.head_dim;
+  const double m = reference::rope_magnitude(s.rope);
+  double k_norm = 0.0, v_norm = 0.0, v_abs = 0.0, v_lo = 0.0, v_hi = 0.0;
+  for (std::size_t at = 0; at + D <= inputs.q.size(); at += static_cast<std::size_t>(D))
+    q_norm_ = std::max(q_norm_, norm(inputs.q.data() + at, D) * m);
+  for (std::size_t at = 0; at + D <= inputs.k.size(); at += static_cast<std::size_t>(D)) {
+    k_norm = std::max(k_norm, norm(inputs.k.data() + at, D) * m);
+    v_norm = std::max(v_norm, norm(inputs.v.data() + at, D));
+  }
+  for (float v : inputs.v) {
+    v_abs = std::max(v_abs, static_cast<double>(std::abs(v)));
+    v_lo = std::min(v_lo, static_cast<double>(v));
+    v_hi = std::max(v_hi, static_cast<double>(v));
+  }
+  v_range_ = v_hi - v_lo;
+  // A rotated key's elements are at most its norm; so are a transformed row's.
+  const KvQuant& q = *s.kv_quant;
+  const bool transformed = q.transform == QuantTransform::hadamard;
+  const double u = unit_roundoff(s.kv_dtype);
+  const double e_k = q.k ? worst_element_error(*q.k, k_norm, saturation_, "key") : k_norm * u;
+  const double e_v = q.v ? worst_element_error(*q.v, transformed ? v_norm : v_abs, saturation_, "value") : v_abs * u;
+  const double delta = s.softmax_scale() * q_norm_ * std::sqrt(static_cast<double>(D)) * e_k;
+  bound_ = e_v + std::expm1(2.0 * delta) * v_range_ / 2.0;
+}
+
+double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
+  if (rec.stored.empty()) return 0.0;
+  const KvQuant& q = *s_.kv_quant;
+  const int D = s_.dims.head_dim;
+  double allowance = 0.0;
+  std::vector<double> want(static_cast<std::size_t>(D)), got(static_cast<std::size_t>(D));
+  // One stored row against the simulated one: true when accepted (exactly, or a code off
+  // by one at a rounding boundary, or a computed scale off by its dtype's last bit).
+  const auto compare = [&](const TensorQuant& format, const reference::QuantizedRow& expected,
+                           const optimized::UnpackedRow& actual, CodeMismatch where, bool value) {
+    where.value = value;
+    bool ok = true;
+    const auto fail = [&](int element, int group, double e, double a) {
+      ok = false;
+      where.element = element;
+      where.group = group;
+      where.expected = e;
+      where.actual = a;
+      if (codes_.failures++ == 0)
+        codes_.first = fmt::format(
+            "{}: layer {} row {} uid {} kv head {}: {} {} {}: expected {}, stored {}", evidence.label, where.layer,
+            where.row, where.uid, where.kv_head, value ? "value" : "key", element < 0 ? "scale of group" : "element",
+            element < 0 ? group : element, e, a);
+      if (evidence.codes.size() < 64) evidence.codes.push_back(where);
+    };
+    if (actual.codes.size() != expected.codes.size() || actual.scales.size() != expected.scales.size()) {
+      fail(-1, 0, static_cast<double>(expected.scales.size()), static_cast<double>(actual.scales.size()));
+      return;
+    }
+    const double slack = format.scale.rule == ScaleRule::fixed ? 0.0
+                         : format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
+                                 format.format == QuantFormat::q4_0
+                             ? 0x1p-10
+                             : 0x1p-20;
+    bool scales_equal = true;
+    for (std::size_t g = 0; g < expected.scales.size(); ++g) {
+      const double e = expected.scales[g], a = actual.scales[g];
+      if (e == a) continue;
+      scales_equal = false;
+      if (!(std::abs(e - a) <= slack * std::abs(e))) fail(-1, static_cast<int>(g), e, a);
+    }
+    for (std::size_t g = 0; g < expected.zeros.size() && g < actual.zeros.size(); ++g)
+      if (expected.zeros[g] != actual.zeros[g] && (scales_equal || std::abs(expected.zeros[g] - actual.zeros[g]) > 1))
+        fail(-1, static_cast<int>(g), expected.zeros[g], actual.zeros[g]);
+    for (std::size_t i = 0; i < expected.codes.size(); ++i) {
+      ++codes_checked_;
+      const int e = expected.codes[i], a = actual.codes[i];
+      if (e == a) continue;
+      const bool neighbour = std::abs(e - a) == 1 && ((e ^ a) & 0x80) == 0;
+      if (neighbour && (expected.near_boundary[i] || !scales_equal)) {
+        ++codes_on_boundary_;
+        continue;
+      }
+      fail(static_cast<int>(i), static_cast<int>(i) / std::max(1, reference::scale_group(format, D)), e, a);
+    }
+    if (!ok) return;
+    // Accepted but not identical: the outputs may move by what the difference weighs.
+    reference::dequantize(format, expected, want.data());
+    reference::dequantize(format, as_row(actual), got.data());
+    double diff = 0.0;
+    for (int i = 0; i < D; ++i) diff += (want[i] - got[i]) * (want[i] - got[i]);
+    diff = std::sqrt(diff);
+    allowance += value ? diff : std::expm1(2.0 * s_.softmax_scale() * q_norm_ * diff) * v_range_ / 2.0;
+  };
+
+  for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
+    for (std::size_t b = 0; b < rec.stored[l].size() && b < view.layers[l].slots.size(); ++b) {
+      const auto& retained = rec.retained_in(static_cast<int>(l), static_cast<int>(b)).keys;
+      for (int g = 0; g < s_.dims.kv_heads; ++g) {
+        std::map<std::int64_t, const ViewSlot*> by_uid;
+        for (const ViewSlot& v : view.layers[l].slots[b][static_cast<std::size_t>(g)]) by_uid[v.uid] = &v;
+        for (std::size_t i = 0; i < retained.size() && i < rec.stored[l][b].size(); ++i) {
+          const auto found = by_uid.find(static_cast<std::int64_t>(retained[i].uid));
+          if (found == by_uid.end()) continue;  // the retained-set check reports it
+          const ViewSlot& slot = *found->second;
+          // A key stored at another position than the reference's is the rotation check's.
+          if (slot.claimed_position && *slot.claimed_position != retained[i].position) continue;
+          const reference::StoredHead& h = rec.stored[l][b][i].heads[static_cast<std::size_t>(g)];
+          const CodeMismatch where{static_cast<int>(l), static_cast<int>(b), g, false,
+                                   static_cast<std::int64_t>(retained[i].uid), slot.slot, 0, 0, 0.0, 0.0};
+          if (q.k && slot.key_codes) compare(*q.k, h.key_codes, *slot.key_codes, where, false);
+          if (q.v && slot.value_codes) compare(*q.v, h.value_codes, *slot.value_codes, where, true);
+        }
+      }
+    }
+  return allowance;
+}
+
+void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* out, const std::string& label) {
+  const reference::AppendResult& ref = *rec.append;
+  const int H = s_.dims.heads, D = s_.dims.head_dim;
+  const std::size_t B = ref.rows.size();
+  const std::int64_t n = ref.chunk;
+  const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
+  for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < D; ++d) {
+        const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;
+        const std::size_t ref_at = static_cast<std::size_t>(l) * B * n * H * D + at;
+        const double ideal = ref.out[ref_at], stored = ref.out_stored[ref_at], got = out[at];
+        if (std::isnan(ideal)) continue;  // a sampled step (the reference did not attend)
+        sum_sq_ideal_ += ideal * ideal;
+        sum_sq_format_ += (stored - ideal) * (stored - ideal);
+        sum_sq_cache_ += std::isnan(got) ? std::numeric_limits<double>::infinity() : (got - ideal) * (got - ideal);
+        const double limit = bound_ + s_.tolerance.atol + s_.tolerance.rtol * std::abs(ideal);
+        if (std::abs(got - ideal) <= limit || !std::isfinite(bound_)) continue;
+        if (bound_tally_.failures++ == 0)
+          bound_tally_.first =
+              fmt::format("{}: layer {} row {} token {} head {} dim {}: {:.9g} is {:.3g} from R_ideal's {:.9g}, beyond "
+                          "the format's bound {:.3g}",
+                          label, l, b, ref.rows[b][i].index, h, d, got, std::abs(got - ideal), ideal, limit);
+      }
+}
+
+bool QuantChecks::fits_unit_scale(const StepRecord& rec, int l, int b, std::size_t token, int head, const float* out,
+                                  double atol, double rtol) const {
+  if (rec.stored.empty()) return false;
+  const KvQuant& q = *s_.kv_quant;
+  const reference::AppendResult& ref = *rec.append;
+  const auto& t = ref.rows[b][token];
+  const reference::QueryView& view = t.view_in(l);
+  const auto& retained = rec.retained_in(l, b).keys;
+  const int D = s_.dims.head_dim, H = s_.dims.heads, g = head / (H / s_.dims.kv_heads);
+  const std::size_t n = view.keys.size();
+  std::vector<double> keys(n * D), values(n * D), scores(n), query, result(static_cast<std::size_t>(D));
+  const auto unit = [&](const TensorQuant& format, reference::QuantizedRow row, double* x) {
+    std::fill(row.scales.begin(), row.scales.end(), 1.0);
+    reference::dequantize(format, row, x);
+    if (q.transform == QuantTransform::hadamard) reference::hadamard(x, D);
+  };
+  for (std::size_t j = 0; j < n; ++j) {
+    const auto found = std::find_if(retained.begin(), retained.end(),
+                                    [&](const reference::RetainedKey& r) { return r.index == view.keys[j].index; });
+    if (found == retained.end() || found->position != view.keys[j].position) return false;
+    const reference::StoredHead& h =
+        rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][static_cast<std::size_t>(found - retained.begin())]
+            .heads[static_cast<std::size_t>(g)];
+    if (q.k)
+      unit(*q.k, h.key_codes, keys.data() + j * D);
+    else
+      std::copy(h.key.begin(), h.key.end(), keys.begin() + static_cast<std::ptrdiff_t>(j * D));
+    if (q.v)
+      unit(*q.v, h.value_codes, values.data() + j * D);
+    else
+      std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));
+  }
+  const float* raw = inputs_.q_at(l, t.uid, head);
+  query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
+  const double* sink =
+      s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];
+  reference::attend(query.data(), keys.data(), values.data(), n, static_cast<std::size_t>(D), s_.softmax_scale(), sink,
+                    scores.data(), result.data());
+  const std::int64_t pad = ref.chunk - static_cast<std::int64_t>(ref.rows[b].size());
+  const std::size_t at = ((static_cast<std::size_t>(b) * ref.chunk + pad + token) * H + head) * D;
+  for (int d = 0; d < D; ++d)
+    if (!(std::abs(out[at + d] - result[d]) <= atol + rtol * std::abs(result[d]))) return false;
+  return true;
+}
+
+void QuantChecks::add_checks(Outcome& o) const {
+  const KvQuant& q = *s_.kv_quant;
+  const auto what = [&] {
+    std::string w;
+    if (q.k) w += fmt::format("K {}", to_string(q.k->format));
+    if (q.v) w += fmt::format("{}V {}", w.empty() ? "" : ", ", to_string(q.v->format));
+    if (q.transform == QuantTransform::hadamard) w += ", Hadamard";
+    return w;
+  }();
+  o.checks.push_back(
+      {"codes", codes_.failures == 0,
+       codes_.failures ? codes_.first
+       : codes_checked_ == 0
+           ? "no codes shown (" + what + ")"
+           : fmt::format("{} codes and their scales as {}'s rules give{}", codes_checked_, what,
+                         codes_on_boundary_ ? fmt::format(" ({} on a rounding boundary took the neighbouring code)",
+                                                          codes_on_boundary_)
+                                            : std::string())});
+  const double nmse = sum_sq_ideal_ > 0 ? sum_sq_cache_ / sum_sq_ideal_ : 0.0;
+  const double format_nmse = sum_sq_ideal_ > 0 ? sum_sq_format_ / sum_sq_ideal_ : 0.0;
+  const double ratio = format_nmse > 0 ? nmse / format_nmse : (nmse > 0 ? INFINITY : 1.0);
+  std::string detail =
+      !std::isfinite(bound_)
+          ? "not checked: " + saturation_
+          : fmt::format("within {:.3g} of R_ideal (the format's bound); NMSE against R_ideal {:.3g}, the format's own "
+                        "(R_stored) {:.3g}, ratio {:.3g}",
+                        bound_, nmse, format_nmse, ratio);
+  if (std::isfinite(bound_) && ratio > 10.0) detail += "; WARNING: more than 10 times the format's own error";
+  o.checks.push_back({"quantization bound", bound_tally_.failures == 0,
+                      bound_tally_.failures ? bound_tally_.first : detail});
+}
+
+}  // namespace kvcheck
