@@ -38,6 +38,10 @@ struct KvQuant {
   QuantTransform transform = QuantTransform::none;
   // A shifting policy re-rotates a quantized key by dequantize, rotate, quantize.
   bool requantize_on_shift = true;
+  // kvcheck's extension of SPEC 9: the attention quantizes the rotated (and transformed)
+  // query too before its dot products with the keys, as ggml's CPU matmul converts its
+  // activations to the quantized weight's dot-product type (q8_0 for q8_0 K).
+  std::optional<QuantFormat> query;
   bool operator==(const KvQuant&) const = default;
 };
 

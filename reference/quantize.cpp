@@ -12,13 +12,18 @@ namespace {
 // A cache's float32 rotation (and transform) may differ from this double one by a few
 // ulps of the row's largest element; a value that close to a rounding boundary may take
 // either code. 8 ulps of float32 (2^-20 relative) covers a rotation and a 128-wide
-// transform, and is still a tiny fraction of a code step.
-constexpr double kBoundaryWindow = 0x1p-20;
+// transform, and is still a tiny fraction of a code step. An engine that computes the rope
+// angle p * theta_i in float32 (ggml) is off by about p ulps of the angle: 4 ulps per
+// position covers it (a key at position 4096 gets a window of 2^-10, still a thousandth of
+// a q8_0 step).
+constexpr double kBoundaryWindow = 0x1p-20, kWindowPerPosition = 0x1p-22;
 
 bool near_half_integer(double y, double window) { return std::abs(std::abs(y - std::floor(y)) - 0.5) <= window; }
 
+// A computed scale as an engine gets it: the quotient in float32, then stored in its dtype.
 double in_dtype(ScaleDtype dtype, double s) {
-  return dtype == ScaleDtype::float16 ? round_to_float16(s) : static_cast<double>(static_cast<float>(s));
+  const double f = static_cast<float>(s);
+  return dtype == ScaleDtype::float16 ? round_to_float16(f) : f;
 }
 
 double largest_magnitude(const float* x, int n) {
@@ -118,7 +123,11 @@ double element_bound(QuantFormat format, double x, double s) {
   return INFINITY;
 }
 
-QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head) {
+double boundary_window(std::int64_t position) {
+  return kBoundaryWindow + kWindowPerPosition * static_cast<double>(position < 0 ? -position : position);
+}
+
+QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head, double window_relative) {
   const int group = scale_group(quant, n);
   if (group <= 0 || n % group != 0) throw std::invalid_argument("quantize: the row is not a whole number of groups");
   QuantizedRow row;
@@ -127,7 +136,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
   const QuantFormat f = quant.format;
   for (int g0 = 0; g0 < n; g0 += group) {
     const float* xs = x + g0;
-    const double window = kBoundaryWindow * largest_magnitude(x, n);
+    const double window = window_relative * largest_magnitude(x, n);
     auto mark = [&](int i, double y, double s) {
       row.near_boundary[static_cast<std::size_t>(g0 + i)] = s != 0.0 && near_half_integer(y, window / s);
     };
@@ -154,7 +163,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
         const float y = xs[i] * id + 8.5f;
         row.codes[static_cast<std::size_t>(g0 + i)] = std::min(15, static_cast<int>(std::trunc(y)));
         row.near_boundary[static_cast<std::size_t>(g0 + i)] =
-            d != 0.0f && std::abs(y - std::round(y)) <= kBoundaryWindow * largest_magnitude(x, n) / std::abs(d);
+            d != 0.0f && std::abs(y - std::round(y)) <= window / std::abs(d);
       }
     } else if (f == QuantFormat::int4 || f == QuantFormat::int2) {
       // Affine: S = (max - min) / (2^b - 1), Z = round(-min / S), c = clamp(round(x / S) + Z).
@@ -227,6 +236,28 @@ void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out) 
         out[i] = c * s;
     }
   }
+}
+
+double quantize_activation_q8_0(const float* x, int n, double* out, double window_relative) {
+  double slack = 0.0;
+  const double window = window_relative * 127.0;  // in codes: the block's largest element is 127
+  for (int g0 = 0; g0 < n; g0 += 32) {
+    const float amax = static_cast<float>(largest_magnitude(x + g0, 32));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const float d32 = amax / 127.0f;
+    const double d = round_to_float16(d32);
+    // The other float16 neighbour of amax / 127, when a slightly different amax rounds to it.
+    const double other = round_to_float16(d32 * (d32 > d ? 1.0 + window_relative : 1.0 - window_relative));
+    double codes = 0.0;
+    for (int i = 0; i < 32; ++i) {
+      const float y = x[g0 + i] * id;
+      out[g0 + i] = std::nearbyint(y) * d;  // ties to even
+      codes += std::nearbyint(y) * std::nearbyint(y);
+      if (near_half_integer(y, window)) slack += d * d;
+    }
+    if (other != d) slack += (other - d) * (other - d) * codes;
+  }
+  return std::sqrt(slack);
 }
 
 void hadamard(double* x, int n) {

@@ -34,8 +34,14 @@ int scale_group(const TensorQuant& quant, int head_dim);
 // The largest magnitude a code can hold, in units of the scale (fp8: 448 or 57344, int8: 127).
 double code_range(QuantFormat format);
 
-// Quantizes the float32 values x[0..n) of kv head `kv_head` (static scales may differ per head).
-QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head);
+// How close to a rounding boundary (relative to the row's largest element) a value may fall
+// and still be stored either way: 8 float32 ulps for arithmetic done in another order,
+// plus what an engine's float32 rope angle (position times an ulp) moves a key at `position`.
+double boundary_window(std::int64_t position);
+
+// Quantizes the float32 values x[0..n) of kv head `kv_head` (static scales may differ per
+// head), marking the elements within `window` (boundary_window) of a rounding boundary.
+QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head, double window = 0x1p-20);
 // The values the codes stand for.
 void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out);
 
@@ -46,6 +52,15 @@ int fp8_code(QuantFormat format, double y);
 
 // SPEC 9's per-element bound e(x) for a value x quantized with (stored) scale s.
 double element_bound(QuantFormat format, double x, double s);
+
+// ggml's x86 CPU backend quantizing an activation (the query) to q8_0 before a matmul with
+// q8_0 weights (quantize_row_q8_0, AVX2): per block of 32, id = 127 / amax in float32 and
+// codes rounded half to even (not the reference row quantizer's half away from zero and
+// 1 / d); the scale amax / 127 stored in float16. Writes the dequantized values to out and
+// returns how far they may be from a backend's whose float32 arithmetic differs by a few
+// ulps: the 2-norm of one code step at every element within `window` of a tie, and of the
+// other float16 scale where amax / 127 lies within `window` of a float16 midpoint.
+double quantize_activation_q8_0(const float* x, int n, double* out, double window);
 
 // The normalized Sylvester Hadamard transform of n (a power of two) doubles, in place:
 // H[i][j] = (-1)^popcount(i & j) / sqrt(n). H is symmetric and its own inverse.

@@ -186,6 +186,7 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
   // the queries see them move.
   if (stored_) {
     if (attend) result.out_stored.assign(result.out.size(), std::numeric_limits<double>::quiet_NaN());
+    if (attend) result.query_slack.assign(result.out.size() / static_cast<std::size_t>(D), 0.0);
     Scratch scratch;
     for (int b = 0; b < B; ++b) {
       const std::int64_t pad = n - counts[b];
@@ -194,7 +195,8 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
           const AppendedToken& token = result.rows[b][i];
           const std::size_t base = (((static_cast<std::size_t>(l) * B + b) * n + pad + static_cast<std::int64_t>(i)) * H) * D;
           attend_stored(b, l, token.index, token.view_in(l), attend, scratch,
-                        attend ? result.out_stored.data() + base : nullptr);
+                        attend ? result.out_stored.data() + base : nullptr,
+                        attend ? result.query_slack.data() + base / static_cast<std::size_t>(D) : nullptr);
         }
       // What the row keeps after the step, at the positions its next token sees them (a
       // dense prefill shifts once more after its forward).
@@ -208,7 +210,7 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
 }
 
 void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const QueryView& view, bool attend,
-                                   Scratch& scratch, double* out) {
+                                   Scratch& scratch, double* out, double* slack) {
   const std::vector<std::uint64_t>& history = histories_[static_cast<std::size_t>(row)];
   const std::size_t n = view.keys.size(), D = static_cast<std::size_t>(dims_.head_dim);
   const int Hkv = dims_.kv_heads, G = dims_.heads / dims_.kv_heads;
@@ -231,6 +233,7 @@ void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const Que
     const int g = head / G;
     rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), cos_sin(view.query_position),
                 dims_.head_dim, rotary_, rope_.layout, scratch.query.data());
+    slack[head] = stored_->quantize_query(scratch.query.data(), view.query_position);
     const double* sink_logit =
         attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
     reference::attend(scratch.query.data(), scratch.keys.data() + g * n * D, scratch.values.data() + g * n * D, n, D,

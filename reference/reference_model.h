@@ -37,6 +37,7 @@ struct AppendResult {
   std::vector<std::vector<AppendedToken>> rows;  // real tokens only, per row
   std::vector<double> out;                       // [L, B, n, H, D], NaN where padded
   std::vector<double> out_stored;                // R_stored (SPEC 9.1), same layout; empty: not quantized
+  std::vector<double> query_slack;               // [L, B, n, H]: how far a quantized query may be (2-norm)
 };
 
 struct RetainedKey {
@@ -119,7 +120,7 @@ class ReferenceModel {
   std::unique_ptr<StoredKv> stored_;
   // R_stored of one token in one layer, every kv head, into out (H heads of D).
   void attend_stored(int row, int layer, std::int64_t t, const QueryView& view, bool attend, Scratch& scratch,
-                     double* out);
+                     double* out, double* slack);
 };
 
 }  // namespace kvcheck::reference

@@ -1,5 +1,6 @@
 #include "reference/stored_kv.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -28,7 +29,35 @@ double round_to(KvDtype dtype, double x) {
   }
 }
 
+// The row held as float32, transformed, quantized; x becomes what the codes stand for.
+QuantizedRow quantize_held(const TensorQuant& format, QuantTransform transform, int kv_head, std::vector<double>& x,
+                           std::int64_t position) {
+  const int d = static_cast<int>(x.size());
+  std::vector<float> held(x.size());
+  for (double& e : x) e = static_cast<float>(e);
+  if (transform == QuantTransform::hadamard) hadamard(x.data(), d);
+  for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(x[static_cast<std::size_t>(i)]);
+  QuantizedRow codes = quantize(format, held.data(), d, kv_head, boundary_window(position));
+  dequantize(format, codes, x.data());
+  if (transform == QuantTransform::hadamard) hadamard(x.data(), d);  // H is its own inverse
+  return codes;
+}
+
 }  // namespace
+
+QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transform, const Rope& rope,
+                                const QuantizedRow& codes, int kv_head, std::int64_t from, std::int64_t to,
+                                std::vector<double>* dequantized) {
+  std::vector<double> x(codes.codes.size());
+  dequantize(format, codes, x.data());
+  if (transform == QuantTransform::hadamard) hadamard(x.data(), static_cast<int>(x.size()));
+  Rope turn = rope;
+  turn.attention_factor = 1.0;  // a shift does not apply yarn's factor again
+  x = rotate(x, static_cast<double>(to - from), turn);
+  QuantizedRow out = quantize_held(format, transform, kv_head, x, std::max(from, to));
+  if (dequantized) *dequantized = std::move(x);
+  return out;
+}
 
 StoredKv::StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvDtype kv_dtype,
                    const InputTable& inputs)
@@ -38,20 +67,13 @@ StoredKv::StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvD
 }
 
 void StoredKv::encode(const std::optional<TensorQuant>& format, int kv_head, std::vector<double>& x,
-                      QuantizedRow& codes) const {
-  const int d = dims_.head_dim;
+                      QuantizedRow& codes, std::int64_t position) const {
   if (!format) {
     for (double& e : x) e = round_to(kv_dtype_, e);
     return;
   }
   // The cache holds float32 before it quantizes; the transform runs on those floats.
-  std::vector<float> held(static_cast<std::size_t>(d));
-  for (int i = 0; i < d; ++i) x[i] = static_cast<float>(x[i]);
-  if (quant_.transform == QuantTransform::hadamard) hadamard(x.data(), d);
-  for (int i = 0; i < d; ++i) held[i] = static_cast<float>(x[i]);
-  codes = quantize(*format, held.data(), d, kv_head);
-  dequantize(*format, codes, x.data());
-  if (quant_.transform == QuantTransform::hadamard) hadamard(x.data(), d);  // H is its own inverse
+  codes = quantize_held(*format, quant_.transform, kv_head, x, position);
 }
 
 const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std::uint64_t uid, std::int64_t position) {
@@ -70,20 +92,35 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
       const float* v = inputs_.v_at(layer, uid, g);
       h.key = rotate(std::vector<double>(k, k + d), static_cast<double>(position), rope_);
       h.value.assign(v, v + d);
-      encode(quant_.k, g, h.key, h.key_codes);
-      encode(quant_.v, g, h.value, h.value_codes);
+      encode(quant_.k, g, h.key, h.key_codes, position);
+      encode(quant_.v, g, h.value, h.value_codes, 0);
     }
   } else {  // a shift: what is stored, turned by the difference, stored again
     for (int g = 0; g < dims_.kv_heads; ++g) {
       StoredHead& h = here.heads[static_cast<std::size_t>(g)];
-      h.key = rotate(h.key, static_cast<double>(position - here.position), turn_);
-      if (quant_.k && !quant_.requantize_on_shift)
-        throw std::logic_error("stored_kv: a quantized key moved without shift: requantize");
-      encode(quant_.k, g, h.key, h.key_codes);
+      if (quant_.k) {
+        h.key_codes = requantize_shifted(*quant_.k, quant_.transform, rope_, h.key_codes, g, here.position, position,
+                                         &h.key);
+      } else {
+        h.key = rotate(h.key, static_cast<double>(position - here.position), turn_);
+        encode(quant_.k, g, h.key, h.key_codes, position);
+      }
     }
   }
   here.position = position;
   return here;
+}
+
+double StoredKv::quantize_query(double* q, std::int64_t position) const {
+  if (!quant_.query) return 0.0;
+  const int d = dims_.head_dim;
+  std::vector<float> held(static_cast<std::size_t>(d));
+  for (int i = 0; i < d; ++i) q[i] = static_cast<float>(q[i]);
+  if (quant_.transform == QuantTransform::hadamard) hadamard(q, d);
+  for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(q[i]);
+  const double slack = quantize_activation_q8_0(held.data(), d, q, boundary_window(position));
+  if (quant_.transform == QuantTransform::hadamard) hadamard(q, d);
+  return slack;
 }
 
 const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {

@@ -25,6 +25,13 @@ struct StoredLayer {
   std::vector<StoredHead> heads;
 };
 
+// A quantized key moved by a shift (SPEC 9, shift "requantize"): its codes dequantized, the
+// transform undone, turned by to - from (a pure rotation), rounded to float32, transformed
+// and quantized again. `dequantized` gets what the new codes stand for (transform undone).
+QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transform, const Rope& rope,
+                                const QuantizedRow& codes, int kv_head, std::int64_t from, std::int64_t to,
+                                std::vector<double>* dequantized = nullptr);
+
 class StoredKv {
  public:
   StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvDtype kv_dtype, const InputTable& inputs);
@@ -35,6 +42,11 @@ class StoredKv {
   // As stored now (settle() must have written it).
   const StoredLayer& at(int row, int layer, std::int64_t index) const;
 
+  // The query as the attention uses it (kv_quant.query): rounded to float32, transformed,
+  // quantized, dequantized, transformed back. Unchanged without `query`. Returns how far
+  // (2-norm) a backend's query may be from it: codes on a tie may round either way.
+  double quantize_query(double* q, std::int64_t position) const;
+
   void reorder(const std::vector<int>& rows);
   void reset(int batch);
   void crop(std::int64_t length);
@@ -42,7 +54,9 @@ class StoredKv {
 
  private:
   // Rounds (kv_dtype) or quantizes, then decodes, one head's key or value held as float32.
-  void encode(const std::optional<TensorQuant>& format, int kv_head, std::vector<double>& x, QuantizedRow& codes) const;
+  // `position`: where the key is rotated (its boundary window grows with it); 0 for values.
+  void encode(const std::optional<TensorQuant>& format, int kv_head, std::vector<double>& x, QuantizedRow& codes,
+              std::int64_t position) const;
 
   Dims dims_;
   Rope rope_, turn_;  // turn_: a pure rotation (a shift does not apply yarn's factor again)

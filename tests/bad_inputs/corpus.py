@@ -334,9 +334,11 @@ NPY_CASES = [
     ("dimension with 30 digits", npy_bytes(header="{'descr': '<f4', 'fortran_order': False, 'shape': (" +
                                            "9" * 30 + ",), }"), "q.npy: not a valid .npy header: a dimension too large"),
     ("fortran order", npy_bytes(fortran=True), "q.npy: not a valid .npy header: expected C order"),
-    ("int32", npy_bytes(descr="<i4"), "q.npy: expected dtype <f2 \\(float16\\), <f4 \\(float32\\) or <f8"),
+    ("int32", npy_bytes(descr="<i4"), "q.npy: expected dtype <f4, got <i4"),
     ("big-endian float", npy_bytes(descr=">f4"), "q.npy: expected dtype"),
-    ("uint8", npy_bytes(descr="|u1"), "q.npy: expected dtype"),
+    ("uint8 of a float's size", npy_bytes(descr="|u1"), "q.npy: not a valid .npy file: shape .* of \\|u1 needs"),
+    ("uint8", npy_bytes(descr="|u1", data=b"\x01" * (TOKENS * 8)), "q.npy: expected dtype <f4, got \\|u1"),
+    ("int16", npy_bytes(descr="<i2"), "q.npy: expected dtype <f2 \\(float16\\), <f4 \\(float32\\) or <f8 .* got <i2"),
     ("float64 where float32 is required", npy_bytes(descr="<f8"), "q.npy: expected dtype <f4, got <f8"),
     ("shape wraps 2^64", npy_bytes(shape=(1, 2 ** 63, 1, 2), data=b""), "q.npy: not a valid .npy file: shape .* overflows"),
     ("data shorter than the shape", npy_bytes(data=b"\x00" * 12), "q.npy: not a valid .npy file: shape .* needs"),
@@ -447,6 +449,12 @@ TRACE_CASES = [
     ("a layer without values", trace_case(manifest_with(steps=[{"layers": [{"keys": "k.npy"}]}])),
      "/steps/0/layers/0/values: expected a file name"),
     ("no step recorded", trace_case(manifest_with(steps=[{}])), "/steps: no step was recorded"),
+    ("codes for a scenario that quantizes nothing", trace_case(manifest_with(steps=[{"layers": [
+        {"keys": "k.npy", "values": "v.npy", "k_codes": "k.npy", "k_scales": "k.npy"}]}])),
+     "/steps/0/layers/0/k_codes: the scenario quantizes no K: codes need its kv_quant \\(SPEC 9\\)"),
+    ("a codes file misnamed", trace_case(manifest_with(steps=[{"layers": [
+        {"keys": "k.npy", "values": "v.npy", "k_code": "k.npy"}]}])),
+     "/steps/0/layers/0/k_code: unknown key \\(expected keys, values, out, q, k_codes, k_scales, k_zero"),
     ("keys missing", trace_case(files={"v.npy": GOOD["v.npy"]}), "k.npy: cannot open the .npy file"),
     ("keys of the wrong rank", trace_case(files={"k.npy": npy_bytes(shape=(1, 2, 4)), "v.npy": GOOD["v.npy"]}),
      "k.npy: expected keys \\[B, Hkv, slots, D\\] of shape \\[1, 1, slots, 4\\]"),
@@ -455,7 +463,7 @@ TRACE_CASES = [
     ("values of other slots", trace_case(files={"k.npy": GOOD["k.npy"], "v.npy": npy_bytes(shape=(1, 1, 3, 4))}),
      "v.npy: expected values \\[B, Hkv, slots, D\\] of shape \\[1, 1, 2, 4\\]"),
     ("keys as int32", trace_case(files={"k.npy": npy_bytes(descr="<i4", shape=(1, 1, 2, 4)), "v.npy": GOOD["v.npy"]}),
-     "k.npy: expected dtype"),
+     "k.npy: expected dtype <f2 \\(float16\\), <f4 \\(float32\\) or <f8 \\(float64\\), got <i4"),
     ("out of the wrong shape", trace_case(
         manifest_with(steps=[{"layers": [{"keys": "k.npy", "values": "v.npy", "out": "o.npy"}]}]),
         files=dict(GOOD, **{"o.npy": npy_bytes(shape=(1, 2, 2, 3))})), "o.npy: expected out \\[B, H, n, D\\]"),

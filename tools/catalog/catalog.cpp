@@ -13,7 +13,8 @@ namespace kvcheck {
 using namespace optimized;
 
 const std::vector<CacheEntry>& real_caches() {
-  static const std::vector<CacheEntry> caches = {
+  static const std::vector<CacheEntry> caches = [] {
+    std::vector<CacheEntry> list = {
       {"dynamic", "full attention, grows with the sequence (amortized doubling)",
        [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
        [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic); }},
@@ -43,7 +44,12 @@ const std::vector<CacheEntry>& real_caches() {
       {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
        [](const Scenario& s) { return s.hybrid(); },
        [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
-  };
+    };
+    // None of them quantizes the query (kv_quant "query", ggml's CPU convention).
+    for (CacheEntry& e : list)
+      e.serves = [inner = e.serves](const Scenario& s) { return !(s.kv_quant && s.kv_quant->query) && inner(s); };
+    return list;
+  }();
   return caches;
 }
 

@@ -84,6 +84,10 @@ const char* class_name(BugClass c) {
       return "scale not applied";
     case BugClass::quant_dequantization_layout:
       return "dequantization layout";
+    case BugClass::quant_key_not_rerotated:
+      return "quantized key not re-rotated";
+    case BugClass::quant_query_quantized:
+      return "query quantized too";
   }
   return "?";
 }
@@ -190,6 +194,14 @@ const char* class_explanation(BugClass c) {
              "dropped it: holding it no longer after the step is fine, but it went before the forward, not after "
              "it (a buffer that rolls when its last slot is reached instead of when it is passed: transformers "
              "4.46's SlidingWindowCache).";
+    case BugClass::quant_query_quantized:
+      return "Codes, scales and positions are right, and the outputs equal the attention with the query also "
+             "quantized to q8_0 before its dot products with the keys: a convention, not a bug (ggml's CPU matmul "
+             "converts the activation to q8_0 K's dot-product type). Declare it with kv_quant \"query\": \"q8_0\".";
+    case BugClass::quant_key_not_rerotated:
+      return "Kept keys moved to their new positions but their stored codes are still the old rotation: the "
+             "shift skipped the quantized store (llama.cpp's context shift with a quantized K cache, done as "
+             "dequantize, rope, quantize only since PR 5653).";
     case BugClass::quant_scale_wrong:
       return "A stored scale is not the one the format's rule gives for the values it covers (SPEC 9.2.1): a scale "
              "computed once and frozen, from another batch, the wrong group, or never loaded from the checkpoint.";
@@ -325,11 +337,15 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     // A key still at its absolute position where a cache position was due: the kept keys
     // were never re-rotated (whatever the newest key did), or only the newest was not.
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index) {
-      if (!i.newest) return BugClass::kept_keys_not_shifted;
+      if (!i.newest) return s.kv_quant && s.kv_quant->k ? BugClass::quant_key_not_rerotated
+                                                        : BugClass::kept_keys_not_shifted;
       new_unshifted = true;
     }
   }
   if (new_unshifted) return BugClass::new_key_not_shifted;
+  // A stored scale that is not its rule's explains every key and output it touches (keys
+  // at another position are named above: their scales differ as a consequence).
+  if (any(e.codes, [](const CodeMismatch& c) { return c.element < 0; })) return BugClass::quant_scale_wrong;
   // Every bad key is nearest its claim: right positions, too much rounding.
   const bool rotations = any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; });
   if (rotations && std::all_of(e.slots.begin(), e.slots.end(),
@@ -411,6 +427,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     return any(e.codes, [](const CodeMismatch& c) { return c.element < 0; }) ? BugClass::quant_scale_wrong
                                                                              : BugClass::quant_codes_wrong;
   if (e.outputs_fit_unit_scale) return BugClass::quant_scale_not_applied;
+  if (e.outputs_fit_quantized_query) return BugClass::quant_query_quantized;
   if (s.kv_quant && !e.outputs.empty() && e.slots.empty() && e.pairs.empty())
     return BugClass::quant_dequantization_layout;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;

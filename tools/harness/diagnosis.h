@@ -50,6 +50,8 @@ enum class BugClass {
   quant_codes_wrong,
   quant_scale_not_applied,
   quant_dequantization_layout,
+  quant_key_not_rerotated,
+  quant_query_quantized,
 };
 
 const char* class_name(BugClass c);
@@ -121,6 +123,7 @@ struct StepEvidence {
   std::vector<SlotIssue> slots;
   std::vector<CodeMismatch> codes;        // SPEC 9.2.1
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
+  bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
   bool chunk_kept_whole = false;         // a row holds all of a chunk longer than the policy keeps
   bool wrong_row_count = false;          // the cache holds another number of rows than the reference

@@ -101,6 +101,8 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
 // SPEC 9: the codes and scales a quantized cache must hold after the step, for the keys of
 // the step's cache file in its order ([L, B, R, Hkv, D] codes and [L, B, R, Hkv, groups]
 // scales, R the most keys any row keeps; a shorter row is padded with code 0 and scale NaN).
+// Codes as SPEC 9.3 dumps them: int8 for int8 and q8_0, uint8 otherwise (fp8 bit patterns,
+// 4- and 2-bit codes one per byte); zero points int32.
 void write_stored_codes(const std::filesystem::path& dir, const std::string& stem, const Scenario& s,
                         const StepRecord& r, json& step) {
   const std::size_t L = r.stored.size(), B = r.stored.empty() ? 0 : r.stored[0].size();
@@ -129,7 +131,11 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
     const std::string name = value ? "v" : "k";
     step[name + "_codes"] = stem + "_" + name + "_codes.npy";
     step[name + "_scales"] = stem + "_" + name + "_scales.npy";
-    write_npy((dir / (stem + "_" + name + "_codes.npy")).string(), {L, B, R, Hkv, D}, codes);
+    const std::string codes_path = (dir / (stem + "_" + name + "_codes.npy")).string();
+    if (t->format == QuantFormat::int8 || t->format == QuantFormat::q8_0)
+      write_npy(codes_path, {L, B, R, Hkv, D}, std::vector<std::int8_t>(codes.begin(), codes.end()));
+    else
+      write_npy(codes_path, {L, B, R, Hkv, D}, std::vector<std::uint8_t>(codes.begin(), codes.end()));
     write_npy((dir / (stem + "_" + name + "_scales.npy")).string(), {L, B, R, Hkv, G}, scales);
     if (affine) {
       step[name + "_zero"] = stem + "_" + name + "_zero.npy";

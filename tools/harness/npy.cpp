@@ -22,6 +22,7 @@ struct NpyHeader {
   std::vector<std::size_t> shape;
   std::size_t count = 0;  // elements, overflow-checked
   std::size_t word = 0;   // bytes per element
+  char kind = 'f';        // 'f' float, 'i' signed or 'u' unsigned integer
   std::uint64_t data_offset = 0;
 };
 
@@ -156,9 +157,13 @@ NpyHeader read_header(std::ifstream& in, const std::string& path, std::uint64_t 
     h.word = 4;
   else if (h.descr == "<f8")
     h.word = 8;
+  else if (h.descr == "|i1" || h.descr == "|u1" || h.descr == "<i4")  // SPEC 9.3's codes and zero points
+    h.word = h.descr == "<i4" ? 4 : 1, h.kind = h.descr[1];
   else
     throw InputError(path, "",
-                     fmt::format("expected dtype <f2 (float16), <f4 (float32) or <f8 (float64), got {}", h.descr));
+                     fmt::format("expected dtype <f2 (float16), <f4 (float32) or <f8 (float64) (codes: |i1, |u1 or "
+                                 "<i4), got {}",
+                                 h.descr));
   h.count = 1;
   for (std::size_t d : h.shape)
     if (__builtin_mul_overflow(h.count, d, &h.count)) bad(fmt::format("shape {} overflows", shape_string(h.shape)));
@@ -200,7 +205,14 @@ std::vector<T> read_data(std::ifstream& in, const NpyHeader& h, const std::strin
     if (!in) throw InputError(path, "", "not a valid .npy file: the data could not be read");
     for (std::size_t i = 0; i < n; ++i) {
       const char* x = block.data() + i * h.word;
-      if (h.word == 2) {
+      if (h.kind != 'f') {
+        std::int32_t v = 0;
+        if (h.word == 4)
+          std::memcpy(&v, x, 4);
+        else
+          v = h.kind == 'i' ? static_cast<std::int8_t>(*x) : static_cast<std::uint8_t>(*x);
+        out[at + i] = static_cast<T>(v);
+      } else if (h.word == 2) {
         std::uint16_t v;
         std::memcpy(&v, x, 2);
         out[at + i] = static_cast<T>(half_to_float(v));
@@ -231,6 +243,12 @@ NpyArray<T> read_npy(const std::string& path, const char* required, double* roun
   const NpyHeader h = read_header(in, path, size);
   if (required != nullptr && h.descr != required)
     throw InputError(path, "", fmt::format("expected dtype {}, got {}", required, h.descr));
+  const bool want_integers = std::is_integral_v<T>;
+  if (want_integers != (h.kind != 'f'))
+    throw InputError(path, "", fmt::format("expected dtype {}, got {}",
+                                           want_integers ? "|i1, |u1 or <i4 (integer codes)"
+                                                         : "<f2 (float16), <f4 (float32) or <f8 (float64)",
+                                           h.descr));
   if (roundoff != nullptr) *roundoff = h.word == 2 ? 0x1p-11 : 0x1p-24;
   return {h.shape, read_data<T>(in, h, path)};
 }
@@ -250,6 +268,7 @@ NpyArray<double> read_npy_f64(const std::string& path) { return read_npy<double>
 NpyArray<float> read_npy_floats(const std::string& path, double* roundoff) {
   return read_npy<float>(path, nullptr, roundoff);
 }
+NpyArray<std::int32_t> read_npy_codes(const std::string& path) { return read_npy<std::int32_t>(path, nullptr, nullptr); }
 
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data) {
   write(path, shape, data);
@@ -258,6 +277,12 @@ void write_npy(const std::string& path, const std::vector<std::size_t>& shape, c
   write(path, shape, data);
 }
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<std::int32_t>& data) {
+  write(path, shape, data);
+}
+void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<std::int8_t>& data) {
+  write(path, shape, data);
+}
+void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<std::uint8_t>& data) {
   write(path, shape, data);
 }
 

@@ -60,13 +60,18 @@ reference::QuantizedRow as_row(const optimized::UnpackedRow& u) {
 
 }  // namespace
 
-double key_roundoff(const Scenario& s) {
-  if (!s.kv_quant || !s.kv_quant->k) return unit_roundoff(s.kv_dtype);
+namespace {
+double stored_roundoff(const Scenario& s, const std::optional<TensorQuant>& q) {
+  if (!q) return unit_roundoff(s.kv_dtype);
   std::string ignored;
-  TensorQuant k = *s.kv_quant->k;
-  k.scale.rule = ScaleRule::amax;  // as if a static scale fitted the row
-  return worst_element_error(k, 1.0, ignored, "key");
+  TensorQuant t = *q;
+  t.scale.rule = ScaleRule::amax;  // as if a static scale fitted the row
+  return worst_element_error(t, 1.0, ignored, "");
 }
+}  // namespace
+
+double key_roundoff(const Scenario& s) { return stored_roundoff(s, s.kv_quant ? s.kv_quant->k : std::nullopt); }
+double value_roundoff(const Scenario& s) { return stored_roundoff(s, s.kv_quant ? s.kv_quant->v : std::nullopt); }
 
 optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) {
   using optimized::Codec;
@@ -85,7 +90,8 @@ optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) 
 QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), inputs_(inputs) {
   const int D = inputs.head_dim;
   const double m = reference::rope_magnitude(s.rope);
-  double k_norm = 0.0, v_norm = 0.0, v_abs = 0.0, v_lo = 0.0, v_hi = 0.0;
+  double v_norm = 0.0, v_abs = 0.0, v_lo = 0.0, v_hi = 0.0;
+  double& k_norm = k_norm_;
   for (std::size_t at = 0; at + D <= inputs.q.size(); at += static_cast<std::size_t>(D))
     q_norm_ = std::max(q_norm_, norm(inputs.q.data() + at, D) * m);
   for (std::size_t at = 0; at + D <= inputs.k.size(); at += static_cast<std::size_t>(D)) {
@@ -108,14 +114,26 @@ QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), i
   bound_ = e_v + std::expm1(2.0 * delta) * v_range_ / 2.0;
 }
 
+void QuantChecks::follow_rows(const Step& step) {
+  if (step.op == StepOp::reset) held_.clear();
+  if (step.op != StepOp::reorder) return;
+  std::map<HeldId, Held> moved;  // new row b holds old row rows[b]'s keys
+  for (std::size_t b = 0; b < step.rows.size(); ++b)
+    for (const auto& [id, held] : held_)
+      if (std::get<1>(id) == step.rows[b]) moved[{std::get<0>(id), static_cast<int>(b), std::get<2>(id), std::get<3>(id)}] = held;
+  held_ = std::move(moved);
+}
+
 double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
+  follow_rows(rec.step);
+  diverged_.clear();
   if (rec.stored.empty()) return 0.0;
   const KvQuant& q = *s_.kv_quant;
   const int D = s_.dims.head_dim;
   double allowance = 0.0;
   std::vector<double> want(static_cast<std::size_t>(D)), got(static_cast<std::size_t>(D));
-  // One stored row against the simulated one: true when accepted (exactly, or a code off
-  // by one at a rounding boundary, or a computed scale off by its dtype's last bit).
+  // One stored row against the one expected: true when accepted (exactly, or a code off by
+  // one at a rounding boundary, or a computed scale off by its dtype's last bit).
   const auto compare = [&](const TensorQuant& format, const reference::QuantizedRow& expected,
                            const optimized::UnpackedRow& actual, CodeMismatch where, bool value) {
     where.value = value;
@@ -135,9 +153,10 @@ double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, St
     };
     if (actual.codes.size() != expected.codes.size() || actual.scales.size() != expected.scales.size()) {
       fail(-1, 0, static_cast<double>(expected.scales.size()), static_cast<double>(actual.scales.size()));
-      return;
+      return false;
     }
-    const double slack = format.scale.rule == ScaleRule::fixed ? 0.0
+    const bool exact = expected.near_boundary.empty();  // codes that must not have changed at all
+    const double slack = exact || format.scale.rule == ScaleRule::fixed ? 0.0
                          : format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
                                  format.format == QuantFormat::q4_0
                              ? 0x1p-10
@@ -150,27 +169,31 @@ double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, St
       if (!(std::abs(e - a) <= slack * std::abs(e))) fail(-1, static_cast<int>(g), e, a);
     }
     for (std::size_t g = 0; g < expected.zeros.size() && g < actual.zeros.size(); ++g)
-      if (expected.zeros[g] != actual.zeros[g] && (scales_equal || std::abs(expected.zeros[g] - actual.zeros[g]) > 1))
+      if (expected.zeros[g] != actual.zeros[g] &&
+          (exact || scales_equal || std::abs(expected.zeros[g] - actual.zeros[g]) > 1))
         fail(-1, static_cast<int>(g), expected.zeros[g], actual.zeros[g]);
     for (std::size_t i = 0; i < expected.codes.size(); ++i) {
       ++codes_checked_;
       const int e = expected.codes[i], a = actual.codes[i];
       if (e == a) continue;
       const bool neighbour = std::abs(e - a) == 1 && ((e ^ a) & 0x80) == 0;
-      if (neighbour && (expected.near_boundary[i] || !scales_equal)) {
+      if (!exact && neighbour && (expected.near_boundary[i] || !scales_equal)) {
         ++codes_on_boundary_;
         continue;
       }
       fail(static_cast<int>(i), static_cast<int>(i) / std::max(1, reference::scale_group(format, D)), e, a);
     }
-    if (!ok) return;
-    // Accepted but not identical: the outputs may move by what the difference weighs.
-    reference::dequantize(format, expected, want.data());
+    return ok;
+  };
+  // How far outputs may move when a row's accepted codes are not the reference's.
+  const auto weigh = [&](const TensorQuant& format, const reference::QuantizedRow& reference_codes,
+                         const optimized::UnpackedRow& actual, bool value) {
+    reference::dequantize(format, reference_codes, want.data());
     reference::dequantize(format, as_row(actual), got.data());
     double diff = 0.0;
     for (int i = 0; i < D; ++i) diff += (want[i] - got[i]) * (want[i] - got[i]);
     diff = std::sqrt(diff);
-    allowance += value ? diff : std::expm1(2.0 * s_.softmax_scale() * q_norm_ * diff) * v_range_ / 2.0;
+    return value ? diff : std::expm1(2.0 * s_.softmax_scale() * q_norm_ * diff) * v_range_ / 2.0;
   };
 
   for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
@@ -188,12 +211,107 @@ double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, St
           const reference::StoredHead& h = rec.stored[l][b][i].heads[static_cast<std::size_t>(g)];
           const CodeMismatch where{static_cast<int>(l), static_cast<int>(b), g, false,
                                    static_cast<std::int64_t>(retained[i].uid), slot.slot, 0, 0, 0.0, 0.0};
-          if (q.k && slot.key_codes) compare(*q.k, h.key_codes, *slot.key_codes, where, false);
-          if (q.v && slot.value_codes) compare(*q.v, h.value_codes, *slot.value_codes, where, true);
+          const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(retained[i].uid), g};
+          if (q.k && slot.key_codes) {
+            // Expected: a new key as the reference stores it; a kept one unchanged; a shifted
+            // one re-quantized from the codes this cache held (a rounding boundary taken the
+            // other way earlier is then followed, not held against it at every later shift).
+            const auto held = held_.find(id);
+            reference::QuantizedRow expected = h.key_codes;
+            if (held != held_.end() && held->second.position == retained[i].position) {
+              expected = held->second.codes;
+              expected.near_boundary.clear();
+            } else if (held != held_.end()) {
+              expected = reference::requantize_shifted(*q.k, q.transform, s_.rope, held->second.codes, g,
+                                                       held->second.position, retained[i].position);
+            }
+            if (compare(*q.k, expected, *slot.key_codes, where, false)) {
+              held_[id] = {retained[i].position, as_row(*slot.key_codes)};
+              if (!(as_row(*slot.key_codes).codes == h.key_codes.codes) ||
+                  !(as_row(*slot.key_codes).scales == h.key_codes.scales)) {
+                const double w = weigh(*q.k, h.key_codes, *slot.key_codes, false);
+                diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
+                allowance = std::max(allowance, diverged_[{static_cast<int>(l), static_cast<int>(b)}]);
+              }
+            }
+          }
+          if (q.v && slot.value_codes && compare(*q.v, h.value_codes, *slot.value_codes, where, true) &&
+              !(as_row(*slot.value_codes).codes == h.value_codes.codes)) {
+            diverged_[{static_cast<int>(l), static_cast<int>(b)}] += weigh(*q.v, h.value_codes, *slot.value_codes, true);
+            allowance = std::max(allowance, diverged_[{static_cast<int>(l), static_cast<int>(b)}]);
+          }
         }
       }
     }
   return allowance;
+}
+
+bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float* rotated_q, std::vector<double>& out,
+                               std::vector<double>& slack) const {
+  const KvQuant& q = *s_.kv_quant;
+  const bool own_query = rotated_q != nullptr && q.query;
+  if ((!diverged_.count({l, b}) && !own_query) || rec.stored.empty()) return false;
+  const reference::AppendResult& ref = *rec.append;
+  const auto& tokens = ref.rows[static_cast<std::size_t>(b)];
+  const auto& retained = rec.retained_in(l, b).keys;
+  const int D = s_.dims.head_dim, H = s_.dims.heads, G = H / s_.dims.kv_heads;
+  const std::size_t B = ref.rows.size();
+  const std::int64_t pad = ref.chunk - static_cast<std::int64_t>(tokens.size());
+  std::vector<double> keys, values, scores, result(static_cast<std::size_t>(D));
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    // Every key the token saw must still be kept, where it saw it: the view shows the state
+    // after the step, not the one a chunk's earlier tokens saw before an eviction.
+    const reference::QueryView& view = tokens[i].view_in(l);
+    const std::size_t n = view.keys.size();
+    keys.resize(n * D);
+    values.resize(n * D);
+    scores.resize(n);
+    for (int head = 0; head < H; ++head) {
+      const int g = head / G;
+      for (std::size_t j = 0; j < n; ++j) {
+        const auto found = std::find_if(retained.begin(), retained.end(),
+                                        [&](const reference::RetainedKey& r) { return r.index == view.keys[j].index; });
+        if (found == retained.end() || found->position != view.keys[j].position) return false;
+        const reference::StoredHead& h =
+            rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)]
+                      [static_cast<std::size_t>(found - retained.begin())].heads[static_cast<std::size_t>(g)];
+        std::copy(h.key.begin(), h.key.end(), keys.begin() + static_cast<std::ptrdiff_t>(j * D));
+        std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));
+        const auto held = held_.find({l, b, static_cast<std::int64_t>(found->uid), g});
+        if (q.k && held != held_.end() && held->second.position == found->position) {
+          reference::dequantize(*q.k, held->second.codes, keys.data() + j * D);
+          if (q.transform == QuantTransform::hadamard) reference::hadamard(keys.data() + j * D, D);
+        }
+      }
+      // The query the cache used when the source shows it (its rope's float32 rounding can
+      // move a quantized query's code across a boundary), else the reference's.
+      const std::size_t token_at = (static_cast<std::size_t>(b) * ref.chunk + pad + i) * H + head;
+      std::vector<double> query;
+      if (own_query) {
+        query.assign(rotated_q + token_at * D, rotated_q + (token_at + 1) * D);
+      } else {
+        const float* raw = inputs_.q_at(l, tokens[i].uid, head);
+        query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
+      }
+      if (q.query) {
+        std::vector<float> held_q(static_cast<std::size_t>(D));
+        for (double& x : query) x = static_cast<float>(x);
+        if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
+        for (int d = 0; d < D; ++d) held_q[static_cast<std::size_t>(d)] = static_cast<float>(query[static_cast<std::size_t>(d)]);
+        // A query code on a tie may still round either way: its slack is kept.
+        slack[static_cast<std::size_t>(l) * B * ref.chunk * H + token_at] =
+            reference::quantize_activation_q8_0(held_q.data(), D, query.data(), reference::boundary_window(0));
+        if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
+      }
+      const double* sink =
+          s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];
+      reference::attend(query.data(), keys.data(), values.data(), n, static_cast<std::size_t>(D), s_.softmax_scale(),
+                        sink, scores.data(), result.data());
+      const std::size_t at = (static_cast<std::size_t>(l) * B * ref.chunk * H + token_at) * D;
+      std::copy(result.begin(), result.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
+    }
+  }
+  return true;
 }
 
 void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* out, const std::string& label) {
@@ -222,8 +340,8 @@ void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* 
       }
 }
 
-bool QuantChecks::fits_unit_scale(const StepRecord& rec, int l, int b, std::size_t token, int head, const float* out,
-                                  double atol, double rtol) const {
+bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std::size_t token, int head,
+                       const float* out, double atol, double rtol) const {
   if (rec.stored.empty()) return false;
   const KvQuant& q = *s_.kv_quant;
   const reference::AppendResult& ref = *rec.append;
@@ -234,7 +352,7 @@ bool QuantChecks::fits_unit_scale(const StepRecord& rec, int l, int b, std::size
   const std::size_t n = view.keys.size();
   std::vector<double> keys(n * D), values(n * D), scores(n), query, result(static_cast<std::size_t>(D));
   const auto unit = [&](const TensorQuant& format, reference::QuantizedRow row, double* x) {
-    std::fill(row.scales.begin(), row.scales.end(), 1.0);
+    if (variant == Variant::unit_scale) std::fill(row.scales.begin(), row.scales.end(), 1.0);
     reference::dequantize(format, row, x);
     if (q.transform == QuantTransform::hadamard) reference::hadamard(x, D);
   };
@@ -256,6 +374,16 @@ bool QuantChecks::fits_unit_scale(const StepRecord& rec, int l, int b, std::size
   }
   const float* raw = inputs_.q_at(l, t.uid, head);
   query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
+  // The query quantized as declared (kv_quant "query"), or as the hypothesis says.
+  if (variant == Variant::quantized_query || q.query) {  // float32, transformed, q8_0, back
+    if (D % 32 != 0) return false;
+    std::vector<float> held(static_cast<std::size_t>(D));
+    for (double& x : query) x = static_cast<float>(x);
+    if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
+    for (int d = 0; d < D; ++d) held[static_cast<std::size_t>(d)] = static_cast<float>(query[static_cast<std::size_t>(d)]);
+    reference::quantize_activation_q8_0(held.data(), D, query.data(), reference::boundary_window(view.query_position));
+    if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
+  }
   const double* sink =
       s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];
   reference::attend(query.data(), keys.data(), values.data(), n, static_cast<std::size_t>(D), s_.softmax_scale(), sink,
@@ -265,6 +393,10 @@ bool QuantChecks::fits_unit_scale(const StepRecord& rec, int l, int b, std::size
   for (int d = 0; d < D; ++d)
     if (!(std::abs(out[at + d] - result[d]) <= atol + rtol * std::abs(result[d]))) return false;
   return true;
+}
+
+double QuantChecks::query_allowance(double slack) const {
+  return slack == 0.0 ? 0.0 : std::expm1(2.0 * s_.softmax_scale() * slack * k_norm_) * v_range_ / 2.0;
 }
 
 void QuantChecks::add_checks(Outcome& o) const {
@@ -281,7 +413,7 @@ void QuantChecks::add_checks(Outcome& o) const {
        codes_.failures ? codes_.first
        : codes_checked_ == 0
            ? "no codes shown (" + what + ")"
-           : fmt::format("{} codes and their scales as {}'s rules give{}", codes_checked_, what,
+           : fmt::format("{} codes and their scales as the format's rules give ({}){}", codes_checked_, what,
                          codes_on_boundary_ ? fmt::format(" ({} on a rounding boundary took the neighbouring code)",
                                                           codes_on_boundary_)
                                             : std::string())});

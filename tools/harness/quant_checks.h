@@ -5,8 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <tuple>
+#include <vector>
 
+#include "reference/quantize.h"
 #include "tools/harness/cache_view.h"
 #include "tools/harness/diagnosis.h"
 #include "tools/harness/reference_run.h"
@@ -18,6 +22,7 @@ namespace kvcheck {
 // How far a stored key's elements may be from the key the cache was given, relative to its
 // largest element: the storage's unit roundoff, or a quantized format's worst step.
 double key_roundoff(const Scenario& scenario);
+double value_roundoff(const Scenario& scenario);
 
 // The optimized caches' row format for a scenario's quantized tensor.
 optimized::RowFormat row_format(const TensorQuant& quant, QuantTransform transform);
@@ -26,15 +31,37 @@ class QuantChecks {
  public:
   QuantChecks(const Scenario& scenario, const InputTable& inputs);
 
-  // 9.2.1 for every retained slot the view shows codes for. Returns how far outputs may
-  // move because the cache took the neighbouring code of a value on a rounding boundary.
+  // 9.2.1 for every retained slot the view shows codes for: a new key or value as the
+  // reference stores it, a kept key unchanged, a shifted key re-quantized from the codes
+  // the cache held. Returns how far outputs may move from R_stored because the cache took
+  // the other side of a rounding boundary (then or at an earlier shift).
   double check_codes(const StepRecord& record, const CacheView& view, StepEvidence& evidence);
+  // R_stored of row b in layer l recomputed over the codes the cache holds, when they are
+  // not the reference's (accepted at a boundary), or with the rotated query the source
+  // shows when the attention quantizes it: written into out (R_stored's layout). Every
+  // token of the row must have seen only keys still kept; `slack` ([L, B, n, H]) gets
+  // the query's slack (quantize_activation_q8_0). False: not needed or not possible (use
+  // R_stored with check_codes' allowance).
+  bool held_outputs(const StepRecord& record, int layer, int row, const float* rotated_q, std::vector<double>& out,
+                    std::vector<double>& slack) const;
+  // The allowance of check_codes for one row of one layer (0 when its codes are the reference's).
+  double row_allowance(int layer, int row) const {
+    const auto found = diverged_.find({layer, row});
+    return found == diverged_.end() ? 0.0 : found->second;
+  }
   // 9.2.3 for one row of one layer of an append step.
   void check_bound(const StepRecord& record, int layer, int row, const float* out, const std::string& label);
-  // The first wrong output (row b, token i, head h of layer l) recomputed with every scale
-  // read as 1: does it fit?
-  bool fits_unit_scale(const StepRecord& record, int layer, int row, std::size_t token, int head, const float* out,
-                       double atol, double rtol) const;
+  // The first wrong output (row b, token i, head h of layer l) recomputed under a named
+  // mistake or convention: does it fit?
+  enum class Variant {
+    unit_scale,       // every scale read as 1 (scale plumbing)
+    quantized_query,  // the query quantized to q8_0 before the dot products (ggml's CPU matmul)
+  };
+  bool fits(Variant variant, const StepRecord& record, int layer, int row, std::size_t token, int head,
+            const float* out, double atol, double rtol) const;
+  // How far an output may move when a quantized query (kv_quant "query") is `slack` (2-norm)
+  // from the reference's: its codes on a tie may round either way.
+  double query_allowance(double slack) const;
   void add_checks(Outcome& outcome) const;
 
  private:
@@ -42,11 +69,21 @@ class QuantChecks {
     std::int64_t failures = 0;
     std::string first;
   };
+  // Keeps each key's accepted codes across a reorder or reset.
+  void follow_rows(const Step& step);
+
   const Scenario& s_;
   const InputTable& inputs_;
+  using HeldId = std::tuple<int, int, std::int64_t, int>;  // layer, row, uid, kv head
+  struct Held {
+    std::int64_t position;
+    reference::QuantizedRow codes;
+  };
+  std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
+  std::map<std::pair<int, int>, double> diverged_;  // (layer, row) whose codes are not the reference's this step
   double bound_ = 0.0;        // 9.2.3, before the float tolerance; infinite when values saturate
   std::string saturation_;    // why the bound does not apply
-  double q_norm_ = 0.0, v_range_ = 0.0;
+  double q_norm_ = 0.0, k_norm_ = 0.0, v_range_ = 0.0;
   Tally codes_, bound_tally_;
   std::int64_t codes_checked_ = 0, codes_on_boundary_ = 0;
   double sum_sq_cache_ = 0.0, sum_sq_format_ = 0.0, sum_sq_ideal_ = 0.0;

@@ -393,7 +393,7 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
 KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
   const std::string p = "/kv_quant";
   if (j.is_array()) not_yet(r, p, "a per-layer kv_quant list");
-  r.object(j, p, {"k", "v", "residual", "flush", "prefill", "chunk_reads", "transform", "shift"});
+  r.object(j, p, {"k", "v", "residual", "flush", "prefill", "chunk_reads", "transform", "shift", "query"});
   if (!j.contains("k") && !j.contains("v")) r.fail(p, "expected \"k\", \"v\" or both: what is quantized");
   KvQuant q;
   if (j.contains("k")) q.k = parse_tensor_quant(r, j["k"], p + "/k", dims);
@@ -412,6 +412,14 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
     q.transform = QuantTransform::hadamard;
   }
   if (j.contains("shift")) r.choice(j["shift"], p + "/shift", {"requantize"});
+  // kvcheck's extension: the attention quantizes the query too (ggml's CPU matmul does, to
+  // the q8_0 K's dot-product type).
+  if (j.contains("query") && r.choice(j["query"], p + "/query", {"none", "q8_0"}) == "q8_0") {
+    if (dims.head_dim % 32 != 0)
+      r.fail(p + "/query", fmt::format("q8_0 quantizes blocks of 32 along head_dim; head_dim {} is not a multiple "
+                                       "of 32", dims.head_dim));
+    q.query = QuantFormat::q8_0;
+  }
   return q;
 }
 

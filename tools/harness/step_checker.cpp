@@ -336,7 +336,7 @@ class StepChecker::Impl {
     // cache must hold, so float32's tolerance, plus what codes a cache may round the other
     // way at a boundary can move.
     Tolerance tolerance = quant_ ? s_.tolerance : output_tolerance(s_, inputs_, view.roundoff);
-    if (quant_) tolerance.atol += quant_->check_codes(rec, view, evidence);
+    if (quant_) quant_->check_codes(rec, view, evidence);
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
@@ -349,7 +349,8 @@ class StepChecker::Impl {
         for (std::size_t k = before; k < evidence.slots.size(); ++k) evidence.slots[k].layer = static_cast<int>(l);
         if (s_.hybrid() && evidence.slots.size() > before && !evidence.layer_holds_policy_of)
           match_other_layer_policy(rec, view, static_cast<int>(l), b, evidence);
-        if (rec.append && layer.out) compare_outputs(rec, static_cast<int>(l), b, layer.out, tolerance, evidence);
+        if (rec.append && layer.out)
+          compare_outputs(rec, static_cast<int>(l), b, layer.out, layer.q, tolerance, evidence);
         if (rec.append && layer.q && !view.pairs) derive_pairs(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
       }
     }
@@ -514,6 +515,23 @@ class StepChecker::Impl {
     return eager_misfits < lazy_misfits ? Convention::eager : Convention::lazy;
   }
 
+  // SPEC 9.2.5: a quantized key re-quantized at every shift drifts from its raw key by
+  // what the simulated chain drifts (not tolerated: simulated): the reference's stored key
+  // at that position, rotated back, is that far from the raw key.
+  double simulated_drift(const StepRecord& rec, int l, int b, int g, std::int64_t uid, std::int64_t position,
+                         const float* raw) {
+    if (rec.stored.empty() || !s_.kv_quant->k) return 0.0;
+    const auto& keys = rec.retained_in(l, b).keys;
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (static_cast<std::int64_t>(keys[i].uid) != uid || keys[i].position != position) continue;
+      const std::vector<double>& stored =
+          rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i].heads[static_cast<std::size_t>(g)].key;
+      const std::vector<float> as_float(stored.begin(), stored.end());
+      return rotations_.error(as_float.data(), raw, position);
+    }
+    return 0.0;
+  }
+
   // The key of slot v: rotated back by the position it claims, it must be its raw key.
   void check_key(const StepRecord& rec, const CacheView& view, int l, int b, int g, const ViewSlot& v, SlotRow& row,
                  Convention convention, const RowSets& sets, StepEvidence& evidence, RowState& state,
@@ -546,7 +564,7 @@ class StepChecker::Impl {
     const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
     const double error = rotations_.error(v.key, raw, claim);
     step_rotation_error_ = std::max(step_rotation_error_, error);
-    if (error <= rotation_tolerance(raw, D, view.roundoff)) {
+    if (error <= rotation_tolerance(raw, D, view.roundoff) + simulated_drift(rec, l, b, g, v.uid, claim, raw)) {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
     }
@@ -602,16 +620,26 @@ class StepChecker::Impl {
     }
   }
 
-  void compare_outputs(const StepRecord& rec, int l, int b, const float* out, const Tolerance& tol,
-                       StepEvidence& evidence) {
+  void compare_outputs(const StepRecord& rec, int l, int b, const float* out, const float* rotated_q,
+                       const Tolerance& tol, StepEvidence& evidence) {
     const reference::AppendResult& ref = *rec.append;
     const int H = s_.dims.heads, D = s_.dims.head_dim;
     const auto B = ref.rows.size();
     const std::int64_t n = ref.chunk;
     const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
     outputs_seen_ = true;
-    // A quantized cache is held to R_stored here and to the format's bound of R_ideal there.
-    const std::vector<double>& expected = ref.out_stored.empty() ? ref.out : ref.out_stored;
+    // A quantized cache is held to R_stored here (over the codes it holds, when it took the
+    // other side of a rounding boundary) and to the format's bound of R_ideal there.
+    std::vector<double> held, held_slack;
+    if (quant_ && !ref.out_stored.empty()) {
+      held = ref.out_stored;
+      held_slack = ref.query_slack;
+      if (held_slack.empty()) held_slack.assign(held.size() / static_cast<std::size_t>(D), 0.0);
+      if (!quant_->held_outputs(rec, l, b, rotated_q, held, held_slack)) held.clear(), held_slack.clear();
+    }
+    const std::vector<double>& query_slack = !held.empty() ? held_slack : ref.query_slack;
+    const std::vector<double>& expected = !held.empty() ? held : ref.out_stored.empty() ? ref.out : ref.out_stored;
+    const double row_allowance = !held.empty() ? 0.0 : quant_ ? quant_->row_allowance(l, b) : 0.0;
     if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, evidence.label);
     std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
@@ -624,7 +652,11 @@ class StepChecker::Impl {
           sum_sq_err_ += std::isnan(err) ? 0.0 : err * err;
           sum_sq_ref_ += want * want;
           max_abs_ = std::max(max_abs_, std::isnan(err) ? std::numeric_limits<double>::infinity() : err);
-          if (err <= tol.atol + tol.rtol * std::abs(want)) continue;
+          const double slack =
+              query_slack.empty()
+                  ? 0.0
+                  : quant_->query_allowance(query_slack[(static_cast<std::size_t>(l) * B * n * H * D + at) / D]);
+          if (err <= tol.atol + row_allowance + slack + tol.rtol * std::abs(want)) continue;
           if (!first) first = {i, h};
           const auto& token = ref.rows[b][i];
           outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got {:.9g}",
@@ -646,7 +678,12 @@ class StepChecker::Impl {
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
           fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
-    if (quant_) evidence.outputs_fit_unit_scale = quant_->fits_unit_scale(rec, l, b, i, h, out, tol.atol, tol.rtol);
+    if (quant_) {
+      using V = QuantChecks::Variant;
+      evidence.outputs_fit_unit_scale = quant_->fits(V::unit_scale, rec, l, b, i, h, out, tol.atol, tol.rtol);
+      evidence.outputs_fit_quantized_query =
+          !s_.kv_quant->query && quant_->fits(V::quantized_query, rec, l, b, i, h, out, tol.atol, tol.rtol);
+    }
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =
           fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));

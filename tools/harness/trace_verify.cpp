@@ -9,10 +9,13 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
+#include "reference/quantize.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
+#include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
 #include "tools/harness/safe_file.h"
 
@@ -25,6 +28,9 @@ namespace {
 
 struct TraceFiles {
   std::string keys, values, out, q;  // out and q optional
+  // SPEC 9.3, optional: a quantized cache's codes [B, Hkv, slots, D], scales and zero points
+  // [B, Hkv, slots, groups], per tensor.
+  std::string codes[2], scales[2], zeros[2];  // [0] keys, [1] values
 };
 
 struct TraceStep {
@@ -111,8 +117,11 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         const std::string lp = fmt::format("{}/layers/{}", p, l);
         if (!ls[l].is_object()) fail(lp, "expected an object of file names");
         for (const auto& [key, value] : ls[l].items()) {
-          if (key != "keys" && key != "values" && key != "out" && key != "q")
-            fail(lp + "/" + key, "unknown key (expected keys, values, out, q)");
+          static const std::set<std::string> known = {"keys",     "values",   "out",    "q",      "k_codes",
+                                                      "k_scales", "k_zero",   "v_codes", "v_scales", "v_zero"};
+          if (!known.count(key))
+            fail(lp + "/" + key, "unknown key (expected keys, values, out, q, k_codes, k_scales, k_zero, v_codes, "
+                                 "v_scales, v_zero)");
           if (!value.is_string()) fail(lp + "/" + key, "expected a file name");
         }
         TraceFiles f;
@@ -125,6 +134,21 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         f.values = file("values");
         if (ls[l].contains("out")) f.out = file("out");
         if (ls[l].contains("q")) f.q = file("q");
+        for (int tensor = 0; tensor < 2; ++tensor) {
+          const std::string name = tensor == 0 ? "k" : "v";
+          const std::optional<TensorQuant>& quant = tensor == 0 ? (s.kv_quant ? s.kv_quant->k : std::nullopt)
+                                                                : (s.kv_quant ? s.kv_quant->v : std::nullopt);
+          const bool any = ls[l].contains(name + "_codes") || ls[l].contains(name + "_scales");
+          if (!any) continue;
+          if (!quant)
+            fail(lp + "/" + name + "_codes",
+                 fmt::format("the scenario quantizes no {}: codes need its kv_quant (SPEC 9)", tensor == 0 ? "K" : "V"));
+          for (const std::string& key : {name + "_codes", name + "_scales"})
+            if (!ls[l].contains(key)) fail(lp + "/" + key, "expected a file name: codes and scales come together");
+          f.codes[tensor] = file((name + "_codes").c_str());
+          f.scales[tensor] = file((name + "_scales").c_str());
+          if (ls[l].contains(name + "_zero")) f.zeros[tensor] = file((name + "_zero").c_str());
+        }
         layers.push_back(f);
       }
     }
@@ -150,6 +174,15 @@ NpyArray<float> load(const std::string& path, std::vector<std::size_t> expected,
       want += (i ? ", " : "") + (any_third && i == 2 ? std::string("slots") : std::to_string(expected[i]));
     throw InputError(path, "", fmt::format("expected {} of shape {}], got {}", what, want, shape_string(a.shape)));
   }
+  return a;
+}
+
+// SPEC 9.3's codes or zero points (int8, uint8 or int32) of exactly this shape.
+NpyArray<std::int32_t> load_codes(const std::string& path, const std::vector<std::size_t>& expected) {
+  NpyArray<std::int32_t> a = read_npy_codes(path);
+  if (a.shape != expected)
+    throw InputError(path, "", fmt::format("expected codes of shape {}, got {}", shape_string(expected),
+                                           shape_string(a.shape)));
   return a;
 }
 
@@ -190,7 +223,7 @@ class TraceSource {
     view.batch = static_cast<int>(B);
     // A bfloat16 cache dumps float32 tensors (exactly): the scenario's kv_dtype says how far
     // its values may be from the raw ones, whatever the file's word size.
-    view.roundoff = unit_roundoff(s_.kv_dtype);
+    view.roundoff = key_roundoff(s_);
     view.storage.reserve(4 * step.layers.size());
     for (std::size_t l = 0; l < step.layers.size(); ++l) {
       const TraceFiles& f = step.layers[l];
@@ -198,6 +231,18 @@ class TraceSource {
       NpyArray<float> values =
           load(f.values, {B, Hkv, keys.shape[2], D}, "values [B, Hkv, slots, D]", false, view.roundoff);
       const std::size_t slots = keys.shape[2];
+      // SPEC 9.3: codes of the same slots, scales and zero points per group.
+      std::optional<NpyArray<std::int32_t>> codes[2], zeros[2];
+      std::optional<NpyArray<float>> scales[2];
+      for (int t = 0; t < 2; ++t) {
+        if (f.codes[t].empty()) continue;
+        const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
+        const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(quant, static_cast<int>(D)));
+        codes[t] = load_codes(f.codes[t], {B, Hkv, slots, D});
+        double ignored = 0.0;
+        scales[t] = load(f.scales[t], {B, Hkv, slots, G}, "scales [B, Hkv, slots, groups]", false, ignored);
+        if (!f.zeros[t].empty()) zeros[t] = load_codes(f.zeros[t], {B, Hkv, slots, G});
+      }
       view.storage.push_back(std::move(keys.data));
       const float* key_data = view.storage.back().data();
       ViewLayer layer;
@@ -213,6 +258,19 @@ class TraceSource {
             s.slot = static_cast<std::int64_t>(slot);
             s.uid = identify(static_cast<int>(l), static_cast<int>(g), v, rec.histories[b], view.roundoff);
             s.key = key_data + at;
+            for (int t = 0; t < 2; ++t)
+              if (codes[t]) {
+                optimized::UnpackedRow row;
+                row.codes.assign(codes[t]->data.begin() + static_cast<std::ptrdiff_t>(at),
+                                 codes[t]->data.begin() + static_cast<std::ptrdiff_t>(at + D));
+                const std::size_t G = scales[t]->shape[3], gat = ((b * Hkv + g) * slots + slot) * G;
+                row.scales.assign(scales[t]->data.begin() + static_cast<std::ptrdiff_t>(gat),
+                                  scales[t]->data.begin() + static_cast<std::ptrdiff_t>(gat + G));
+                if (zeros[t])
+                  row.zeros.assign(zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(gat),
+                                   zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(gat + G));
+                (t == 0 ? s.key_codes : s.value_codes) = std::move(row);
+              }
             layer.slots[b][g].push_back(s);
           }
       if (rec.append) {
@@ -238,10 +296,20 @@ class TraceSource {
   // uid (stale); -1 for none. Each head is matched on its own: a cache may order slots per head.
   std::int64_t identify(int layer, int g, const float* value, const RowHistory& history, double roundoff) const {
     const int D = s_.dims.head_dim;
+    // A quantized value is off by up to a step of its group, relative to the row's largest
+    // element (its norm under a transform), not to each element.
+    const bool quantized = s_.kv_quant && s_.kv_quant->v;
+    const double step = quantized ? value_roundoff(s_) : roundoff;
     auto matches = [&](std::uint64_t uid) {
       const float* raw = inputs_.v_at(layer, uid, g);
-      for (int d = 0; d < D; ++d)  // NaN never matches
-        if (!(std::abs(value[d] - raw[d]) <= 1e-6 + 2.0 * roundoff * std::abs(raw[d]))) return false;
+      double row = 0.0;
+      if (quantized)
+        for (int d = 0; d < D; ++d) row += static_cast<double>(raw[d]) * raw[d];
+      row = std::sqrt(row);
+      for (int d = 0; d < D; ++d) {  // NaN never matches
+        const double scale = quantized ? row : std::abs(raw[d]);
+        if (!(std::abs(value[d] - raw[d]) <= 1e-6 + 2.0 * step * scale)) return false;
+      }
       return true;
     };
     for (std::uint64_t uid : history)

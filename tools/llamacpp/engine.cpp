@@ -423,6 +423,33 @@ int run(const Options& o) {
       write_npy((dir / (stem + "keys.npy")).string(), {B, Hkvs, slots, Ds}, keys);
       write_npy((dir / (stem + "values.npy")).string(), {B, Hkvs, slots, Ds}, values);
       json files = {{"keys", stem + "keys.npy"}, {"values", stem + "values.npy"}};
+      // q8_0 cells as stored (SPEC 9.3): the codes and scales the checker compares exactly.
+      for (const bool value : {false, true}) {
+        // Only where the scenario declares kv_quant (not under flash attention: see below).
+        if ((value ? o.type_v : o.type_k) != GgmlType::q8_0 || o.flash_attn) continue;
+        const std::size_t G = Ds / 32;
+        std::vector<std::int8_t> codes(B * Hkvs * slots * Ds, 0);
+        std::vector<float> scales(B * Hkvs * slots * G, 0.0f);
+        for (std::size_t b = 0; b < B; ++b) {
+          if (held[b].layers.empty()) continue;  // no cells
+          const CellLayer& layer_cells = held[b].layers[static_cast<std::size_t>(l)];
+          for (std::size_t cell = 0; cell < held[b].positions.size(); ++cell)
+            for (std::size_t g = 0; g < Hkvs; ++g) {
+              const std::size_t dst = (b * Hkvs + g) * slots + cell;
+              const auto& c = value ? layer_cells.v_codes : layer_cells.k_codes;
+              const auto& sc = value ? layer_cells.v_scales : layer_cells.k_scales;
+              std::copy_n(c.begin() + static_cast<std::ptrdiff_t>((cell * Hkvs + g) * Ds), Ds,
+                          codes.begin() + static_cast<std::ptrdiff_t>(dst * Ds));
+              std::copy_n(sc.begin() + static_cast<std::ptrdiff_t>((cell * Hkvs + g) * G), G,
+                          scales.begin() + static_cast<std::ptrdiff_t>(dst * G));
+            }
+        }
+        const std::string name = value ? "v" : "k";
+        write_npy((dir / (stem + name + "_codes.npy")).string(), {B, Hkvs, slots, Ds}, codes);
+        write_npy((dir / (stem + name + "_scales.npy")).string(), {B, Hkvs, slots, G}, scales);
+        files[name + "_codes"] = stem + name + "_codes.npy";
+        files[name + "_scales"] = stem + name + "_scales.npy";
+      }
       if (out != nullptr) {
         const std::size_t size = B * Hs * ns * Ds;
         const auto at = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * size);
@@ -578,11 +605,20 @@ int run(const Options& o) {
   scenario.erase("seed");
   scenario["inputs"] = {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}};
   scenario["rope"]["layout"] = "interleaved";
-  // q8_0 is judged at bfloat16's tolerances until SPEC 9's exact codes land: its error,
-  // d / 2 = amax / 254 per element of a 32-block, is bfloat16's unit roundoff 2^-8 of the
-  // block's largest element.
-  const bool bf16 = o.type_k == GgmlType::bf16 || o.type_v == GgmlType::bf16 || o.type_k == GgmlType::q8_0 ||
-                    o.type_v == GgmlType::q8_0;
+  // A q8_0 K cache is declared as SPEC 9 describes it (blocks of 32, float16 scales, the
+  // Hadamard transform when llama.cpp applied one): its codes are checked exactly and its
+  // outputs against R_stored. Under flash attention the kernel also rounds to float16, so
+  // q8_0 is judged there at bfloat16's tolerance instead: its error, d / 2 = amax / 254 per
+  // element of a block, is bfloat16's unit roundoff 2^-8 of the block's largest element.
+  const bool exact_q8_0 = o.type_k == GgmlType::q8_0 && !o.flash_attn;
+  // ggml's CPU matmul converts Q to q8_0, the dot-product type of q8_0 K, before K Q:
+  // declared, so R_stored quantizes the query the same way (kvcheck's `query` extension).
+  if (exact_q8_0)
+    scenario["kv_quant"] = {{"k", {{"format", "q8_0"}}},
+                            {"transform", capture.keys_hadamard ? "hadamard" : "none"},
+                            {"query", "q8_0"}};
+  const bool bf16 = o.type_k == GgmlType::bf16 || o.type_v == GgmlType::bf16 ||
+                    (o.type_k == GgmlType::q8_0 && !exact_q8_0) || o.type_v == GgmlType::q8_0;
   const bool half = o.type_k == GgmlType::f16 || o.type_v == GgmlType::f16 || o.flash_attn;
   scenario["kv_dtype"] = bf16 ? "bfloat16" : half ? "float16" : "float32";
   write_atomically(fs::path(o.out) / "scenario.json", scenario.dump(2) + "\n");

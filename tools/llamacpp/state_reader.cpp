@@ -81,6 +81,18 @@ float element(const std::uint8_t* row, std::int32_t type, std::size_t i, const s
   return fp16(h);
 }
 
+// A q8_0 row's codes and scales, appended to `codes` and `scales`.
+void keep_q8_0(const std::uint8_t* row, std::size_t width, const std::function<float(std::uint16_t)>& fp16,
+               std::vector<std::int8_t>& codes, std::vector<float>& scales) {
+  for (std::size_t block = 0; block < width / kQ8Block; ++block) {
+    const std::uint8_t* at = row + block * kQ8BlockBytes;
+    std::uint16_t h;
+    std::memcpy(&h, at, 2);
+    scales.push_back(fp16(h));
+    for (std::size_t i = 0; i < kQ8Block; ++i) codes.push_back(static_cast<std::int8_t>(at[2 + i]));
+  }
+}
+
 }  // namespace
 
 Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
@@ -110,8 +122,10 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
       throw std::runtime_error(
           fmt::format("sequence state: K rows of {} bytes, expected {}", row, row_bytes(type, width, "K")));
     const std::uint8_t* rows = r.take(row * count, "the K rows");
-    for (std::uint32_t cell = 0; cell < count; ++cell)
+    for (std::uint32_t cell = 0; cell < count; ++cell) {
       for (std::size_t i = 0; i < width; ++i) layer.k.push_back(element(rows + cell * row, type, i, fp16));
+      if (type == kQ8_0) keep_q8_0(rows + cell * row, width, fp16, layer.k_codes, layer.k_scales);
+    }
   }
   for (CellLayer& layer : c.layers) {
     const auto type = r.get<std::int32_t>("a V type");
@@ -120,8 +134,10 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
       const auto row = r.get<std::uint64_t>("a V row size");
       if (row != row_bytes(type, width, "V")) throw std::runtime_error("sequence state: V rows of another width");
       const std::uint8_t* rows = r.take(row * count, "the V rows");
-      for (std::uint32_t cell = 0; cell < count; ++cell)
+      for (std::uint32_t cell = 0; cell < count; ++cell) {
         for (std::size_t i = 0; i < width; ++i) layer.v[cell * width + i] = element(rows + cell * row, type, i, fp16);
+        if (type == kQ8_0) keep_q8_0(rows + cell * row, width, fp16, layer.v_codes, layer.v_scales);
+      }
     } else {
       const auto size = r.get<std::uint32_t>("a V element size");
       const auto dims = r.get<std::uint32_t>("a V width");

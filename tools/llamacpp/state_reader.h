@@ -14,6 +14,10 @@ namespace kvcheck::llamacpp {
 
 struct CellLayer {
   std::vector<float> k, v;  // [cell][width] as float
+  // q8_0 rows as stored (SPEC 9.3): codes [cell][width], scales [cell][width / 32]; empty
+  // for other types.
+  std::vector<std::int8_t> k_codes, v_codes;
+  std::vector<float> k_scales, v_scales;
 };
 
 struct Cells {

@@ -2,9 +2,13 @@
 
 #include <algorithm>
 
+#include "optimized/dense_cache.h"
 #include "optimized/hybrid_cache.h"
+#include "optimized/sink_shift_cache.h"
+#include "optimized/sliding_cache.h"
 #include "tools/harness/scenario.h"
 #include "tools/zoo/faulty_cache.h"
+#include "tools/zoo/quant_faulty_cache.h"
 
 namespace kvcheck {
 
@@ -59,6 +63,33 @@ ZooMutant half_only(ZooMutant m) {
 ZooMutant eager(ZooMutant m) {
   m.cache.eviction = Eviction::any;
   return m;
+}
+
+// The real cache a quantized mutant's fault is planted in, the one kvcheck runs for the
+// policy: sink_shift for a sink policy; else dynamic (full: no window) or sliding.
+std::unique_ptr<optimized::KvCache> real_cache_for(const optimized::CacheConfig& c, bool sink) {
+  using namespace optimized;
+  if (sink) return std::make_unique<SinkShiftCache>(c);
+  if (c.window == 0) return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic);
+  return std::make_unique<SlidingCache>(c);
+}
+
+bool full_or_sliding(const Scenario& s) {
+  return !s.hybrid() && (s.policy.kind == PolicyKind::full || s.policy.kind == PolicyKind::sliding);
+}
+
+bool has_format(const Scenario& s, QuantFormat f) {
+  return s.kv_quant && ((s.kv_quant->k && s.kv_quant->k->format == f) || (s.kv_quant->v && s.kv_quant->v->format == f));
+}
+
+ZooMutant quant_mutant(const char* name, zoo::QuantFault fault, std::function<bool(const Scenario&)> serves,
+                       const char* bug, const char* wild, BugClass expected, std::vector<std::string> fixtures) {
+  CacheEntry entry{std::string("zoo/") + name, bug, std::move(serves),
+                   [fault](const optimized::CacheConfig& config) {
+                     const bool sink = fault == zoo::QuantFault::shift_skips_quantized;
+                     return zoo::make_quant_faulty_cache(config, fault, real_cache_for(config, sink));
+                   }};
+  return {entry, wild, expected, std::move(fixtures)};
 }
 
 }  // namespace
@@ -141,6 +172,56 @@ const std::vector<ZooMutant>& zoo_mutants() {
              "leaves the learned sink logits out of the softmax",
              "gpt-oss ports whose attention kernel has no sink term (and caches that confuse it with sink tokens)",
              BugClass::learned_sinks_dropped, {"learned_sinks_sink_cache", "gpt_oss_yarn_learned_sinks_sliding"}),
+      // Quantized storage (SPEC 9): planted in the real dense, sliding or sink_shift cache.
+      quant_mutant(
+          "scale_dropped_on_read", zoo::QuantFault::scale_dropped_on_read,
+          [](const Scenario& s) {
+            return full_or_sliding(s) && s.kv_quant && s.kv_quant->k && s.kv_quant->k->scale.rule == ScaleRule::fixed &&
+                   s.kv_quant->k->scale.values != std::vector<double>{1.0};
+          },
+          "writes fp8(x / s) with the checkpoint's static scale, reads the codes as if s were 1",
+          "SGLang's k_scale never reaching the kernels (issue 18818); tokenspeed's FA4 path ignoring k/v_scale (PR "
+          "759), unseen by tests that only used scale 1",
+          BugClass::quant_scale_not_applied, {"quant_fp8_e4m3_static_scale"}),
+      quant_mutant(
+          "v_with_k_scales", zoo::QuantFault::v_with_k_scales,
+          [](const Scenario& s) {
+            return full_or_sliding(s) && s.kv_quant && s.kv_quant->k && s.kv_quant->v &&
+                   s.kv_quant->k->format == QuantFormat::q8_0 && s.kv_quant->v->format == QuantFormat::q8_0;
+          },
+          "dequantizes V's q8_0 blocks with K's block scales",
+          "ik_llama.cpp's FlashMLA reading V as a view of K with K's layout (PR 400)",
+          BugClass::quant_dequantization_layout, {"quant_q8_0_full"}),
+      quant_mutant(
+          "q4_nibble_order", zoo::QuantFault::q4_nibble_order,
+          [](const Scenario& s) { return full_or_sliding(s) && has_format(s, QuantFormat::q4_0); },
+          "reads q4_0 with element j paired with j + 1 in a byte, where ggml pairs j with j + 16",
+          "ik_llama.cpp's Q6_0 dequantization bug, gibberish at high perplexity (PR 1005)",
+          BugClass::quant_dequantization_layout, {"quant_q4_0_sliding"}),
+      quant_mutant(
+          "scale_frozen_on_first", zoo::QuantFault::scale_frozen_on_first,
+          [](const Scenario& s) {
+            return full_or_sliding(s) && s.kv_quant && s.kv_quant->k &&
+                   s.kv_quant->transform == QuantTransform::none &&
+                   (s.kv_quant->k->format == QuantFormat::int8 || s.kv_quant->k->format == QuantFormat::fp8_e4m3 ||
+                    s.kv_quant->k->format == QuantFormat::fp8_e5m2) &&
+                   s.kv_quant->k->scale.granularity == ScaleGranularity::token &&
+                   s.kv_quant->k->scale.dtype == ScaleDtype::float32;
+          },
+          "computes each kv head's key scale at the first append and keeps it for every later token",
+          "imp's online FP8 calibration frozen on the warm-up pass (PR 89); vLLM's calculate_kv_scales from one "
+          "warm-up batch",
+          BugClass::quant_scale_wrong, {"quant_int8_token_scale_sliding"}),
+      quant_mutant(
+          "shift_skips_quantized", zoo::QuantFault::shift_skips_quantized,
+          [](const Scenario& s) {
+            return !s.hybrid() && s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
+                   s.policy.prefill == Prefill::streaming && s.kv_quant && s.kv_quant->k;
+          },
+          "a context shift moves the quantized keys and their positions, but leaves their codes as they were",
+          "llama.cpp's context shift with a quantized K cache, unsupported and then done by dequantize, rope, "
+          "quantize (issues 5652, 7230, 9743; PR 5653)",
+          BugClass::quant_key_not_rerotated, {"quant_q8_0_hadamard_context_shift"}),
   };
   return mutants;
 }

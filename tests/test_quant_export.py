@@ -1,0 +1,178 @@
+"""SPEC 9 from outside: `kvcheck export` of a quantized scenario writes the codes and scales a
+cache must hold and R_stored, the outputs over them. A NumPy implementation of the SPEC
+(tests/spec_quant.py, written apart from the C++) recomputes both; a small case is checked
+against values worked out by hand."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import kvtrace  # noqa: E402
+import spec_quant  # noqa: E402
+
+KVCHECK = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
+
+
+def kvcheck(*args):
+    return subprocess.run([KVCHECK, *args], capture_output=True, text=True)
+
+
+class QuantExportTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="kvcheck-quant-")
+        self.addCleanup(shutil.rmtree, self.work, True)
+
+    def export(self, scenario_path):
+        out = os.path.join(self.work, "export-" + os.path.basename(scenario_path))
+        done = kvcheck("export", scenario_path, "--out", out)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        return out
+
+    def test_a_q8_0_case_worked_out_by_hand(self):
+        # Two tokens, head_dim 32, one head. Token 0's key has amax 127, so d = 1 and its codes
+        # are round(x) half away from zero; its value has amax 1, so d = 1/127 stored in
+        # float16: 1032 * 2^-17. At position 0 the key is not rotated.
+        k0 = [127.0, 2.5, -2.5, 0.49] + [0.0] * 28
+        v0 = [-1.0] + [0.0] * 31
+        scenario = {
+            "name": "hand_q8_0", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "head_dim": 32},
+            "kv_quant": {"k": {"format": "q8_0"}, "v": {"format": "q8_0"}}, "policy": {"type": "full"},
+            "inputs": {"q": [[[[0.0] * 32], [[0.0] * 32]]], "k": [[[k0], [[0.0] * 32]]],
+                       "v": [[[v0], [[0.0] * 32]]]},
+            "steps": [{"op": "append", "tokens": 1}, {"op": "decode", "steps": 1}]}
+        path = os.path.join(self.work, "hand.json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        out = self.export(path)
+        k_codes = np.load(os.path.join(out, "step000_k_codes.npy"))
+        self.assertEqual(k_codes.dtype, np.int8)
+        self.assertEqual(list(k_codes[0, 0, 0, 0, :5]), [127, 3, -3, 0, 0])
+        self.assertEqual(np.load(os.path.join(out, "step000_k_scales.npy"))[0, 0, 0, 0, 0], 1.0)
+        self.assertEqual(np.load(os.path.join(out, "step000_v_codes.npy"))[0, 0, 0, 0, 0], -127)
+        d = 1032.0 / 131072.0
+        self.assertEqual(np.load(os.path.join(out, "step000_v_scales.npy"))[0, 0, 0, 0, 0], d)
+        # One key: its weight is 1, so R_stored is the dequantized value and R_ideal the raw one.
+        self.assertEqual(np.load(os.path.join(out, "step000_out_stored.npy"))[0, 0, 0, 0, 0], -127 * d)
+        self.assertEqual(np.load(os.path.join(out, "step000_out.npy"))[0, 0, 0, 0, 0], -1.0)
+        # Token 1 is all zeros: a zero block stores scale 0 and codes 0.
+        self.assertEqual(np.load(os.path.join(out, "step001_v_scales.npy"))[0, 0, 1, 0, 0], 0.0)
+        # q is zero, so both keys weigh 1/2: the output is the mean of the two stored values.
+        self.assertEqual(np.load(os.path.join(out, "step001_out_stored.npy"))[0, 0, 0, 0, 0], -127 * d / 2)
+
+    def check_export(self, out):
+        """Every step's codes and scales against NumPy's SPEC 9 (a code may differ by one on a
+        rounding boundary), shifts re-quantized as a chain; every decode step's R_stored
+        against NumPy's attention over the exported codes."""
+        with open(os.path.join(out, "manifest.json")) as f:
+            m = json.load(f)
+        quant, rope = m["kv_quant"], m["rope"]
+        L, Hkv, H, D = (m["dimensions"][k] for k in ("layers", "kv_heads", "heads", "head_dim"))
+        k_in, v_in, q_in = (np.load(os.path.join(out, n + ".npy")) for n in ("k", "v", "q"))
+        hmat = spec_quant.hadamard(D) if quant["transform"] == "hadamard" else None
+        state = [dict() for _ in range(m["dimensions"]["batch"])]  # row -> uid -> (position, [L][Hkv] key)
+
+        def store(fmt, x, g):
+            x = np.asarray(x, dtype=np.float32)
+            if hmat is not None:
+                x = (hmat @ x.astype(np.float64)).astype(np.float32)
+            codes, scales, zeros, near = spec_quant.quantize(fmt, x, g)
+            back = spec_quant.dequantize(fmt, codes, scales, zeros)
+            return (hmat @ back if hmat is not None else back), (codes, scales, zeros, near)
+
+        compared = 0
+        for step in m["steps"]:
+            if step["op"] == "reorder":
+                state = [dict(state[r]) for r in step["rows_from"]]
+            elif step["op"] == "reset":
+                state = [dict() for _ in range(step["batch"])]
+            with open(os.path.join(out, step["cache"])) as f:
+                rows = json.load(f)["rows"]
+            if len(state) < len(rows):
+                state += [dict() for _ in range(len(rows) - len(state))]
+            arrays = {n: np.load(os.path.join(out, step[n])) for n in
+                      ("k_codes", "k_scales", "v_codes", "v_scales", "k_zero", "v_zero") if n in step}
+            for b, row in enumerate(rows):
+                for i, key in enumerate(row["keys"]):
+                    uid, p = key["uid"], key["position"]
+                    before = state[b].get(uid)
+                    keys = []
+                    for l in range(L):
+                        for g in range(Hkv):
+                            if before is None:
+                                x = kvtrace.rotate(k_in[l, uid, g][None], [p], rope)[0]
+                            elif before[0] != p:  # a shift: what is stored, turned, stored again
+                                x = kvtrace.rotate(before[1][l * Hkv + g][None], [p - before[0]], rope, scaled=False)[0]
+                            else:
+                                x = None
+                            if "k" in quant and x is not None:
+                                held, (codes, scales, zeros, near) = store(quant["k"], x, g)
+                                got = arrays["k_codes"][l, b, i, g].astype(np.int64)
+                                bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
+                                self.assertFalse(bad.any(), "%s step %d row %d uid %d: key codes %s, NumPy %s" % (
+                                    m["name"], step["index"], b, uid, got[bad], codes[bad]))
+                                np.testing.assert_allclose(arrays["k_scales"][l, b, i, g], scales, rtol=2 ** -10)
+                                compared += len(codes)
+                                keys.append(held)
+                            else:
+                                keys.append(before[1][l * Hkv + g] if x is None else x)
+                            if "v" in quant and before is None:
+                                _, (codes, scales, zeros, near) = store(quant["v"], v_in[l, uid, g], g)
+                                got = arrays["v_codes"][l, b, i, g].astype(np.int64)
+                                bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
+                                self.assertFalse(bad.any(), "%s: value codes differ" % m["name"])
+                                compared += len(codes)
+                    state[b][uid] = (p, keys)
+                if step["op"] != "append" or step["chunk"] != 1 or not step["rows"][b]["uids"]:
+                    continue
+                # R_stored of a decode token: over the row's kept keys, from the exported codes.
+                stored = np.load(os.path.join(out, step["out_stored"]))
+                qp = row["query_position"]
+                for l in range(L):
+                    for h in range(H):
+                        g = h // (H // Hkv)
+                        ks, vs = [], []
+                        for i, key in enumerate(row["keys"]):
+                            def deq(name, raw):
+                                if name not in quant:
+                                    return raw
+                                zero = arrays.get(name + "_zero")
+                                x = spec_quant.dequantize(quant[name], arrays[name + "_codes"][l, b, i, g].astype(np.int64),
+                                                          arrays[name + "_scales"][l, b, i, g],
+                                                          zero[l, b, i, g] if zero is not None else None)
+                                return hmat @ x if hmat is not None else x
+                            ks.append(deq("k", state[b][key["uid"]][1][l * Hkv + g]))
+                            vs.append(deq("v", v_in[l, key["uid"], g].astype(np.float64)))
+                        uid = step["rows"][b]["uids"][0]
+                        q = kvtrace.rotate(q_in[l, uid, h][None], [qp], rope)[0]
+                        x = np.array(ks) @ q * m["softmax_scale"]
+                        w = np.exp(x - x.max())
+                        want = (w / w.sum()) @ np.array(vs)
+                        np.testing.assert_allclose(stored[l, b, 0, h], want, rtol=1e-9, atol=1e-12,
+                                                   err_msg="%s step %d" % (m["name"], step["index"]))
+        return compared
+
+    def test_every_quantized_fixture_agrees_with_numpy_spec9(self):
+        found = kvtrace.fixtures(KVCHECK, features=["quantized"])
+        formats = set()
+        for fixture in found:
+            if "per_layer_policy" in fixture["features"]:
+                continue
+            with self.subTest(fixture=fixture["name"]):
+                out = self.export(fixture["file"])
+                self.assertGreater(self.check_export(out), 0)
+                with open(os.path.join(out, "manifest.json")) as f:
+                    q = json.load(f)["kv_quant"]
+                formats |= {q[t]["format"] for t in ("k", "v") if t in q}
+        self.assertEqual(formats, {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"})
+
+
+if __name__ == "__main__":
+    unittest.main()

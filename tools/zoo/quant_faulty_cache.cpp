@@ -1,0 +1,188 @@
+#include "tools/zoo/quant_faulty_cache.h"
+
+#include <cstring>
+#include <map>
+
+#include "optimized/row_codec.h"
+
+namespace kvcheck::zoo {
+
+using namespace optimized;
+
+namespace {
+
+class QuantFaultyCache : public KvCache {
+ public:
+  QuantFaultyCache(const CacheConfig& config, QuantFault fault, std::unique_ptr<KvCache> inner)
+      : config_(config), fault_(fault), inner_(std::move(inner)), rope_(config.rope), kernel_(config.threads) {}
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override {
+    std::map<std::pair<int, std::int64_t>, Snapshot> before;
+    if (fault_ == QuantFault::shift_skips_quantized) before = snapshot();
+    inner_->append(chunk, out, log);
+    if (fault_ == QuantFault::shift_skips_quantized) restore_shifted(before);
+    if (fault_ == QuantFault::scale_frozen_on_first) freeze_scales(chunk);
+    if (read_side() && !out.empty()) attend_as_read_wrongly(chunk, out);
+  }
+  void reorder(const std::vector<int>& rows) override { inner_->reorder(rows); }
+  void reset(int batch) override { inner_->reset(batch); }
+  void crop(std::int64_t length) override { inner_->crop(length); }
+  void check_crop(std::int64_t length) const override { inner_->check_crop(length); }
+  const SlotStore& slots() const override { return inner_->slots(); }
+  std::int64_t row_length(int row) const override { return inner_->row_length(row); }
+
+ private:
+  struct Snapshot {
+    std::int64_t position;
+    std::vector<std::vector<std::byte>> keys;  // [layer * Hkv + head]
+  };
+
+  bool read_side() const {
+    return fault_ == QuantFault::scale_dropped_on_read || fault_ == QuantFault::v_with_k_scales ||
+           fault_ == QuantFault::q4_nibble_order;
+  }
+  // The inner cache's store, written behind its back: that is the bug.
+  SlotStore& store() { return const_cast<SlotStore&>(inner_->slots()); }
+  std::size_t key_bytes() const { return row_bytes(inner_->slots().key_format(), config_.head_dim); }
+
+  std::map<std::pair<int, std::int64_t>, Snapshot> snapshot() const {
+    std::map<std::pair<int, std::int64_t>, Snapshot> out;
+    const SlotStore& s = inner_->slots();
+    for (int b = 0; b < s.batch(); ++b)
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
+        const SlotMeta& m = s.meta(b, slot);
+        if (m.uid < 0) continue;
+        Snapshot& snap = out[{b, m.uid}];
+        snap.position = m.position;
+        for (int l = 0; l < s.layers(); ++l)
+          for (int g = 0; g < s.kv_heads(); ++g) {
+            const auto* k = static_cast<const std::byte*>(s.key(l, b, g, slot));
+            snap.keys.emplace_back(k, k + key_bytes());
+          }
+      }
+    return out;
+  }
+
+  // A shifted key gets its old codes back: its slot and position moved, its rotation did not.
+  void restore_shifted(const std::map<std::pair<int, std::int64_t>, Snapshot>& before) {
+    SlotStore& s = store();
+    for (int b = 0; b < s.batch(); ++b)
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
+        const SlotMeta& m = s.meta(b, slot);
+        const auto found = before.find({b, m.uid});
+        if (m.uid < 0 || found == before.end() || found->second.position == m.position) continue;
+        for (int l = 0; l < s.layers(); ++l)
+          for (int g = 0; g < s.kv_heads(); ++g)
+            std::memcpy(const_cast<void*>(s.key(l, b, g, slot)), found->second.keys[l * s.kv_heads() + g].data(),
+                        key_bytes());
+      }
+  }
+
+  // Every key written by this append re-encoded with the scale its kv head had at the first
+  // append (one [scale][codes] group per row: the token granularity's layout).
+  void freeze_scales(const Chunk& chunk) {
+    SlotStore& s = store();
+    const RowFormat& f = s.key_format();
+    const int D = config_.head_dim;
+    std::vector<float> row(static_cast<std::size_t>(D)), scratch(row.size());
+    RowFormat fixed = f;
+    for (int b = 0; b < s.batch(); ++b)
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
+        const SlotMeta& m = s.meta(b, slot);
+        if (m.uid < 0 || m.index < inner_->row_length(b) - chunk.counts[b]) continue;  // not new
+        for (int l = 0; l < s.layers(); ++l)
+          for (int g = 0; g < s.kv_heads(); ++g) {
+            auto* bytes = static_cast<std::byte*>(const_cast<void*>(s.key(l, b, g, slot)));
+            float scale = 0.0f;
+            std::memcpy(&scale, bytes, sizeof scale);
+            const auto key = std::make_pair(l, g);
+            if (!frozen_.count(key)) frozen_[key] = scale;  // the first append's, kept from now on
+            s.read_key(l, b, g, slot, row.data());
+            fixed.static_scales = {frozen_[key]};
+            encode_row(fixed, g, row.data(), D, bytes + sizeof scale, scratch.data());
+            std::memcpy(bytes, &frozen_[key], sizeof scale);
+          }
+      }
+  }
+
+  // One stored row read the faulty way.
+  void read_wrongly(const SlotStore& s, bool value, int l, int b, int g, std::int64_t slot, float* x) const {
+    const RowFormat& f = value ? s.value_format() : s.key_format();
+    const int D = config_.head_dim;
+    const auto* bytes = static_cast<const std::byte*>(value ? s.value(l, b, g, slot) : s.key(l, b, g, slot));
+    if (fault_ == QuantFault::scale_dropped_on_read && is_quantized(f.codec)) {
+      RowFormat unit = f;
+      for (float& scale : unit.static_scales) scale = 1.0f;
+      return decode_row(unit, g, bytes, D, x);
+    }
+    if (fault_ == QuantFault::v_with_k_scales && value && f.codec == Codec::q8_0) {
+      // Each 34-byte block of V with the 2-byte scale of K's block in its place.
+      std::vector<std::byte> mixed(bytes, bytes + row_bytes(f, D));
+      const auto* k = static_cast<const std::byte*>(s.key(l, b, g, slot));
+      for (int block = 0; block < D / 32; ++block) std::memcpy(mixed.data() + block * 34, k + block * 34, 2);
+      return decode_row(f, g, mixed.data(), D, x);
+    }
+    if (fault_ == QuantFault::q4_nibble_order && f.codec == Codec::q4_0) {
+      const UnpackedRow u = unpack_row(f, g, bytes, D);
+      for (int block = 0; block < D / 32; ++block)
+        for (int j = 0; j < 16; ++j) {  // byte j: element j (low) and j + 16 (high), read as 2j and 2j + 1
+          x[block * 32 + 2 * j] = static_cast<float>(u.codes[block * 32 + j] - 8) * u.scales[block];
+          x[block * 32 + 2 * j + 1] = static_cast<float>(u.codes[block * 32 + j + 16] - 8) * u.scales[block];
+        }
+      return;
+    }
+    (value ? s.read_value(l, b, g, slot, x) : s.read_key(l, b, g, slot, x));
+  }
+
+  // The chunk's outputs again, over the stored rows as the faulty reader sees them.
+  void attend_as_read_wrongly(const Chunk& chunk, const std::vector<float*>& out) {
+    const SlotStore& s = inner_->slots();
+    read_ = SlotStore(s.layers(), s.kv_heads(), s.head_dim(), Storage::float32);
+    read_.reset(s.batch(), s.capacity());
+    std::vector<float> row(static_cast<std::size_t>(config_.head_dim));
+    std::int64_t longest = 0;
+    for (int b = 0; b < s.batch(); ++b) {
+      longest = std::max(longest, inner_->row_length(b));
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
+        if (s.meta(b, slot).uid < 0) continue;
+        read_.meta(b, slot) = s.meta(b, slot);
+        for (int l = 0; l < s.layers(); ++l)
+          for (int g = 0; g < s.kv_heads(); ++g) {
+            read_wrongly(s, false, l, b, g, slot, row.data());
+            read_.write_key(l, b, g, slot, row.data());
+            read_wrongly(s, true, l, b, g, slot, row.data());
+            read_.write_value(l, b, g, slot, row.data());
+          }
+      }
+    }
+    rope_.cover(longest);
+    for (int b = 0; b < s.batch(); ++b) {
+      const std::int64_t pad = chunk.length - chunk.counts[b], first = inner_->row_length(b) - chunk.counts[b];
+      std::vector<PlannedQuery> plans;
+      for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
+        const std::int64_t t = first + i;
+        const std::int64_t begin = config_.window > 0 ? std::max<std::int64_t>(0, t - config_.window + 1) : 0;
+        plans.push_back({pad + i, QueryPlan{t, 0, begin, t, t}});
+      }
+      const SlotSource sources[] = {{&read_, b}};
+      attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans, sources, nullptr);
+    }
+  }
+
+  CacheConfig config_;
+  QuantFault fault_;
+  std::unique_ptr<KvCache> inner_;
+  RopeTable rope_;
+  AttentionKernel kernel_;
+  SlotStore read_;                          // read-side faults: what the attention reads
+  std::map<std::pair<int, int>, float> frozen_;  // (layer, kv head) -> the first append's scale
+};
+
+}  // namespace
+
+std::unique_ptr<KvCache> make_quant_faulty_cache(const CacheConfig& config, QuantFault fault,
+                                                 std::unique_ptr<KvCache> inner) {
+  return std::make_unique<QuantFaultyCache>(config, fault, std::move(inner));
+}
+
+}  // namespace kvcheck::zoo

@@ -1,0 +1,27 @@
+// Quantized-cache mutants (SPEC 9): a real cache of kvcheck's with one quantization bug
+// planted around it, each modelled on a bug that shipped. Read-side bugs store the right
+// codes and read them wrongly; write-side bugs store the wrong codes. For tests and
+// demonstration only.
+#pragma once
+
+#include <memory>
+
+#include "optimized/cache.h"
+
+namespace kvcheck::zoo {
+
+enum class QuantFault {
+  scale_dropped_on_read,  // fp8 written as x / s, read as code * 1 (SGLang #18818, tokenspeed #759)
+  v_with_k_scales,        // V's q8_0 blocks dequantized with K's block scales (ik_llama.cpp #400)
+  q4_nibble_order,        // q4_0 read with element j paired with j + 1, not j + 16 (ik_llama.cpp #1005)
+  scale_frozen_on_first,  // a per-token int8 scale computed at the first append, then kept (imp #89)
+  shift_skips_quantized,  // a context shift moves quantized keys and their positions, not their codes
+                          // (llama.cpp #5652: context shift with a quantized K cache)
+};
+
+// `inner` is the real cache the fault is planted in: dense or sliding for the read-side
+// faults (whose queries see every slot of their window by token index), any for the others.
+std::unique_ptr<optimized::KvCache> make_quant_faulty_cache(const optimized::CacheConfig& config, QuantFault fault,
+                                                            std::unique_ptr<optimized::KvCache> inner);
+
+}  // namespace kvcheck::zoo
