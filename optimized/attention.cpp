@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <xsimd/xsimd.hpp>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "optimized/worker_pool.h"
 
@@ -59,6 +63,170 @@ void accumulate(float* acc, int d, const float* weights, std::size_t stride, con
   }
   for (int r = 0; r < N; ++r)
     for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc + r * d + offset + c * kLanes);
+}
+
+// Quantized codes read in place (row_codec.h's direct formats): q8_0 and int8 codes are
+// signed bytes; fp8 codes are bit patterns whose exponent and mantissa, shifted into a
+// float's, give the value times 2^(bias - 127) (normal and subnormal alike).
+enum class Codes { signed8, e4m3, e5m2 };
+
+// kLanes codes as floats, unscaled: widened and converted in registers (AVX-512, AVX2),
+// or through a small array elsewhere.
+template <Codes K>
+Batch code_batch(const std::uint8_t* c) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    if constexpr (K == Codes::signed8) {
+      return Batch(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+    } else {
+      constexpr int shift = K == Codes::e4m3 ? 20 : 21;
+      const __m512i u = _mm512_cvtepu8_epi32(bytes);
+      const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F)), shift),
+                                           _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24));
+      return Batch(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(K == Codes::e4m3 ? 0x1p120f : 0x1p112f)));
+    }
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (kLanes == 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+    if constexpr (K == Codes::signed8) {
+      return Batch(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+    } else {
+      constexpr int shift = K == Codes::e4m3 ? 20 : 21;
+      const __m256i u = _mm256_cvtepu8_epi32(bytes);
+      const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F)), shift),
+                                           _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24));
+      return Batch(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(K == Codes::e4m3 ? 0x1p120f : 0x1p112f)));
+    }
+  }
+#endif
+  alignas(64) float tmp[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    if constexpr (K == Codes::signed8) {
+      tmp[j] = static_cast<float>(static_cast<std::int8_t>(c[j]));
+    } else {
+      constexpr int shift = K == Codes::e4m3 ? 20 : 21;
+      constexpr float rebias = K == Codes::e4m3 ? 0x1p120f : 0x1p112f;
+      const float m = std::bit_cast<float>(static_cast<std::uint32_t>(c[j] & 0x7F) << shift) * rebias;
+      tmp[j] = (c[j] & 0x80) ? -m : m;
+    }
+  }
+  return Batch::load_aligned(tmp);
+}
+
+// Where a row read in place keeps its scales and codes: ggml's q8_0 blocks (a float16
+// scale, then 32 codes), one static scale for the whole row, or any other direct layout
+// through the scales and code pointers row_codec's direct_row lists.
+enum class Layout { q8_0, fixed, listed };
+
+struct DirectRow {
+  const std::byte* row = nullptr;              // q8_0, fixed
+  float fixed = 1.0f;                          // fixed
+  const float* scales = nullptr;               // listed: one per group
+  const std::uint8_t* const* codes = nullptr;  // listed: one per group
+};
+
+inline float half_at(const std::byte* p) {
+  std::uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return from_float16(h);
+#endif
+}
+
+template <Layout L>
+float scale_of(const DirectRow& r, int group_index) {
+  if constexpr (L == Layout::q8_0) return half_at(r.row + group_index * 34);
+  if constexpr (L == Layout::fixed) return r.fixed;
+  return r.scales[group_index];
+}
+template <Layout L>
+const std::uint8_t* codes_of(const DirectRow& r, int group_index, int group) {
+  if constexpr (L == Layout::q8_0) return reinterpret_cast<const std::uint8_t*>(r.row + group_index * 34 + 2);
+  if constexpr (L == Layout::fixed) return reinterpret_cast<const std::uint8_t*>(r.row) + group_index * group;
+  return r.codes[group_index];
+}
+
+// dots<N> over a key row read in place: each group's codes against the queries, times its scale.
+template <int N, Codes K, Layout L>
+void dots_direct(const float* q, int d, int group, const DirectRow& row, float* out) {
+  Batch acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = Batch(0.0f);
+  for (int b = 0; b * group < d; ++b) {
+    const std::uint8_t* codes = codes_of<L>(row, b, group);
+    Batch part[N];
+    for (int r = 0; r < N; ++r) part[r] = Batch(0.0f);
+    for (int e = 0; e < group; e += kLanes) {
+      const Batch cb = code_batch<K>(codes + e);
+      for (int r = 0; r < N; ++r) part[r] = xsimd::fma(Batch::load_unaligned(q + r * d + b * group + e), cb, part[r]);
+    }
+    const Batch sb(scale_of<L>(row, b));
+    for (int r = 0; r < N; ++r) acc[r] = xsimd::fma(sb, part[r], acc[r]);
+  }
+  for (int r = 0; r < N; ++r) out[r] = xsimd::hadd(acc[r]);
+}
+
+// accumulate<N, C> over value rows read in place (rows[i] for key i of the tile).
+template <int N, int C, Codes K, Layout L>
+void accumulate_direct(float* acc, int d, int group, const float* weights, std::size_t stride, std::size_t count,
+                       const DirectRow* rows, int offset) {
+  Batch a[N][C];
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = Batch::load_unaligned(acc + r * d + offset + c * kLanes);
+  for (std::size_t i = 0; i < count; ++i)
+    for (int c = 0; c < C; ++c) {
+      const int e = offset + c * kLanes, b = e / group;
+      const Batch vb = code_batch<K>(codes_of<L>(rows[i], b, group) + e % group);
+      const float s = scale_of<L>(rows[i], b);
+      for (int r = 0; r < N; ++r) a[r][c] = xsimd::fma(Batch(weights[r * stride + i] * s), vb, a[r][c]);
+    }
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc + r * d + offset + c * kLanes);
+}
+
+// Runs f.template operator()<L>() for a direct format's layout.
+template <class F>
+void by_layout(const RowFormat& format, F&& f) {
+  if (format.codec == Codec::q8_0)
+    f.template operator()<Layout::q8_0>();
+  else if (!format.static_scales.empty() && format.static_scales.size() == 1)
+    f.template operator()<Layout::fixed>();
+  else
+    f.template operator()<Layout::listed>();
+}
+
+// Fills `row` for a direct format: the pointer, the static scale, or the listed groups.
+void direct_ref(const RowFormat& format, int kv_head, const std::byte* bytes, int d, float* scales,
+                const std::uint8_t** codes, DirectRow& row) {
+  row.row = bytes;
+  if (format.codec == Codec::q8_0) return;
+  if (format.static_scales.size() == 1) {
+    row.fixed = format.static_scales[0];
+    return;
+  }
+  direct_row(format, kv_head, bytes, d, scales, codes);
+  row.scales = scales;
+  row.codes = codes;
+}
+
+// Runs f.template operator()<K>() for the codes of a direct format.
+template <class F>
+void by_codes(Codec codec, F&& f) {
+  switch (codec) {
+    case Codec::fp8_e4m3: f.template operator()<Codes::e4m3>(); break;
+    case Codec::fp8_e5m2: f.template operator()<Codes::e5m2>(); break;
+    default: f.template operator()<Codes::signed8>(); break;
+  }
+}
+
+// The group size a kernel reads a format in place with (whole vectors per group), or 0.
+int direct_lanes_group(const RowFormat& format, int d) {
+  const int g = direct_group(format, d);
+  return g > 0 && g % kLanes == 0 && d % kLanes == 0 ? g : 0;
 }
 
 // Runs f.template operator()<N>() for N = min(count, kHeadsAtOnce) chunks of `count`.
@@ -129,7 +297,12 @@ struct AttentionKernel::Scratch {
   std::vector<float> acc;               // [query, head of the group, D]
   std::vector<float> totals;            // [query, head of the group]: softmax denominators
   std::vector<const float*> k, v;       // per slot, this layer and kv head
-  std::vector<float> k_rows, v_rows;    // [slot, D]: half-precision rows converted to float32
+  std::vector<float> k_rows, v_rows;    // one key row, one tile of value rows, decoded to float32
+  // Rows read in place: one key row's group scales and code pointers; a value tile's.
+  std::vector<float> k_scales, v_scales;
+  std::vector<const std::uint8_t*> k_codes, v_codes;
+  DirectRow k_direct;
+  std::vector<DirectRow> v_direct;  // one per row of the value tile
 
   // Room for M query vectors against n slots. Capacities are powers of two and every
   // participant is fitted before a run, whichever tasks it then takes: between two powers
@@ -141,9 +314,9 @@ struct AttentionKernel::Scratch {
     k.reserve(std::bit_ceil(n));
     v.reserve(std::bit_ceil(n));
   }
-  void fit_converted(std::size_t n, std::size_t D) {
-    k_rows.reserve(std::bit_ceil(n * D));
-    v_rows.reserve(std::bit_ceil(n * D));
+  void fit_converted(std::size_t D) {
+    k_rows.reserve(D);
+    v_rows.reserve(kValueTile * D);
   }
 };
 
@@ -200,7 +373,7 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
   const bool half = !sources.empty() && !sources[0].store->plain_float32();
   for (Scratch& w : scratch_) {
     w.fit(most_queries * G, most_slots, static_cast<std::size_t>(D));
-    if (half) w.fit_converted(most_slots, static_cast<std::size_t>(D));
+    if (half) w.fit_converted(static_cast<std::size_t>(D));
   }
 
   for (int layer = 0; layer < shape.layers; ++layer) {
@@ -235,20 +408,24 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
           }
         }
       }
-      // Half-precision storage is converted to float32 rows once per task, then read as such.
+      // Half-precision and quantized rows are decoded as they are read: a key row just
+      // before its dot products, a tile of value rows just before it is accumulated, so the
+      // decoded floats stay in L1 and K and V are read from memory in their stored size.
       const bool converted = !block.slots.empty() && !block.slots[0].store->plain_float32();
+      // Formats whose codes the dot products read in place, never decoded to floats.
+      const int k_group = converted ? direct_lanes_group(block.slots[0].store->key_format(), D) : 0;
+      const int v_group = converted ? direct_lanes_group(block.slots[0].store->value_format(), D) : 0;
       if (converted) {
-        w.k_rows.resize(n * D);
-        w.v_rows.resize(n * D);
-      }
-      for (std::size_t i = 0; i < n; ++i) {
-        const VisibleSlot& x = block.slots[i];
-        if (converted) {
-          x.store->read_key(layer, x.row, g, x.slot, w.k_rows.data() + i * D);
-          x.store->read_value(layer, x.row, g, x.slot, w.v_rows.data() + i * D);
-          w.k[i] = w.k_rows.data() + i * D;
-          w.v[i] = w.v_rows.data() + i * D;
-        } else {
+        w.k_rows.resize(static_cast<std::size_t>(D));
+        w.v_rows.resize(kValueTile * D);
+        if (k_group) w.k_scales.resize(static_cast<std::size_t>(D / k_group)), w.k_codes.resize(w.k_scales.size());
+        if (v_group) {
+          w.v_scales.resize(kValueTile * (D / v_group)), w.v_codes.resize(w.v_scales.size());
+          w.v_direct.resize(kValueTile);
+        }
+      } else {
+        for (std::size_t i = 0; i < n; ++i) {
+          const VisibleSlot& x = block.slots[i];
           w.k[i] = static_cast<const float*>(x.store->key(layer, x.row, g, x.slot));
           w.v[i] = static_cast<const float*>(x.store->value(layer, x.row, g, x.slot));
         }
@@ -258,8 +435,19 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       // streams fastest; reading several rows interleaved was twice as slow here), for every
       // query and head of the block. Keys a query does not see get -inf.
       float group_scores[kHeadsAtOnce];
+      const RowFormat& key_format = block.slots[0].store->key_format();  // n > 0: checked above
       for (std::size_t i = 0; i < n; ++i) {
         const std::int64_t index = block.slots[i].index;
+        const float* key = w.k[i];
+        if (k_group) {
+          const VisibleSlot& x = block.slots[i];
+          direct_ref(x.store->key_format(), g, static_cast<const std::byte*>(x.store->key(layer, x.row, g, x.slot)), D,
+                     w.k_scales.data(), w.k_codes.data(), w.k_direct);
+        } else if (converted) {
+          const VisibleSlot& x = block.slots[i];
+          x.store->read_key(layer, x.row, g, x.slot, w.k_rows.data());
+          key = w.k_rows.data();
+        }
         for (std::size_t j = 0; j < block.count; ++j) {
           const QueryPlan& p = queries[block.first + j].plan;
           float* column = w.scores.data() + j * G * n + i;
@@ -269,7 +457,14 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
           }
           const float* qj = (index < p.sink_end ? w.q_sink : w.q_window).data() + j * G * D;
           by_head_groups(G, [&]<int N>(int h0) {
-            dots<N>(qj + h0 * D, w.k[i], D, group_scores);
+            if (k_group)
+              by_codes(key_format.codec, [&]<Codes K>() {
+                by_layout(key_format, [&]<Layout L>() {
+                  dots_direct<N, K, L>(qj + h0 * D, D, k_group, w.k_direct, group_scores);
+                });
+              });
+            else
+              dots<N>(qj + h0 * D, key, D, group_scores);
             for (int r = 0; r < N; ++r) column[(h0 + r) * n] = group_scores[r] * shape.scale;
           });
         }
@@ -294,24 +489,53 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       const int chunks = D / kLanes;
       for (std::size_t i0 = 0; i0 < n; i0 += kValueTile) {
         const std::size_t len = std::min(kValueTile, n - i0);
+        const std::size_t v_groups = v_group ? static_cast<std::size_t>(D / v_group) : 0;
+        if (v_group)
+          for (std::size_t r = 0; r < len; ++r) {
+            const VisibleSlot& x = block.slots[i0 + r];
+            direct_ref(x.store->value_format(), g,
+                       static_cast<const std::byte*>(x.store->value(layer, x.row, g, x.slot)), D,
+                       w.v_scales.data() + r * v_groups, w.v_codes.data() + r * v_groups, w.v_direct[r]);
+          }
+        else if (converted)
+          for (std::size_t r = 0; r < len; ++r) {
+            const VisibleSlot& x = block.slots[i0 + r];
+            x.store->read_value(layer, x.row, g, x.slot, w.v_rows.data() + r * D);
+            w.v[i0 + r] = w.v_rows.data() + r * D;
+          }
         const float* const* v = w.v.data() + i0;
+        const RowFormat& value_format = block.slots[0].store->value_format();
+        // Codes read in place are converted once per row and chunk for up to four heads,
+        // four chunks at a time (16 accumulators); float rows for two heads, eight chunks.
+        const int heads_at_once = v_group ? kHeadsAtOnce : kValueHeadsAtOnce;
+        const int chunks_at_once = v_group ? 4 : kValueChunksAtOnce;
         for (std::size_t j = 0; j < block.count; ++j)
-          for (int h0 = 0; h0 < G; h0 += kValueHeadsAtOnce) {
+          for (int h0 = 0; h0 < G; h0 += heads_at_once) {
             float* acc = w.acc.data() + (j * G + h0) * D;
             const float* weights = w.scores.data() + (j * G + h0) * n + i0;
             const auto heads = [&]<int N>() {
-              for (int c0 = 0; c0 < chunks; c0 += kValueChunksAtOnce)
-                by_chunk_count(std::min(kValueChunksAtOnce, chunks - c0), [&]<int C>() {
-                  accumulate<N, C>(acc, D, weights, n, v, len, c0 * kLanes);
+              for (int c0 = 0; c0 < chunks; c0 += chunks_at_once)
+                by_chunk_count(std::min(chunks_at_once, chunks - c0), [&]<int C>() {
+                  if (v_group)
+                    by_codes(value_format.codec, [&]<Codes K>() {
+                      by_layout(value_format, [&]<Layout L>() {
+                        accumulate_direct<N, C, K, L>(acc, D, v_group, weights, n, len, w.v_direct.data(),
+                                                      c0 * kLanes);
+                      });
+                    });
+                  else
+                    accumulate<N, C>(acc, D, weights, n, v, len, c0 * kLanes);
                 });
               for (int r = 0; r < N; ++r)  // dims past the last whole vector
                 for (std::size_t i = 0; i < len; ++i)
                   for (int e = chunks * kLanes; e < D; ++e) acc[r * D + e] += weights[r * n + i] * v[i][e];
             };
-            if (G - h0 >= 2)
-              heads.template operator()<2>();
-            else
-              heads.template operator()<1>();
+            switch (std::min(heads_at_once, G - h0)) {
+              case 1: heads.template operator()<1>(); break;
+              case 2: heads.template operator()<2>(); break;
+              case 3: heads.template operator()<3>(); break;
+              default: heads.template operator()<4>(); break;
+            }
           }
       }
 

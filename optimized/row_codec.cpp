@@ -1,6 +1,7 @@
 #include "optimized/row_codec.h"
 
 #include <algorithm>
+#include <bit>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -62,13 +63,6 @@ std::uint8_t fp8_encode(const Fp8& f, float y) {
     code = ((e - 1 + f.bias) << f.mantissa_bits) + static_cast<int>(q) - (1 << f.mantissa_bits);
   }
   return static_cast<std::uint8_t>(sign | std::min(code, f.top));
-}
-
-float fp8_decode(const Fp8& f, std::uint8_t c) {
-  const int e = (c & 0x7F) >> f.mantissa_bits, m = c & ((1 << f.mantissa_bits) - 1);
-  const float v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - f.bias - f.mantissa_bits)
-                         : std::ldexp(static_cast<float>(m + (1 << f.mantissa_bits)), e - f.bias - f.mantissa_bits);
-  return (c & 0x80) ? -v : v;
 }
 
 const Fp8& fp8_of(Codec c) { return c == Codec::fp8_e4m3 ? kE4m3 : kE5m2; }
@@ -268,16 +262,31 @@ void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, flo
       z = z16;
       p += 2;
     }
-    for (int i = 0; i < g; ++i) {
-      const int c = get_code(f, p, i, g);
-      float v = 0.0f;
-      if (fp8(f.codec))
-        v = fp8_decode(fp8_of(f.codec), static_cast<std::uint8_t>(c)) * s;
-      else if (f.codec == Codec::q4_0)
-        v = static_cast<float>(c - 8) * s;
-      else
-        v = static_cast<float>(c - z) * s;
-      x[g0 + i] = v;
+    // One loop per layout, each simple enough for the compiler to vectorize: the attention
+    // decodes rows here, one key row or one tile of value rows at a time.
+    float* out = x + g0;
+    const auto* codes = reinterpret_cast<const std::uint8_t*>(p);
+    if (f.codec == Codec::q8_0 || f.codec == Codec::int8) {
+      const auto* signed_codes = reinterpret_cast<const std::int8_t*>(p);
+      for (int i = 0; i < g; ++i) out[i] = static_cast<float>(signed_codes[i]) * s;
+    } else if (fp8(f.codec)) {
+      // The pattern's exponent and mantissa shifted into a float's, times 2^(127 - bias):
+      // exact for normal and subnormal codes alike.
+      const Fp8& e = fp8_of(f.codec);
+      const float rebias = std::ldexp(1.0f, 127 - e.bias);
+      const int shift = 23 - e.mantissa_bits;
+      for (int i = 0; i < g; ++i) {
+        const std::uint32_t bits = static_cast<std::uint32_t>(codes[i] & 0x7F) << shift;
+        const float magnitude = std::bit_cast<float>(bits) * rebias * s;
+        out[i] = (codes[i] & 0x80) ? -magnitude : magnitude;
+      }
+    } else if (f.codec == Codec::q4_0) {
+      for (int i = 0; i < g / 2; ++i) {
+        out[i] = static_cast<float>((codes[i] & 0x0F) - 8) * s;
+        out[i + g / 2] = static_cast<float>((codes[i] >> 4) - 8) * s;
+      }
+    } else {
+      for (int i = 0; i < g; ++i) out[i] = static_cast<float>(get_code(f, p, i, g) - z) * s;
     }
   }
   if (f.hadamard) walsh_hadamard(x, d);
@@ -299,6 +308,21 @@ UnpackedRow unpack_row(const RowFormat& f, int kv_head, const std::byte* in, int
     for (int i = 0; i < g; ++i) u.codes.push_back(get_code(f, p, i, g));
   }
   return u;
+}
+
+int direct_group(const RowFormat& f, int d) {
+  const bool direct = f.codec == Codec::q8_0 || f.codec == Codec::int8 || fp8(f.codec);
+  return direct && !f.hadamard ? group_of(f, d) : 0;
+}
+
+void direct_row(const RowFormat& f, int kv_head, const std::byte* row, int d, float* scales,
+                const std::uint8_t** codes) {
+  const int g = group_of(f, d);
+  for (int i = 0; i < d / g; ++i) {
+    const std::byte* p = row + static_cast<std::size_t>(i) * group_bytes(f, g);
+    scales[i] = get_scale(f, kv_head, p);
+    codes[i] = reinterpret_cast<const std::uint8_t*>(p);
+  }
 }
 
 }  // namespace kvcheck::optimized

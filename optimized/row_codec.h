@@ -43,4 +43,11 @@ struct UnpackedRow {
 };
 UnpackedRow unpack_row(const RowFormat& format, int kv_head, const std::byte* in, int d);
 
+// For kernels that read codes in place (q8_0, int8 and fp8 without a transform): the
+// elements per scale, or 0 when the format must be decoded with decode_row.
+int direct_group(const RowFormat& format, int d);
+// The scale of each group of a stored row, and where each group's codes start.
+void direct_row(const RowFormat& format, int kv_head, const std::byte* row, int d, float* scales,
+                const std::uint8_t** codes);
+
 }  // namespace kvcheck::optimized

@@ -6,6 +6,9 @@
 //                                                  with W tokens cached, D 128, 8 kv heads
 //   ReadKV/W<window>/t<threads>                    the floor: W keys and values of 8 kv heads
 //   Prefill/<cache>/H32/t<threads>                 4096 tokens in chunks of 512
+//   DecodeQuant/<format>/H32/W<window>/t<threads>  the dynamic cache's decode step with K and V
+//                                                  stored quantized (SPEC 9): q8_0, fp8_e4m3
+//   ReadKVQuant/<format>/W<window>/t<threads>      its floor: the stored bytes read once
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "optimized/dense_cache.h"
+#include "optimized/row_codec.h"
 #include "optimized/sink_ring_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
@@ -146,6 +150,49 @@ void read_kv(benchmark::State& state, Shape shape) {
   state.SetBytesProcessed(state.iterations() * kv_bytes(shape.window));
 }
 
+// The quantized formats benchmarked: llama.cpp's q8_0 and vLLM's fp8 with a static scale.
+RowFormat quant_format(const std::string& name) {
+  RowFormat f;
+  f.codec = name == "q8_0" ? Codec::q8_0 : Codec::fp8_e4m3;
+  if (f.codec == Codec::fp8_e4m3) f.static_scales = {0.01f};
+  return f;
+}
+
+// The dynamic cache's decode step with K and V stored in `format`.
+void decode_quant(benchmark::State& state, const std::string& format, Shape shape) {
+  CacheConfig c = config(shape, shape.window + 64);
+  c.key_quant = c.value_quant = quant_format(format);
+  DenseCache cache(c, DenseCache::Growth::dynamic);
+  Feed feed(shape.heads, kFillChunk);
+  for (std::int64_t done = 0; done < shape.window - 1; done += kFillChunk)
+    feed.append(cache, std::min(kFillChunk, shape.window - 1 - done), /*fill_only=*/true);
+  for (auto _ : state) {
+    feed.append(cache, 1);
+    benchmark::DoNotOptimize(feed.out.data());
+    state.PauseTiming();
+    cache.crop(shape.window - 1);
+    state.ResumeTiming();
+  }
+}
+
+// Its floor: every kv head's W stored key and value rows read once.
+void read_kv_quant(benchmark::State& state, const std::string& format, Shape shape) {
+  const std::size_t run = static_cast<std::size_t>(shape.window) * row_bytes(quant_format(format), kHeadDim) / 4;
+  const std::vector<std::uint32_t> k(run * kKvHeads, 1u), v(run * kKvHeads, 2u);
+  std::vector<std::uint32_t> sums(kKvHeads);
+  WorkerPool pool(shape.threads);
+  auto bits = [run](const std::vector<std::uint32_t>& x, int head) {
+    std::uint32_t acc = 0;
+    const std::uint32_t* p = x.data() + head * run;
+    for (std::size_t i = 0; i < run; ++i) acc ^= p[i];
+    return acc;
+  };
+  for (auto _ : state) {
+    pool.run(kKvHeads, [&](int head, int) { sums[static_cast<std::size_t>(head)] = bits(k, head) ^ bits(v, head); });
+    benchmark::DoNotOptimize(sums.data());
+  }
+}
+
 // 4096 tokens into an empty cache in chunks of 512, every output computed.
 void prefill(benchmark::State& state, const NamedCache& named, Shape shape) {
   constexpr std::int64_t kTokens = 4096, kChunk = 512;
@@ -175,6 +222,18 @@ int register_all() {
               ->Unit(benchmark::kMicrosecond)
               ->UseRealTime();
     }
+  for (const std::int64_t window : {4096, 32768})
+    for (const int threads : {1, 2})
+      for (const std::string format : {"q8_0", "fp8_e4m3"}) {
+        const std::string suffix = "/W" + std::to_string(window) + "/t" + std::to_string(threads);
+        RegisterBenchmark(("DecodeQuant/" + format + "/H32" + suffix).c_str(), decode_quant, format,
+                          Shape{32, window, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+        RegisterBenchmark(("ReadKVQuant/" + format + suffix).c_str(), read_kv_quant, format, Shape{0, window, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
   // The sink cache's window holds the whole prompt, so each query sees the keys a
   // dynamic cache gives it.
   for (const int threads : {1, 2})

@@ -104,6 +104,24 @@ def main(path):
                     if sliding and static:
                         goal("static time / sliding time, H %d, W %d, %dt" % (heads, w, t), "%.2fx" % (static / sliding),
                              static / sliding >= 1.0, ">= 1.0")
+    quant = [(f, w, t) for f in ("q8_0", "fp8_e4m3") for w in (4096, 32768) for t in THREADS
+             if find(median, "DecodeQuant/%s/H32/W%d/t%d" % (f, w, t))]
+    if quant:
+        print("\nquantized decode (SPEC 9), dynamic cache, H 32, D 128, 8 kv heads: time / float32's, time / its byte floor")
+        for f, w, t in quant:
+            x = find(median, "DecodeQuant/%s/H32/W%d/t%d" % (f, w, t))
+            f32 = find(median, "Decode/dynamic/H32/W%d/t%d" % (w, t))
+            own = find(median, "ReadKVQuant/%s/W%d/t%d" % (f, w, t))
+            print("  %-9s W %-6d %dt  %8.0f us  %5.2fx float32  %5.2fx floor" % (
+                f, w, t, x * 1e6, x / f32 if f32 else float("nan"), x / own if own else float("nan")))
+        for f in ("q8_0", "fp8_e4m3"):
+            x = find(median, "DecodeQuant/%s/H32/W32768/t2" % f)
+            f32 = find(median, "Decode/dynamic/H32/W32768/t2")
+            own = find(median, "ReadKVQuant/%s/W32768/t2" % f)
+            if x and f32:
+                goal("%s decode / float32 decode, H 32, W 32768, 2t" % f, "%.2fx" % (x / f32), x / f32 <= 0.6, "<= 0.6")
+            if x and own:
+                goal("%s decode / its byte floor, H 32, W 32768, 2t" % f, "%.2fx" % (x / own), x / own <= 2.0, "<= 2")
     for t in THREADS:
         ring = find(median, "Prefill/sink_ring/H32/t%d" % t)
         dense = find(median, "Prefill/dynamic/H32/t%d" % t)
