@@ -117,11 +117,21 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
     return kPass;
   }
   Progress& progress = Progress::line();
+  std::size_t skipped = 0;  // --kv-quant: scenarios the format cannot store
   for (std::size_t i = 0; i < files.size(); ++i) {
     if (files.size() > 1) progress.set_prefix(fmt::format("[{}/{}]", i + 1, files.size()));
     try {
       Scenario scenario = load_scenario(files[i]);
       if (options.kv_dtype) scenario.kv_dtype = *options.kv_dtype;
+      if (options.kv_quant) {
+        const std::string why = quantize_scenario(scenario, *options.kv_quant);
+        if (!why.empty()) {
+          progress.clear();
+          fmt::print(stderr, "kvcheck: skipped {}: {}\n", scenario.name, why);
+          ++skipped;
+          continue;
+        }
+      }
       for (Outcome& o : run_scenario(scenario, options)) outcomes.push_back(std::move(o));
     } catch (const std::exception& e) {
       // Reported, and counted in every report, without hiding the other scenarios' results.
@@ -144,6 +154,9 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
     return kBadInput;
   }
   print_table(stdout, outcomes, ::isatty(STDOUT_FILENO));
+  if (skipped)
+    fmt::print("{} scenario{} skipped: {} cannot store their head_dim\n", skipped, skipped == 1 ? "" : "s",
+               to_string(*options.kv_quant));
   if (!junit.empty()) write_junit(junit, outcomes);
   if (!json.empty()) write_json_report(json, outcomes);
   if (bad_input) return kBadInput;
@@ -333,6 +346,10 @@ int main(int argc, char** argv) {
                   "caches store keys and values in this format, whatever the scenarios say (float32, float16, "
                   "bfloat16)")
       ->transform(CLI::CheckedTransformer(dtypes, CLI::ignore_case));
+  run->add_option_function<std::string>(
+         "--kv-quant", [&](const std::string& name) { options.kv_quant = quant_format_named(name); },
+         "caches store keys and values quantized in this format (SPEC 9), with its default scale")
+      ->check(CLI::IsMember({"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"}));
 
   std::string export_path, export_out;
   CLI::App* exp = app.add_subcommand("export", "write a scenario's inputs and reference results (SPEC 6)");

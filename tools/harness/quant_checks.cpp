@@ -214,21 +214,36 @@ double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, St
           const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(retained[i].uid), g};
           if (q.k && slot.key_codes) {
             // Expected: a new key as the reference stores it; a kept one unchanged; a shifted
-            // one re-quantized from the codes this cache held (a rounding boundary taken the
-            // other way earlier is then followed, not held against it at every later shift).
+            // one as the reference re-quantized it (every shift of the step), or, once this
+            // cache took the other side of a rounding boundary, re-quantized from the codes it
+            // held (followed, not held against it at every later shift; one shift per step).
             const auto held = held_.find(id);
             reference::QuantizedRow expected = h.key_codes;
             if (held != held_.end() && held->second.position == retained[i].position) {
               expected = held->second.codes;
               expected.near_boundary.clear();
-            } else if (held != held_.end()) {
-              expected = reference::requantize_shifted(*q.k, q.transform, s_.rope, held->second.codes, g,
-                                                       held->second.position, retained[i].position);
+            } else if (held != held_.end() && !held->second.as_reference) {
+              // Through every position the step's queries saw the key at, as the reference did.
+              std::vector<std::int64_t> path;
+              if (rec.append)
+                for (const auto& token : rec.append->rows[b])
+                  for (const reference::VisibleKey& key : token.view_in(static_cast<int>(l)).keys)
+                    if (key.index == retained[i].index && (path.empty() || path.back() != key.position))
+                      path.push_back(key.position);
+              if (path.empty() || path.back() != retained[i].position) path.push_back(retained[i].position);
+              expected = held->second.codes;
+              std::int64_t at = held->second.position;
+              for (const std::int64_t to : path) {
+                if (to == at) continue;
+                expected = reference::requantize_shifted(*q.k, q.transform, s_.rope, expected, g, at, to);
+                at = to;
+              }
             }
             if (compare(*q.k, expected, *slot.key_codes, where, false)) {
-              held_[id] = {retained[i].position, as_row(*slot.key_codes)};
-              if (!(as_row(*slot.key_codes).codes == h.key_codes.codes) ||
-                  !(as_row(*slot.key_codes).scales == h.key_codes.scales)) {
+              const bool as_reference = as_row(*slot.key_codes).codes == h.key_codes.codes &&
+                                        as_row(*slot.key_codes).scales == h.key_codes.scales;
+              held_[id] = {retained[i].position, as_row(*slot.key_codes), as_reference};
+              if (!as_reference) {
                 const double w = weigh(*q.k, h.key_codes, *slot.key_codes, false);
                 diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
                 allowance = std::max(allowance, diverged_[{static_cast<int>(l), static_cast<int>(b)}]);

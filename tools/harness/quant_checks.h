@@ -78,6 +78,7 @@ class QuantChecks {
   struct Held {
     std::int64_t position;
     reference::QuantizedRow codes;
+    bool as_reference;  // the codes are the reference's own (no boundary taken the other way)
   };
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
   std::map<std::pair<int, int>, double> diverged_;  // (layer, row) whose codes are not the reference's this step

@@ -15,6 +15,7 @@ struct RunOptions {
   std::vector<const CacheEntry*> caches;  // the caches to run, each where it serves the policy
   bool reference_checks = true;
   std::optional<KvDtype> kv_dtype;  // every scenario's caches store in this format instead
+  std::optional<QuantFormat> kv_quant;  // or K and V quantized in this format (SPEC 9)
 };
 
 // Throws InputError for bad inputs (a missing or malformed .npy file).

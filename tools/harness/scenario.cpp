@@ -796,6 +796,25 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   return s;
 }
 
+std::optional<QuantFormat> quant_format_named(const std::string& name) {
+  for (QuantFormat f : {QuantFormat::fp8_e4m3, QuantFormat::fp8_e5m2, QuantFormat::int8, QuantFormat::q8_0,
+                        QuantFormat::q4_0, QuantFormat::int4, QuantFormat::int2})
+    if (name == to_string(f)) return f;
+  return std::nullopt;
+}
+
+std::string quantize_scenario(Scenario& s, QuantFormat format) {
+  // The defaults of a scenario file's {"format": ...} with no "scale".
+  nlohmann::json tensor = {{"format", to_string(format)}};
+  nlohmann::json j = {{"k", tensor}, {"v", tensor}};
+  try {
+    s.kv_quant = parse_kv_quant(Reader(s.file), j, s.dims);
+  } catch (const InputError& e) {
+    return e.reason;
+  }
+  return "";
+}
+
 Scenario load_scenario(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) throw InputError(path, "", "is a folder; expected a scenario file");

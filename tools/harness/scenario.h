@@ -93,6 +93,13 @@ void require_whole_run_fits(const Scenario& scenario);
 // The memory kvcheck allows one scenario's reference run (the machine has 24 GB).
 constexpr double kMemoryBudget = 8e9;
 
+// `run --kv-quant`: the scenario's caches store K and V in `format`, with the format's
+// default scale (scenario files' defaults). Returns why it cannot (ggml's formats need a
+// head_dim that is a multiple of 32), or an empty string.
+std::string quantize_scenario(Scenario& scenario, QuantFormat format);
+// "q8_0" -> QuantFormat::q8_0; nullopt for an unknown name.
+std::optional<QuantFormat> quant_format_named(const std::string& name);
+
 // Parses and validates. `file` is used in messages and to resolve .npy paths.
 Scenario parse_scenario(const std::string& text, const std::string& file);
 Scenario load_scenario(const std::string& path);
