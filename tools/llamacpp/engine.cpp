@@ -278,9 +278,8 @@ int run(const Options& o) {
   const Scenario s = load_scenario(o.scenario);
   require_supported(s);
   if (o.type_v == GgmlType::q8_0)
-    throw Unsupported("--type-v q8_0: stored multiplied by a Hadamard matrix and quantized, a value row is no float "
-                      "rounding of its token's (and flash attention's output comes back in the rotated basis), so the "
-                      "checker cannot tell which token a cell holds until SPEC 9's exact codes land; K in q8_0 works");
+    throw Unsupported("--type-v q8_0: llama.cpp quantizes V only under flash attention, whose output this driver "
+                      "captures still in the Hadamard basis: not driven yet (K in q8_0 is checked code for code)");
   if (o.type_k == GgmlType::q4_0 || o.type_v == GgmlType::q4_0)
     throw Unsupported("--type-k/--type-v q4_0: not read yet (SPEC 9)");
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
