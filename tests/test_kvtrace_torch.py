@@ -12,6 +12,7 @@ import unittest
 import numpy as np
 import torch
 
+import spec_quant
 from test_kvtrace import DATA, SCENARIOS, export, kvcheck, kvtrace
 
 
@@ -236,6 +237,47 @@ def manifest(trace):
         return json.load(f)
 
 
+class StaticFp8Cache:
+    """vLLM's fp8 KV cache behind the update() protocol: keys and values stored as OCP E4M3
+    codes of x / k_scale (round to nearest even, saturating), with the static per-tensor
+    scales a checkpoint gives (k_scale, v_scale), read back as code * scale. Exposes its
+    codes and scales as kv_codes, so the trace carries them (SPEC 9.3). bug:
+    "scale_never_loaded" (scales left at vLLM's default 1.0: SGLang issue 18818, ModelOpt
+    issue 20), "scale_dropped_on_read" (written as x / s, read as code * 1: tokenspeed PR 759)."""
+
+    def __init__(self, k_scale, v_scale, bug=None):
+        self.bug = bug
+        self.scales = (1.0, 1.0) if bug == "scale_never_loaded" else (k_scale, v_scale)
+        self.codes = []  # per layer: [k codes, v codes], uint8 [B, Hkv, S, D]
+
+    def get_seq_length(self, layer_idx=0):
+        return self.codes[layer_idx][0].shape[-2] if layer_idx < len(self.codes) else 0
+
+    def dequantized(self, codes, scale):
+        values = spec_quant.fp8_values("fp8_e4m3")
+        x = np.where(codes & 0x80, -1.0, 1.0) * values[codes & 0x7F]
+        return torch.tensor(x * (1.0 if self.bug == "scale_dropped_on_read" else scale), dtype=torch.float32)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        new = [spec_quant.fp8_encode("fp8_e4m3", x.double().numpy() / s)[0].astype(np.uint8)
+               for x, s in zip((key_states, value_states), self.scales)]
+        if layer_idx == len(self.codes):
+            self.codes.append(new)
+        else:
+            self.codes[layer_idx] = [np.concatenate([old, n], axis=-2) for old, n in zip(self.codes[layer_idx], new)]
+        k, v = self.codes[layer_idx]
+        return self.dequantized(k, self.scales[0]), self.dequantized(v, self.scales[1])
+
+    @property
+    def kv_codes(self):
+        out = []
+        for k, v in self.codes:
+            shape = k.shape[:-1] + (1,)
+            out.append({"k_codes": k, "k_scales": np.full(shape, self.scales[0]),
+                        "v_codes": v, "v_scales": np.full(shape, self.scales[1])})
+        return out
+
+
 class KvtraceTorchTest(unittest.TestCase):
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvtrace-torch-test-")
@@ -248,6 +290,35 @@ class KvtraceTorchTest(unittest.TestCase):
         options.setdefault("as_tensor", "torch")
         result = kvtrace.drive_hf_cache(exp, make_cache, self.trace, **options)
         return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
+
+    def test_a_static_fp8_cache_passes_code_for_code(self):
+        # quant_fp8_e4m3_static_scale: k_scale 0.05, v_scale 0.02. The trace carries codes and
+        # scales only; kvcheck dequantizes them and checks every code.
+        result, verify = self.drive("quant_fp8_e4m3_static_scale", lambda: StaticFp8Cache(0.05, 0.02),
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        report = os.path.join(self.work, "report.json")
+        kvcheck("verify", os.path.join(SCENARIOS, "quant_fp8_e4m3_static_scale.json"), "--trace", self.trace,
+                "--json", report)
+        with open(report) as f:
+            checks = {c["name"]: c for c in json.load(f)["results"][0]["checks"]}
+        self.assertRegex(checks["codes"]["detail"], r"^[1-9][0-9]* codes and their scales")
+
+    def test_a_fp8_cache_whose_scales_were_never_loaded_is_named(self):
+        _, verify = self.drive("quant_fp8_e4m3_static_scale",
+                               lambda: StaticFp8Cache(0.05, 0.02, bug="scale_never_loaded"), positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("key scale of group 0: expected 0.05000000074505806, stored 1", verify.stdout)
+        self.assertIn("class: quantization scale wrong", verify.stdout)
+
+    def test_a_fp8_cache_that_drops_the_scale_on_read_is_named(self):
+        _, verify = self.drive("quant_fp8_e4m3_static_scale",
+                               lambda: StaticFp8Cache(0.05, 0.02, bug="scale_dropped_on_read"), positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("checks failed: outputs, quantization bound (0 position", verify.stdout)  # codes right
+        self.assertIn("class: scale not applied", verify.stdout)
 
     def test_sliding_window_cache_passes_verify(self):
         # Two layers, GQA, W = 6: the buffer is returned whole and masked by cache position.

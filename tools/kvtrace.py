@@ -229,16 +229,29 @@ class TraceWriter:
 
     def step(self, layers):
         """One step: per layer a dict with keys and values [B, Hkv, slots, D], optional
-        out [B, H, n, D] and rotated q [B, H, n, D]."""
+        out [B, H, n, D] and rotated q [B, H, n, D]. A quantized cache (SPEC 9.3) may give
+        k_codes / v_codes [B, Hkv, slots, D] (integers, written as int8 or uint8, one code a
+        byte), k_scales / v_scales [B, Hkv, slots, groups] and k_zero / v_zero, with or
+        without keys and values: kvcheck dequantizes what is left out."""
         index = len(self.manifest["steps"])
         entry = []
         for l, tensors in enumerate(layers):
             files = {}
-            for name in ("keys", "values", "out", "q"):
+            for name in ("keys", "values", "out", "q", "k_codes", "k_scales", "k_zero", "v_codes", "v_scales",
+                         "v_zero"):
                 if tensors.get(name) is None:
                     continue
                 file = "step%03d_l%d_%s.npy" % (index, l, name)
-                np.save(os.path.join(self.tmp, file), np.ascontiguousarray(to_numpy(tensors[name]), dtype=self.dtype))
+                x = to_numpy(tensors[name])
+                if name.endswith("_codes"):
+                    x = x.astype(np.int8 if x.min(initial=0) < 0 else np.uint8)
+                elif name.endswith("_zero"):
+                    x = x.astype(np.int32)
+                elif name.endswith("_scales"):
+                    x = x.astype(np.float32)
+                else:
+                    x = x.astype(self.dtype)
+                np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
                 files[name] = file
             entry.append(files)
         self.manifest["steps"].append({"layers": entry})
@@ -459,6 +472,16 @@ class _Missing(Exception):
     """The cache lacks the method an op needs."""
 
 
+def _cache_codes(cache, layers):
+    """A quantized cache's codes and scales per layer (SPEC 9.3), when it exposes them as
+    `kv_codes`: one dict per layer of k_codes, k_scales, k_zero, v_codes, v_scales, v_zero
+    (any of them); else None."""
+    codes = getattr(cache, "kv_codes", None)
+    if codes is None or len(codes) != layers:
+        return None
+    return [{name: to_numpy(x) for name, x in layer.items() if x is not None} for layer in codes]
+
+
 def _cache_state(cache, layers):
     """The cache's own (keys, values) per layer, float64, when it exposes them the way
     transformers' caches do (key_cache/value_cache lists up to 4.5x, layers[l] later)."""
@@ -631,8 +654,11 @@ class _Driver:
             self.fail(index, message)
 
     def record_state(self):
-        state = _cache_state(self.cache, self.exp.dims["layers"])
-        if state is None:
+        layers = self.exp.dims["layers"]
+        state, codes = _cache_state(self.cache, layers), _cache_codes(self.cache, layers)
+        if codes is not None:  # what a quantized cache holds is its codes (kvcheck dequantizes)
+            self.writer.step(codes)
+        elif state is None:
             self.writer.skip_step()  # guessing what the cache holds would check nothing
         else:
             self.writer.step([{"keys": k, "values": v} for k, v in state])
@@ -689,9 +715,13 @@ class _Driver:
             recorded[l]["out"], recorded[l]["q"] = outs[l], (qs[l] if self.record_q else None)
         # What the cache holds between steps is what kvcheck checks; it may differ from what
         # update() returned (a SlidingWindowCache returns a long prompt whole, keeps W of it).
-        state = _cache_state(self.cache, layers)
+        state, codes = _cache_state(self.cache, layers), _cache_codes(self.cache, layers)
         for layer, (k, v) in zip(recorded, state or []):
             layer["keys"], layer["values"] = k, v
+        for layer, quantized in zip(recorded, codes or []):
+            # A quantized cache's state is its codes: the floats it hands back are left out.
+            layer.pop("keys", None), layer.pop("values", None)
+            layer.update(quantized)
         self.writer.step(recorded)
 
     def forward(self, index, uid, token, padding, policy_pos):

@@ -65,6 +65,7 @@ struct CacheView {
   // log, pairs are derived from recovered query and key positions.
   std::optional<std::vector<UsedPair>> pairs;
   double roundoff = 0x1p-24;                // unit roundoff of the stored keys and values
+  double query_roundoff = 0x1p-24;          // of the rotated queries a trace holds (never quantized)
   std::vector<std::vector<float>> storage;  // what the pointers point into, when owned
 };
 

@@ -775,7 +775,7 @@ class StepChecker::Impl {
     const auto& last = tokens.back();
     const float* rotated = view.layers[l].q + ((static_cast<std::size_t>(b) * n + n - 1) * H + 0) * D;
     const RecoveredPosition r =
-        recover_position(inputs_.q_at(l, last.uid, 0), rotated, D, s_.rope, max_position_, view.roundoff);
+        recover_position(inputs_.q_at(l, last.uid, 0), rotated, D, s_.rope, max_position_, view.query_roundoff);
     pairs_seen_ = true;
     if (r.status == RecoveredPosition::Status::not_rotation) {
       positions_.fail(

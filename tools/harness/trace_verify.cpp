@@ -125,13 +125,17 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
           if (!value.is_string()) fail(lp + "/" + key, "expected a file name");
         }
         TraceFiles f;
+        // Keys and values, unless their codes stand in for them (SPEC 9.3: then the checker
+        // dequantizes).
         for (const char* key : {"keys", "values"})
-          if (!ls[l].contains(key) || !ls[l][key].is_string()) fail(lp + "/" + key, "expected a file name");
+          if ((!ls[l].contains(key) && !ls[l].contains(std::string(key) == "keys" ? "k_codes" : "v_codes")) ||
+              (ls[l].contains(key) && !ls[l][key].is_string()))
+            fail(lp + "/" + key, "expected a file name");
         auto file = [&](const char* key) {
           return resolve_inside(dir, ls[l][key].get<std::string>(), t.manifest_path, lp + "/" + key);
         };
-        f.keys = file("keys");
-        f.values = file("values");
+        if (ls[l].contains("keys")) f.keys = file("keys");
+        if (ls[l].contains("values")) f.values = file("values");
         if (ls[l].contains("out")) f.out = file("out");
         if (ls[l].contains("q")) f.q = file("q");
         for (int tensor = 0; tensor < 2; ++tensor) {
@@ -178,8 +182,10 @@ NpyArray<float> load(const std::string& path, std::vector<std::size_t> expected,
 }
 
 // SPEC 9.3's codes or zero points (int8, uint8 or int32) of exactly this shape.
-NpyArray<std::int32_t> load_codes(const std::string& path, const std::vector<std::size_t>& expected) {
+// any_slots: the third dimension (slots) may be anything.
+NpyArray<std::int32_t> load_codes(const std::string& path, std::vector<std::size_t> expected, bool any_slots) {
   NpyArray<std::int32_t> a = read_npy_codes(path);
+  if (any_slots && a.shape.size() == expected.size()) expected[2] = a.shape[2];
   if (a.shape != expected)
     throw InputError(path, "", fmt::format("expected codes of shape {}, got {}", shape_string(expected),
                                            shape_string(a.shape)));
@@ -227,10 +233,12 @@ class TraceSource {
     view.storage.reserve(4 * step.layers.size());
     for (std::size_t l = 0; l < step.layers.size(); ++l) {
       const TraceFiles& f = step.layers[l];
-      NpyArray<float> keys = load(f.keys, {B, Hkv, 0, D}, "keys [B, Hkv, slots, D]", true, view.roundoff);
-      NpyArray<float> values =
-          load(f.values, {B, Hkv, keys.shape[2], D}, "values [B, Hkv, slots, D]", false, view.roundoff);
-      const std::size_t slots = keys.shape[2];
+      std::optional<NpyArray<float>> key_file;
+      std::size_t slots = 0;
+      if (!f.keys.empty()) {
+        key_file = load(f.keys, {B, Hkv, 0, D}, "keys [B, Hkv, slots, D]", true, view.roundoff);
+        slots = key_file->shape[2];
+      }
       // SPEC 9.3: codes of the same slots, scales and zero points per group.
       std::optional<NpyArray<std::int32_t>> codes[2], zeros[2];
       std::optional<NpyArray<float>> scales[2];
@@ -238,11 +246,37 @@ class TraceSource {
         if (f.codes[t].empty()) continue;
         const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
         const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(quant, static_cast<int>(D)));
-        codes[t] = load_codes(f.codes[t], {B, Hkv, slots, D});
+        codes[t] = load_codes(f.codes[t], {B, Hkv, slots, D}, slots == 0);
+        slots = codes[t]->shape[2];
         double ignored = 0.0;
         scales[t] = load(f.scales[t], {B, Hkv, slots, G}, "scales [B, Hkv, slots, groups]", false, ignored);
-        if (!f.zeros[t].empty()) zeros[t] = load_codes(f.zeros[t], {B, Hkv, slots, G});
+        if (!f.zeros[t].empty()) zeros[t] = load_codes(f.zeros[t], {B, Hkv, slots, G}, false);
       }
+      // Left out: what the codes stand for, the transform undone.
+      const auto dequantized = [&](int t) {
+        const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
+        const std::size_t G = scales[t]->shape[3];
+        NpyArray<float> out{{B, Hkv, slots, D}, std::vector<float>(B * Hkv * slots * D)};
+        std::vector<double> row(D);
+        for (std::size_t r = 0; r < B * Hkv * slots; ++r) {
+          reference::QuantizedRow q;
+          q.codes.assign(codes[t]->data.begin() + static_cast<std::ptrdiff_t>(r * D),
+                         codes[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * D));
+          q.scales.assign(scales[t]->data.begin() + static_cast<std::ptrdiff_t>(r * G),
+                          scales[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * G));
+          if (zeros[t])
+            q.zeros.assign(zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(r * G),
+                           zeros[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * G));
+          reference::dequantize(quant, q, row.data());
+          if (s_.kv_quant->transform == QuantTransform::hadamard) reference::hadamard(row.data(), static_cast<int>(D));
+          std::copy(row.begin(), row.end(), out.data.begin() + static_cast<std::ptrdiff_t>(r * D));
+        }
+        return out;
+      };
+      NpyArray<float> keys = key_file ? std::move(*key_file) : dequantized(0);
+      NpyArray<float> values =
+          !f.values.empty() ? load(f.values, {B, Hkv, slots, D}, "values [B, Hkv, slots, D]", false, view.roundoff)
+                            : dequantized(1);
       view.storage.push_back(std::move(keys.data));
       const float* key_data = view.storage.back().data();
       ViewLayer layer;
@@ -281,7 +315,10 @@ class TraceSource {
           layer.out = view.storage.back().data();
         }
         if (!f.q.empty()) {
-          const NpyArray<float> q = load(f.q, {B, H, n, D}, "q [B, H, n, D]", false, view.roundoff);
+          // The query's own precision: the storage's (a quantized cache still computes in it) or the file's.
+          view.query_roundoff = std::max(view.query_roundoff, unit_roundoff(s_.kv_dtype));
+          const NpyArray<float> q = load(f.q, {B, H, n, D}, "q [B, H, n, D]", false, view.query_roundoff);
+          view.roundoff = std::max(view.roundoff, view.query_roundoff);
           view.storage.push_back(to_token_major(q.data, B, H, n, D));
           layer.q = view.storage.back().data();
         }
