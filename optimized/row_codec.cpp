@@ -37,7 +37,7 @@ bool half_scale(const RowFormat& f) { return f.scale_half || f.codec == Codec::q
 std::size_t scale_bytes(const RowFormat& f) { return stores_scale(f) ? (half_scale(f) ? 2 : 4) : 0; }
 
 std::size_t group_bytes(const RowFormat& f, int g) {
-  return scale_bytes(f) + (affine(f.codec) ? 2 : 0) + (static_cast<std::size_t>(g) * code_bits(f.codec) + 7) / 8;
+  return scale_bytes(f) + (affine(f.codec) ? 4 : 0) + (static_cast<std::size_t>(g) * code_bits(f.codec) + 7) / 8;
 }
 
 // fp8 (OCP E4M3FN and E5M2): round to nearest, ties to even, saturating at the largest
@@ -218,9 +218,9 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
       const float s = as_stored(f.scale_half, static_cast<float>((static_cast<double>(hi) - lo) / top));
       const int z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
       put_scale(f, s, p);
-      const auto z16 = static_cast<std::int16_t>(z);
-      std::memcpy(p, &z16, 2);
-      p += 2;
+      const auto z32 = static_cast<std::int32_t>(z);
+      std::memcpy(p, &z32, 4);
+      p += 4;
       for (int i = 0; i < g; ++i)
         put_code(f, p, i, g, std::clamp(static_cast<int>(s != 0.0f ? std::round(xs[i] / s) : 0.0f) + z, 0, top));
     } else {  // int8 and fp8: a static scale, or the group's amax over the code range
@@ -257,10 +257,10 @@ void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, flo
     const float s = get_scale(f, kv_head, p);
     int z = 0;
     if (affine(f.codec)) {
-      std::int16_t z16 = 0;
-      std::memcpy(&z16, p, 2);
-      z = z16;
-      p += 2;
+      std::int32_t z32 = 0;
+      std::memcpy(&z32, p, 4);
+      z = z32;
+      p += 4;
     }
     // One loop per layout, each simple enough for the compiler to vectorize: the attention
     // decodes rows here, one key row or one tile of value rows at a time.
@@ -300,10 +300,10 @@ UnpackedRow unpack_row(const RowFormat& f, int kv_head, const std::byte* in, int
     const std::byte* p = in + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
     u.scales.push_back(get_scale(f, kv_head, p));
     if (affine(f.codec)) {
-      std::int16_t z16 = 0;
-      std::memcpy(&z16, p, 2);
-      u.zeros.push_back(z16);
-      p += 2;
+      std::int32_t z32 = 0;
+      std::memcpy(&z32, p, 4);
+      u.zeros.push_back(z32);
+      p += 4;
     }
     for (int i = 0; i < g; ++i) u.codes.push_back(get_code(f, p, i, g));
   }

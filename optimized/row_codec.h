@@ -1,6 +1,6 @@
 // How one stored row (head_dim elements of one token and kv head) is laid out: float32,
 // float16, bfloat16 (SPEC 7) or a quantized format (SPEC 9), written by the cache and read
-// back by its attention. Quantized rows are groups of [scale][zero point][codes], as ggml's
+// back by its attention. Quantized rows are groups of [scale][int32 zero point][codes], as ggml's
 // blocks are; q4_0 keeps ggml's nibble order (byte j: element j low, j + 16 high).
 #pragma once
 

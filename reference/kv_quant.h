@@ -36,8 +36,8 @@ enum class QuantTransform { none, hadamard };
 struct KvQuant {
   std::optional<TensorQuant> k, v;  // absent: stored in kv_dtype
   QuantTransform transform = QuantTransform::none;
-  // A shifting policy re-rotates a quantized key by dequantize, rotate, quantize.
-  bool requantize_on_shift = true;
+  // A shifting policy always re-rotates a quantized key by dequantize, rotate, quantize
+  // (shift "requantize", the only convention SPEC 9 defines).
   // kvcheck's extension of SPEC 9: the attention quantizes the rotated (and transformed)
   // query too before its dot products with the keys, as ggml's CPU matmul converts its
   // activations to the quantized weight's dot-product type (q8_0 for q8_0 K).

@@ -20,6 +20,12 @@ constexpr double kBoundaryWindow = 0x1p-20, kWindowPerPosition = 0x1p-22;
 
 bool near_half_integer(double y, double window) { return std::abs(std::abs(y - std::floor(y)) - 0.5) <= window; }
 
+// A scale computed in float32 lands on another value of `dtype` if it moves by the window.
+bool scale_ambiguous(ScaleDtype dtype, float s, double window) {
+  if (dtype == ScaleDtype::float32) return true;  // any few-ulp move shows in float32
+  return round_to_float16(s * (1.0 + window)) != round_to_float16(s * (1.0 - window));
+}
+
 // A computed scale as an engine gets it: the quotient in float32, then stored in its dtype.
 double in_dtype(ScaleDtype dtype, double s) {
   const double f = static_cast<float>(s);
@@ -100,7 +106,7 @@ int fp8_code(QuantFormat format, double y) {
     if (here < there || (here == there && c % 2 == 0)) best = c;
   }
   if (a >= fp8_value(format, top)) best = top;  // saturating
-  return y < 0 ? best | 0x80 : best;
+  return std::signbit(y) ? best | 0x80 : best;
 }
 
 double element_bound(QuantFormat format, double x, double s) {
@@ -145,6 +151,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const float d = static_cast<float>(largest_magnitude(xs, group)) / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
       row.scales.push_back(round_to_float16(d));
+      row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative));
       for (int i = 0; i < group; ++i) {
         const float y = xs[i] * id;
         row.codes[static_cast<std::size_t>(g0 + i)] = static_cast<int>(std::round(y));
@@ -159,6 +166,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const float d = m / -8.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
       row.scales.push_back(round_to_float16(d));
+      row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative));
       for (int i = 0; i < group; ++i) {
         const float y = xs[i] * id + 8.5f;
         row.codes[static_cast<std::size_t>(g0 + i)] = std::min(15, static_cast<int>(std::trunc(y)));
@@ -175,6 +183,8 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const double s = in_dtype(quant.scale.dtype, (hi - lo) / top);
       const int z = s != 0.0 ? static_cast<int>(std::round(-lo / s)) : 0;
       row.scales.push_back(s);
+      row.scale_near_boundary.push_back(
+          scale_ambiguous(quant.scale.dtype, static_cast<float>((hi - lo) / top), window_relative));
       row.zeros.push_back(z);
       for (int i = 0; i < group; ++i) {
         const double y = s != 0.0 ? xs[i] / s : 0.0;
@@ -189,6 +199,8 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       } else {
         s = largest_magnitude(xs, group) / code_range(f);
       }
+      row.scale_near_boundary.push_back(quant.scale.rule != ScaleRule::fixed &&
+                                        scale_ambiguous(quant.scale.dtype, static_cast<float>(s), window_relative));
       s = in_dtype(quant.scale.dtype, s);
       row.scales.push_back(s);
       for (int i = 0; i < group; ++i) {

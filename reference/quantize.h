@@ -22,6 +22,10 @@ struct QuantizedRow {
   // Per element: x / s came within the boundary window of a rounding boundary, so a cache
   // whose float32 arithmetic differs by a few ulps may store the neighbouring code.
   std::vector<bool> near_boundary;
+  // Per group: a computed scale a few ulps from its dtype's rounding boundary (float16), or
+  // any computed float32 scale: another amax a few ulps away may give the neighbouring one.
+  // Static scales never are.
+  std::vector<bool> scale_near_boundary;
   bool operator==(const QuantizedRow&) const = default;
 };
 

@@ -35,7 +35,7 @@ def fp8_encode(name, y):
     lo = hi - 1
     d_lo, d_hi = a - table[lo], table[hi] - a
     code = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
-    return np.where(y < 0, code | 0x80, code), table
+    return np.where(np.signbit(y), code | 0x80, code), table
 
 
 def scale_dtype(fmt):

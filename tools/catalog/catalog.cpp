@@ -1,5 +1,7 @@
 #include "tools/catalog/catalog.h"
 
+#include <algorithm>
+
 #include "optimized/dense_cache.h"
 #include "optimized/hybrid_cache.h"
 #include "optimized/sink_ring_cache.h"
@@ -42,7 +44,13 @@ const std::vector<CacheEntry>& real_caches() {
        [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
       // Layers of different policies (SPEC 7), each served by the cache above that fits it.
       {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
-       [](const Scenario& s) { return s.hybrid(); },
+       [](const Scenario& s) {
+         // Its sink layers are sink_ring caches: not the requantize convention (see sink_ring).
+         const bool sink_layer = std::any_of(s.layer_policies.begin(), s.layer_policies.end(), [](const Policy& p) {
+           return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
+         });
+         return s.hybrid() && !(s.kv_quant && s.kv_quant->k && sink_layer);
+       },
        [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
     };
     // None of them quantizes the query (kv_quant "query", ggml's CPU convention).

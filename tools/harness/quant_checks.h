@@ -81,6 +81,7 @@ class QuantChecks {
     bool as_reference;  // the codes are the reference's own (no boundary taken the other way)
   };
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
+  std::map<HeldId, reference::QuantizedRow> held_values_;  // value codes accepted though not the reference's
   std::map<std::pair<int, int>, double> diverged_;  // (layer, row) whose codes are not the reference's this step
   double bound_ = 0.0;        // 9.2.3, before the float tolerance; infinite when values saturate
   std::string saturation_;    // why the bound does not apply

@@ -371,9 +371,14 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
       if (affine) r.fail(vp, "an affine format computes its scale and zero point from each group: expected \"amax\"");
       q.scale.rule = ScaleRule::fixed;
       q.scale.values.clear();
+      // A scale must stay finite and non-zero once stored in its dtype.
+      const bool half = q.scale.dtype == ScaleDtype::float16;
       auto positive = [&](const json& x, const std::string& path) {
         const double s = r.number(x, path, false);
         if (s > 1e30) r.fail(path, fmt::format("expected a scale up to 1e30, got {}", s));
+        if (half && (s > 65504.0 || s < 0x1p-25))
+          r.fail(path, fmt::format("a float16 scale must be between 2^-24 and 65504, got {}", s));
+        if (!half && s < 0x1p-149) r.fail(path, fmt::format("a float32 scale must be at least 2^-149, got {}", s));
         return s;
       };
       if (v.is_array()) {

@@ -335,7 +335,7 @@ class StepChecker::Impl {
     // Quantized: outputs are compared with R_stored, the attention over exactly what the
     // cache must hold, so float32's tolerance, plus what codes a cache may round the other
     // way at a boundary can move.
-    Tolerance tolerance = quant_ ? s_.tolerance : output_tolerance(s_, inputs_, view.roundoff);
+    Tolerance tolerance = output_tolerance(s_, inputs_, quant_ ? view.query_roundoff : view.roundoff);
     if (quant_) quant_->check_codes(rec, view, evidence);
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -151,7 +152,12 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
             if (!ls[l].contains(key)) fail(lp + "/" + key, "expected a file name: codes and scales come together");
           f.codes[tensor] = file((name + "_codes").c_str());
           f.scales[tensor] = file((name + "_scales").c_str());
-          if (ls[l].contains(name + "_zero")) f.zeros[tensor] = file((name + "_zero").c_str());
+          const bool affine = quant->format == QuantFormat::int4 || quant->format == QuantFormat::int2;
+          if (affine != ls[l].contains(name + "_zero"))
+            fail(lp + "/" + name + "_zero", affine ? fmt::format("expected a file name: {} codes need their zero points",
+                                                                 to_string(quant->format))
+                                                   : fmt::format("{} has no zero points", to_string(quant->format)));
+          if (affine) f.zeros[tensor] = file((name + "_zero").c_str());
         }
         layers.push_back(f);
       }
@@ -182,6 +188,34 @@ NpyArray<float> load(const std::string& path, std::vector<std::size_t> expected,
 }
 
 // SPEC 9.3's codes or zero points (int8, uint8 or int32) of exactly this shape.
+// Codes as SPEC 9.3 reads them whatever byte type they came in: fp8 bit patterns 0..255,
+// int8 and q8_0 signed, q4_0 and int4 0..15, int2 0..3 (anything else is bad input).
+void normalize_codes(QuantFormat format, const std::string& path, std::vector<std::int32_t>& codes) {
+  int lo = 0, hi = 255;
+  switch (format) {
+    case QuantFormat::fp8_e4m3:
+    case QuantFormat::fp8_e5m2:
+      for (std::int32_t& c : codes) c &= 0xFF;
+      return;
+    case QuantFormat::int8:
+    case QuantFormat::q8_0:
+      for (std::int32_t& c : codes)
+        if (c > 127 && c <= 255) c -= 256;  // written as uint8
+      lo = -128, hi = 127;
+      break;
+    case QuantFormat::q4_0:
+    case QuantFormat::int4:
+      hi = 15;
+      break;
+    case QuantFormat::int2:
+      hi = 3;
+      break;
+  }
+  for (std::int32_t c : codes)
+    if (c < lo || c > hi)
+      throw InputError(path, "", fmt::format("a {} code of {}: expected {} to {}", to_string(format), c, lo, hi));
+}
+
 // any_slots: the third dimension (slots) may be anything.
 NpyArray<std::int32_t> load_codes(const std::string& path, std::vector<std::size_t> expected, bool any_slots) {
   NpyArray<std::int32_t> a = read_npy_codes(path);
@@ -248,6 +282,7 @@ class TraceSource {
         const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(quant, static_cast<int>(D)));
         codes[t] = load_codes(f.codes[t], {B, Hkv, slots, D}, slots == 0);
         slots = codes[t]->shape[2];
+        normalize_codes(quant.format, f.codes[t], codes[t]->data);
         double ignored = 0.0;
         scales[t] = load(f.scales[t], {B, Hkv, slots, G}, "scales [B, Hkv, slots, groups]", false, ignored);
         if (!f.zeros[t].empty()) zeros[t] = load_codes(f.zeros[t], {B, Hkv, slots, G}, false);
@@ -337,23 +372,37 @@ class TraceSource {
     // element (its norm under a transform), not to each element.
     const bool quantized = s_.kv_quant && s_.kv_quant->v;
     const double step = quantized ? value_roundoff(s_) : roundoff;
-    auto matches = [&](std::uint64_t uid) {
+    // How far the value is from uid's, relative to what the storage allows (> 1: no match).
+    auto misfit = [&](std::uint64_t uid) {
       const float* raw = inputs_.v_at(layer, uid, g);
       double row = 0.0;
       if (quantized)
         for (int d = 0; d < D; ++d) row += static_cast<double>(raw[d]) * raw[d];
       row = std::sqrt(row);
-      for (int d = 0; d < D; ++d) {  // NaN never matches
+      double worst = 0.0;
+      for (int d = 0; d < D; ++d) {
         const double scale = quantized ? row : std::abs(raw[d]);
-        if (!(std::abs(value[d] - raw[d]) <= 1e-6 + 2.0 * step * scale)) return false;
+        const double r = std::abs(value[d] - raw[d]) / (1e-6 + 2.0 * step * scale);
+        if (!(r <= 1.0)) return std::numeric_limits<double>::infinity();  // NaN never matches
+        worst = std::max(worst, r);
       }
-      return true;
+      return worst;
+    };
+    // Float storage: the first match (a value is its token's up to a rounding). Quantized,
+    // a coarse step can fit several tokens: the closest one, the row's own first.
+    std::int64_t best = -1;
+    double best_misfit = std::numeric_limits<double>::infinity();
+    const auto consider = [&](std::uint64_t uid) {
+      const double m = misfit(uid);
+      if (m < best_misfit) best_misfit = m, best = static_cast<std::int64_t>(uid);
+      return !quantized && best >= 0;
     };
     for (std::uint64_t uid : history)
-      if (matches(uid)) return static_cast<std::int64_t>(uid);
+      if (consider(uid)) return best;
+    if (best >= 0) return best;
     for (std::int64_t uid = 0; uid < inputs_.uids; ++uid)
-      if (matches(static_cast<std::uint64_t>(uid))) return uid;
-    return -1;
+      if (consider(static_cast<std::uint64_t>(uid))) return best;
+    return best;
   }
 
   const Scenario& s_;

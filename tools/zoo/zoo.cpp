@@ -55,7 +55,9 @@ ZooMutant hybrid_layers_shifted() {
 
 // A mutant whose bug needs half-precision storage: it is a correct cache in float32.
 ZooMutant half_only(ZooMutant m) {
-  m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return s.kv_dtype != KvDtype::float32 && inner(s); };
+  m.cache.serves = [inner = m.cache.serves](const Scenario& s) {
+    return s.kv_dtype != KvDtype::float32 && !s.kv_quant && inner(s);
+  };
   return m;
 }
 
