@@ -92,9 +92,6 @@ void require_supported(const Scenario& s) {
     no("/scale", "the llama arch scales by 1/sqrt(head_dim)");
   if (s.inputs.kind != InputSource::Kind::seed)
     no("/inputs", "llama.cpp computes q, k and v itself: give a seed (it seeds the embeddings and weights)");
-  for (const Step& step : s.steps)
-    if (step.op == StepOp::crop)
-      no(fmt::format("/steps/{}", step.source_index), "crop is not driven yet (append, decode, reorder and reset)");
 }
 
 // Deterministic weights: the scenario's generator under its own tags, scaled.
@@ -475,6 +472,36 @@ int run(const Options& o) {
       api.llama_memory_clear(memory, true);
       rows.assign(static_cast<std::size_t>(*step.batch), Row{});
       steps.push_back(json::object());
+      continue;
+    }
+    if (step.op == StepOp::crop) {
+      // As a server rewinds a slot: every cell from the cropped length's cache position on
+      // is removed (seq_rm). A shifted cache cannot give back tokens it discarded: where the
+      // cropped row would need one (the policy refuses the crop), the driver refuses too.
+      std::string refused;
+      for (std::size_t b = 0; b < rows.size() && refused.empty(); ++b) {
+        if (rows[b].tokens <= step.length) continue;
+        const reference::QueryView held = reference::retained_view(policy, rows[b].tokens);
+        for (const reference::VisibleKey& needed : reference::retained_view(policy, step.length).keys)
+          if (std::none_of(held.keys.begin(), held.keys.end(),
+                           [&](const reference::VisibleKey& k) { return k.index == needed.index; }))
+            refused = fmt::format("crop to {} tokens needs token {} of row {}, discarded by a context shift",
+                                  step.length, needed.index, b);
+      }
+      if (!refused.empty()) {
+        steps.push_back({{"error", "the driver refuses: " + refused}});
+        continue;
+      }
+      for (std::size_t b = 0; b < rows.size(); ++b) {
+        Row& row = rows[b];
+        if (row.tokens <= step.length) continue;
+        const std::int64_t sinks = policy.kind == PolicyKind::sink ? policy.sinks : 0;
+        const std::int64_t from = step.length < sinks ? step.length : step.length - row.evicted;
+        api.llama_memory_seq_rm(memory, static_cast<std::int32_t>(b), static_cast<std::int32_t>(from), -1);
+        row.tokens = step.length;
+        row.evicted = step.length == 0 ? 0 : evicted_at(step.length - 1);
+      }
+      record(i, 0, nullptr, nullptr);
       continue;
     }
     if (step.op == StepOp::reorder) {
