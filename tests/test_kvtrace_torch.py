@@ -245,8 +245,8 @@ class StaticFp8Cache:
     "scale_never_loaded" (scales left at vLLM's default 1.0: SGLang issue 18818, ModelOpt
     issue 20), "scale_dropped_on_read" (written as x / s, read as code * 1: tokenspeed PR 759)."""
 
-    def __init__(self, k_scale, v_scale, bug=None):
-        self.bug = bug
+    def __init__(self, k_scale, v_scale, bug=None, expose_codes=True, rope=None):
+        self.bug, self.expose_codes, self.rope = bug, expose_codes, rope
         self.scales = (1.0, 1.0) if bug == "scale_never_loaded" else (k_scale, v_scale)
         self.codes = []  # per layer: [k codes, v codes], uint8 [B, Hkv, S, D]
 
@@ -259,6 +259,8 @@ class StaticFp8Cache:
         return torch.tensor(x * (1.0 if self.bug == "scale_dropped_on_read" else scale), dtype=torch.float32)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if self.bug == "key_one_position_on":  # stored rotated once more: at position p + 1
+            key_states = torch.tensor(kvtrace.rotate(key_states.double().numpy(), [1], self.rope, scaled=False))
         new = [spec_quant.fp8_encode("fp8_e4m3", x.double().numpy() / s)[0].astype(np.uint8)
                for x, s in zip((key_states, value_states), self.scales)]
         if layer_idx == len(self.codes):
@@ -270,6 +272,8 @@ class StaticFp8Cache:
 
     @property
     def kv_codes(self):
+        if not self.expose_codes:
+            return None  # the trace then holds what update() returned, dequantized
         out = []
         for k, v in self.codes:
             shape = k.shape[:-1] + (1,)
@@ -304,6 +308,25 @@ class KvtraceTorchTest(unittest.TestCase):
         with open(report) as f:
             checks = {c["name"]: c for c in json.load(f)["results"][0]["checks"]}
         self.assertRegex(checks["codes"]["detail"], r"^[1-9][0-9]* codes and their scales")
+
+    def test_a_static_fp8_cache_without_its_codes_passes(self):
+        # The trace holds the dequantized keys and values update() returned: each key is held
+        # to the reference's simulated one at its position, within one code step.
+        result, verify = self.drive("quant_fp8_e4m3_static_scale",
+                                    lambda: StaticFp8Cache(0.05, 0.02, expose_codes=False), positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_a_fp8_key_one_position_on_is_caught_without_its_codes(self):
+        # One position off moves the fastest pair by a radian: within e4m3's loose rotation
+        # tolerance for some keys, never within one code step of the simulated key.
+        rope = {"theta": 10000.0, "layout": "half", "scaling": "none"}  # the fixture's (the defaults)
+        _, verify = self.drive("quant_fp8_e4m3_static_scale",
+                               lambda: StaticFp8Cache(0.05, 0.02, bug="key_one_position_on", expose_codes=False,
+                                                      rope=rope), positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("rotation: step 0 (append, /steps/0)", verify.stdout)
 
     def test_a_fp8_cache_whose_scales_were_never_loaded_is_named(self):
         _, verify = self.drive("quant_fp8_e4m3_static_scale",
