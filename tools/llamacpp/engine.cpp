@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "reference/policy.h"
+#include "reference/rope.h"
 #include "tools/harness/generator.h"
 #include "tools/harness/npy.h"
 #include "tools/harness/scenario.h"
@@ -83,8 +84,6 @@ void require_supported(const Scenario& s) {
        std::abs(s.rope.attention_factor - (0.1 * std::log(s.rope.factor) + 1.0)) > 1e-12))
     no("/rope/scaling", "yarn with beta_fast 32, beta_slow 1 and the default attention factor only (what the llama "
                         "arch reads from a GGUF)");
-  if (s.rope.scaling == RopeScaling::llama3)
-    no("/rope/scaling", "llama3 scaling reaches the llama arch as a rope_freqs tensor, not written yet");
   if (s.rope.rotary_dim != 0 && s.rope.rotary_dim != s.dims.head_dim)
     no("/rope/rotary_dim", "the llama arch rotates every dim of the head");
   if (!s.attention.sink_logits.empty()) no("/attention/sink_logits", "the llama arch has no learned sinks");
@@ -131,6 +130,17 @@ GgufFile tiny_llama(const Scenario& s, std::int64_t n_ctx) {
            static_cast<std::uint32_t>(s.rope.original_max_position_embeddings));
   }
   meta("tokenizer.ggml.model", std::string("none"));
+  // llama3 scaling reaches the llama arch as Llama 3.1 checkpoints carry it: a rope_freqs
+  // tensor of per-pair factors, each pair's plain inverse frequency over its mapped one.
+  if (s.rope.scaling == RopeScaling::llama3) {
+    Rope plain = s.rope;
+    plain.scaling = RopeScaling::none;
+    std::vector<float> factors;
+    for (int i = 0; i < static_cast<int>(D) / 2; ++i)
+      factors.push_back(static_cast<float>(reference::inverse_frequency(i, static_cast<int>(D), plain) /
+                                           reference::inverse_frequency(i, static_cast<int>(D), s.rope)));
+    f.tensors.push_back({"rope_freqs.weight", {D / 2}, std::move(factors)});
+  }
   int tag = 0;
   auto tensor = [&](const std::string& name, std::vector<std::int64_t> ne, float w) {
     std::size_t count = 1;
