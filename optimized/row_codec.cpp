@@ -119,6 +119,15 @@ float get_scale(const RowFormat& f, int kv_head, const std::byte*& p) {
   return s;
 }
 
+// An affine group's int32 zero point (after its scale), advancing p; 0 for the others.
+int get_zero(const RowFormat& f, const std::byte*& p) {
+  if (!affine(f.codec)) return 0;
+  std::int32_t z = 0;
+  std::memcpy(&z, p, 4);
+  p += 4;
+  return z;
+}
+
 void put_code(const RowFormat& f, std::byte* codes, int i, int g, int c) {
   const auto u = static_cast<std::uint8_t>(c);
   if (f.codec == Codec::q4_0) {  // ggml: byte j holds element j (low) and j + 16 (high)
@@ -255,13 +264,7 @@ void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, flo
   for (int g0 = 0; g0 < d; g0 += g) {
     const std::byte* p = in + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
     const float s = get_scale(f, kv_head, p);
-    int z = 0;
-    if (affine(f.codec)) {
-      std::int32_t z32 = 0;
-      std::memcpy(&z32, p, 4);
-      z = z32;
-      p += 4;
-    }
+    const int z = get_zero(f, p);
     // One loop per layout, each simple enough for the compiler to vectorize: the attention
     // decodes rows here, one key row or one tile of value rows at a time.
     float* out = x + g0;
@@ -299,12 +302,7 @@ UnpackedRow unpack_row(const RowFormat& f, int kv_head, const std::byte* in, int
   for (int g0 = 0; g0 < d; g0 += g) {
     const std::byte* p = in + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
     u.scales.push_back(get_scale(f, kv_head, p));
-    if (affine(f.codec)) {
-      std::int32_t z32 = 0;
-      std::memcpy(&z32, p, 4);
-      u.zeros.push_back(z32);
-      p += 4;
-    }
+    if (affine(f.codec)) u.zeros.push_back(get_zero(f, p));
     for (int i = 0; i < g; ++i) u.codes.push_back(get_code(f, p, i, g));
   }
   return u;

@@ -38,19 +38,32 @@ QuantizedRow quantize_held(const TensorQuant& format, QuantTransform transform, 
   if (transform == QuantTransform::hadamard) hadamard(x.data(), d);
   for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(x[static_cast<std::size_t>(i)]);
   QuantizedRow codes = quantize(format, held.data(), d, kv_head, boundary_window(position));
-  dequantize(format, codes, x.data());
-  if (transform == QuantTransform::hadamard) hadamard(x.data(), d);  // H is its own inverse
+  dequantize_stored(format, transform, codes, x.data());
   return codes;
 }
 
 }  // namespace
 
+void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out) {
+  dequantize(format, codes, out);
+  if (transform == QuantTransform::hadamard) hadamard(out, static_cast<int>(codes.codes.size()));  // its own inverse
+}
+
+double quantize_query_q8_0(QuantTransform transform, double* q, int d, std::int64_t position) {
+  std::vector<float> held(static_cast<std::size_t>(d));
+  for (int i = 0; i < d; ++i) q[i] = static_cast<float>(q[i]);
+  if (transform == QuantTransform::hadamard) hadamard(q, d);
+  for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(q[i]);
+  const double slack = quantize_activation_q8_0(held.data(), d, q, boundary_window(position));
+  if (transform == QuantTransform::hadamard) hadamard(q, d);
+  return slack;
+}
+
 QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transform, const Rope& rope,
                                 const QuantizedRow& codes, int kv_head, std::int64_t from, std::int64_t to,
                                 std::vector<double>* dequantized) {
   std::vector<double> x(codes.codes.size());
-  dequantize(format, codes, x.data());
-  if (transform == QuantTransform::hadamard) hadamard(x.data(), static_cast<int>(x.size()));
+  dequantize_stored(format, transform, codes, x.data());
   Rope turn = rope;
   turn.attention_factor = 1.0;  // a shift does not apply yarn's factor again
   x = rotate(x, static_cast<double>(to - from), turn);
@@ -112,15 +125,7 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
 }
 
 double StoredKv::quantize_query(double* q, std::int64_t position) const {
-  if (!quant_.query) return 0.0;
-  const int d = dims_.head_dim;
-  std::vector<float> held(static_cast<std::size_t>(d));
-  for (int i = 0; i < d; ++i) q[i] = static_cast<float>(q[i]);
-  if (quant_.transform == QuantTransform::hadamard) hadamard(q, d);
-  for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(q[i]);
-  const double slack = quantize_activation_q8_0(held.data(), d, q, boundary_window(position));
-  if (quant_.transform == QuantTransform::hadamard) hadamard(q, d);
-  return slack;
+  return quant_.query ? quantize_query_q8_0(quant_.transform, q, dims_.head_dim, position) : 0.0;
 }
 
 const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {

@@ -32,6 +32,14 @@ QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transf
                                 const QuantizedRow& codes, int kv_head, std::int64_t from, std::int64_t to,
                                 std::vector<double>* dequantized = nullptr);
 
+// What a stored row stands for: its codes dequantized, the transform undone.
+void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out);
+
+// A query (d doubles, rotated) as an attention that quantizes it to q8_0 uses it (kv_quant
+// "query"): rounded to float32, transformed, quantized, dequantized, transformed back.
+// Returns how far (2-norm) a backend's may be from it: codes on a tie may round either way.
+double quantize_query_q8_0(QuantTransform transform, double* q, int d, std::int64_t position);
+
 class StoredKv {
  public:
   StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvDtype kv_dtype, const InputTable& inputs);

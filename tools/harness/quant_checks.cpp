@@ -10,6 +10,7 @@
 #include "reference/attention.h"
 #include "reference/quantize.h"
 #include "reference/rope.h"
+#include "reference/stored_kv.h"
 #include "tools/harness/recovery.h"
 
 namespace kvcheck {
@@ -150,13 +151,12 @@ void QuantChecks::follow_rows(const Step& step) {
   move(held_values_);
 }
 
-double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
+void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
   follow_rows(rec.step);
   diverged_.clear();
-  if (rec.stored.empty()) return 0.0;
+  if (rec.stored.empty()) return;
   const KvQuant& q = *s_.kv_quant;
   const int D = s_.dims.head_dim;
-  double allowance = 0.0;
   std::vector<double> want(static_cast<std::size_t>(D)), got(static_cast<std::size_t>(D));
   // One stored row against the one expected: true when accepted (exactly, or a code off by
   // one at a rounding boundary, or a computed scale off by its dtype's last bit).
@@ -283,7 +283,6 @@ double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, St
               if (!as_reference) {
                 const double w = weigh(*q.k, h.key_codes, *slot.key_codes, false);
                 diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
-                allowance = std::max(allowance, diverged_[{static_cast<int>(l), static_cast<int>(b)}]);
               }
             }
           }
@@ -294,13 +293,11 @@ double QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, St
             } else {  // a value code on a boundary taken the other way: outputs are over it
               held_values_[id] = stored;
               diverged_[{static_cast<int>(l), static_cast<int>(b)}] += weigh(*q.v, h.value_codes, *slot.value_codes, true);
-              allowance = std::max(allowance, diverged_[{static_cast<int>(l), static_cast<int>(b)}]);
             }
           }
         }
       }
     }
-  return allowance;
 }
 
 bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float* rotated_q, std::vector<double>& out,
@@ -314,6 +311,12 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
   const int D = s_.dims.head_dim, H = s_.dims.heads, G = H / s_.dims.kv_heads;
   const std::size_t B = ref.rows.size();
   const std::int64_t pad = ref.chunk - static_cast<std::int64_t>(tokens.size());
+  // R_stored's layout, this row's entries replaced below.
+  out = ref.out_stored;
+  if (ref.query_slack.empty())
+    slack.assign(out.size() / static_cast<std::size_t>(D), 0.0);
+  else
+    slack = ref.query_slack;
   std::vector<double> keys, values, scores, result(static_cast<std::size_t>(D));
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     // Every key the token saw must still be kept, where it saw it: the view shows the state
@@ -328,7 +331,10 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
       for (std::size_t j = 0; j < n; ++j) {
         const auto found = std::find_if(retained.begin(), retained.end(),
                                         [&](const reference::RetainedKey& r) { return r.index == view.keys[j].index; });
-        if (found == retained.end() || found->position != view.keys[j].position) return false;
+        if (found == retained.end() || found->position != view.keys[j].position) {
+          out.clear(), slack.clear();
+          return false;
+        }
         const reference::StoredHead& h =
             rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)]
                       [static_cast<std::size_t>(found - retained.begin())].heads[static_cast<std::size_t>(g)];
@@ -336,15 +342,11 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
         std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));
         const HeldId id{l, b, static_cast<std::int64_t>(found->uid), g};
         const auto held = held_.find(id);
-        if (q.k && held != held_.end() && held->second.position == found->position) {
-          reference::dequantize(*q.k, held->second.codes, keys.data() + j * D);
-          if (q.transform == QuantTransform::hadamard) reference::hadamard(keys.data() + j * D, D);
-        }
+        if (q.k && held != held_.end() && held->second.position == found->position)
+          reference::dequantize_stored(*q.k, q.transform, held->second.codes, keys.data() + j * D);
         const auto held_value = held_values_.find(id);
-        if (q.v && held_value != held_values_.end()) {
-          reference::dequantize(*q.v, held_value->second, values.data() + j * D);
-          if (q.transform == QuantTransform::hadamard) reference::hadamard(values.data() + j * D, D);
-        }
+        if (q.v && held_value != held_values_.end())
+          reference::dequantize_stored(*q.v, q.transform, held_value->second, values.data() + j * D);
       }
       // The query the cache used when the source shows it (its rope's float32 rounding can
       // move a quantized query's code across a boundary), else the reference's.
@@ -356,16 +358,11 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
         const float* raw = inputs_.q_at(l, tokens[i].uid, head);
         query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
       }
-      if (q.query) {
-        std::vector<float> held_q(static_cast<std::size_t>(D));
-        for (double& x : query) x = static_cast<float>(x);
-        if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
-        for (int d = 0; d < D; ++d) held_q[static_cast<std::size_t>(d)] = static_cast<float>(query[static_cast<std::size_t>(d)]);
-        // A query code on a tie may still round either way: its slack is kept.
+      // A query code on a tie may still round either way: its slack is kept (the window of
+      // position 0: neither query here carries a float32 rope's error).
+      if (q.query)
         slack[static_cast<std::size_t>(l) * B * ref.chunk * H + token_at] =
-            reference::quantize_activation_q8_0(held_q.data(), D, query.data(), reference::boundary_window(0));
-        if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
-      }
+            reference::quantize_query_q8_0(q.transform, query.data(), D, 0);
       const double* sink =
           s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];
       reference::attend(query.data(), keys.data(), values.data(), n, static_cast<std::size_t>(D), s_.softmax_scale(),
@@ -416,8 +413,7 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
   std::vector<double> keys(n * D), values(n * D), scores(n), query, result(static_cast<std::size_t>(D));
   const auto unit = [&](const TensorQuant& format, reference::QuantizedRow row, double* x) {
     if (variant == Variant::unit_scale) std::fill(row.scales.begin(), row.scales.end(), 1.0);
-    reference::dequantize(format, row, x);
-    if (q.transform == QuantTransform::hadamard) reference::hadamard(x, D);
+    reference::dequantize_stored(format, q.transform, row, x);
   };
   for (std::size_t j = 0; j < n; ++j) {
     const auto found = std::find_if(retained.begin(), retained.end(),
@@ -438,14 +434,9 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
   const float* raw = inputs_.q_at(l, t.uid, head);
   query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
   // The query quantized as declared (kv_quant "query"), or as the hypothesis says.
-  if (variant == Variant::quantized_query || q.query) {  // float32, transformed, q8_0, back
+  if (variant == Variant::quantized_query || q.query) {
     if (D % 32 != 0) return false;
-    std::vector<float> held(static_cast<std::size_t>(D));
-    for (double& x : query) x = static_cast<float>(x);
-    if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
-    for (int d = 0; d < D; ++d) held[static_cast<std::size_t>(d)] = static_cast<float>(query[static_cast<std::size_t>(d)]);
-    reference::quantize_activation_q8_0(held.data(), D, query.data(), reference::boundary_window(view.query_position));
-    if (q.transform == QuantTransform::hadamard) reference::hadamard(query.data(), D);
+    reference::quantize_query_q8_0(q.transform, query.data(), D, view.query_position);
   }
   const double* sink =
       s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];

@@ -1,7 +1,7 @@
 // The quantized-storage checks of SPEC 9.2, in the one checker: codes and scales exactly
 // (9.2.1), outputs within the format's derived bound of R_ideal (9.2.3), and the error
 // reported against the format's own (NMSE). Outputs against R_stored (9.2.2) are the
-// checker's output check, with the allowance check_codes() returns.
+// checker's output check, with the allowance row_allowance() gives.
 #pragma once
 
 #include <cstdint>
@@ -33,15 +33,15 @@ class QuantChecks {
 
   // 9.2.1 for every retained slot the view shows codes for: a new key or value as the
   // reference stores it, a kept key unchanged, a shifted key re-quantized from the codes
-  // the cache held. Returns how far outputs may move from R_stored because the cache took
-  // the other side of a rounding boundary (then or at an earlier shift).
-  double check_codes(const StepRecord& record, const CacheView& view, StepEvidence& evidence);
+  // the cache held. Where the cache took the other side of a rounding boundary (then or at
+  // an earlier shift), row_allowance() says how far its outputs may move from R_stored.
+  void check_codes(const StepRecord& record, const CacheView& view, StepEvidence& evidence);
   // R_stored of row b in layer l recomputed over the codes the cache holds, when they are
   // not the reference's (accepted at a boundary), or with the rotated query the source
-  // shows when the attention quantizes it: written into out (R_stored's layout). Every
-  // token of the row must have seen only keys still kept; `slack` ([L, B, n, H]) gets
-  // the query's slack (quantize_activation_q8_0). False: not needed or not possible (use
-  // R_stored with check_codes' allowance).
+  // shows when the attention quantizes it: `out` becomes R_stored with this row's entries
+  // replaced, `slack` ([L, B, n, H]) the query's slack. Every token of the row must have
+  // seen only keys still kept. False, both left empty: not needed or not possible (use
+  // R_stored with row_allowance()).
   bool held_outputs(const StepRecord& record, int layer, int row, const float* rotated_q, std::vector<double>& out,
                     std::vector<double>& slack) const;
   // The allowance of check_codes for one row of one layer (0 when its codes are the reference's).

@@ -669,12 +669,7 @@ class StepChecker::Impl {
     // A quantized cache is held to R_stored here (over the codes it holds, when it took the
     // other side of a rounding boundary) and to the format's bound of R_ideal there.
     std::vector<double> held, held_slack;
-    if (quant_ && !ref.out_stored.empty()) {
-      held = ref.out_stored;
-      held_slack = ref.query_slack;
-      if (held_slack.empty()) held_slack.assign(held.size() / static_cast<std::size_t>(D), 0.0);
-      if (!quant_->held_outputs(rec, l, b, rotated_q, held, held_slack)) held.clear(), held_slack.clear();
-    }
+    if (quant_ && !ref.out_stored.empty()) quant_->held_outputs(rec, l, b, rotated_q, held, held_slack);
     const std::vector<double>& query_slack = !held.empty() ? held_slack : ref.query_slack;
     const std::vector<double>& expected = !held.empty() ? held : ref.out_stored.empty() ? ref.out : ref.out_stored;
     const double row_allowance = !held.empty() ? 0.0 : quant_ ? quant_->row_allowance(l, b) : 0.0;

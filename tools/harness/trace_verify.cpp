@@ -13,6 +13,7 @@
 #include <set>
 
 #include "reference/quantize.h"
+#include "reference/stored_kv.h"
 #include "tools/harness/inputs.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
@@ -302,8 +303,7 @@ class TraceSource {
           if (zeros[t])
             q.zeros.assign(zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(r * G),
                            zeros[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * G));
-          reference::dequantize(quant, q, row.data());
-          if (s_.kv_quant->transform == QuantTransform::hadamard) reference::hadamard(row.data(), static_cast<int>(D));
+          reference::dequantize_stored(quant, s_.kv_quant->transform, q, row.data());
           std::copy(row.begin(), row.end(), out.data.begin() + static_cast<std::ptrdiff_t>(r * D));
         }
         return out;
