@@ -40,6 +40,11 @@ void drop_from(SlotStore& store, int row, std::int64_t length) {
     if (store.meta(row, s).uid >= 0 && store.meta(row, s).index >= length) store.clear_slot(row, s);
 }
 
+void KvCache::free_rows(const std::vector<int>& rows) {
+  (void)rows;
+  throw std::logic_error("this cache does not implement free (SPEC 8.7)");
+}
+
 void cover_chunk(RopeTable& rope, const std::vector<std::int64_t>& lengths, const Chunk& chunk) {
   std::int64_t longest = 0;
   for (std::size_t b = 0; b < lengths.size(); ++b) longest = std::max(longest, lengths[b] + chunk.counts[b]);

@@ -22,6 +22,13 @@ struct LayerPolicy {
   bool shift_positions = true, dense_prefill = false;
 };
 
+// SPEC 8: keys and values in a pool of blocks with a table per row (the `paged` cache).
+struct PagedLayout {
+  std::int64_t block_size = 16;
+  std::int64_t num_blocks = 0;  // per layer
+  bool prefix_cache = false;    // full blocks stay reusable by rows with the same prefix
+};
+
 struct CacheConfig {
   int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   int batch = 1;
@@ -38,6 +45,13 @@ struct CacheConfig {
   std::optional<RowFormat> key_quant, value_quant;  // quantized instead (SPEC 9)
   std::vector<LayerPolicy> layer_policies;      // hybrid: one per layer; the fields above are layer 0's
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
+  std::optional<PagedLayout> paging;            // the paged cache's pool
+};
+
+// What a row carries besides its tokens (SPEC 8.1): a prefix may be reused only under the
+// same adapter and salt.
+struct RowExtras {
+  std::string adapter, salt;
 };
 
 // New tokens for every row, left-padded to the longest. Raw (unrotated) q/k/v per layer:
@@ -47,6 +61,11 @@ struct Chunk {
   std::vector<std::int64_t> counts;   // real tokens per row
   std::vector<std::int64_t> uids;     // [B, n]; -1 where padded
   std::vector<const float*> q, k, v;  // per layer
+  // Paged caches (SPEC 8): token ids [B, n] (a prefix index keys blocks by them), each
+  // row's extras, and the forward size of a chunked prefill (0: one forward).
+  std::vector<std::uint64_t> ids;
+  std::vector<RowExtras> extras;
+  std::int64_t forward = 0;
 };
 
 // A step the cache must refuse; `code` is what a scenario names in `expect_error`.
@@ -54,6 +73,8 @@ struct CacheRefusal : std::runtime_error {
   std::string code;
   CacheRefusal(std::string code_, const std::string& message) : std::runtime_error(message), code(std::move(code_)) {}
 };
+
+struct PagedState;
 
 class KvCache {
  public:
@@ -66,6 +87,10 @@ class KvCache {
   virtual void reorder(const std::vector<int>& rows) = 0;
   virtual void reset(int batch) = 0;
   virtual void crop(std::int64_t length) = 0;
+  // Those rows end (SPEC 8.7): they become empty and may start again.
+  virtual void free_rows(const std::vector<int>& rows);
+  // Drops `blocks` cached blocks (every one when negative); nothing to do unless paged.
+  virtual void evict(std::int64_t blocks) { (void)blocks; }
 
   // Throws CacheRefusal when crop(length) would be refused; changes nothing.
   virtual void check_crop(std::int64_t length) const { (void)length; }
@@ -78,7 +103,9 @@ class KvCache {
     return slots();
   }
   virtual std::int64_t row_length(int row) const = 0;
-  int batch() const { return slots().batch(); }
+  virtual int batch() const { return slots().batch(); }
+  // A paged cache's tables, pool and prefix hits (SPEC 8.8); null for the others.
+  virtual const PagedState* paged() const { return nullptr; }
 };
 
 // ---- Pieces the caches share ----

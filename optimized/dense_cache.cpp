@@ -53,6 +53,13 @@ void DenseCache::reset(int batch) {
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 
+void DenseCache::free_rows(const std::vector<int>& rows) {
+  for (int b : rows) {
+    drop_from(store_, b, 0);
+    lengths_[b] = 0;
+  }
+}
+
 void DenseCache::crop(std::int64_t length) {
   for (int b = 0; b < batch(); ++b) {
     if (lengths_[b] <= length) continue;

@@ -64,6 +64,10 @@ void HybridCache::reset(int batch) {
   for (auto& layer : layers_) layer->reset(batch);
 }
 
+void HybridCache::free_rows(const std::vector<int>& rows) {
+  for (auto& layer : layers_) layer->free_rows(rows);
+}
+
 void HybridCache::check_crop(std::int64_t length) const {
   for (const auto& layer : layers_) layer->check_crop(length);
 }

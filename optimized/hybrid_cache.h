@@ -21,6 +21,7 @@ class HybridCache : public KvCache {
   void reset(int batch) override;
   void check_crop(std::int64_t length) const override;
   void crop(std::int64_t length) override;
+  void free_rows(const std::vector<int>& rows) override;
   const SlotStore& slots() const override { return layers_[0]->slots(); }
   const SlotStore& layer_slots(int layer) const override { return layers_[static_cast<std::size_t>(layer)]->slots(); }
   std::int64_t row_length(int row) const override { return layers_[0]->row_length(row); }

@@ -54,6 +54,13 @@ void SinkRingCache::reset(int batch) {
   lengths_.assign(static_cast<std::size_t>(batch), 0);
 }
 
+void SinkRingCache::free_rows(const std::vector<int>& rows) {
+  for (int b : rows) {
+    drop_from(store_, b, 0);
+    lengths_[b] = 0;
+  }
+}
+
 void SinkRingCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
     if (lengths_[b] > length) refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);

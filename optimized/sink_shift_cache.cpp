@@ -89,6 +89,13 @@ void SinkShiftCache::reset(int batch) {
   rows_.assign(static_cast<std::size_t>(batch), RowState{});
 }
 
+void SinkShiftCache::free_rows(const std::vector<int>& rows) {
+  for (int b : rows) {
+    drop_from(store_, b, 0);
+    rows_[b] = RowState{};
+  }
+}
+
 void SinkShiftCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
     if (rows_[b].length > length)

@@ -18,6 +18,7 @@ class SinkShiftCache : public KvCache {
   void reorder(const std::vector<int>& rows) override;
   void reset(int batch) override;
   void crop(std::int64_t length) override;
+  void free_rows(const std::vector<int>& rows) override;
   void check_crop(std::int64_t length) const override;
   const SlotStore& slots() const override { return store_; }
   std::int64_t row_length(int row) const override { return rows_[row].length; }

@@ -51,6 +51,13 @@ void SlidingCache::check_crop(std::int64_t length) const {
     if (lengths_[b] > length) refuse_crop_if_evicted(ring_, b, length, 0, config_.window, 1);
 }
 
+void SlidingCache::free_rows(const std::vector<int>& rows) {
+  for (int b : rows) {
+    drop_from(ring_, b, 0);
+    lengths_[b] = 0;
+  }
+}
+
 void SlidingCache::crop(std::int64_t length) {
   check_crop(length);
   for (int b = 0; b < batch(); ++b) {

@@ -16,6 +16,7 @@ class SlidingCache : public KvCache {
   void reorder(const std::vector<int>& rows) override;
   void reset(int batch) override;
   void crop(std::int64_t length) override;
+  void free_rows(const std::vector<int>& rows) override;
   void check_crop(std::int64_t length) const override;
   const SlotStore& slots() const override { return ring_; }
   std::int64_t row_length(int row) const override { return lengths_[row]; }

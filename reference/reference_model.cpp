@@ -253,6 +253,13 @@ void ReferenceModel::reset(int batch) {
   if (stored_) stored_->reset(batch);
 }
 
+void ReferenceModel::free_rows(const std::vector<int>& rows) {
+  for (int r : rows) {
+    histories_.at(static_cast<std::size_t>(r)).clear();
+    if (stored_) stored_->free_row(r);
+  }
+}
+
 void ReferenceModel::crop(std::int64_t length) {
   for (std::size_t b = 0; b < histories_.size(); ++b) {
     const auto n = static_cast<std::int64_t>(histories_[b].size());

@@ -70,6 +70,8 @@ class ReferenceModel {
   AppendResult append(const std::vector<std::int64_t>& counts, bool attend = true);
   void reorder(const std::vector<int>& rows);
   void reset(int batch);
+  // Those rows end (SPEC 8.7 `free`): they become empty and may start again.
+  void free_rows(const std::vector<int>& rows);
   // Every row keeps its first `length` tokens. Throws StepRefused("crop_evicted") when
   // the retained set of the cropped row holds a token this policy has already evicted (in
   // any layer).

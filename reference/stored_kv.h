@@ -58,6 +58,7 @@ class StoredKv {
   void reorder(const std::vector<int>& rows);
   void reset(int batch);
   void crop(std::int64_t length);
+  void free_row(int row) { rows_.at(static_cast<std::size_t>(row)).clear(); }
   const KvQuant& quant() const { return quant_; }
 
  private:

@@ -42,6 +42,7 @@ std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log, 
   c.window = 12;
   c.sinks = 2;
   c.capacity = 64;
+  c.paging = PagedLayout{4, 64, true};  // the paged cache's pool (a sliding window of 12 there)
   c.threads = threads;
   c.storage = storage;
   for (int l = 0; l < kLayers; ++l) c.sink_logits.push_back({0.5f, -1.0f, 2.0f, 0.0f, 1.0f, 3.0f});

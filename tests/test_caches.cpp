@@ -85,7 +85,7 @@ TEST(StaticCache, RefusesToOverflowItsCapacity) {
   const InputTable inputs = load_inputs(s);
   const ReferenceRun run = run_reference(s, inputs);
   auto cache = find_cache("static")->make(cache_config(s, 2));
-  ChunkBuffers buffers = make_chunk(s, inputs, *run.steps[0].append);
+  ChunkBuffers buffers = make_chunk(s, inputs, *run.steps[0].append, run.steps[0].step);
   std::vector<float> out(3 * 2);
   try {
     cache->append(buffers.chunk, {out.data()}, nullptr);

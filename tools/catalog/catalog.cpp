@@ -4,6 +4,7 @@
 
 #include "optimized/dense_cache.h"
 #include "optimized/hybrid_cache.h"
+#include "optimized/paged_cache.h"
 #include "optimized/sink_ring_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
@@ -42,6 +43,14 @@ const std::vector<CacheEntry>& real_caches() {
                 !(s.kv_quant && s.kv_quant->k && s.policy.positions == SinkPositions::cache);
        },
        [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
+      // SPEC 8: blocks, tables, refcounts, prefix reuse. It serves every full and sliding
+      // scenario, with the scenario's `paging` or a default pool; eviction is per block.
+      {"paged", "block pool and tables (vLLM), copy-on-write, prefix index, window freeing, chunked prefill",
+       [](const Scenario& s) {
+         return !s.kv_quant && std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
+                                           [](const Policy& p) { return p.kind != PolicyKind::sink; });
+       },
+       [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
       // Layers of different policies (SPEC 7), each served by the cache above that fits it.
       {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
        [](const Scenario& s) {

@@ -7,7 +7,9 @@
 #include <limits>
 #include <map>
 
+#include "optimized/paged_cache.h"
 #include "tools/harness/cache_entry.h"
+#include "tools/harness/content_keys.h"
 #include "tools/harness/quant_checks.h"
 
 namespace kvcheck {
@@ -15,13 +17,15 @@ namespace kvcheck {
 using optimized::CacheRefusal;
 using optimized::SlotMeta;
 
-ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const reference::AppendResult& step) {
+ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const reference::AppendResult& step,
+                        const Step& scenario_step) {
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
   const int B = static_cast<int>(step.rows.size());
   const std::int64_t n = step.chunk;
   ChunkBuffers c;
   c.chunk.length = n;
   c.chunk.uids.assign(static_cast<std::size_t>(B) * n, -1);
+  c.chunk.ids.assign(static_cast<std::size_t>(B) * n, 0);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   c.q.assign(L, std::vector<float>(static_cast<std::size_t>(B) * n * H * D, nan));
   c.k.assign(L, std::vector<float>(static_cast<std::size_t>(B) * n * Hkv * D, nan));
@@ -33,6 +37,7 @@ ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const refer
     for (std::size_t i = 0; i < row.size(); ++i) {
       const std::size_t token = static_cast<std::size_t>(b) * n + pad + i;
       c.chunk.uids[token] = static_cast<std::int64_t>(row[i].uid);
+      c.chunk.ids[token] = token_id(s, row[i].uid);
       for (int l = 0; l < L; ++l) {
         std::copy_n(inputs.q_at(l, row[i].uid, 0), H * D, c.q[l].begin() + token * H * D);
         std::copy_n(inputs.k_at(l, row[i].uid, 0), Hkv * D, c.k[l].begin() + token * Hkv * D);
@@ -40,6 +45,8 @@ ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const refer
       }
     }
   }
+  for (const RowExtras& e : scenario_step.extras) c.chunk.extras.push_back({e.adapter, e.salt});
+  c.chunk.forward = scenario_step.chunk;
   for (int l = 0; l < L; ++l) {
     c.chunk.q.push_back(c.q[l].data());
     c.chunk.k.push_back(c.k[l].data());
@@ -95,6 +102,52 @@ std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_co
   return layers;
 }
 
+// A paged cache's view: per layer and row, the slots its table reaches (slot = block * B +
+// offset), so a block two rows share is listed under both.
+std::vector<ViewLayer> paged_layers(const optimized::PagedState& paged, const std::vector<std::vector<float>>& out,
+                                    std::vector<std::vector<float>>& storage) {
+  const std::int64_t B = paged.block_size;
+  std::vector<ViewLayer> layers(paged.layers.size());
+  storage.resize(paged.layers.size());
+  for (std::size_t l = 0; l < paged.layers.size(); ++l) {
+    const optimized::SlotStore& pool = *paged.layers[l].pool;
+    const auto& tables = paged.layers[l].tables;
+    const int G = pool.kv_heads(), D = pool.head_dim();
+    ViewLayer& layer = layers[l];
+    if (!out.empty()) layer.out = out[l].data();
+    layer.slots.assign(tables.size(), std::vector<std::vector<ViewSlot>>(static_cast<std::size_t>(G)));
+    const bool convert = !pool.plain_float32();
+    if (convert) storage[l].resize(static_cast<std::size_t>(pool.batch()) * G * B * D);
+    for (std::size_t b = 0; b < tables.size(); ++b)
+      for (std::int64_t block : tables[b]) {
+        if (block < 0) continue;
+        for (std::int64_t s = 0; s < B; ++s) {
+          const SlotMeta& m = pool.meta(static_cast<int>(block), s);
+          if (m.uid < 0) continue;
+          for (int g = 0; g < G; ++g) {
+            const float* key = static_cast<const float*>(pool.key(0, static_cast<int>(block), g, s));
+            if (convert) {
+              float* x = storage[l].data() + ((static_cast<std::size_t>(block) * G + g) * B + s) * D;
+              pool.read_key(0, static_cast<int>(block), g, s, x);
+              key = x;
+            }
+            layer.slots[b][static_cast<std::size_t>(g)].push_back(
+                ViewSlot{block * B + s, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
+          }
+        }
+      }
+  }
+  return layers;
+}
+
+PagedView paged_view(const optimized::PagedState& paged) {
+  PagedView v;
+  v.block_size = paged.block_size;
+  for (const auto& layer : paged.layers) v.layers.push_back({layer.tables, layer.refcounts});
+  v.hit_tokens = paged.hit_tokens;
+  return v;
+}
+
 }  // namespace
 
 InProcessCache::InProcessCache(const Scenario& s, const InputTable& inputs, const CacheEntry& entry)
@@ -117,7 +170,12 @@ CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
   }
   if (view.error && rec.refused.empty()) return view;
   view.batch = cache_->batch();
-  view.layers = slot_layers(*cache_, s_.dims.layers, out_, view.storage);
+  if (const optimized::PagedState* paged = cache_->paged()) {
+    view.layers = paged_layers(*paged, out_, view.storage);
+    view.paged = paged_view(*paged);
+  } else {
+    view.layers = slot_layers(*cache_, s_.dims.layers, out_, view.storage);
+  }
   view.roundoff = key_roundoff(s_);
   if (rec.append) view.pairs = std::move(log_);
   return view;
@@ -127,7 +185,7 @@ void InProcessCache::apply(const StepRecord& rec) {
   switch (rec.step.op) {
     case StepOp::append: {
       const reference::AppendResult& ref = *rec.append;
-      const ChunkBuffers buffers = make_chunk(s_, inputs_, ref);
+      const ChunkBuffers buffers = make_chunk(s_, inputs_, ref, rec.step);
       const std::size_t size = ref.rows.size() * static_cast<std::size_t>(ref.chunk) * s_.dims.heads * s_.dims.head_dim;
       out_.assign(static_cast<std::size_t>(s_.dims.layers),
                   std::vector<float>(size, std::numeric_limits<float>::quiet_NaN()));
@@ -144,6 +202,12 @@ void InProcessCache::apply(const StepRecord& rec) {
       break;
     case StepOp::crop:
       cache_->crop(rec.step.length);
+      break;
+    case StepOp::free_rows:
+      cache_->free_rows(rec.step.rows);
+      break;
+    case StepOp::evict:
+      cache_->evict(rec.step.evict_blocks);
       break;
   }
 }

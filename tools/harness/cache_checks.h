@@ -40,6 +40,8 @@ struct ChunkBuffers {
   optimized::Chunk chunk;
   std::vector<std::vector<float>> q, k, v;
 };
-ChunkBuffers make_chunk(const Scenario& scenario, const InputTable& inputs, const reference::AppendResult& step);
+// `scenario_step` gives the paged fields (extras, forward size); the ids come from the scenario.
+ChunkBuffers make_chunk(const Scenario& scenario, const InputTable& inputs, const reference::AppendResult& step,
+                        const Step& scenario_step);
 
 }  // namespace kvcheck

@@ -49,6 +49,25 @@ optimized::RopeSpec rope_spec(const Rope& r, int head_dim) {
   return spec;
 }
 
+optimized::PagedLayout paged_layout(const Scenario& s) {
+  optimized::PagedLayout layout;
+  if (s.paging) {
+    layout.block_size = s.paging->block_size;
+    layout.num_blocks = s.paging->num_blocks;
+    layout.prefix_cache = s.paging->prefix_cache;
+    return layout;
+  }
+  // A scenario without paging: vLLM's block size (4 for toy rows, so blocks still turn
+  // over), a pool no step can exhaust plus a block per row for copy-on-write.
+  layout.block_size = longest_row(s) >= 256 ? 16 : 4;
+  std::int64_t most_rows = s.dims.batch;
+  for (const Step& step : s.steps)
+    if (step.op == StepOp::reorder || step.op == StepOp::reset)
+      most_rows = std::max<std::int64_t>(most_rows, step.op == StepOp::reset ? *step.batch : static_cast<std::int64_t>(step.rows.size()));
+  layout.num_blocks = largest_pool_need(s, layout.block_size).blocks + 2 * most_rows + 1;
+  return layout;
+}
+
 CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   CacheConfig c;
   c.layers = s.dims.layers;
@@ -76,6 +95,7 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
     if (s.kv_quant->k) c.key_quant = row_format(*s.kv_quant->k, s.kv_quant->transform);
     if (s.kv_quant->v) c.value_quant = row_format(*s.kv_quant->v, s.kv_quant->transform);
   }
+  c.paging = paged_layout(s);
   // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so
   // every check also runs the threaded path.
   c.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);

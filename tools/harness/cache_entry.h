@@ -25,6 +25,9 @@ struct CacheEntry {
 // The optimized caches' rope, from a scenario's (every SPEC 7 parameter carried over).
 optimized::RopeSpec rope_spec(const Rope& rope, int head_dim);
 
+// The paged cache's pool: the scenario's `paging`, else a default that no step exhausts.
+optimized::PagedLayout paged_layout(const Scenario& scenario);
+
 // The optimized caches' own configuration for a scenario; `capacity` sizes a static cache.
 optimized::CacheConfig cache_config(const Scenario& scenario, std::int64_t capacity);
 

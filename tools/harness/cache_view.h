@@ -52,6 +52,19 @@ struct ViewLayer {
 // prompt's log is handed over without a copy.
 using UsedPair = optimized::AttentionLogEntry;
 
+// SPEC 8.8: a paged cache's block tables, refcounts and prefix hits after a step. The
+// slots of ViewLayer are then physical: slot = block * block_size + offset, listed under
+// every row whose table references the block.
+struct PagedView {
+  std::int64_t block_size = 0;
+  struct Layer {
+    std::vector<std::vector<std::int64_t>> tables;  // [row][logical block]: block id, -1 for null
+    std::vector<std::int32_t> refcounts;            // [block]; empty: not reported
+  };
+  std::vector<Layer> layers;
+  std::vector<std::int64_t> hit_tokens;  // [row]: tokens the step's append took from the prefix index
+};
+
 struct CacheView {
   bool recorded = true;  // false: the source did not record this step (nothing to check)
   std::string note;      // why not, when the source says
@@ -64,6 +77,10 @@ struct CacheView {
   // Every visible pair the kernel used in layer 0, when the source logs them; without a
   // log, pairs are derived from recovered query and key positions.
   std::optional<std::vector<UsedPair>> pairs;
+  std::optional<PagedView> paged;
+  // Per row: the first tokens of this append whose outputs the cache did not compute (a
+  // prefix hit took their keys and values from its index); their outputs are not compared.
+  std::vector<std::int64_t> uncomputed;
   double roundoff = 0x1p-24;                // unit roundoff of the stored keys and values
   double query_roundoff = 0x1p-24;          // of the rotated queries a trace holds (never quantized)
   std::vector<std::vector<float>> storage;  // what the pointers point into, when owned

@@ -88,6 +88,30 @@ const char* class_name(BugClass c) {
       return "quantized key not re-rotated";
     case BugClass::quant_query_quantized:
       return "query quantized too";
+    case BugClass::paged_slot_mapping_wrong:
+      return "slot mapping wrong";
+    case BugClass::paged_stale_table_entry:
+      return "stale block-table entry";
+    case BugClass::paged_block_freed_while_visible:
+      return "block freed while visible";
+    case BugClass::paged_read_before_write:
+      return "read before write";
+    case BugClass::paged_shared_block_written:
+      return "write to a shared block (copy-on-write missing)";
+    case BugClass::paged_refcount_mismatch:
+      return "refcount mismatch or use after free";
+    case BugClass::paged_hit_across_contexts:
+      return "prefix hit across contexts";
+    case BugClass::paged_stale_prefix_hit:
+      return "stale prefix hit";
+    case BugClass::paged_hit_beyond_alignment:
+      return "hit beyond block alignment";
+    case BugClass::paged_hit_count_wrong:
+      return "prefix hit not the expected one";
+    case BugClass::chunk_misses_past_keys:
+      return "chunk misses past keys";
+    case BugClass::chunk_positions_wrong:
+      return "chunk positions wrong";
   }
   return "?";
 }
@@ -194,6 +218,44 @@ const char* class_explanation(BugClass c) {
              "dropped it: holding it no longer after the step is fine, but it went before the forward, not after "
              "it (a buffer that rolls when its last slot is reached instead of when it is passed: transformers "
              "4.46's SlidingWindowCache).";
+    case BugClass::paged_slot_mapping_wrong:
+      return "A token sits in another slot of the row's blocks than table[t / B] * B + t % B: the slot mapping "
+             "was computed from something else than the token index (a rotary position, a window-relative index).";
+    case BugClass::paged_stale_table_entry:
+      return "A row's block table points at a block that holds none of the row's tokens there: an entry left "
+             "from the row's previous occupant after a row move (vLLM tt-plugin's move_row, PR 103), or never reset.";
+    case BugClass::paged_block_freed_while_visible:
+      return "A block was freed while a token in it was still in the window of the row's next query: the window "
+             "freeing counts one block too many (vLLM PR 17398; free blocks below floor((n - W + 1) / B) only).";
+    case BugClass::paged_read_before_write:
+      return "A row took a block from the prefix index before the forward that fills it had run: the block was "
+             "registered at allocation, not after its write (vLLM PR 37152, the invariant of PR 7822).";
+    case BugClass::paged_shared_block_written:
+      return "A block that several rows reference was written: a fork or a prefix hit shared a partly filled "
+             "block and both rows appended into it, with no copy-on-write (atlas issue 1193).";
+    case BugClass::paged_refcount_mismatch:
+      return "The refcount the cache reports is not the number of table entries referencing the block: a hit or "
+             "fork took no reference, or a free gave one back twice, so the block can be reused while still in a "
+             "table (atlas issue 692).";
+    case BugClass::paged_hit_across_contexts:
+      return "A prefix hit reused a block whose tokens have the same ids but another context: the prefix key left "
+             "out the adapter, the salt or an earlier token, or mixed them untagged (vLLM issues 3264, 30931, 44701).";
+    case BugClass::paged_stale_prefix_hit:
+      return "A prefix hit reused a block whose index entry outlived its data: an evicted or recycled block kept "
+             "its key (TensorRT-LLM issue 8813, llama-server issue 27148).";
+    case BugClass::paged_hit_beyond_alignment:
+      return "A prefix hit covered a partly filled block or the prompt's last token, which must be computed: hits "
+             "are whole blocks up to floor((n - 1) / B) * B tokens.";
+    case BugClass::paged_hit_count_wrong:
+      return "Every slot is right, but the cache reused another number of tokens from its prefix index than the "
+             "scenario's expect_hit: a legitimate hit missed (blocks not registered, or registered under another "
+             "key), or an eviction that was not least recently used first.";
+    case BugClass::chunk_misses_past_keys:
+      return "In a chunked prefill a chunk's queries do not see the keys earlier chunks wrote to the cache: the "
+             "kernel attends within the chunk only (imp PR 114).";
+    case BugClass::chunk_positions_wrong:
+      return "In a chunked prefill a later chunk's tokens are rotated at positions that restart or skip: the "
+             "position ids were taken per chunk (transformers issue 43082, vLLM PR 10388).";
     case BugClass::quant_query_quantized:
       return "Codes, scales and positions are right, and the outputs equal the attention with the query also "
              "quantized to q8_0 before its dot products with the keys: a convention, not a bug (ggml's CPU matmul "
@@ -255,6 +317,27 @@ bool off_by_one(const StepEvidence& e) {
 
 }  // namespace
 
+// The paged issue that explains the others: a wrong hit or a shared write makes every later
+// slot look wrong, so it is named first.
+static BugClass paged_class(const std::vector<PagedIssue>& issues) {
+  using K = PagedIssue::Kind;
+  const std::pair<K, BugClass> order[] = {
+      {K::unwritten_hit, BugClass::paged_read_before_write},
+      {K::hit_across, BugClass::paged_hit_across_contexts},
+      {K::hit_unaligned, BugClass::paged_hit_beyond_alignment},
+      {K::hit_stale, BugClass::paged_stale_prefix_hit},
+      {K::shared_write, BugClass::paged_shared_block_written},
+      {K::refcount, BugClass::paged_refcount_mismatch},
+      {K::freed_visible, BugClass::paged_block_freed_while_visible},
+      {K::stale_entry, BugClass::paged_stale_table_entry},
+      {K::slot_mapping, BugClass::paged_slot_mapping_wrong},
+      {K::hit_expected, BugClass::paged_hit_count_wrong},
+  };
+  for (const auto& [kind, bug] : order)
+    if (any(issues, [kind](const PagedIssue& i) { return i.kind == kind; })) return bug;
+  return BugClass::paged_stale_table_entry;
+}
+
 BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& ctx) {
   using K = SlotIssue::Kind;
   if (e.empty()) return BugClass::none;
@@ -262,6 +345,16 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.unrecorded) return BugClass::trace_incomplete;
   if (!e.refusal.empty()) return BugClass::refusal_mismatch;
   if (e.layer_holds_policy_of) return BugClass::layer_policy_swapped;
+  if (!e.paged.empty()) return paged_class(e.paged);
+  // A chunked append whose queries missed keys, or used other positions, than the reference's.
+  const bool chunked = e.step < s.steps.size() && s.steps[e.step].chunk > 0;
+  if (chunked && e.slots.empty() && !e.pairs.empty()) {
+    if (any(e.pairs, [](const PairMismatch& p) { return p.expected && !p.actual; }) &&
+        !any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; }))
+      return BugClass::chunk_misses_past_keys;
+    if (any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual && *p.expected != *p.actual; }))
+      return BugClass::chunk_positions_wrong;
+  }
   if (e.wrong_row_count)
     return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions
                                                                   : BugClass::stale_row_after_batch_change;

@@ -52,6 +52,19 @@ enum class BugClass {
   quant_dequantization_layout,
   quant_key_not_rerotated,
   quant_query_quantized,
+  // Paged caches (SPEC 8.10).
+  paged_slot_mapping_wrong,
+  paged_stale_table_entry,
+  paged_block_freed_while_visible,
+  paged_read_before_write,
+  paged_shared_block_written,
+  paged_refcount_mismatch,
+  paged_hit_across_contexts,
+  paged_stale_prefix_hit,
+  paged_hit_beyond_alignment,
+  paged_hit_count_wrong,
+  chunk_misses_past_keys,
+  chunk_positions_wrong,
 };
 
 const char* class_name(BugClass c);
@@ -107,6 +120,26 @@ struct CodeMismatch {
   double expected, actual;  // the code, or the scale
 };
 
+// SPEC 8.8: a paged cache's bookkeeping that is not what its rows hold. `block` and `slot`
+// name the physical place, `logical` the row's table entry.
+struct PagedIssue {
+  enum class Kind {
+    slot_mapping,     // a token in another slot of its block than t % B
+    stale_entry,      // a table entry holding no token of the row (past its end, or another row's)
+    freed_visible,    // a null entry where the row has a live token
+    unwritten_hit,    // a hit block not yet written when it was hit (same step)
+    shared_write,     // a block that several rows reference changed
+    refcount,         // reported refcount is not the references in the tables
+    hit_across,       // a hit block whose context keys are not the row's
+    hit_stale,        // a hit larger than any block with the row's context keys could give
+    hit_unaligned,    // a hit past floor((n - 1) / B) * B or not whole blocks
+    hit_expected,     // the hit is not the scenario's expect_hit
+  } kind;
+  int layer = 0, row = 0;
+  std::int64_t logical = -1, block = -1, slot = -1;
+  std::string detail;
+};
+
 struct OutputMismatch {
   int layer, row, head, dim;
   std::int64_t query_index, uid;
@@ -122,6 +155,7 @@ struct StepEvidence {
   std::vector<PairMismatch> pairs;
   std::vector<SlotIssue> slots;
   std::vector<CodeMismatch> codes;        // SPEC 9.2.1
+  std::vector<PagedIssue> paged;          // SPEC 8.8
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
@@ -139,7 +173,7 @@ struct StepEvidence {
   bool dropped_before_last_use = false;
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
-           pairs.empty() && slots.empty() && codes.empty();
+           pairs.empty() && slots.empty() && codes.empty() && paged.empty();
   }
 };
 

@@ -20,7 +20,8 @@ float generated_value(std::uint64_t seed, int layer, std::uint64_t uid, Tensor t
   return static_cast<float>(unit - 1.0);
 }
 
-InputTable generate_inputs(const Dims& dims, std::int64_t uids, std::uint64_t seed) {
+InputTable generate_inputs(const Dims& dims, std::int64_t uids, std::uint64_t seed,
+                           const std::vector<std::uint64_t>& content_keys) {
   InputTable t;
   t.layers = dims.layers;
   t.uids = uids;
@@ -33,7 +34,9 @@ InputTable generate_inputs(const Dims& dims, std::int64_t uids, std::uint64_t se
       for (std::int64_t u = 0; u < uids; ++u)
         for (int h = 0; h < heads; ++h)
           for (int d = 0; d < dims.head_dim; ++d)
-            out.push_back(generated_value(seed, l, static_cast<std::uint64_t>(u), tensor, h, d));
+            out.push_back(generated_value(
+                seed, l, content_keys.empty() ? static_cast<std::uint64_t>(u) : content_keys[static_cast<std::size_t>(u)],
+                tensor, h, d));
   };
   fill(t.q, Tensor::q, dims.heads);
   fill(t.k, Tensor::k, dims.kv_heads);

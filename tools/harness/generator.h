@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "reference/model.h"
 
@@ -16,7 +17,9 @@ std::uint64_t splitmix64(std::uint64_t z);
 // A value in [-1, 1) with 24 significant bits, so it is exact in float32.
 float generated_value(std::uint64_t seed, int layer, std::uint64_t uid, Tensor tensor, int head, int dim);
 
-// Fills q, k, v for uids 0 .. uids-1.
-InputTable generate_inputs(const Dims& dims, std::int64_t uids, std::uint64_t seed);
+// Fills q, k, v for uids 0 .. uids-1; with `content_keys` (SPEC 8.1, one per uid) uid u's
+// vectors are generated from content_keys[u] in place of u.
+InputTable generate_inputs(const Dims& dims, std::int64_t uids, std::uint64_t seed,
+                           const std::vector<std::uint64_t>& content_keys = {});
 
 }  // namespace kvcheck

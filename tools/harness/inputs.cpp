@@ -81,7 +81,7 @@ namespace {
 
 InputTable load_raw_inputs(const Scenario& s) {
   const std::int64_t uids = count_uids(s);
-  if (s.inputs.kind == InputSource::Kind::seed) return generate_inputs(s.dims, uids, s.inputs.seed);
+  if (s.inputs.kind == InputSource::Kind::seed) return generate_inputs(s.dims, uids, s.inputs.seed, s.context_keys);
 
   InputTable t;
   t.layers = s.dims.layers;

@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <set>
+
+#include "reference/prefix_reuse.h"
+#include "tools/harness/content_keys.h"
 #include "tools/harness/progress.h"
 
 namespace kvcheck {
@@ -51,14 +55,65 @@ class SharedHistories {
 struct ReferenceStepper::State {
   reference::ReferenceModel model;
   SharedHistories histories;
+  std::optional<reference::PrefixBlocks> prefix_blocks;  // paged scenarios with a prefix cache
 };
+
+namespace {
+
+std::vector<std::uint64_t> row_contexts(const Scenario& s, const std::vector<std::uint64_t>& uids) {
+  std::vector<std::uint64_t> out;
+  out.reserve(uids.size());
+  for (std::uint64_t u : uids) out.push_back(context_key(s, u));
+  return out;
+}
+
+}  // namespace
+
+// SPEC 8.4: the largest legitimate hit of each row the append starts, and what the step's
+// writes make hittable from the next step on.
+void ReferenceStepper::account_prefix_hits(StepRecord& record, const std::vector<std::int64_t>& lengths_before) {
+  const Scenario& s = scenario_;
+  auto& blocks = state_->prefix_blocks;
+  const reference::ReferenceModel& model = state_->model;
+  const auto B = static_cast<std::size_t>(model.batch());
+  record.largest_hit.assign(B, 0);
+  record.largest_hit_same_step.assign(B, 0);
+  std::vector<std::vector<std::uint64_t>> added(B);  // context keys of each row's new tokens
+  for (std::size_t b = 0; b < B; ++b) {
+    const std::vector<std::uint64_t>& uids = model.history(static_cast<int>(b));
+    for (std::size_t t = static_cast<std::size_t>(lengths_before[b]); t < uids.size(); ++t)
+      added[b].push_back(context_key(s, uids[t]));
+    if (blocks && lengths_before[b] == 0) record.largest_hit[b] = blocks->largest_hit(added[b]);
+  }
+  if (blocks) {
+    for (std::size_t b = 0; b < B; ++b) {
+      if (lengths_before[b] != 0) continue;
+      std::set<std::uint64_t> others;  // full blocks the step's other rows write
+      for (std::size_t c = 0; c < B; ++c)
+        if (c != b) others.merge(blocks->full_blocks(added[c], lengths_before[c]));
+      record.largest_hit_same_step[b] = blocks->largest_hit(added[b], others);
+    }
+    for (std::size_t b = 0; b < B; ++b) blocks->written(added[b], lengths_before[b]);
+    blocks->end_step();
+  }
+  for (std::size_t b = 0; b < B; ++b) {
+    const auto& expect = record.step.expect_hit;
+    if (!expect.empty() && expect[b] && expect[b]->min > record.largest_hit[b])
+      problems_.push_back(fmt::format(
+          "{}: row {} expects a prefix hit of at least {} tokens, but at most {} are legitimate (SPEC 8.4: leading "
+          "full blocks written in earlier steps with equal context keys, the last token computed{})",
+          step_label(record.step, next_ - 1), b, expect[b]->min, record.largest_hit[b],
+          s.paging->prefix_cache ? "" : "; prefix_cache is off"));
+  }
+}
 
 ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, std::vector<bool> attend)
     : scenario_(s),
       state_(new State{
-          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}}),
+          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}, {}}),
       attend_(std::move(attend)) {
   if (s.kv_quant) state_->model.store_as(*s.kv_quant, s.kv_dtype);
+  if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size);
 }
 
 ReferenceStepper::~ReferenceStepper() = default;
@@ -69,11 +124,25 @@ StepRecord ReferenceStepper::next() {
   const std::size_t i = next_++;
   const Step& step = scenario_.steps.at(i);
   reference::ReferenceModel& model = state_->model;
-  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}, {}};
+  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}, {}, {}, {}};
   try {
     switch (step.op) {
-      case StepOp::append:
+      case StepOp::append: {
+        std::vector<std::int64_t> before;
+        for (int b = 0; b < model.batch(); ++b) before.push_back(static_cast<std::int64_t>(model.history(b).size()));
         record.append = model.append(step.tokens, attend_.empty() || attend_.at(i));
+        if (scenario_.paging) account_prefix_hits(record, before);
+        break;
+      }
+      case StepOp::free_rows:
+        model.free_rows(step.rows);
+        break;
+      case StepOp::evict:
+        if (state_->prefix_blocks && step.evict_blocks < 0) {
+          std::vector<std::vector<std::uint64_t>> rows;
+          for (int b = 0; b < model.batch(); ++b) rows.push_back(row_contexts(scenario_, model.history(b)));
+          state_->prefix_blocks->keep_only(rows);
+        }
         break;
       case StepOp::reorder:
         model.reorder(step.rows);

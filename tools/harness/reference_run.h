@@ -46,6 +46,12 @@ struct StepRecord {
   // SPEC 9: what a quantized cache must hold after the step, [layer][row][i] for the i-th
   // key of retained_in(layer, row); empty unless the scenario quantizes.
   std::vector<std::vector<std::vector<reference::StoredLayer>>> stored;
+  // SPEC 8.4, paged scenarios' appends: per row, the largest prefix hit a correct cache may
+  // report (0 for rows that do not start).
+  std::vector<std::int64_t> largest_hit;
+  // The same, were blocks written earlier in this very step hittable (they are not: a hit up
+  // to this many tokens read a block before its write).
+  std::vector<std::int64_t> largest_hit_same_step;
   std::string refused;                // the code when the step was refused
   std::string refusal_message;
 };
@@ -72,6 +78,7 @@ class ReferenceStepper {
 
  private:
   struct State;
+  void account_prefix_hits(StepRecord& record, const std::vector<std::int64_t>& lengths_before);
   const Scenario& scenario_;
   std::unique_ptr<State> state_;
   std::vector<bool> attend_;

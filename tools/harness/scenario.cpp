@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "tools/harness/content_keys.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/safe_file.h"
 
@@ -36,6 +37,10 @@ const char* to_string(StepOp op) {
       return "reset";
     case StepOp::crop:
       return "crop";
+    case StepOp::free_rows:
+      return "free";
+    case StepOp::evict:
+      return "evict";
   }
   return "?";
 }
@@ -428,6 +433,39 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
   return q;
 }
 
+// `paging` (SPEC 8). Parsed after the policy and kv_quant, which it must fit.
+Paging parse_paging(const Reader& r, const json& j, const Scenario& s) {
+  const std::string p = "/paging";
+  r.object(j, p, {"block_size", "num_blocks", "prefix_cache", "reuse"});
+  Paging paging;
+  paging.block_size = r.integer(r.field(j, p, "block_size"), p + "/block_size", 1, 65536);
+  paging.num_blocks = r.integer(r.field(j, p, "num_blocks"), p + "/num_blocks", 1, std::int64_t{1} << 20);
+  if (j.contains("prefix_cache")) {
+    if (!j["prefix_cache"].is_boolean()) r.fail(p + "/prefix_cache", "expected true or false, got " + describe(j["prefix_cache"]));
+    paging.prefix_cache = j["prefix_cache"].get<bool>();
+  }
+  if (j.contains("reuse") && r.choice(j["reuse"], p + "/reuse", {"full", "token"}) == "token")
+    r.fail(p + "/reuse", "\"token\" reuse (a radix tree) is in SPEC 8, but kvcheck's paged cache implements \"full\" only yet");
+  for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
+    if (s.layer_policies[l].kind == PolicyKind::sink)
+      r.fail(s.layer_policies.size() > 1 && s.hybrid() ? "/policy/" + std::to_string(l) + "/type" : "/policy/type",
+             "a paged cache with a sink policy is in SPEC 8, but kvcheck's paged cache serves \"full\" and "
+             "\"sliding\" layers only yet");
+  if (s.kv_quant) r.fail(p, "a paged cache with \"kv_quant\" is in SPEC 8 and 9, but kvcheck does not combine them yet");
+  return paging;
+}
+
+// The pool must hold every row's blocks at every step, counted without sharing (so any
+// correct cache fits): SPEC 8.6 makes room by preemption, which kvcheck does not run yet.
+void require_pool_fits(const Reader& r, const Scenario& s) {
+  const PoolNeed need = largest_pool_need(s, s.paging->block_size);
+  if (need.blocks > s.paging->num_blocks)
+    r.fail("/paging/num_blocks", fmt::format("the pool holds {} blocks, but /steps/{} needs up to {} (every row's "
+                                             "blocks, counted without sharing); a pool too small needs preemption "
+                                             "(SPEC 8.6), which kvcheck does not run yet",
+                                             s.paging->num_blocks, need.source_index, need.blocks));
+}
+
 Policy parse_policy(const Reader& r, const json& j, const std::string& p = "/policy") {
   if (!j.is_object()) r.fail(p, "expected an object, got " + describe(j));
   Policy policy;
@@ -516,11 +554,102 @@ std::string expect_error(const Reader& r, const json& step, const std::string& p
   return r.choice(step["expect_error"], path + "/expect_error", kKnownErrors);
 }
 
+// Row indices below `batch`.
+std::vector<int> row_list(const Reader& r, const json& j, const std::string& p, int batch) {
+  if (!j.is_array() || j.empty()) r.fail(p, "expected a non-empty array of row indices");
+  if (j.size() > kMaxBatch)
+    r.fail(p, fmt::format("expected at most {} rows (the batch limit), got {}", kMaxBatch, j.size()));
+  std::vector<int> rows;
+  for (std::size_t b = 0; b < j.size(); ++b) {
+    const auto row = r.integer(j[b], p + "/" + std::to_string(b), 0);
+    if (row >= batch) r.fail(p + "/" + std::to_string(b), fmt::format("expected a row index below {}, got {}", batch, row));
+    rows.push_back(static_cast<int>(row));
+  }
+  return rows;
+}
+
+// `ids`: one list of token ids per row (SPEC 8.1); their lengths are the counts.
+void parse_ids(const Reader& r, const json& j, const std::string& p, int batch, const Scenario& scenario, Step& step) {
+  if (scenario.content != Content::prefix)
+    r.fail(p, "token ids need \"content\": \"prefix\" (with content \"uid\" a token's vectors come from its uid)");
+  if (!j.is_array() || static_cast<int>(j.size()) != batch)
+    r.fail(p, fmt::format("expected one list of token ids per row ({} rows), got {}", batch, describe(j)));
+  std::int64_t total = 0;
+  for (std::size_t b = 0; b < j.size(); ++b) {
+    const std::string pb = p + "/" + std::to_string(b);
+    if (!j[b].is_array()) r.fail(pb, "expected a list of token ids, got " + describe(j[b]));
+    auto& row = step.ids.emplace_back();
+    for (std::size_t i = 0; i < j[b].size(); ++i)
+      row.push_back(static_cast<std::uint64_t>(r.integer(j[b][i], pb + "/" + std::to_string(i), 0, (std::int64_t{1} << 31) - 1)));
+    step.tokens.push_back(static_cast<std::int64_t>(row.size()));
+    total += static_cast<std::int64_t>(row.size());
+    if (total > (std::int64_t{1} << 24)) r.fail(pb, "more than 2^24 token ids in one append");
+  }
+  if (total == 0) r.fail(p, "expected at least one row with a token");
+}
+
+// An append's paged fields: `extra` and `expect_hit` (rows that start: empty before the
+// append) and `chunk`.
+void parse_append_paging(const Reader& r, const json& s, const std::string& p, const std::vector<std::int64_t>& lengths,
+                         const Scenario& scenario, Step& step) {
+  const int batch = static_cast<int>(lengths.size());
+  auto per_row = [&](const char* key, const std::string& what) -> const json& {
+    const json& j = s[key];
+    if (!j.is_array() || static_cast<int>(j.size()) != batch)
+      r.fail(p + "/" + key, fmt::format("expected one {} per row ({} rows), null for none, got {}", what, batch, describe(j)));
+    for (std::size_t b = 0; b < j.size(); ++b)
+      if (!j[b].is_null() && lengths[b] > 0)
+        r.fail(p + "/" + key + "/" + std::to_string(b),
+               fmt::format("row {} already holds {} tokens; {} applies to a row that starts (empty before the append)",
+                           b, lengths[b], key));
+    return j;
+  };
+  if (s.contains("extra")) {
+    if (scenario.content != Content::prefix)
+      r.fail(p + "/extra", "extras enter context keys: the scenario needs \"content\": \"prefix\"");
+    const json& j = per_row("extra", "object {\"adapter\", \"salt\"}");
+    for (std::size_t b = 0; b < j.size(); ++b) {
+      auto& given = step.extras_given.emplace_back();
+      if (j[b].is_null()) continue;
+      const std::string pb = p + "/extra/" + std::to_string(b);
+      r.object(j[b], pb, {"adapter", "salt"});
+      RowExtras e;
+      if (j[b].contains("adapter")) e.adapter = r.string(j[b]["adapter"], pb + "/adapter");
+      if (j[b].contains("salt")) e.salt = r.string(j[b]["salt"], pb + "/salt");
+      if (e.adapter.size() > 256 || e.salt.size() > 256) r.fail(pb, "expected an adapter and a salt of at most 256 bytes");
+      given = e;
+    }
+  }
+  if (s.contains("expect_hit")) {
+    if (!scenario.paging) r.fail(p + "/expect_hit", "prefix hits need a paged cache: the scenario needs \"paging\"");
+    const json& j = per_row("expect_hit", "hit count or {\"min\", \"max\"}");
+    for (std::size_t b = 0; b < j.size(); ++b) {
+      auto& hit = step.expect_hit.emplace_back();
+      if (j[b].is_null()) continue;
+      const std::string pb = p + "/expect_hit/" + std::to_string(b);
+      if (j[b].is_object()) {
+        r.object(j[b], pb, {"min", "max"});
+        const std::int64_t lo = r.integer(r.field(j[b], pb, "min"), pb + "/min", 0);
+        const std::int64_t hi = r.integer(r.field(j[b], pb, "max"), pb + "/max", lo);
+        hit = HitRange{lo, hi};
+      } else {
+        const std::int64_t n = r.integer(j[b], pb, 0);
+        hit = HitRange{n, n};
+      }
+      if (hit->min >= std::max<std::int64_t>(step.tokens[b], 1) && hit->min > 0)
+        r.fail(pb, fmt::format("expected fewer hit tokens than the row's {} new tokens (the last one is always computed)",
+                               step.tokens[b]));
+    }
+  }
+  if (s.contains("chunk")) step.chunk = r.integer(s["chunk"], p + "/chunk", 1);
+}
+
 // Parses the steps while tracking the batch size, so per-row counts and reorder indices
 // are checked against the rows that exist at that point.
-std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
+std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const Scenario& scenario) {
   if (!j.is_array() || j.empty()) r.fail("/steps", "expected a non-empty array of steps");
   std::vector<Step> steps;
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(batch), 0);  // to tell which rows start
   // Every expanded step stores a count per row: bound their number before expanding.
   std::int64_t step_rows = 0;
   auto count = [&](const std::string& p, std::int64_t steps_added) {
@@ -534,14 +663,21 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
     const json& s = j[i];
     const std::string p = "/steps/" + std::to_string(i);
     if (!s.is_object()) r.fail(p, "expected an object, got " + describe(s));
-    const std::string op = r.choice(r.field(s, p, "op"), p + "/op", {"append", "decode", "reorder", "reset", "crop"});
+    const std::string op = r.choice(r.field(s, p, "op"), p + "/op",
+                                    {"append", "decode", "reorder", "reset", "crop", "free", "evict", "preempt", "resume"});
+    if (op == "preempt" || op == "resume")
+      r.fail(p + "/op", "\"" + op + "\" is in SPEC 8.6, but kvcheck's caches do not implement preemption yet");
     Step step;
+    const std::size_t first_new = steps.size();
     step.source_index = static_cast<int>(i);
     step.source_op = op;
     if (op == "append") {
-      r.object(s, p, {"op", "tokens"});
-      const json& tokens = r.field(s, p, "tokens");
-      if (tokens.is_array()) {
+      r.object(s, p, {"op", "tokens", "ids", "extra", "expect_hit", "chunk"});
+      if (s.contains("tokens") == s.contains("ids"))
+        r.fail(p + "/tokens", "expected either \"tokens\" (counts) or \"ids\" (token ids per row), not both");
+      if (s.contains("ids")) {
+        parse_ids(r, s["ids"], p + "/ids", batch, scenario, step);
+      } else if (const json& tokens = s["tokens"]; tokens.is_array()) {
         if (static_cast<int>(tokens.size()) != batch)
           r.fail(p + "/tokens", fmt::format("expected one count per row ({} rows), got {}", batch, tokens.size()));
         for (std::size_t b = 0; b < tokens.size(); ++b)
@@ -551,6 +687,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
       } else {
         step.tokens.assign(static_cast<std::size_t>(batch), r.integer(tokens, p + "/tokens", 1));
       }
+      parse_append_paging(r, s, p, lengths, scenario, step);
       count(p, 1);
       steps.push_back(step);
     } else if (op == "decode") {
@@ -565,16 +702,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
     } else if (op == "reorder") {
       r.object(s, p, {"op", "rows"});
       step.op = StepOp::reorder;
-      const json& rows = r.field(s, p, "rows");
-      if (!rows.is_array() || rows.empty()) r.fail(p + "/rows", "expected a non-empty array of row indices");
-      if (rows.size() > kMaxBatch)
-        r.fail(p + "/rows", fmt::format("expected at most {} rows (the batch limit), got {}", kMaxBatch, rows.size()));
-      for (std::size_t b = 0; b < rows.size(); ++b) {
-        const auto row = r.integer(rows[b], p + "/rows/" + std::to_string(b), 0);
-        if (row >= batch)
-          r.fail(p + "/rows/" + std::to_string(b), fmt::format("expected a row index below {}, got {}", batch, row));
-        step.rows.push_back(static_cast<int>(row));
-      }
+      step.rows = row_list(r, r.field(s, p, "rows"), p + "/rows", batch);
       batch = static_cast<int>(step.rows.size());
       count(p, 1);
       steps.push_back(step);
@@ -585,6 +713,25 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
       step.batch = batch;
       count(p, 1);
       steps.push_back(step);
+    } else if (op == "free") {
+      r.object(s, p, {"op", "rows"});
+      step.op = StepOp::free_rows;
+      step.rows = row_list(r, r.field(s, p, "rows"), p + "/rows", batch);
+      std::set<int> distinct(step.rows.begin(), step.rows.end());
+      if (distinct.size() != step.rows.size()) r.fail(p + "/rows", "expected each row at most once");
+      count(p, 1);
+      steps.push_back(step);
+    } else if (op == "evict") {
+      r.object(s, p, {"op", "blocks"});
+      step.op = StepOp::evict;
+      if (!scenario.paging) r.fail(p + "/op", "\"evict\" drops blocks of a paged cache: the scenario needs \"paging\"");
+      const json& blocks = r.field(s, p, "blocks");
+      if (blocks.is_string())
+        r.choice(blocks, p + "/blocks", {"all"});
+      else
+        step.evict_blocks = r.integer(blocks, p + "/blocks", 1);
+      count(p, 1);
+      steps.push_back(step);
     } else {
       r.object(s, p, {"op", "length", "expect_error"});
       step.op = StepOp::crop;
@@ -593,6 +740,8 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch) {
       count(p, 1);
       steps.push_back(step);
     }
+    for (std::size_t k = first_new; k < steps.size(); ++k)
+      if (steps[k].expect_error.empty()) advance_lengths(steps[k], lengths);
   }
   return steps;
 }
@@ -632,7 +781,41 @@ void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths) {
     case StepOp::crop:
       for (std::int64_t& n : lengths) n = std::min(n, step.length);
       break;
+    case StepOp::free_rows:
+      for (int r : step.rows) lengths[static_cast<std::size_t>(r)] = 0;
+      break;
+    case StepOp::evict:
+      break;
   }
+}
+
+namespace {
+
+// Blocks one layer of a row needs, without sharing, while it appends tokens [first, n):
+// every block from the first one holding a token that token `first` still sees.
+std::int64_t blocks_needed(const Policy& policy, std::int64_t block_size, std::int64_t first, std::int64_t n) {
+  if (n == first) return 0;
+  const std::int64_t from =
+      policy.kind == PolicyKind::sliding ? std::max<std::int64_t>(0, first - policy.window + 1) / block_size : 0;
+  return (n + block_size - 1) / block_size - from;
+}
+
+}  // namespace
+
+PoolNeed largest_pool_need(const Scenario& s, std::int64_t block_size) {
+  PoolNeed most;
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(s.dims.batch), 0);
+  for (const Step& step : s.steps) {
+    if (step.op == StepOp::append && step.expect_error.empty())
+      for (const Policy& policy : s.layer_policies) {
+        std::int64_t need = 0;
+        for (std::size_t b = 0; b < lengths.size(); ++b)
+          need += blocks_needed(policy, block_size, lengths[b], lengths[b] + step.tokens[b]);
+        if (need > most.blocks) most = {need, step.source_index};
+      }
+    if (step.expect_error.empty()) advance_lengths(step, lengths);
+  }
+  return most;
 }
 
 namespace {
@@ -738,7 +921,7 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   const json j = parse_json(text, file);
   r.object(j, "",
            {"name", "description", "dimensions", "rope", "attention", "policy", "kv_dtype", "kv_quant", "seed", "inputs",
-            "steps", "tolerance", "scale"});
+            "steps", "tolerance", "scale", "paging", "content"});
   Scenario s;
   s.file = file;
   s.source_json = j.dump(2);
@@ -775,7 +958,11 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     s.tolerance = parse_tolerance(r, j["tolerance"]);
     s.tolerance_given = true;
   }
-  s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch);
+  if (j.contains("paging")) s.paging = parse_paging(r, j["paging"], s);
+  if (j.contains("content"))
+    s.content = r.choice(j["content"], "/content", {"uid", "prefix"}) == "prefix" ? Content::prefix : Content::uid;
+  s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch, s);
+  if (s.paging) require_pool_fits(r, s);
   // The reference keeps every input and output: refuse what would not fit in memory,
   // before any of it is spent.
   const double floats =
@@ -798,6 +985,9 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
       s.inputs.seed = j["seed"].get<std::uint64_t>();
     }
   }
+  if (s.content == Content::prefix && s.inputs.kind != InputSource::Kind::seed)
+    r.fail("/content", "content \"prefix\" generates every vector from context keys: give \"seed\", not \"inputs\"");
+  assign_content_keys(s);
   return s;
 }
 

@@ -19,7 +19,19 @@ struct InputError : std::runtime_error {
   InputError(std::string file_, std::string path_, std::string reason_);
 };
 
-enum class StepOp { append, reorder, reset, crop };
+enum class StepOp { append, reorder, reset, crop, free_rows, evict };
+
+// A row's extras (SPEC 8.1): they enter its tokens' context keys, so equal ids under
+// another adapter or salt are other tokens.
+struct RowExtras {
+  std::string adapter, salt;
+  bool operator==(const RowExtras&) const = default;
+};
+
+// `expect_hit` of one row: tokens the cache may take from its prefix index (SPEC 8.4).
+struct HitRange {
+  std::int64_t min = 0, max = 0;
+};
 
 // One step after `decode k` was expanded into k appends of one token.
 struct Step {
@@ -28,6 +40,14 @@ struct Step {
   std::vector<int> rows;             // reorder
   std::optional<int> batch;          // reset
   std::int64_t length = 0;           // crop
+  std::int64_t evict_blocks = -1;    // evict: blocks to drop, -1 for all
+  // append (SPEC 8): the forward size (0: one forward); the rows' extras (content
+  // "prefix", every row); per row the tokens a prefix hit may cover (rows that start).
+  std::int64_t chunk = 0;
+  std::vector<RowExtras> extras;                        // filled by assign_content_keys
+  std::vector<std::optional<RowExtras>> extras_given;   // as written: rows that start
+  std::vector<std::vector<std::uint64_t>> ids;          // as written: explicit token ids per row
+  std::vector<std::optional<HitRange>> expect_hit;
   std::string expect_error;          // non-empty: this step must be refused with that code
   int source_index = 0;              // index in the scenario's "steps" array
   std::string source_op;             // op as written ("decode" for expanded decodes)
@@ -47,6 +67,17 @@ struct InputSource {
   std::vector<float> q, k, v;          // inline: flattened [L, U, H|Hkv, D]
 };
 
+// SPEC 8: the caches keep keys and values in a pool of blocks with a table per row.
+struct Paging {
+  std::int64_t block_size = 0;
+  std::int64_t num_blocks = 0;  // per layer
+  bool prefix_cache = false;    // blocks of rows that ended stay reusable until evicted
+};
+
+// Where a token's vectors come from (SPEC 8.1): its uid, or its context key (the chain of
+// token ids and the row's extras), so equal prefixes get equal vectors.
+enum class Content { uid, prefix };
+
 struct Scenario {
   std::string file;  // where it came from ("" for generated ones)
   std::string name;
@@ -61,6 +92,11 @@ struct Scenario {
   std::vector<Policy> layer_policies;   // one per layer (SPEC 7): Gemma- and gpt-oss-style hybrids
   std::optional<double> scale;          // softmax scale; 1/sqrt(D) when absent
   InputSource inputs;
+  std::optional<Paging> paging;
+  Content content = Content::uid;
+  // Per uid: the token id and the context key (SPEC 8.1); filled for every scenario (with
+  // content "uid" the id is the uid and the key names the uid alone).
+  std::vector<std::uint64_t> token_ids, context_keys;
   std::vector<Step> steps;
   Tolerance tolerance;
   bool tolerance_given = false;  // the scenario set it: used as it is, not derived
@@ -77,6 +113,14 @@ std::int64_t longest_row(const Scenario& scenario);
 
 // Each row's token count after `step`, from the counts before it.
 void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths);
+
+// The most blocks (of `block_size` tokens, per layer) the rows hold at once in any append,
+// counted without sharing: a pool this large never runs out (SPEC 8).
+struct PoolNeed {
+  std::int64_t blocks = 0;
+  int source_index = 0;  // the step that needs them
+};
+PoolNeed largest_pool_need(const Scenario& scenario, std::int64_t block_size);
 
 // What a scenario costs the reference, estimated from its steps before anything runs:
 // the memory the run keeps and the multiply-adds of its attention.

@@ -36,6 +36,8 @@ const char* to_string(Feature f) {
       return "evict_block";
     case Feature::gqa:
       return "gqa";
+    case Feature::paged:
+      return "paged";
     case Feature::quantized:
       return "quantized";
   }
@@ -48,7 +50,7 @@ const std::vector<Feature>& all_features() {
       Feature::reset,            Feature::per_layer_policy, Feature::learned_sinks, Feature::rope_scaling,
       Feature::partial_rotary,   Feature::interleaved_rope, Feature::half_precision, Feature::dense_prefill,
       Feature::original_positions, Feature::evict_block,  Feature::gqa,
-                                             Feature::quantized};
+                                             Feature::quantized, Feature::paged};
   return all;
 }
 
@@ -85,6 +87,10 @@ std::vector<Feature> scenario_features(const Scenario& s) {
   add(Feature::evict_block, any_policy([](const Policy& p) { return p.kind == PolicyKind::sink && p.evict > 1; }));
   add(Feature::gqa, s.dims.kv_heads < s.dims.heads);
   add(Feature::quantized, s.kv_quant.has_value());
+  add(Feature::paged, s.paging || s.content == Content::prefix || has_op(StepOp::free_rows) ||
+                          has_op(StepOp::evict) || std::any_of(s.steps.begin(), s.steps.end(), [](const Step& step) {
+                            return step.chunk > 0;
+                          }));
   return f;
 }
 

@@ -26,6 +26,7 @@ enum class Feature {
   evict_block,        // sink evict > 1 (llama.cpp's context shift)
   gqa,                // kv_heads < heads
   quantized,          // kv_quant (SPEC 9): codes and scales, not floats
+  paged,              // SPEC 8: paging, content "prefix", free/evict, chunked or id-given appends
 };
 
 const char* to_string(Feature f);

@@ -16,6 +16,7 @@
 #include "tools/harness/divergence_report.h"
 #include "tools/harness/hypotheses.h"
 #include "tools/harness/progress.h"
+#include "tools/harness/paged_checks.h"
 #include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
 
@@ -215,7 +216,8 @@ class StepChecker::Impl {
         inputs_(inputs),
         options_(options),
         max_position_(largest_position(s)),
-        rotations_(s.dims.head_dim, s.rope, largest_position(s)) {
+        rotations_(s.dims.head_dim, s.rope, largest_position(s)),
+        paged_(s) {
     if (s.kv_quant) quant_.emplace(s, inputs);
     rotations_.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
@@ -337,6 +339,8 @@ class StepChecker::Impl {
     // cache must hold, so float32's tolerance, plus what codes a cache may round the other
     // way at a boundary can move.
     Tolerance tolerance = output_tolerance(s_, inputs_, quant_ ? view.query_roundoff : view.roundoff);
+    paged_.check(rec, view, evidence);  // first: it names shared and hit slots by the row's own uids
+    uncomputed_ = view.uncomputed;
     if (quant_) quant_->check_codes(rec, view, evidence);
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
@@ -675,7 +679,8 @@ class StepChecker::Impl {
     const double row_allowance = !held.empty() ? 0.0 : quant_ ? quant_->row_allowance(l, b) : 0.0;
     if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, evidence.label);
     std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
-    for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
+    const std::size_t skipped = uncomputed(b);  // a prefix hit spared their outputs
+    for (std::size_t i = skipped; i < ref.rows[b].size(); ++i)
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < D; ++d) {
           const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;
@@ -736,7 +741,9 @@ class StepChecker::Impl {
     auto at = log.begin();
     for (int b = 0; b < static_cast<int>(rec.append->rows.size()); ++b) {
       const auto& history = rec.histories[b];
+      const std::size_t skipped = uncomputed(b);  // a prefix hit spared their attention
       for (const auto& token : rec.append->rows[b]) {
+        if (static_cast<std::size_t>(&token - rec.append->rows[b].data()) < skipped) continue;
         const std::int64_t e = reference::evicted_count(s_.policy, token.index);
         auto note = [&](std::int64_t uid, std::optional<std::int64_t> w, std::optional<std::int64_t> a,
                         std::optional<std::int64_t> qpos, const std::string& text) {
@@ -981,6 +988,7 @@ class StepChecker::Impl {
             : fmt::format("every stored key is its raw key rotated at its {} position",
                           to_string(options_.key_positions)));
     if (quant_) quant_->add_checks(o);
+    paged_.add_checks(o);
     o.max_abs_error = max_abs_;
     o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
     o.position_mismatches = positions_.failures + rotation_.failures;
@@ -1002,6 +1010,11 @@ class StepChecker::Impl {
   std::vector<std::vector<std::vector<std::vector<PictureCell>>>> columns_;  // [layer][row][step][slot]
   Tally refusals_, outputs_, positions_, retained_, rotation_, unrecorded_;
   std::optional<QuantChecks> quant_;  // SPEC 9: the scenario quantizes the cache
+  PagedChecks paged_;                 // SPEC 8: the cache shows block tables
+  std::vector<std::int64_t> uncomputed_;  // the step's, per row (prefix hits)
+  std::size_t uncomputed(int row) const {
+    return static_cast<std::size_t>(row) < uncomputed_.size() ? static_cast<std::size_t>(uncomputed_[row]) : 0;
+  }
   Tolerance used_tolerance_{0.0, 0.0};
   std::string skipped_;
   std::int64_t lazy_rows_ = 0, eager_rows_ = 0, recorded_ = 0;

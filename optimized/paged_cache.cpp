@@ -1,0 +1,363 @@
+#include "optimized/paged_cache.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kvcheck::optimized {
+
+namespace {
+
+std::uint64_t mix64(std::uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+std::uint64_t text_hash(std::uint64_t h, const std::string& text) {
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+}  // namespace
+
+PagedCache::PagedCache(const CacheConfig& config)
+    : config_(config),
+      paging_(config.paging ? *config.paging : throw std::invalid_argument("the paged cache needs config.paging")),
+      rope_(config.rope),
+      kernel_(config.threads) {
+  for (int l = 0; l < config.layers; ++l) {
+    pools_.emplace_back(1, config.kv_heads, config.head_dim, key_format(config), value_format(config));
+    pools_.back().reset(static_cast<int>(paging_.num_blocks), paging_.block_size);
+    blocks_.emplace_back(paging_.num_blocks, paging_.prefix_cache);
+    sink_logits_.push_back(config.sink_logits.empty()
+                               ? std::vector<std::vector<float>>{}
+                               : std::vector<std::vector<float>>{config.sink_logits[static_cast<std::size_t>(l)]});
+  }
+  tables_.resize(static_cast<std::size_t>(config.layers));
+  reset(config.batch);
+}
+
+std::int64_t PagedCache::window(int layer) const {
+  if (config_.layer_policies.empty()) return config_.window;
+  const LayerPolicy& p = config_.layer_policies[static_cast<std::size_t>(layer)];
+  return p.kind == LayerPolicy::Kind::sliding ? p.window : 0;
+}
+
+std::uint64_t PagedCache::block_key(std::uint64_t previous, std::span<const std::uint64_t> ids, const RowExtras& extras,
+                                    bool first) const {
+  std::uint64_t h = previous;
+  if (first) h = text_hash(text_hash(0xcbf29ce484222325ull, "adapter=" + extras.adapter + ";"), "salt=" + extras.salt);
+  for (std::uint64_t id : ids) h = mix64(h ^ id);
+  return h;
+}
+
+std::int64_t PagedCache::first_live_block(std::int64_t n, std::int64_t w) const {
+  return std::max<std::int64_t>(0, n - w + 1) / paging_.block_size;
+}
+
+std::uint64_t PagedCache::key_of_block(int b, std::int64_t logical) {
+  Row& row = rows_[static_cast<std::size_t>(b)];
+  const auto B = static_cast<std::size_t>(paging_.block_size);
+  while (static_cast<std::int64_t>(row.keys.size()) <= logical) {
+    const std::size_t i = row.keys.size();
+    row.keys.push_back(block_key(i == 0 ? 0 : row.keys.back(), std::span(row.ids).subspan(i * B, B), row.extras, i == 0));
+  }
+  return row.keys[static_cast<std::size_t>(logical)];
+}
+
+void PagedCache::clear_block(int layer, std::int64_t block) {
+  SlotStore& pool = pools_[static_cast<std::size_t>(layer)];
+  for (std::int64_t s = 0; s < paging_.block_size; ++s) pool.clear_slot(static_cast<int>(block), s);
+}
+
+void PagedCache::release_table(int layer, std::vector<std::int64_t>& table) {
+  for (std::int64_t block : table)
+    if (block >= 0) blocks_[static_cast<std::size_t>(layer)].release(block);
+  table.clear();
+}
+
+void PagedCache::ensure_block(int layer, int b, std::int64_t logical) {
+  auto& table = tables_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(b)];
+  if (static_cast<std::int64_t>(table.size()) <= logical) table.resize(static_cast<std::size_t>(logical) + 1, -1);
+  std::int64_t& entry = table[static_cast<std::size_t>(logical)];
+  if (entry >= 0) return make_writable(layer, b, logical);
+  const std::optional<std::int64_t> block = blocks_[static_cast<std::size_t>(layer)].allocate(forget_evicted());
+  if (!block)
+    throw CacheRefusal("pool_exhausted", "layer " + std::to_string(layer) + ": every one of the " +
+                                             std::to_string(paging_.num_blocks) + " blocks is referenced");
+  clear_block(layer, *block);
+  entry = *block;
+  const Row& row = rows_[static_cast<std::size_t>(b)];
+  const bool will_be_full = (logical + 1) * paging_.block_size <= static_cast<std::int64_t>(row.ids.size());
+  if (register_on_allocation() && will_be_full)
+    blocks_[static_cast<std::size_t>(layer)].register_full(*block, key_of_block(b, logical));
+}
+
+void PagedCache::make_writable(int layer, int b, std::int64_t logical) {
+  BlockPool& pool = blocks_[static_cast<std::size_t>(layer)];
+  std::int64_t& entry = tables_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(b)][static_cast<std::size_t>(logical)];
+  if (!copy_before_write(pool.refcount(entry), pool.registered(entry))) return;
+  const std::optional<std::int64_t> copy = pool.allocate(forget_evicted());
+  if (!copy)
+    throw CacheRefusal("pool_exhausted", "layer " + std::to_string(layer) + ": no block left to copy block " +
+                                             std::to_string(entry) + " before a write");
+  SlotStore& store = pools_[static_cast<std::size_t>(layer)];
+  for (std::int64_t s = 0; s < paging_.block_size; ++s)
+    store.copy_slot(store, static_cast<int>(entry), s, static_cast<int>(*copy), s);
+  pool.release(entry);
+  entry = *copy;
+}
+
+void PagedCache::take_prefix_hit(int b, const Chunk& chunk) {
+  Row& row = rows_[static_cast<std::size_t>(b)];
+  const std::int64_t n = chunk.counts[static_cast<std::size_t>(b)];
+  const std::int64_t B = paging_.block_size;
+  std::int64_t blocks = 0;
+  std::vector<std::vector<std::int64_t>> found(static_cast<std::size_t>(config_.layers));
+  while ((blocks + 1) * B <= (n - 1) / B * B) {
+    const std::uint64_t key = key_of_block(b, blocks);
+    bool everywhere = true;
+    for (int l = 0; l < config_.layers && everywhere; ++l) {
+      const std::optional<std::int64_t> block = blocks_[static_cast<std::size_t>(l)].lookup(key);
+      if (block)
+        found[static_cast<std::size_t>(l)].push_back(*block);
+      else
+        everywhere = false;
+    }
+    if (!everywhere) break;
+    ++blocks;
+  }
+  for (int l = 0; l < config_.layers; ++l) {
+    auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+    for (std::int64_t i = 0; i < blocks; ++i) {
+      const std::int64_t block = found[static_cast<std::size_t>(l)][static_cast<std::size_t>(i)];
+      if (hit_takes_reference()) blocks_[static_cast<std::size_t>(l)].retain(block);
+      table.push_back(block);
+    }
+  }
+  hits_[static_cast<std::size_t>(b)] = blocks * B;
+  row.length = blocks * B;
+  lengths_[static_cast<std::size_t>(b)] = row.length;
+}
+
+// Every starting row takes its hit; every row's new tokens get their blocks.
+void PagedCache::schedule(const Chunk& chunk) {
+  const int B = batch();
+  for (int b = 0; b < B; ++b) {
+    const std::int64_t n = chunk.counts[static_cast<std::size_t>(b)];
+    if (n == 0) continue;
+    Row& row = rows_[static_cast<std::size_t>(b)];
+    const std::size_t pad = static_cast<std::size_t>(chunk.length - n);
+    for (std::int64_t i = 0; i < n; ++i)
+      row.ids.push_back(chunk.ids.empty() ? static_cast<std::uint64_t>(chunk.uids[b * chunk.length + pad + i])
+                                          : chunk.ids[b * chunk.length + pad + i]);
+    if (row.length == 0 && row.ids.size() == static_cast<std::size_t>(n)) {
+      if (!chunk.extras.empty()) row.extras = chunk.extras[static_cast<std::size_t>(b)];
+      take_prefix_hit(b, chunk);
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    const auto end = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size());
+    const std::int64_t first = lengths_[static_cast<std::size_t>(b)];
+    if (end == first) continue;
+    for (int l = 0; l < config_.layers; ++l) {
+      // A sliding layer needs no block whose tokens the first new token no longer sees.
+      const std::int64_t w = window(l);
+      const std::int64_t from = std::max(first / paging_.block_size, w == 0 ? 0 : first_live_block(first, w));
+      for (std::int64_t logical = from; logical * paging_.block_size < end; ++logical) ensure_block(l, b, logical);
+    }
+  }
+}
+
+void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log, int b,
+                             std::int64_t first, std::int64_t count) {
+  const std::int64_t B = paging_.block_size, D = config_.head_dim, Hkv = config_.kv_heads;
+  const std::int64_t n = chunk.counts[static_cast<std::size_t>(b)];
+  const std::int64_t start = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size()) - n;
+  const std::int64_t pad = chunk.length - n;
+  scratch_.resize(static_cast<std::size_t>(D));
+  for (int l = 0; l < config_.layers; ++l) {
+    SlotStore& pool = pools_[static_cast<std::size_t>(l)];
+    const auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+    for (std::int64_t t = first; t < first + count; ++t) {
+      const std::int64_t chunk_pos = pad + t - start;
+      const auto block = static_cast<int>(table[static_cast<std::size_t>(t / B)]);
+      const std::size_t token = (static_cast<std::size_t>(b) * chunk.length + chunk_pos) * Hkv;
+      const std::int64_t position = position_of(t, first);
+      for (int g = 0; g < Hkv; ++g) {
+        std::copy_n(chunk.k[l] + (token + g) * D, D, scratch_.data());
+        rope_.rotate(scratch_.data(), position);
+        pool.write_key(0, block, g, t % B, scratch_.data());
+        pool.write_value(0, block, g, t % B, chunk.v[l] + (token + g) * D);
+      }
+      pool.meta(block, t % B) = {chunk.uids[b * chunk.length + chunk_pos], t, position};
+    }
+    if (out.empty()) continue;
+    plans_.clear();
+    const std::int64_t w = window(l);
+    for (std::int64_t t = first; t < first + count; ++t) {
+      const std::int64_t position = position_of(t, first);
+      plans_.push_back({pad + t - start, QueryPlan{t, 0, window_begin(t, w, first), position, position}});
+    }
+    std::vector<SlotSource> sources;
+    for (std::int64_t block : table)
+      if (block >= 0) sources.push_back({&pool, static_cast<int>(block)});
+    const auto& logits = sink_logits_[static_cast<std::size_t>(l)];
+    const KernelShape shape{1, config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale,
+                            logits.empty() ? nullptr : &logits};
+    const std::size_t per_row = static_cast<std::size_t>(b) * chunk.length * config_.heads * config_.head_dim;
+    kernel_.attend(shape, rope_, {chunk.q[l]}, {out[l]}, per_row, plans_, sources, l == 0 ? log : nullptr, b);
+  }
+}
+
+void PagedCache::register_full_blocks(int b, std::int64_t from, std::int64_t to) {
+  if (!paging_.prefix_cache || register_on_allocation()) return;
+  for (std::int64_t t = from; t < to; ++t) {
+    if ((t + 1) % paging_.block_size != 0) continue;
+    const std::int64_t logical = t / paging_.block_size;
+    const std::uint64_t key = key_of_block(b, logical);
+    for (int l = 0; l < config_.layers; ++l) {
+      const std::int64_t block = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][static_cast<std::size_t>(logical)];
+      if (block >= 0) blocks_[static_cast<std::size_t>(l)].register_full(block, key);
+    }
+  }
+}
+
+void PagedCache::free_behind_window(int b) {
+  for (int l = 0; l < config_.layers; ++l) {
+    const std::int64_t w = window(l);
+    if (w == 0) continue;
+    auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+    const std::int64_t first = std::min<std::int64_t>(first_live_block(lengths_[static_cast<std::size_t>(b)], w),
+                                                      static_cast<std::int64_t>(table.size()));
+    for (std::int64_t i = 0; i < first; ++i)
+      if (table[static_cast<std::size_t>(i)] >= 0) {
+        blocks_[static_cast<std::size_t>(l)].release(table[static_cast<std::size_t>(i)]);
+        table[static_cast<std::size_t>(i)] = -1;
+      }
+  }
+}
+
+void PagedCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
+  std::fill(hits_.begin(), hits_.end(), 0);
+  std::vector<std::int64_t> longest(lengths_.size());
+  for (std::size_t b = 0; b < lengths_.size(); ++b) longest[b] = lengths_[b];
+  cover_chunk(rope_, longest, chunk);
+  schedule(chunk);
+  for (int b = 0; b < batch(); ++b) {
+    Row& row = rows_[static_cast<std::size_t>(b)];
+    const auto end = static_cast<std::int64_t>(row.ids.size());
+    const std::int64_t step = chunk.forward > 0 ? chunk.forward : end;
+    for (std::int64_t first = lengths_[static_cast<std::size_t>(b)]; first < end; first += step) {
+      const std::int64_t count = std::min(step, end - first);
+      run_forward(chunk, out, log, b, first, count);
+      row.length = lengths_[static_cast<std::size_t>(b)] = first + count;
+      register_full_blocks(b, first, first + count);
+      free_behind_window(b);
+    }
+  }
+}
+
+void PagedCache::reorder(const std::vector<int>& rows) {
+  for (int l = 0; l < config_.layers; ++l) {
+    auto& old = tables_[static_cast<std::size_t>(l)];
+    std::vector<std::vector<std::int64_t>> next;
+    for (std::size_t b = 0; b < rows.size(); ++b) {
+      // Row b's new table starts as what row b held (empty for a new row), then takes its source's.
+      next.push_back(b < old.size() ? old[b] : std::vector<std::int64_t>{});
+      move_table(next.back(), old[static_cast<std::size_t>(rows[b])]);
+      for (std::int64_t block : next.back())
+        if (block >= 0) blocks_[static_cast<std::size_t>(l)].retain(block);
+    }
+    for (auto& table : old) release_table(l, table);
+    old = std::move(next);
+  }
+  lengths_ = gather(lengths_, rows);
+  rows_ = gather(rows_, rows);
+  hits_.assign(rows.size(), 0);
+}
+
+void PagedCache::reset(int batch) {
+  for (int l = 0; l < config_.layers; ++l) {
+    for (auto& table : tables_[static_cast<std::size_t>(l)]) release_table(l, table);
+    tables_[static_cast<std::size_t>(l)].assign(static_cast<std::size_t>(batch), {});
+  }
+  lengths_.assign(static_cast<std::size_t>(batch), 0);
+  rows_.assign(static_cast<std::size_t>(batch), Row{});
+  hits_.assign(static_cast<std::size_t>(batch), 0);
+}
+
+void PagedCache::free_rows(const std::vector<int>& rows) {
+  for (int b : rows) {
+    for (int l = 0; l < config_.layers; ++l)
+      release_table(l, tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)]);
+    lengths_[static_cast<std::size_t>(b)] = 0;
+    rows_[static_cast<std::size_t>(b)] = Row{};
+  }
+}
+
+void PagedCache::evict(std::int64_t count) {
+  for (BlockPool& pool : blocks_) pool.evict(count, forget_evicted());
+}
+
+// The cropped row's last token needs the window that ends at it, in every sliding layer.
+// Paging changes no refusal (SPEC 8): the rule is the policy's, though a block freed whole
+// may still hold an evicted token.
+void PagedCache::check_crop(std::int64_t length) const {
+  for (int l = 0; l < config_.layers; ++l) {
+    const std::int64_t w = window(l);
+    if (w == 0) continue;
+    for (int b = 0; b < batch(); ++b) {
+      const std::int64_t n = lengths_[static_cast<std::size_t>(b)];
+      if (n <= length || length == 0) continue;
+      const std::int64_t needed = std::max<std::int64_t>(0, length - w), kept = std::max<std::int64_t>(0, n - w);
+      if (needed < kept)
+        throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
+                                               std::to_string(needed) + " of row " + std::to_string(b) +
+                                               ", which this cache has evicted");
+    }
+  }
+}
+
+void PagedCache::crop(std::int64_t length) {
+  check_crop(length);
+  const std::int64_t B = paging_.block_size;
+  for (int b = 0; b < batch(); ++b) {
+    if (lengths_[static_cast<std::size_t>(b)] <= length) continue;
+    for (int l = 0; l < config_.layers; ++l) {
+      auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+      const std::size_t keep = static_cast<std::size_t>((length + B - 1) / B);
+      for (std::size_t i = keep; i < table.size(); ++i)
+        if (table[i] >= 0) blocks_[static_cast<std::size_t>(l)].release(table[i]);
+      if (table.size() > keep) table.resize(keep);
+      if (length % B != 0 && table[keep - 1] >= 0) {  // the block the row ends in loses its tail
+        make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
+        for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(static_cast<int>(table[keep - 1]), s);
+      }
+    }
+    Row& row = rows_[static_cast<std::size_t>(b)];
+    row.ids.resize(static_cast<std::size_t>(length));
+    if (static_cast<std::int64_t>(row.keys.size()) > length / B) row.keys.resize(static_cast<std::size_t>(length / B));
+    row.length = lengths_[static_cast<std::size_t>(b)] = length;
+  }
+}
+
+const PagedState* PagedCache::paged() const {
+  state_.block_size = paging_.block_size;
+  state_.layers.resize(static_cast<std::size_t>(config_.layers));
+  for (int l = 0; l < config_.layers; ++l) {
+    PagedState::Layer& layer = state_.layers[static_cast<std::size_t>(l)];
+    layer.pool = &pools_[static_cast<std::size_t>(l)];
+    layer.tables = tables_[static_cast<std::size_t>(l)];
+    layer.refcounts = blocks_[static_cast<std::size_t>(l)].refcounts();
+    layer.cached.resize(static_cast<std::size_t>(paging_.num_blocks));
+    for (std::int64_t blk = 0; blk < paging_.num_blocks; ++blk)
+      layer.cached[static_cast<std::size_t>(blk)] = blocks_[static_cast<std::size_t>(l)].registered(blk);
+  }
+  state_.hit_tokens = hits_;
+  return &state_;
+}
+
+}  // namespace kvcheck::optimized

@@ -1,0 +1,125 @@
+// A paged cache as vLLM keeps one (SPEC 8): per layer a pool of blocks of B slots, a block
+// table per row (token t lives in slot table[t / B] * B + t % B), refcounts, copy-on-write
+// when a row writes into a block another row references, a prefix index over full blocks
+// keyed by the chain of token ids and the row's extras (LRU eviction of blocks no row
+// references), window freeing on sliding layers, and chunked prefill. Keys are rotated
+// once, at their token index (full and sliding layers).
+//
+// A step is scheduled, then run, as an engine batches it: first every starting row takes
+// its prefix hit and every row gets the blocks its new tokens need; then each row's
+// forwards run; full blocks enter the prefix index only after the forward that wrote them.
+// The attention reads K and V through the table: each table entry is one source of B
+// contiguous slots per kv head.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "optimized/block_pool.h"
+#include "optimized/cache.h"
+
+namespace kvcheck::optimized {
+
+// What a checker reads of a paged cache (SPEC 8.8): per layer the pool, the block tables
+// and the refcounts; per row the prefix hit of the last append.
+struct PagedState {
+  std::int64_t block_size = 0;
+  struct Layer {
+    const SlotStore* pool = nullptr;                // rows are blocks: pool row b is block b
+    std::vector<std::vector<std::int64_t>> tables;  // [row][logical block]: block id, -1 for null
+    std::vector<std::int32_t> refcounts;            // [block]
+    std::vector<bool> cached;                       // [block]: in the prefix index
+  };
+  std::vector<Layer> layers;
+  std::vector<std::int64_t> hit_tokens;  // [row], the last append's
+};
+
+class PagedCache : public KvCache {
+ public:
+  explicit PagedCache(const CacheConfig& config);
+
+  void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override;
+  void reorder(const std::vector<int>& rows) override;
+  void reset(int batch) override;
+  void crop(std::int64_t length) override;
+  void check_crop(std::int64_t length) const override;
+  void free_rows(const std::vector<int>& rows) override;
+  void evict(std::int64_t blocks) override;
+  const SlotStore& slots() const override { return pools_[0]; }
+  const SlotStore& layer_slots(int layer) const override { return pools_[static_cast<std::size_t>(layer)]; }
+  std::int64_t row_length(int row) const override { return lengths_[static_cast<std::size_t>(row)]; }
+  int batch() const override { return static_cast<int>(lengths_.size()); }
+  const PagedState* paged() const override;
+
+ protected:
+  // The decisions a paged cache makes, one function each, so the zoo's mutants can make
+  // them wrongly (tools/zoo/paged_faulty_cache.h).
+
+  // The prefix-index key of a full block: the previous block's key, the block's ids, the
+  // row's extras (only the first block mixes them in, tagged).
+  virtual std::uint64_t block_key(std::uint64_t previous, std::span<const std::uint64_t> ids, const RowExtras& extras,
+                                  bool first) const;
+  // A full block enters the prefix index when it is allocated (true) or after the forward
+  // that writes it (false, the only safe choice).
+  virtual bool register_on_allocation() const { return false; }
+  // A write into a block that `refcount` rows reference, or that the prefix index holds,
+  // first copies it.
+  virtual bool copy_before_write(std::int32_t refcount, bool registered) const { return refcount > 1 || registered; }
+  // A prefix hit takes a reference on each block it reuses.
+  virtual bool hit_takes_reference() const { return true; }
+  // Row `to` takes row `from`'s table in a reorder.
+  virtual void move_table(std::vector<std::int64_t>& to, const std::vector<std::int64_t>& from) const { to = from; }
+  // Blocks below this index hold no token the window of a row of length n still sees.
+  virtual std::int64_t first_live_block(std::int64_t n, std::int64_t window) const;
+  // The first token index a query at t sees in a forward that starts at `forward_first`.
+  virtual std::int64_t window_begin(std::int64_t t, std::int64_t window, std::int64_t forward_first) const {
+    (void)forward_first;
+    return window == 0 ? 0 : t - window + 1;
+  }
+  // The position token t's key and query are rotated at.
+  virtual std::int64_t position_of(std::int64_t t, std::int64_t forward_first) const {
+    (void)forward_first;
+    return t;
+  }
+  // Evicting or reusing a cached block drops its index entry.
+  virtual bool forget_evicted() const { return true; }
+
+ private:
+  struct Row {
+    std::int64_t length = 0;
+    RowExtras extras;
+    std::vector<std::uint64_t> ids;   // every token id so far (the open block's complete a key)
+    std::vector<std::uint64_t> keys;  // prefix-index key of each full block
+  };
+
+  std::int64_t window(int layer) const;
+  void schedule(const Chunk& chunk);
+  void take_prefix_hit(int b, const Chunk& chunk);
+  void make_writable(int layer, int b, std::int64_t logical);
+  void ensure_block(int layer, int b, std::int64_t logical);
+  void run_forward(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log, int b, std::int64_t first,
+                   std::int64_t count);
+  void register_full_blocks(int b, std::int64_t from, std::int64_t to);
+  void free_behind_window(int b);
+  void release_table(int layer, std::vector<std::int64_t>& table);
+  void clear_block(int layer, std::int64_t block);
+  std::uint64_t key_of_block(int b, std::int64_t logical);
+
+  CacheConfig config_;
+  PagedLayout paging_;
+  RopeTable rope_;
+  AttentionKernel kernel_;
+  std::vector<PlannedQuery> plans_;
+  std::vector<SlotStore> pools_;                             // per layer: batch = blocks, capacity = B
+  std::vector<BlockPool> blocks_;                            // per layer
+  std::vector<std::vector<std::vector<std::int64_t>>> tables_;  // [layer][row][logical block]
+  std::vector<std::vector<std::vector<float>>> sink_logits_;   // per layer: that layer's alone
+  std::vector<std::int64_t> lengths_;
+  std::vector<Row> rows_;
+  std::vector<std::int64_t> hits_;  // tokens of the last append each row took from the prefix index
+  mutable PagedState state_;
+  std::vector<float> scratch_;
+};
+
+}  // namespace kvcheck::optimized
