@@ -59,6 +59,12 @@ double quantize_query_q8_0(QuantTransform transform, double* q, int d, std::int6
   return slack;
 }
 
+QuantizedRow quantize_key_at(const TensorQuant& format, QuantTransform transform, const Rope& rope, const float* raw,
+                             int d, int kv_head, std::int64_t position) {
+  std::vector<double> x = rotate(std::vector<double>(raw, raw + d), static_cast<double>(position), rope);
+  return quantize_held(format, transform, kv_head, x, position);
+}
+
 QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transform, const Rope& rope,
                                 const QuantizedRow& codes, int kv_head, std::int64_t from, std::int64_t to,
                                 std::vector<double>* dequantized) {

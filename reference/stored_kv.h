@@ -32,6 +32,11 @@ QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transf
                                 const QuantizedRow& codes, int kv_head, std::int64_t from, std::int64_t to,
                                 std::vector<double>* dequantized = nullptr);
 
+// A raw key (d floats) as a cache first stores it at `position`: rotated, rounded to
+// float32, transformed, quantized (what StoredKv::settle writes the first time).
+QuantizedRow quantize_key_at(const TensorQuant& format, QuantTransform transform, const Rope& rope, const float* raw,
+                             int d, int kv_head, std::int64_t position);
+
 // What a stored row stands for: its codes dequantized, the transform undone.
 void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out);
 

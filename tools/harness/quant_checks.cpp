@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <set>
 
 #include "reference/attention.h"
 #include "reference/quantize.h"
@@ -151,10 +152,69 @@ void QuantChecks::follow_rows(const Step& step) {
   move(held_values_);
 }
 
+// The positions the step's queries saw a key at, in order, ending at where it is kept: its
+// write (a new key) and every shift since, as the reference moved it.
+std::vector<std::int64_t> QuantChecks::positions_seen(const StepRecord& rec, std::size_t l, std::size_t b,
+                                                      const reference::RetainedKey& key) const {
+  std::vector<std::int64_t> path;
+  if (rec.append)
+    for (const auto& token : rec.append->rows[b])
+      for (const reference::VisibleKey& seen : token.view_in(static_cast<int>(l)).keys)
+        if (seen.index == key.index && (path.empty() || path.back() != seen.position)) path.push_back(seen.position);
+  if (path.empty() || path.back() != key.position) path.push_back(key.position);
+  return path;
+}
+
+std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(const StepRecord& rec, int l, int b, int g,
+                                                                           std::uint64_t uid,
+                                                                           const std::vector<std::int64_t>& path,
+                                                                           const optimized::UnpackedRow& stored) const {
+  (void)rec;
+  (void)b;
+  const KvQuant& q = *s_.kv_quant;
+  const int D = s_.dims.head_dim;
+  const reference::QuantizedRow written =
+      reference::quantize_key_at(*q.k, q.transform, s_.rope, inputs_.k_at(l, uid, g), D, g, path.front());
+  const reference::QuantizedRow want = as_row(stored);
+  int tried = 0;
+  for (std::size_t i = 0; i < written.codes.size() && tried < 16; ++i) {
+    if (i >= written.near_boundary.size() || !written.near_boundary[i]) continue;
+    ++tried;
+    for (const int step : {1, -1}) {
+      reference::QuantizedRow codes = written;
+      codes.codes[i] += step;
+      for (std::size_t k = 1; k < path.size(); ++k)
+        codes = reference::requantize_shifted(*q.k, q.transform, s_.rope, codes, g, path[k - 1], path[k]);
+      if (codes.codes == want.codes && codes.scales == want.scales) return codes;
+    }
+  }
+  return std::nullopt;
+}
+
 void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
   follow_rows(rec.step);
   diverged_.clear();
   if (rec.stored.empty()) return;
+  // Keys this cache holds with codes not the reference's, which the step's queries saw and
+  // the step then evicted: their outputs were over the held codes.
+  if (rec.append)
+    for (std::size_t l = 0; l < rec.stored.size(); ++l)
+      for (std::size_t b = 0; b < rec.append->rows.size(); ++b) {
+        std::set<std::uint64_t> kept, seen;
+        for (const auto& key : rec.retained_in(static_cast<int>(l), static_cast<int>(b)).keys) kept.insert(key.uid);
+        const auto& history = rec.histories[b];
+        for (const auto& token : rec.append->rows[b])
+          for (const reference::VisibleKey& key : token.view_in(static_cast<int>(l)).keys)
+            seen.insert(history[static_cast<std::size_t>(key.index)]);
+        for (std::uint64_t uid : seen) {
+          if (kept.count(uid)) continue;
+          for (int g = 0; g < s_.dims.kv_heads; ++g) {
+            const auto held = held_.find({static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(uid), g});
+            if (held != held_.end() && !held->second.as_reference)
+              diverged_[{static_cast<int>(l), static_cast<int>(b)}] += held->second.weight;
+          }
+        }
+      }
   const KvQuant& q = *s_.kv_quant;
   const int D = s_.dims.head_dim;
   std::vector<double> want(static_cast<std::size_t>(D)), got(static_cast<std::size_t>(D));
@@ -260,14 +320,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               expected.near_boundary.clear();
               expected.scale_near_boundary.clear();
             } else if (held != held_.end() && !held->second.as_reference) {
-              // Through every position the step's queries saw the key at, as the reference did.
-              std::vector<std::int64_t> path;
-              if (rec.append)
-                for (const auto& token : rec.append->rows[b])
-                  for (const reference::VisibleKey& key : token.view_in(static_cast<int>(l)).keys)
-                    if (key.index == retained[i].index && (path.empty() || path.back() != key.position))
-                      path.push_back(key.position);
-              if (path.empty() || path.back() != retained[i].position) path.push_back(retained[i].position);
+              const std::vector<std::int64_t> path = positions_seen(rec, l, b, retained[i]);
               expected = held->second.codes;
               std::int64_t at = held->second.position;
               for (const std::int64_t to : path) {
@@ -276,14 +329,21 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
                 at = to;
               }
             }
+            const reference::QuantizedRow stored_now = as_row(*slot.key_codes);
+            if (held == held_.end() && rec.append && !(stored_now.codes == expected.codes && stored_now.scales == expected.scales)) {
+              const std::vector<std::int64_t> path = positions_seen(rec, l, b, retained[i]);
+              if (path.size() > 1)
+                if (auto other = through_write_boundary(rec, static_cast<int>(l), static_cast<int>(b), g,
+                                                        retained[i].uid, path, *slot.key_codes)) {
+                  expected = std::move(*other);
+                  ++codes_on_boundary_;
+                }
+            }
             if (compare(*q.k, expected, *slot.key_codes, where, false)) {
-              const bool as_reference = as_row(*slot.key_codes).codes == h.key_codes.codes &&
-                                        as_row(*slot.key_codes).scales == h.key_codes.scales;
-              held_[id] = {retained[i].position, as_row(*slot.key_codes), as_reference};
-              if (!as_reference) {
-                const double w = weigh(*q.k, h.key_codes, *slot.key_codes, false);
-                diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
-              }
+              const bool as_reference = stored_now.codes == h.key_codes.codes && stored_now.scales == h.key_codes.scales;
+              const double w = as_reference ? 0.0 : weigh(*q.k, h.key_codes, *slot.key_codes, false);
+              held_[id] = {retained[i].position, stored_now, as_reference, w};
+              if (!as_reference) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
             }
           }
           if (q.v && slot.value_codes && compare(*q.v, h.value_codes, *slot.value_codes, where, true)) {

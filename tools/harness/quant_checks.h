@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -69,6 +70,8 @@ class QuantChecks {
     std::int64_t failures = 0;
     std::string first;
   };
+  std::vector<std::int64_t> positions_seen(const StepRecord& record, std::size_t layer, std::size_t row,
+                                           const reference::RetainedKey& key) const;
   // Keeps each key's accepted codes across a reorder or reset.
   void follow_rows(const Step& step);
 
@@ -79,7 +82,16 @@ class QuantChecks {
     std::int64_t position;
     reference::QuantizedRow codes;
     bool as_reference;  // the codes are the reference's own (no boundary taken the other way)
+    double weight = 0.0;  // how far outputs over them may move from R_stored (when not the reference's)
   };
+  // A key written and shifted within one step, whose stored codes are not the reference's:
+  // the codes of its write, never shown, may have taken a boundary the other way. Tries each
+  // such element's neighbouring code through the step's shifts; the codes that reproduce the
+  // stored ones, or nullopt.
+  std::optional<reference::QuantizedRow> through_write_boundary(const StepRecord& record, int layer, int row,
+                                                                int kv_head, std::uint64_t uid,
+                                                                const std::vector<std::int64_t>& path,
+                                                                const optimized::UnpackedRow& stored) const;
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
   std::map<HeldId, reference::QuantizedRow> held_values_;  // value codes accepted though not the reference's
   std::map<std::pair<int, int>, double> diverged_;  // (layer, row) whose codes are not the reference's this step
