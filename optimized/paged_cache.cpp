@@ -142,7 +142,8 @@ void PagedCache::take_prefix_hit(int b, const Chunk& chunk) {
   lengths_[static_cast<std::size_t>(b)] = row.length;
 }
 
-// Every starting row takes its hit; every row's new tokens get their blocks.
+// Row by row, as a scheduler admits requests: a starting row takes its hit, then every row's
+// new tokens get their blocks.
 void PagedCache::schedule(const Chunk& chunk) {
   const int B = batch();
   for (int b = 0; b < B; ++b) {
@@ -157,17 +158,12 @@ void PagedCache::schedule(const Chunk& chunk) {
       if (!chunk.extras.empty()) row.extras = chunk.extras[static_cast<std::size_t>(b)];
       take_prefix_hit(b, chunk);
     }
-  }
-  for (int b = 0; b < B; ++b) {
     const auto end = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size());
     const std::int64_t first = lengths_[static_cast<std::size_t>(b)];
     if (end == first) continue;
-    for (int l = 0; l < config_.layers; ++l) {
-      // A sliding layer needs no block whose tokens the first new token no longer sees.
-      const std::int64_t w = window(l);
-      const std::int64_t from = std::max(first / paging_.block_size, w == 0 ? 0 : first_live_block(first, w));
-      for (std::int64_t logical = from; logical * paging_.block_size < end; ++logical) ensure_block(l, b, logical);
-    }
+    for (int l = 0; l < config_.layers; ++l)
+      for (std::int64_t logical = first / paging_.block_size; logical * paging_.block_size < end; ++logical)
+        ensure_block(l, b, logical);
   }
 }
 
@@ -183,9 +179,13 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     const auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
     for (std::int64_t t = first; t < first + count; ++t) {
       const std::int64_t chunk_pos = pad + t - start;
-      const auto block = static_cast<int>(table[static_cast<std::size_t>(t / B)]);
+      const std::size_t entry = static_cast<std::size_t>(t / B);
+      if (entry >= table.size() || table[entry] < 0)
+        throw std::logic_error("layer " + std::to_string(l) + " row " + std::to_string(b) + ": no block for token " +
+                               std::to_string(t));
+      const auto block = static_cast<int>(table[entry]);
       const std::size_t token = (static_cast<std::size_t>(b) * chunk.length + chunk_pos) * Hkv;
-      const std::int64_t position = position_of(t, first);
+      const std::int64_t position = position_of(t, first, start);
       for (int g = 0; g < Hkv; ++g) {
         std::copy_n(chunk.k[l] + (token + g) * D, D, scratch_.data());
         rope_.rotate(scratch_.data(), position);
@@ -198,8 +198,8 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     plans_.clear();
     const std::int64_t w = window(l);
     for (std::int64_t t = first; t < first + count; ++t) {
-      const std::int64_t position = position_of(t, first);
-      plans_.push_back({pad + t - start, QueryPlan{t, 0, window_begin(t, w, first), position, position}});
+      const std::int64_t position = position_of(t, first, start);
+      plans_.push_back({pad + t - start, QueryPlan{t, 0, window_begin(t, w, first, start), position, position}});
     }
     std::vector<SlotSource> sources;
     for (std::int64_t block : table)

@@ -5,8 +5,8 @@
 // references), window freeing on sliding layers, and chunked prefill. Keys are rotated
 // once, at their token index (full and sliding layers).
 //
-// A step is scheduled, then run, as an engine batches it: first every starting row takes
-// its prefix hit and every row gets the blocks its new tokens need; then each row's
+// A step is scheduled, then run, as an engine batches it: first, row by row, a starting row
+// takes its prefix hit and every row gets the blocks its new tokens need; then each row's
 // forwards run; full blocks enter the prefix index only after the forward that wrote them.
 // The attention reads K and V through the table: each table entry is one source of B
 // contiguous slots per kv head.
@@ -72,14 +72,19 @@ class PagedCache : public KvCache {
   virtual void move_table(std::vector<std::int64_t>& to, const std::vector<std::int64_t>& from) const { to = from; }
   // Blocks below this index hold no token the window of a row of length n still sees.
   virtual std::int64_t first_live_block(std::int64_t n, std::int64_t window) const;
-  // The first token index a query at t sees in a forward that starts at `forward_first`.
-  virtual std::int64_t window_begin(std::int64_t t, std::int64_t window, std::int64_t forward_first) const {
+  // The first token index a query at t sees in a forward that starts at `forward_first` of
+  // an append that starts at `append_first`.
+  virtual std::int64_t window_begin(std::int64_t t, std::int64_t window, std::int64_t forward_first,
+                                    std::int64_t append_first) const {
     (void)forward_first;
+    (void)append_first;
     return window == 0 ? 0 : t - window + 1;
   }
-  // The position token t's key and query are rotated at.
-  virtual std::int64_t position_of(std::int64_t t, std::int64_t forward_first) const {
+  // The position token t's key and query are rotated at, in a forward that starts at token
+  // `forward_first` of an append that starts at `append_first`.
+  virtual std::int64_t position_of(std::int64_t t, std::int64_t forward_first, std::int64_t append_first) const {
     (void)forward_first;
+    (void)append_first;
     return t;
   }
   // Evicting or reusing a cached block drops its index entry.

@@ -347,13 +347,16 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.layer_holds_policy_of) return BugClass::layer_policy_swapped;
   if (!e.paged.empty()) return paged_class(e.paged);
   // A chunked append whose queries missed keys, or used other positions, than the reference's.
+  // A chunked append (SPEC 8.7): keys at other positions than the reference's, or queries
+  // that missed keys of the append and nothing else.
   const bool chunked = e.step < s.steps.size() && s.steps[e.step].chunk > 0;
-  if (chunked && e.slots.empty() && !e.pairs.empty()) {
-    if (any(e.pairs, [](const PairMismatch& p) { return p.expected && !p.actual; }) &&
-        !any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; }))
-      return BugClass::chunk_misses_past_keys;
-    if (any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual && *p.expected != *p.actual; }))
+  if (chunked) {
+    if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; }) ||
+        any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual && *p.expected != *p.actual; }))
       return BugClass::chunk_positions_wrong;
+    if (e.slots.empty() && !e.pairs.empty() &&
+        std::all_of(e.pairs.begin(), e.pairs.end(), [](const PairMismatch& p) { return p.expected && !p.actual; }))
+      return BugClass::chunk_misses_past_keys;
   }
   if (e.wrong_row_count)
     return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions

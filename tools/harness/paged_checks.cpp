@@ -57,6 +57,22 @@ void PagedChecks::check(const StepRecord& rec, CacheView& view, StepEvidence& ev
     for (std::size_t b = 0; b < view.uncomputed.size() && b < view.paged->hit_tokens.size(); ++b)
       view.uncomputed[b] = view.paged->hit_tokens[b];
   }
+  // The kernel's log names keys by the uid in their slot: a key another row wrote (a shared
+  // or hit block, freed or not since) is the row's own token when the context keys agree.
+  if (view.pairs) {
+    const auto uid_count = static_cast<std::uint64_t>(s_.token_ids.empty() ? ~0ull : s_.token_ids.size());
+    for (UsedPair& p : *view.pairs) {
+      if (p.row < 0 || static_cast<std::size_t>(p.row) >= rec.histories.size() || p.key_uid < 0 ||
+          static_cast<std::uint64_t>(p.key_uid) >= uid_count)
+        continue;
+      const RowHistory& history = rec.histories[static_cast<std::size_t>(p.row)];
+      if (p.key_index < 0 || static_cast<std::size_t>(p.key_index) >= history.size()) continue;
+      const std::uint64_t own = history[static_cast<std::size_t>(p.key_index)];
+      if (static_cast<std::uint64_t>(p.key_uid) != own &&
+          context_key(s_, static_cast<std::uint64_t>(p.key_uid)) == context_key(s_, own))
+        p.key_uid = static_cast<std::int64_t>(own);
+    }
+  }
   for (std::size_t l = 0; l < L; ++l) {
     check_refcounts(view, static_cast<int>(l), evidence);
     check_isolation(view, static_cast<int>(l), evidence);
@@ -250,10 +266,6 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
         if (theirs == own) continue;
         // Value identity by context key: the token is the row's own.
         for (ViewSlot* x : found->second) x->uid = static_cast<std::int64_t>(own);
-        if (l == 0 && view.pairs)
-          for (UsedPair& p : *view.pairs)
-            if (p.row == row && p.key_index == t && p.key_uid == static_cast<std::int64_t>(theirs))
-              p.key_uid = static_cast<std::int64_t>(own);
       }
     }
     // 8.8.2: no null entry where the row has a live token.

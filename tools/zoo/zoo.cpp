@@ -8,6 +8,7 @@
 #include "optimized/sliding_cache.h"
 #include "tools/harness/scenario.h"
 #include "tools/zoo/faulty_cache.h"
+#include "tools/zoo/paged_faulty_cache.h"
 #include "tools/zoo/quant_faulty_cache.h"
 
 namespace kvcheck {
@@ -91,6 +92,20 @@ ZooMutant quant_mutant(const char* name, zoo::QuantFault fault, std::function<bo
                      const bool sink = fault == zoo::QuantFault::shift_skips_quantized;
                      return zoo::make_quant_faulty_cache(config, fault, real_cache_for(config, sink));
                    }};
+  return {entry, wild, expected, std::move(fixtures)};
+}
+
+// A paged mutant: kvcheck's paged cache with one decision made wrongly; it serves what the
+// paged cache serves.
+ZooMutant paged_mutant(const char* name, zoo::PagedFault fault, const char* bug, const char* wild, BugClass expected,
+                       std::vector<std::string> fixtures) {
+  CacheEntry entry{std::string("zoo/") + name, bug,
+                   [](const Scenario& s) {
+                     return !s.kv_quant && std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
+                                                       [](const Policy& p) { return p.kind != PolicyKind::sink; });
+                   },
+                   [fault](const optimized::CacheConfig& config) { return zoo::make_paged_faulty_cache(config, fault); },
+                   Eviction::any};
   return {entry, wild, expected, std::move(fixtures)};
 }
 
@@ -224,6 +239,54 @@ const std::vector<ZooMutant>& zoo_mutants() {
           "llama.cpp's context shift with a quantized K cache, unsupported and then done by dequantize, rope, "
           "quantize (issues 5652, 7230, 9743; PR 5653)",
           BugClass::quant_key_not_rerotated, {"quant_q8_0_hadamard_context_shift"}),
+      // Paged caches (SPEC 8): planted in kvcheck's paged cache.
+      paged_mutant("key_without_extras", zoo::PagedFault::key_without_extras,
+                   "keys its prefix index by token ids alone, without the row's adapter and salt",
+                   "vLLM's automatic prefix caching without the LoRA id in the block hash (issue 3264), then with "
+                   "the LoRA name only (issue 30931)",
+                   BugClass::paged_hit_across_contexts, {"paged_adapters_and_salts"}),
+      paged_mutant("key_extras_untagged", zoo::PagedFault::key_extras_untagged,
+                   "mixes adapter and salt into the prefix key untagged, so adapter \"X\" is salt \"X\"",
+                   "vLLM v1's extra keys, where lora_name == cache_salt gave one first-block hash (issue 44701)",
+                   BugClass::paged_hit_across_contexts, {"paged_adapters_and_salts"}),
+      paged_mutant("register_before_write", zoo::PagedFault::register_before_write,
+                   "enters full blocks into the prefix index when they are allocated, before the forward writes them",
+                   "vLLM's cache_full_blocks registering a hash before the forward, so a request later in the same "
+                   "step read uninitialized memory (PR 37152, the invariant of PR 7822)",
+                   BugClass::paged_read_before_write, {"paged_same_prompt_in_one_step"}),
+      paged_mutant("share_partial_no_cow", zoo::PagedFault::share_partial_no_cow,
+                   "writes into a block other rows share (a fork's partly filled tail) without copying it first",
+                   "atlas' prefix cache handing a partial tail block to a second writer: \"a mix of two streams\" "
+                   "(issue 1193)",
+                   BugClass::paged_shared_block_written, {"paged_fork_then_prefix_hit"}),
+      paged_mutant("hit_without_reference", zoo::PagedFault::hit_without_reference,
+                   "puts the blocks of a prefix hit in the row's table without taking a reference on them",
+                   "atlas pushing a hit block into the table without a reference, so the donor's free underflows "
+                   "its count (issue 692)",
+                   BugClass::paged_refcount_mismatch, {"paged_fork_then_prefix_hit"}),
+      paged_mutant("move_row_stale_tail", zoo::PagedFault::move_row_stale_tail,
+                   "a reorder copies the source row's table entries over the destination's, leaving its old tail",
+                   "vLLM tt-plugin's BlockTable.move_row copying num_blocks entries and leaving the previous "
+                   "occupant's ids (PR 103)",
+                   BugClass::paged_stale_table_entry, {"paged_move_short_row"}),
+      paged_mutant("window_free_early", zoo::PagedFault::window_free_early,
+                   "frees the sliding window's blocks one block early: below floor((n - W + 1) / B) + 1",
+                   "vLLM v1 dropping one block too many from a sliding window's table (PR 17398)",
+                   BugClass::paged_block_freed_while_visible, {"paged_window_2b", "paged_window_2b_plus_1"}),
+      paged_mutant("chunk_keys_chunk_only", zoo::PagedFault::chunk_keys_chunk_only,
+                   "in a chunked prefill, a chunk's queries see only the chunk's own keys",
+                   "imp's chunked prefill attending within the chunk, never the cache (PR 114)",
+                   BugClass::chunk_misses_past_keys, {"paged_chunked_prefill"}),
+      paged_mutant("chunk_position_restart", zoo::PagedFault::chunk_position_restart,
+                   "in a chunked prefill, a later chunk's positions restart at 0",
+                   "transformers' _prefill taking position_ids from each chunk's cache_position (issue 43082); "
+                   "vLLM's M-RoPE positions sliced per chunk (PR 10388)",
+                   BugClass::chunk_positions_wrong, {"paged_chunked_prefill"}),
+      paged_mutant("evict_keeps_index", zoo::PagedFault::evict_keeps_index,
+                   "evicting or reusing a cached block leaves its prefix-index entry behind",
+                   "TensorRT-LLM's block reuse serving another prompt's context (issues 8274, 8813); llama-server's "
+                   "RAM prompt cache restoring an unrelated conversation (issue 27148)",
+                   BugClass::paged_stale_prefix_hit, {"paged_evict_then_repeat"}),
   };
   return mutants;
 }

@@ -1,0 +1,114 @@
+// SPEC 8: paging changes no output (every paged fixture against its unpaged twin), and the
+// pool's and the reference's bookkeeping on hand-worked cases.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+
+#include "optimized/block_pool.h"
+#include "reference/prefix_reuse.h"
+#include "tools/catalog/catalog.h"
+#include "tools/harness/cache_checks.h"
+#include "tools/harness/inputs.h"
+
+using namespace kvcheck;
+
+namespace {
+
+// The scenario without paging: the same steps, less what only a paged cache can do
+// (evict) or report (expect_hit).
+Scenario unpaged_twin(Scenario s) {
+  s.paging.reset();
+  std::vector<Step> steps;
+  for (Step step : s.steps) {
+    if (step.op == StepOp::evict) continue;
+    step.expect_hit.clear();
+    steps.push_back(std::move(step));
+  }
+  s.steps = std::move(steps);
+  return s;
+}
+
+std::vector<std::string> paged_fixtures() {
+  std::vector<std::string> out;
+  for (const std::string& file : scenario_files(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios"))
+    if (load_scenario(file).paging) out.push_back(file);
+  return out;
+}
+
+}  // namespace
+
+TEST(Paged, EveryPagedFixtureHasTheOutputsOfItsUnpagedTwin) {
+  const std::vector<std::string> fixtures = paged_fixtures();
+  ASSERT_GE(fixtures.size(), 8u);
+  for (const std::string& file : fixtures) {
+    const Scenario paged = load_scenario(file);
+    const Scenario twin = unpaged_twin(paged);
+    const InputTable inputs = load_inputs(paged), twin_inputs = load_inputs(twin);
+    ASSERT_EQ(inputs.k, twin_inputs.k) << file;
+    const ReferenceRun a = run_reference(paged, inputs), b = run_reference(twin, twin_inputs);
+    EXPECT_TRUE(a.problems.empty() && b.problems.empty()) << file;
+    std::vector<const reference::AppendResult*> appends_a, appends_b;
+    for (const StepRecord& r : a.steps)
+      if (r.append) appends_a.push_back(&*r.append);
+    for (const StepRecord& r : b.steps)
+      if (r.append) appends_b.push_back(&*r.append);
+    ASSERT_EQ(appends_a.size(), appends_b.size()) << file;
+    for (std::size_t i = 0; i < appends_a.size(); ++i) {
+      const auto& x = appends_a[i]->out;
+      const auto& y = appends_b[i]->out;
+      ASSERT_EQ(x.size(), y.size()) << file;
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(double)), 0) << file << " append " << i;
+    }
+    // Every cache that serves the twin passes it, and the paged cache passes the paged one.
+    for (const CacheEntry& cache : real_caches()) {
+      if (cache.serves(twin)) {
+        EXPECT_TRUE(check_cache(twin, twin_inputs, b, cache).passed()) << file << " " << cache.name;
+      }
+      if (cache.name == "paged") {
+        EXPECT_TRUE(check_cache(paged, inputs, a, cache).passed()) << file;
+      }
+    }
+  }
+}
+
+TEST(Paged, PoolEvictsLeastRecentlyReleasedFirstAndForgetsItsKey) {
+  optimized::BlockPool pool(3, true);
+  const auto a = *pool.allocate(), b = *pool.allocate(), c = *pool.allocate();
+  EXPECT_EQ(a, 0);  // the lowest free id first
+  EXPECT_FALSE(pool.allocate().has_value());
+  pool.register_full(a, 100);
+  pool.register_full(b, 200);
+  pool.release(b);  // cached first
+  pool.release(a);
+  pool.release(c);  // not registered: free at once
+  EXPECT_EQ(pool.free_count(), 1);
+  EXPECT_EQ(*pool.lookup(200), b);
+  EXPECT_EQ(*pool.allocate(), c);  // a free block before any cached one
+  EXPECT_EQ(*pool.allocate(), b);  // then the least recently released cached block ...
+  EXPECT_FALSE(pool.lookup(200).has_value());  // ... which leaves the index
+  EXPECT_EQ(*pool.lookup(100), a);
+  pool.retain(a);  // a hit takes it back from the cached list
+  EXPECT_EQ(pool.refcount(a), 1);
+  EXPECT_FALSE(pool.allocate().has_value());
+  pool.release(a);
+  pool.evict(-1);
+  EXPECT_FALSE(pool.lookup(100).has_value());
+  EXPECT_EQ(pool.free_count(), 1);
+}
+
+TEST(Paged, LargestHitIsWholeEarlierBlocksBelowTheLastToken) {
+  reference::PrefixBlocks blocks(4);
+  const std::vector<std::uint64_t> row = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // context keys of 10 tokens
+  blocks.written(row, 0);
+  // Blocks written in this step are not hittable yet.
+  EXPECT_EQ(blocks.largest_hit(row), 0);
+  blocks.end_step();
+  EXPECT_EQ(blocks.largest_hit(row), 8);  // two full blocks; the third is partial
+  EXPECT_EQ(blocks.largest_hit({1, 2, 3, 4, 5, 6, 7, 8}), 4);  // capped at floor(7 / 4) * 4
+  EXPECT_EQ(blocks.largest_hit({1, 2, 3, 4, 5, 6, 7, 99, 9}), 4);  // block 1 ends in another key
+  EXPECT_EQ(blocks.largest_hit({0, 2, 3, 4, 5}), 4);  // a block is named by its last key alone
+  blocks.keep_only({{1, 2, 3, 4}});
+  EXPECT_EQ(blocks.largest_hit(row), 4);
+}

@@ -1,0 +1,60 @@
+#include "tools/zoo/paged_faulty_cache.h"
+
+#include <algorithm>
+
+#include "optimized/paged_cache.h"
+
+namespace kvcheck::zoo {
+
+namespace {
+
+using optimized::RowExtras;
+
+class FaultyPagedCache : public optimized::PagedCache {
+ public:
+  FaultyPagedCache(const optimized::CacheConfig& config, PagedFault fault) : PagedCache(config), fault_(fault) {}
+
+ protected:
+  std::uint64_t block_key(std::uint64_t previous, std::span<const std::uint64_t> ids, const RowExtras& extras,
+                          bool first) const override {
+    if (fault_ == PagedFault::key_without_extras) return PagedCache::block_key(previous, ids, RowExtras{}, first);
+    if (fault_ == PagedFault::key_extras_untagged)  // "X" as an adapter or as a salt: the same bytes
+      return PagedCache::block_key(previous, ids, RowExtras{extras.adapter + extras.salt, ""}, first);
+    return PagedCache::block_key(previous, ids, extras, first);
+  }
+  bool register_on_allocation() const override { return fault_ == PagedFault::register_before_write; }
+  bool copy_before_write(std::int32_t refcount, bool registered) const override {
+    return fault_ == PagedFault::share_partial_no_cow ? registered
+                                                      : PagedCache::copy_before_write(refcount, registered);
+  }
+  bool hit_takes_reference() const override { return fault_ != PagedFault::hit_without_reference; }
+  void move_table(std::vector<std::int64_t>& to, const std::vector<std::int64_t>& from) const override {
+    if (fault_ != PagedFault::move_row_stale_tail) return PagedCache::move_table(to, from);
+    if (to.size() < from.size()) to.resize(from.size(), -1);
+    std::copy(from.begin(), from.end(), to.begin());  // the entries past from's end stay
+  }
+  std::int64_t first_live_block(std::int64_t n, std::int64_t window) const override {
+    return PagedCache::first_live_block(n, window) + (fault_ == PagedFault::window_free_early ? 1 : 0);
+  }
+  std::int64_t window_begin(std::int64_t t, std::int64_t window, std::int64_t forward_first,
+                            std::int64_t append_first) const override {
+    const std::int64_t begin = PagedCache::window_begin(t, window, forward_first, append_first);
+    const bool later_chunk = forward_first > append_first;  // decodes and first chunks are right
+    return fault_ == PagedFault::chunk_keys_chunk_only && later_chunk ? std::max(begin, forward_first) : begin;
+  }
+  std::int64_t position_of(std::int64_t t, std::int64_t forward_first, std::int64_t append_first) const override {
+    return fault_ == PagedFault::chunk_position_restart ? t - (forward_first - append_first) : t;
+  }
+  bool forget_evicted() const override { return fault_ != PagedFault::evict_keeps_index; }
+
+ private:
+  PagedFault fault_;
+};
+
+}  // namespace
+
+std::unique_ptr<optimized::KvCache> make_paged_faulty_cache(const optimized::CacheConfig& config, PagedFault fault) {
+  return std::make_unique<FaultyPagedCache>(config, fault);
+}
+
+}  // namespace kvcheck::zoo
