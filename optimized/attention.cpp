@@ -343,7 +343,8 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
     block.slots.clear();
     for (const SlotSource& src : sources) {
       const SlotMeta* meta = src.store->row_meta(src.row);
-      for (std::int64_t s = 0; s < src.store->capacity(); ++s) {
+      const std::int64_t end = src.count < 0 ? src.store->capacity() : src.first + src.count;
+      for (std::int64_t s = src.first; s < end; ++s) {
         if (meta[s].uid < 0) continue;
         for (std::size_t j = 0; j < block.count; ++j)
           if (sees(queries[block.first + j].plan, meta[s].index)) {

@@ -48,9 +48,13 @@ struct KernelShape {
   const std::vector<std::vector<float>>* sink_logits = nullptr;
 };
 
+// Slots a query may read: a row of a store, or `count` slots of it from `first` (a block of
+// a paged pool).
 struct SlotSource {
   const SlotStore* store;
   int row;
+  std::int64_t first = 0;
+  std::int64_t count = -1;  // -1: to the row's end
 };
 
 // A query of the chunk: its position in the chunk and what it sees.

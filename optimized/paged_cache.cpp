@@ -28,8 +28,10 @@ PagedCache::PagedCache(const CacheConfig& config)
       rope_(config.rope),
       kernel_(config.threads) {
   for (int l = 0; l < config.layers; ++l) {
+    // One row of every block's slots: a kv head's blocks lie end to end, as a contiguous
+    // cache's slots do, so reading a row's blocks in order streams like reading one run.
     pools_.emplace_back(1, config.kv_heads, config.head_dim, key_format(config), value_format(config));
-    pools_.back().reset(static_cast<int>(paging_.num_blocks), paging_.block_size);
+    pools_.back().reset(1, paging_.num_blocks * paging_.block_size);
     blocks_.emplace_back(paging_.num_blocks, paging_.prefix_cache);
     sink_logits_.push_back(config.sink_logits.empty()
                                ? std::vector<std::vector<float>>{}
@@ -69,7 +71,7 @@ std::uint64_t PagedCache::key_of_block(int b, std::int64_t logical) {
 
 void PagedCache::clear_block(int layer, std::int64_t block) {
   SlotStore& pool = pools_[static_cast<std::size_t>(layer)];
-  for (std::int64_t s = 0; s < paging_.block_size; ++s) pool.clear_slot(static_cast<int>(block), s);
+  for (std::int64_t s = 0; s < paging_.block_size; ++s) pool.clear_slot(0, block * paging_.block_size + s);
 }
 
 void PagedCache::release_table(int layer, std::vector<std::int64_t>& table) {
@@ -105,7 +107,7 @@ void PagedCache::make_writable(int layer, int b, std::int64_t logical) {
                                              std::to_string(entry) + " before a write");
   SlotStore& store = pools_[static_cast<std::size_t>(layer)];
   for (std::int64_t s = 0; s < paging_.block_size; ++s)
-    store.copy_slot(store, static_cast<int>(entry), s, static_cast<int>(*copy), s);
+    store.copy_slot(store, 0, entry * paging_.block_size + s, 0, *copy * paging_.block_size + s);
   pool.release(entry);
   entry = *copy;
 }
@@ -183,16 +185,16 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
       if (entry >= table.size() || table[entry] < 0)
         throw std::logic_error("layer " + std::to_string(l) + " row " + std::to_string(b) + ": no block for token " +
                                std::to_string(t));
-      const auto block = static_cast<int>(table[entry]);
+      const std::int64_t slot = table[entry] * B + t % B;
       const std::size_t token = (static_cast<std::size_t>(b) * chunk.length + chunk_pos) * Hkv;
       const std::int64_t position = position_of(t, first, start);
       for (int g = 0; g < Hkv; ++g) {
         std::copy_n(chunk.k[l] + (token + g) * D, D, scratch_.data());
         rope_.rotate(scratch_.data(), position);
-        pool.write_key(0, block, g, t % B, scratch_.data());
-        pool.write_value(0, block, g, t % B, chunk.v[l] + (token + g) * D);
+        pool.write_key(0, 0, g, slot, scratch_.data());
+        pool.write_value(0, 0, g, slot, chunk.v[l] + (token + g) * D);
       }
-      pool.meta(block, t % B) = {chunk.uids[b * chunk.length + chunk_pos], t, position};
+      pool.meta(0, slot) = {chunk.uids[b * chunk.length + chunk_pos], t, position};
     }
     if (out.empty()) continue;
     plans_.clear();
@@ -203,7 +205,7 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     }
     std::vector<SlotSource> sources;
     for (std::int64_t block : table)
-      if (block >= 0) sources.push_back({&pool, static_cast<int>(block)});
+      if (block >= 0) sources.push_back({&pool, 0, block * B, B});
     const auto& logits = sink_logits_[static_cast<std::size_t>(l)];
     const KernelShape shape{1, config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale,
                             logits.empty() ? nullptr : &logits};
@@ -334,7 +336,7 @@ void PagedCache::crop(std::int64_t length) {
       if (table.size() > keep) table.resize(keep);
       if (length % B != 0 && table[keep - 1] >= 0) {  // the block the row ends in loses its tail
         make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
-        for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(static_cast<int>(table[keep - 1]), s);
+        for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(0, table[keep - 1] * B + s);
       }
     }
     Row& row = rows_[static_cast<std::size_t>(b)];

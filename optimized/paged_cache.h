@@ -26,7 +26,7 @@ namespace kvcheck::optimized {
 struct PagedState {
   std::int64_t block_size = 0;
   struct Layer {
-    const SlotStore* pool = nullptr;                // rows are blocks: pool row b is block b
+    const SlotStore* pool = nullptr;                // one row: block b's slots are b * B .. b * B + B - 1
     std::vector<std::vector<std::int64_t>> tables;  // [row][logical block]: block id, -1 for null
     std::vector<std::int32_t> refcounts;            // [block]
     std::vector<bool> cached;                       // [block]: in the prefix index

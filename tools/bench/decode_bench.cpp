@@ -9,6 +9,8 @@
 //   DecodeQuant/<format>/H32/W<window>/t<threads>  the dynamic cache's decode step with K and V
 //                                                  stored quantized (SPEC 9): q8_0, fp8_e4m3
 //   ReadKVQuant/<format>/W<window>/t<threads>      its floor: the stored bytes read once
+//   DecodePaged/<policy>/H32/W<window>/t<threads>  the paged cache's decode step (blocks of 16,
+//                                                  SPEC 8), against Decode/dynamic or /sliding
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "optimized/dense_cache.h"
+#include "optimized/paged_cache.h"
 #include "optimized/row_codec.h"
 #include "optimized/sink_ring_cache.h"
 #include "optimized/sink_shift_cache.h"
@@ -175,6 +178,29 @@ void decode_quant(benchmark::State& state, const std::string& format, Shape shap
   }
 }
 
+// The paged cache's decode step with `window` tokens cached: full attention (cropped back
+// outside the timed region, as the dense caches are) or a sliding window, evicting.
+void decode_paged(benchmark::State& state, bool sliding, Shape shape) {
+  CacheConfig c = config(shape, 0);
+  if (!sliding) c.window = 0;
+  c.paging = PagedLayout{16, shape.window / 16 + 8, false};
+  PagedCache cache(c);
+  Feed feed(shape.heads, kFillChunk);
+  const std::int64_t fill = sliding ? shape.window + 8 : shape.window - 1;
+  for (std::int64_t done = 0; done < fill; done += kFillChunk)
+    feed.append(cache, std::min(kFillChunk, fill - done), /*fill_only=*/true);
+  for (auto _ : state) {
+    feed.append(cache, 1);
+    benchmark::DoNotOptimize(feed.out.data());
+    if (!sliding) {
+      state.PauseTiming();
+      cache.crop(shape.window - 1);
+      state.ResumeTiming();
+    }
+  }
+  state.SetBytesProcessed(state.iterations() * kv_bytes(shape.window));
+}
+
 // Its floor: every kv head's W stored key and value rows read once.
 void read_kv_quant(benchmark::State& state, const std::string& format, Shape shape) {
   const std::size_t run = static_cast<std::size_t>(shape.window) * row_bytes(quant_format(format), kHeadDim) / 4;
@@ -234,6 +260,15 @@ int register_all() {
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
       }
+  for (const std::int64_t window : {4096, 32768})
+    for (const int threads : {1, 2})
+      for (const bool sliding : {false, true})
+        RegisterBenchmark(("DecodePaged/" + std::string(sliding ? "sliding" : "full") + "/H32/W" +
+                           std::to_string(window) + "/t" + std::to_string(threads))
+                              .c_str(),
+                          decode_paged, sliding, Shape{32, window, threads})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
   // The sink cache's window holds the whole prompt, so each query sees the keys a
   // dynamic cache gives it.
   for (const int threads : {1, 2})

@@ -117,22 +117,22 @@ std::vector<ViewLayer> paged_layers(const optimized::PagedState& paged, const st
     if (!out.empty()) layer.out = out[l].data();
     layer.slots.assign(tables.size(), std::vector<std::vector<ViewSlot>>(static_cast<std::size_t>(G)));
     const bool convert = !pool.plain_float32();
-    if (convert) storage[l].resize(static_cast<std::size_t>(pool.batch()) * G * B * D);
+    if (convert) storage[l].resize(static_cast<std::size_t>(pool.capacity()) * G * D);
     for (std::size_t b = 0; b < tables.size(); ++b)
       for (std::int64_t block : tables[b]) {
         if (block < 0) continue;
-        for (std::int64_t s = 0; s < B; ++s) {
-          const SlotMeta& m = pool.meta(static_cast<int>(block), s);
+        for (std::int64_t slot = block * B; slot < block * B + B; ++slot) {
+          const SlotMeta& m = pool.meta(0, slot);
           if (m.uid < 0) continue;
           for (int g = 0; g < G; ++g) {
-            const float* key = static_cast<const float*>(pool.key(0, static_cast<int>(block), g, s));
+            const float* key = static_cast<const float*>(pool.key(0, 0, g, slot));
             if (convert) {
-              float* x = storage[l].data() + ((static_cast<std::size_t>(block) * G + g) * B + s) * D;
-              pool.read_key(0, static_cast<int>(block), g, s, x);
+              float* x = storage[l].data() + (static_cast<std::size_t>(g) * pool.capacity() + slot) * D;
+              pool.read_key(0, 0, g, slot, x);
               key = x;
             }
             layer.slots[b][static_cast<std::size_t>(g)].push_back(
-                ViewSlot{block * B + s, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
+                ViewSlot{slot, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
           }
         }
       }
