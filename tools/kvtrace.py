@@ -232,11 +232,27 @@ class TraceWriter:
         out [B, H, n, D] and rotated q [B, H, n, D]. A quantized cache (SPEC 9.3) may give
         k_codes / v_codes [B, Hkv, slots, D] (integers, written as int8 or uint8, one code a
         byte), k_scales / v_scales [B, Hkv, slots, groups] and k_zero / v_zero, with or
-        without keys and values: kvcheck dequantizes what is left out."""
+        without keys and values: kvcheck dequantizes what is left out.
+
+        A paged cache (SPEC 8.9) gives "paged" instead of keys and values: a dict with
+        block_size, layout ("NHD": pool [blocks, B, Hkv, D] as vLLM; "HND": [blocks, Hkv, B, D]
+        as FlashInfer), key_cache and value_cache (the pools), block_table [B, max_blocks]
+        (-1 for null), and optionally refcount [blocks] and hit_tokens [B] (written int32)."""
         index = len(self.manifest["steps"])
         entry = []
         for l, tensors in enumerate(layers):
             files = {}
+            paged = tensors.get("paged")
+            if paged is not None:
+                files["paged"] = {"block_size": int(paged["block_size"]), "layout": paged["layout"]}
+                for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens"):
+                    if paged.get(name) is None:
+                        continue
+                    file = "step%03d_l%d_%s.npy" % (index, l, name)
+                    x = to_numpy(paged[name])
+                    x = x.astype(self.dtype if name.endswith("_cache") else np.int32)
+                    np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
+                    files["paged"][name] = file
             for name in ("keys", "values", "out", "q", "k_codes", "k_scales", "k_zero", "v_codes", "v_scales",
                          "v_zero"):
                 if tensors.get(name) is None:

@@ -10,6 +10,7 @@
 
 #include "reference/quantize.h"
 #include "tools/harness/atomic_dir.h"
+#include "tools/harness/content_keys.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
 #include "tools/harness/safe_file.h"
@@ -201,7 +202,20 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
         // Pq of each appended token: lets a driver rotate new keys and queries where the
         // policy puts them (kvtrace's positions="policy").
         rows.push_back({{"uids", uids}, {"indices", indices}, {"query_positions", query_positions}});
+        // SPEC 8: what a paged cache keys its prefix index by (scenarios that use them only,
+        // so every other export stays as it was).
+        if (s.paging || s.content == Content::prefix) {
+          json ids = json::array();
+          for (const auto& token : row) ids.push_back(token_id(s, token.uid));
+          rows.back()["ids"] = ids;
+          const std::size_t b = rows.size() - 1;
+          if (b < r.step.extras.size())
+            rows.back()["extra"] = {{"adapter", r.step.extras[b].adapter}, {"salt", r.step.extras[b].salt}};
+          if (b < r.step.expect_hit.size() && r.step.expect_hit[b])
+            rows.back()["expect_hit"] = {{"min", r.step.expect_hit[b]->min}, {"max", r.step.expect_hit[b]->max}};
+        }
       }
+      if (r.step.chunk > 0) step["forward"] = r.step.chunk;
       step["chunk"] = n;
       step["rows"] = rows;
       step["out"] = step_stem(i) + "_out.npy";
@@ -215,6 +229,9 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     if (!r.stored.empty()) write_stored_codes(dir.path(), step_stem(i), s, r, step);
     if (r.step.op == StepOp::reorder) step["rows_from"] = r.step.rows;
     if (r.step.op == StepOp::crop) step["length"] = r.step.length;
+    if (r.step.op == StepOp::free_rows) step["rows_freed"] = r.step.rows;
+    if (r.step.op == StepOp::evict) step["blocks"] = r.step.evict_blocks;  // -1: all
+
     if (!r.step.expect_error.empty()) step["expect_error"] = r.step.expect_error;
     if (!r.refused.empty()) step["refused"] = r.refused;
     step["cache"] = step_stem(i) + "_cache.json";
@@ -230,9 +247,14 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                    {"rope", rope_json(s.rope)},
                    {"policy", policy_json(s.policy)},
                    {"softmax_scale", s.softmax_scale()},
+
                    {"uids", inputs.uids},
                    {"inputs", {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}}},
                    {"steps", steps}};
+  if (s.paging)
+    manifest["paging"] = {{"block_size", s.paging->block_size},
+                          {"num_blocks", s.paging->num_blocks},
+                          {"prefix_cache", s.paging->prefix_cache}};
   if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
   if (s.kv_dtype != KvDtype::float32) manifest["kv_dtype"] = to_string(s.kv_dtype);
   if (s.kv_quant) manifest["kv_quant"] = kv_quant_json(*s.kv_quant, s.dims.head_dim);

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "tools/harness/content_keys.h"
+#include "tools/harness/step_checker.h"
 
 namespace kvcheck {
 
@@ -38,10 +39,14 @@ std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> conte
 
 void PagedChecks::fail(StepEvidence& evidence, PagedIssue issue) {
   ++tally_.failures;
-  const std::string text =
-      fmt::format("{}: layer {} row {}{}{}: {}", evidence.label, issue.layer, issue.row,
-                  issue.logical >= 0 ? fmt::format(" table entry {}", issue.logical) : std::string(),
-                  issue.block >= 0 ? fmt::format(" (block {})", issue.block) : std::string(), issue.detail);
+  const std::string text = fmt::format(
+      "{}: layer {}{}{}{}: {}", evidence.label, issue.layer,
+      issue.row >= 0 ? fmt::format(" row {}", issue.row) : std::string(),
+      issue.logical >= 0 ? fmt::format(" table entry {}", issue.logical) : std::string(),
+      issue.block < 0        ? std::string()
+      : issue.logical >= 0 ? fmt::format(" (block {})", issue.block)
+                           : fmt::format(" block {}", issue.block),
+      issue.detail);
   if (tally_.first.empty()) tally_.first = text;
   if (evidence.paged.size() < 64) evidence.paged.push_back(std::move(issue));
 }
@@ -234,10 +239,12 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
                                         block, B, o)});
           continue;
         }
-        if (v->claimed_index && *v->claimed_index != t) {
+        // The token index the slot says (in-process) or its uid's place in the row (traces).
+        const std::int64_t index = v->claimed_index ? *v->claimed_index : index_of(history, v->uid);
+        if (index >= 0 && index != t) {
           fail(evidence, {K::slot_mapping, l, row, logical, block, slot,
                           fmt::format("slot {} = {} * {} + {} holds token {}, where token {} belongs", slot, block,
-                                      B, o, *v->claimed_index, t)});
+                                      B, o, index, t)});
           continue;
         }
         const std::uint64_t own = history[static_cast<std::size_t>(t)];
@@ -284,7 +291,8 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
     for (std::int64_t t : retained) kept_blocks.insert(t / B);
     for (auto& head : slots.slots[b])
       std::erase_if(head, [&](const ViewSlot& v) {
-        return v.claimed_index && !retained.count(*v.claimed_index) && kept_blocks.count(*v.claimed_index / B);
+        const std::int64_t index = v.claimed_index ? *v.claimed_index : index_of(history, v.uid);
+        return index >= 0 && !retained.count(index) && kept_blocks.count(index / B);
       });
   }
 }

@@ -17,6 +17,7 @@
 #include "tools/harness/inputs.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
+#include "tools/harness/paged_trace.h"
 #include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
 #include "tools/harness/safe_file.h"
@@ -33,6 +34,7 @@ struct TraceFiles {
   // SPEC 9.3, optional: a quantized cache's codes [B, Hkv, slots, D], scales and zero points
   // [B, Hkv, slots, groups], per tensor.
   std::string codes[2], scales[2], zeros[2];  // [0] keys, [1] values
+  std::optional<PagedTraceFiles> paged;       // SPEC 8.9: a pool and block tables instead of keys and values
 };
 
 struct TraceStep {
@@ -47,6 +49,48 @@ struct Trace {
   Eviction eviction = Eviction::any;
   std::vector<TraceStep> steps;
 };
+
+// A layer's "paged" entry (SPEC 8.9): block_size, layout, key_cache, value_cache,
+// block_table, and optionally refcount and hit_tokens.
+PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std::string& dir,
+                                 const std::string& manifest, const Scenario& s) {
+  auto fail = [&](const std::string& path, const std::string& why) { throw InputError(manifest, path, why); };
+  if (!j.is_object()) fail(p, "expected an object");
+  static const std::set<std::string> known = {"block_size",  "layout",   "key_cache", "value_cache",
+                                              "block_table", "refcount", "hit_tokens", "slot_mapping"};
+  for (const auto& [key, value] : j.items())
+    if (!known.count(key))
+      fail(p + "/" + key, "unknown key (expected block_size, layout, key_cache, value_cache, block_table, refcount, "
+                          "hit_tokens)");
+  if (j.contains("slot_mapping"))
+    fail(p + "/slot_mapping", "slot_mapping is in SPEC 8.9, but kvcheck does not read it yet: leave it out (the "
+                              "tables and the pool say where every token went)");
+  if (s.kv_quant) fail(p, "a paged trace of a quantized cache is not read yet (SPEC 8.9 with 9.3)");
+  PagedTraceFiles f;
+  if (!j.contains("block_size") || !j["block_size"].is_number_integer() || j["block_size"].get<std::int64_t>() < 1 ||
+      j["block_size"].get<std::int64_t>() > 65536)
+    fail(p + "/block_size", "expected an integer from 1 to 65536");
+  f.block_size = j["block_size"].get<std::int64_t>();
+  if (s.paging && f.block_size != s.paging->block_size)
+    fail(p + "/block_size", fmt::format("expected the scenario's block size {}, got {}", s.paging->block_size, f.block_size));
+  if (!j.contains("layout") || !j["layout"].is_string() || (j["layout"] != "NHD" && j["layout"] != "HND"))
+    fail(p + "/layout", "expected \"NHD\" ([blocks, B, Hkv, D], vLLM) or \"HND\" ([blocks, Hkv, B, D], FlashInfer)");
+  f.head_major = j["layout"] == "HND";
+  auto file = [&](const char* key, bool required) -> std::string {
+    if (!j.contains(key)) {
+      if (required) fail(p + "/" + key, "missing required field (a file name)");
+      return "";
+    }
+    if (!j[key].is_string()) fail(p + "/" + key, "expected a file name");
+    return resolve_inside(dir, j[key].get<std::string>(), manifest, p + "/" + key);
+  };
+  f.key_cache = file("key_cache", true);
+  f.value_cache = file("value_cache", true);
+  f.block_table = file("block_table", true);
+  f.refcount = file("refcount", false);
+  f.hit_tokens = file("hit_tokens", false);
+  return f;
+}
 
 Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps) {
   Trace t;
@@ -119,14 +163,23 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         const std::string lp = fmt::format("{}/layers/{}", p, l);
         if (!ls[l].is_object()) fail(lp, "expected an object of file names");
         for (const auto& [key, value] : ls[l].items()) {
-          static const std::set<std::string> known = {"keys",     "values",   "out",    "q",      "k_codes",
-                                                      "k_scales", "k_zero",   "v_codes", "v_scales", "v_zero"};
+          static const std::set<std::string> known = {"keys",    "values",   "out",    "q",      "k_codes", "k_scales",
+                                                      "k_zero",  "v_codes",  "v_scales", "v_zero", "paged"};
           if (!known.count(key))
             fail(lp + "/" + key, "unknown key (expected keys, values, out, q, k_codes, k_scales, k_zero, v_codes, "
-                                 "v_scales, v_zero)");
-          if (!value.is_string()) fail(lp + "/" + key, "expected a file name");
+                                 "v_scales, v_zero, paged)");
+          if (key != "paged" && !value.is_string()) fail(lp + "/" + key, "expected a file name");
         }
         TraceFiles f;
+        if (ls[l].contains("paged")) {  // SPEC 8.9: the pool and tables stand for keys and values
+          f.paged = read_paged_entry(ls[l]["paged"], lp + "/paged", dir, t.manifest_path, s);
+          for (const char* key : {"keys", "values", "k_codes", "v_codes"})
+            if (ls[l].contains(key)) fail(lp + "/" + key, "a paged layer gives its pool under \"paged\", not " + std::string(key));
+          if (ls[l].contains("out")) f.out = resolve_inside(dir, ls[l]["out"].get<std::string>(), t.manifest_path, lp + "/out");
+          if (ls[l].contains("q")) f.q = resolve_inside(dir, ls[l]["q"].get<std::string>(), t.manifest_path, lp + "/q");
+          layers.push_back(f);
+          continue;
+        }
         // Keys and values, unless their codes stand in for them (SPEC 9.3: then the checker
         // dequantizes).
         for (const char* key : {"keys", "values"})
@@ -259,8 +312,7 @@ class TraceSource {
       return view;
     }
     const auto B = rec.retained.size();
-    const auto Hkv = static_cast<std::size_t>(s_.dims.kv_heads), H = static_cast<std::size_t>(s_.dims.heads),
-               D = static_cast<std::size_t>(s_.dims.head_dim);
+    const auto Hkv = static_cast<std::size_t>(s_.dims.kv_heads), D = static_cast<std::size_t>(s_.dims.head_dim);
     view.batch = static_cast<int>(B);
     // A bfloat16 cache dumps float32 tensors (exactly): the scenario's kv_dtype says how far
     // its values may be from the raw ones, whatever the file's word size.
@@ -268,6 +320,17 @@ class TraceSource {
     view.storage.reserve(4 * step.layers.size());
     for (std::size_t l = 0; l < step.layers.size(); ++l) {
       const TraceFiles& f = step.layers[l];
+      if (f.paged) {
+        if (!view.paged) view.paged.emplace();
+        ViewLayer layer;
+        const IdentifyValue id = [&](std::size_t row, int g, const float* v) {
+          return identify(static_cast<int>(l), g, v, rec.histories[row], view.roundoff);
+        };
+        read_paged_layer(*f.paged, B, Hkv, D, id, layer, *view.paged, l, view.storage, view.roundoff);
+        outputs_and_queries(rec, f, layer, view);
+        view.layers.push_back(std::move(layer));
+        continue;
+      }
       std::optional<NpyArray<float>> key_file;
       std::size_t slots = 0;
       if (!f.keys.empty()) {
@@ -342,28 +405,34 @@ class TraceSource {
               }
             layer.slots[b][g].push_back(s);
           }
-      if (rec.append) {
-        const auto n = static_cast<std::size_t>(rec.append->chunk);
-        if (!f.out.empty()) {
-          const NpyArray<float> out = load(f.out, {B, H, n, D}, "out [B, H, n, D]", false, view.roundoff);
-          view.storage.push_back(to_token_major(out.data, B, H, n, D));
-          layer.out = view.storage.back().data();
-        }
-        if (!f.q.empty()) {
-          // The query's own precision: the storage's (a quantized cache still computes in it) or the file's.
-          view.query_roundoff = std::max(view.query_roundoff, unit_roundoff(s_.kv_dtype));
-          const NpyArray<float> q = load(f.q, {B, H, n, D}, "q [B, H, n, D]", false, view.query_roundoff);
-          view.roundoff = std::max(view.roundoff, view.query_roundoff);
-          view.storage.push_back(to_token_major(q.data, B, H, n, D));
-          layer.q = view.storage.back().data();
-        }
-      }
+      outputs_and_queries(rec, f, layer, view);
       view.layers.push_back(std::move(layer));
     }
     return view;
   }
 
  private:
+  // An append step's outputs and rotated queries, when the trace gives them.
+  void outputs_and_queries(const StepRecord& rec, const TraceFiles& f, ViewLayer& layer, CacheView& view) {
+    if (!rec.append) return;
+    const auto B = rec.retained.size(), H = static_cast<std::size_t>(s_.dims.heads),
+               D = static_cast<std::size_t>(s_.dims.head_dim);
+    const auto n = static_cast<std::size_t>(rec.append->chunk);
+    if (!f.out.empty()) {
+      const NpyArray<float> out = load(f.out, {B, H, n, D}, "out [B, H, n, D]", false, view.roundoff);
+      view.storage.push_back(to_token_major(out.data, B, H, n, D));
+      layer.out = view.storage.back().data();
+    }
+    if (!f.q.empty()) {
+      // The query's own precision: the storage's (a quantized cache still computes in it) or the file's.
+      view.query_roundoff = std::max(view.query_roundoff, unit_roundoff(s_.kv_dtype));
+      const NpyArray<float> q = load(f.q, {B, H, n, D}, "q [B, H, n, D]", false, view.query_roundoff);
+      view.roundoff = std::max(view.roundoff, view.query_roundoff);
+      view.storage.push_back(to_token_major(q.data, B, H, n, D));
+      layer.q = view.storage.back().data();
+    }
+  }
+
   // Which uid a value vector of kv head g belongs to: the row's own tokens first, then any
   // uid (stale); -1 for none. Each head is matched on its own: a cache may order slots per head.
   std::int64_t identify(int layer, int g, const float* value, const RowHistory& history, double roundoff) const {

@@ -1,0 +1,103 @@
+#include "tools/harness/paged_trace.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "tools/harness/npy.h"
+#include "tools/harness/scenario.h"
+
+namespace kvcheck {
+
+namespace {
+
+NpyArray<float> pool_tensor(const std::string& path, const PagedTraceFiles& f, std::size_t kv_heads,
+                            std::size_t head_dim, double& roundoff) {
+  double r = 0.0;
+  NpyArray<float> a = read_npy_floats(path, &r);
+  roundoff = std::max(roundoff, r);
+  const auto B = static_cast<std::size_t>(f.block_size);
+  const bool ok = a.shape.size() == 4 && a.shape[3] == head_dim &&
+                  (f.head_major ? a.shape[1] == kv_heads && a.shape[2] == B : a.shape[1] == B && a.shape[2] == kv_heads);
+  if (!ok)
+    throw InputError(path, "", fmt::format("expected a pool of shape [blocks, {}] ({}), got {}",
+                                           f.head_major ? fmt::format("{}, {}, {}", kv_heads, B, head_dim)
+                                                        : fmt::format("{}, {}, {}", B, kv_heads, head_dim),
+                                           f.head_major ? "HND" : "NHD", shape_string(a.shape)));
+  return a;
+}
+
+NpyArray<std::int32_t> integers(const std::string& path, const std::vector<std::size_t>& shape, const char* what) {
+  NpyArray<std::int32_t> a = read_npy_codes(path);
+  bool ok = a.shape.size() == shape.size();
+  for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == 0 || a.shape[i] == shape[i];
+  if (!ok) throw InputError(path, "", fmt::format("expected {}, got shape {}", what, shape_string(a.shape)));
+  return a;
+}
+
+}  // namespace
+
+void read_paged_layer(const PagedTraceFiles& f, std::size_t rows, std::size_t kv_heads, std::size_t head_dim,
+                      const IdentifyValue& identify, ViewLayer& layer, PagedView& paged, std::size_t index,
+                      std::vector<std::vector<float>>& storage, double& roundoff) {
+  const auto B = static_cast<std::size_t>(f.block_size);
+  NpyArray<float> keys = pool_tensor(f.key_cache, f, kv_heads, head_dim, roundoff);
+  NpyArray<float> values = pool_tensor(f.value_cache, f, kv_heads, head_dim, roundoff);
+  const std::size_t blocks = keys.shape[0];
+  if (values.shape != keys.shape)
+    throw InputError(f.value_cache, "", fmt::format("expected the key pool's shape {}, got {}", shape_string(keys.shape),
+                                                    shape_string(values.shape)));
+  const NpyArray<std::int32_t> table =
+      integers(f.block_table, {rows, 0}, fmt::format("a block table of shape [{}, max_blocks] (int32)", rows).c_str());
+  const std::size_t width = table.shape[1];
+  paged.block_size = f.block_size;
+  if (paged.layers.size() <= index) paged.layers.resize(index + 1);
+  PagedView::Layer& out = paged.layers[index];
+  out.tables.assign(rows, {});
+  for (std::size_t b = 0; b < rows; ++b) {
+    for (std::size_t i = 0; i < width; ++i) {
+      const std::int32_t block = table.data[b * width + i];
+      if (block < -1 || block >= static_cast<std::int32_t>(blocks))
+        throw InputError(f.block_table, "",
+                         fmt::format("entry [{}][{}] is {}: expected -1 (null) or a block id below {}", b, i, block,
+                                     blocks));
+      out.tables[b].push_back(block);
+    }
+    while (!out.tables[b].empty() && out.tables[b].back() < 0) out.tables[b].pop_back();  // padding
+  }
+  if (!f.refcount.empty()) {
+    const NpyArray<std::int32_t> r =
+        integers(f.refcount, {blocks}, fmt::format("refcounts of shape [{}] (int32)", blocks).c_str());
+    out.refcounts = r.data;
+  }
+  if (!f.hit_tokens.empty() && index == 0) {
+    const NpyArray<std::int32_t> h =
+        integers(f.hit_tokens, {rows}, fmt::format("hit tokens of shape [{}] (int32)", rows).c_str());
+    paged.hit_tokens.assign(h.data.begin(), h.data.end());
+  }
+  // Where slot (block, offset) of kv head g starts in a pool.
+  const auto at = [&](std::size_t block, std::size_t offset, std::size_t g) {
+    return f.head_major ? ((block * kv_heads + g) * B + offset) * head_dim : ((block * B + offset) * kv_heads + g) * head_dim;
+  };
+  storage.push_back(std::move(keys.data));
+  const float* key_data = storage.back().data();
+  layer.slots.assign(rows, std::vector<std::vector<ViewSlot>>(kv_heads));
+  for (std::size_t b = 0; b < rows; ++b)
+    for (const std::int64_t block : out.tables[b]) {
+      if (block < 0) continue;
+      for (std::size_t o = 0; o < B; ++o)
+        for (std::size_t g = 0; g < kv_heads; ++g) {
+          const std::size_t p = at(static_cast<std::size_t>(block), o, g);
+          const float* v = values.data.data() + p;
+          // All zeros: never written. NaN is not "unused": it is judged (and matches no token).
+          if (std::all_of(v, v + head_dim, [](float x) { return x == 0.0f; })) continue;
+          ViewSlot s;
+          s.slot = block * f.block_size + static_cast<std::int64_t>(o);
+          s.uid = identify(b, static_cast<int>(g), v);
+          s.key = key_data + p;
+          layer.slots[b][g].push_back(s);
+        }
+    }
+}
+
+}  // namespace kvcheck
