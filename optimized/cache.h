@@ -91,6 +91,18 @@ class KvCache {
   virtual void free_rows(const std::vector<int>& rows);
   // Drops `blocks` cached blocks (every one when negative); nothing to do unless paged.
   virtual void evict(std::int64_t blocks) { (void)blocks; }
+  // SPEC 8.6: the rows give up their memory: swapped out whole, or freed to be recomputed.
+  // A cache that keeps everything in place does nothing.
+  virtual void preempt(const std::vector<int>& rows, bool recompute) {
+    (void)rows;
+    (void)recompute;
+  }
+  // They come back: swapped in, or, after a recompute, rebuilt from `history` (every token
+  // of each resumed row, raw, as a chunk with no outputs; other rows take none).
+  virtual void resume(const std::vector<int>& rows, const Chunk* history) {
+    (void)rows;
+    (void)history;
+  }
 
   // Throws CacheRefusal when crop(length) would be refused; changes nothing.
   virtual void check_crop(std::int64_t length) const { (void)length; }

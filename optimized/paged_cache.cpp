@@ -158,6 +158,7 @@ void PagedCache::schedule(const Chunk& chunk) {
                                           : chunk.ids[b * chunk.length + pad + i]);
     if (row.length == 0 && row.ids.size() == static_cast<std::size_t>(n)) {
       if (!chunk.extras.empty()) row.extras = chunk.extras[static_cast<std::size_t>(b)];
+      if (row.prompt == 0) row.prompt = n;  // a recompute keeps the prompt it had
       take_prefix_hit(b, chunk);
     }
     const auto end = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size());
@@ -292,6 +293,7 @@ void PagedCache::reset(int batch) {
 }
 
 void PagedCache::free_rows(const std::vector<int>& rows) {
+  // (a freed row's Row{} forgets its prompt: it starts again)
   for (int b : rows) {
     for (int l = 0; l < config_.layers; ++l)
       release_table(l, tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)]);
@@ -325,24 +327,94 @@ void PagedCache::check_crop(std::int64_t length) const {
 
 void PagedCache::crop(std::int64_t length) {
   check_crop(length);
+  for (int b = 0; b < batch(); ++b)
+    if (lengths_[static_cast<std::size_t>(b)] > length) cut_row(b, length);
+}
+
+// Row b keeps its first `length` tokens.
+void PagedCache::cut_row(int b, std::int64_t length) {
   const std::int64_t B = paging_.block_size;
-  for (int b = 0; b < batch(); ++b) {
-    if (lengths_[static_cast<std::size_t>(b)] <= length) continue;
-    for (int l = 0; l < config_.layers; ++l) {
+  for (int l = 0; l < config_.layers; ++l) {
+    auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+    const std::size_t keep = static_cast<std::size_t>((length + B - 1) / B);
+    for (std::size_t i = keep; i < table.size(); ++i)
+      if (table[i] >= 0) blocks_[static_cast<std::size_t>(l)].release(table[i]);
+    if (table.size() > keep) table.resize(keep);
+    if (length % B != 0 && table[keep - 1] >= 0) {  // the block the row ends in loses its tail
+      make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
+      for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(0, table[keep - 1] * B + s);
+    }
+  }
+  Row& row = rows_[static_cast<std::size_t>(b)];
+  row.ids.resize(static_cast<std::size_t>(length));
+  if (static_cast<std::int64_t>(row.keys.size()) > length / B) row.keys.resize(static_cast<std::size_t>(length / B));
+  row.length = lengths_[static_cast<std::size_t>(b)] = length;
+}
+
+// Swap: each layer's blocks are copied out and released; recompute: released, the row
+// forgets its tokens (it keeps its extras, which its recomputed prompt needs).
+void PagedCache::preempt(const std::vector<int>& rows, bool recompute) {
+  const std::int64_t B = paging_.block_size;
+  for (int b : rows) {
+    Row& row = rows_[static_cast<std::size_t>(b)];
+    row.swapped.clear();
+    for (int l = 0; l < config_.layers && !recompute; ++l) {
       auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
-      const std::size_t keep = static_cast<std::size_t>((length + B - 1) / B);
-      for (std::size_t i = keep; i < table.size(); ++i)
-        if (table[i] >= 0) blocks_[static_cast<std::size_t>(l)].release(table[i]);
-      if (table.size() > keep) table.resize(keep);
-      if (length % B != 0 && table[keep - 1] >= 0) {  // the block the row ends in loses its tail
-        make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
-        for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(0, table[keep - 1] * B + s);
+      SlotStore& pool = pools_[static_cast<std::size_t>(l)];
+      Swapped& out = row.swapped.emplace_back();
+      out.slots = SlotStore(1, config_.kv_heads, config_.head_dim, pool.key_format(), pool.value_format());
+      out.slots.reset(1, static_cast<std::int64_t>(table.size()) * B);
+      for (std::size_t i = 0; i < table.size(); ++i) {
+        out.present.push_back(table[i] >= 0);
+        if (table[i] >= 0)
+          for (std::int64_t s = 0; s < B; ++s)
+            out.slots.copy_slot(pool, 0, table[i] * B + s, 0, static_cast<std::int64_t>(i) * B + s);
       }
     }
+    for (int l = 0; l < config_.layers; ++l) release_table(l, tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)]);
+    if (recompute) {
+      Row kept;
+      kept.extras = row.extras;
+      kept.prompt = row.prompt;
+      row = std::move(kept);
+      lengths_[static_cast<std::size_t>(b)] = 0;
+    }
+  }
+}
+
+void PagedCache::resume(const std::vector<int>& rows, const Chunk* history) {
+  const std::int64_t B = paging_.block_size;
+  std::vector<std::pair<int, std::int64_t>> prompts;  // recomputed rows and their prompts
+  for (int b : rows) {
     Row& row = rows_[static_cast<std::size_t>(b)];
-    row.ids.resize(static_cast<std::size_t>(length));
-    if (static_cast<std::int64_t>(row.keys.size()) > length / B) row.keys.resize(static_cast<std::size_t>(length / B));
-    row.length = lengths_[static_cast<std::size_t>(b)] = length;
+    if (row.swapped.empty()) {
+      prompts.emplace_back(b, row.prompt);
+      continue;
+    }
+    for (int l = 0; l < config_.layers; ++l) {  // swapped in, into whichever blocks are free
+      Swapped& in = row.swapped[static_cast<std::size_t>(l)];
+      auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+      SlotStore& pool = pools_[static_cast<std::size_t>(l)];
+      table.assign(in.present.size(), -1);
+      for (std::size_t i = 0; i < in.present.size(); ++i) {
+        if (!in.present[i]) continue;
+        const std::optional<std::int64_t> block = blocks_[static_cast<std::size_t>(l)].allocate(forget_evicted());
+        if (!block) throw CacheRefusal("pool_exhausted", "no block left to swap row " + std::to_string(b) + " in");
+        for (std::int64_t s = 0; s < B; ++s)
+          pool.copy_slot(in.slots, 0, static_cast<std::int64_t>(i) * B + s, 0, *block * B + s);
+        table[i] = *block;
+      }
+    }
+    row.swapped.clear();
+  }
+  if (prompts.empty()) return;
+  if (history == nullptr) throw std::logic_error("resume after a recompute needs the rows' history");
+  append(*history, {}, nullptr);
+  for (const auto& [b, prompt] : prompts) {
+    Row& row = rows_[static_cast<std::size_t>(b)];
+    row.prompt = prompt;
+    const std::int64_t keep = recomputed_tokens(lengths_[static_cast<std::size_t>(b)], prompt);
+    if (keep < lengths_[static_cast<std::size_t>(b)]) cut_row(b, keep);
   }
 }
 

@@ -46,6 +46,8 @@ class PagedCache : public KvCache {
   void check_crop(std::int64_t length) const override;
   void free_rows(const std::vector<int>& rows) override;
   void evict(std::int64_t blocks) override;
+  void preempt(const std::vector<int>& rows, bool recompute) override;
+  void resume(const std::vector<int>& rows, const Chunk* history) override;
   const SlotStore& slots() const override { return pools_[0]; }
   const SlotStore& layer_slots(int layer) const override { return pools_[static_cast<std::size_t>(layer)]; }
   std::int64_t row_length(int row) const override { return lengths_[static_cast<std::size_t>(row)]; }
@@ -89,11 +91,23 @@ class PagedCache : public KvCache {
   }
   // Evicting or reusing a cached block drops its index entry.
   virtual bool forget_evicted() const { return true; }
+  // After a recompute, the row keeps this many tokens of the `history` it was rebuilt from
+  // (its prompt was the first `prompt` of them).
+  virtual std::int64_t recomputed_tokens(std::int64_t history, std::int64_t prompt) const {
+    (void)prompt;
+    return history;
+  }
 
  private:
+  struct Swapped {  // one layer of a row swapped out: per table entry its slots, or none for null
+    std::vector<bool> present;
+    SlotStore slots;  // one row, B slots per present entry
+  };
   struct Row {
     std::int64_t length = 0;
+    std::int64_t prompt = 0;  // tokens of the append that started it
     RowExtras extras;
+    std::vector<Swapped> swapped;  // per layer, while swapped out
     std::vector<std::uint64_t> ids;   // every token id so far (the open block's complete a key)
     std::vector<std::uint64_t> keys;  // prefix-index key of each full block
   };
@@ -108,6 +122,7 @@ class PagedCache : public KvCache {
   void register_full_blocks(int b, std::int64_t from, std::int64_t to);
   void free_behind_window(int b);
   void release_table(int layer, std::vector<std::int64_t>& table);
+  void cut_row(int b, std::int64_t length);
   void clear_block(int layer, std::int64_t block);
   std::uint64_t key_of_block(int b, std::int64_t logical);
 

@@ -112,3 +112,38 @@ TEST(Paged, LargestHitIsWholeEarlierBlocksBelowTheLastToken) {
   blocks.keep_only({{1, 2, 3, 4}});
   EXPECT_EQ(blocks.largest_hit(row), 4);
 }
+
+namespace {
+
+std::string error_of(const std::string& steps) {
+  const std::string text = R"({"name": "p", "dimensions": {"layers": 1, "batch": 2, "heads": 1, "kv_heads": 1,
+    "head_dim": 2}, "policy": {"type": "full"}, "paging": {"block_size": 2, "num_blocks": 16}, "steps": )" +
+                           steps + "}";
+  try {
+    parse_scenario(text, "p.json");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Paged, PreemptionIsValidatedWhereTheStepsSayIt) {
+  EXPECT_EQ(error_of(R"([{"op": "append", "tokens": 2}, {"op": "resume", "rows": [1]}])"),
+            "p.json: /steps/1/rows/0: row 1 is not preempted: resume follows preempt");
+  EXPECT_EQ(error_of(R"([{"op": "append", "tokens": [2, 0]}, {"op": "preempt", "rows": [1], "mode": "swap"}])"),
+            "p.json: /steps/1/rows/0: row 1 holds no token: there is nothing to preempt");
+  EXPECT_EQ(error_of(R"([{"op": "append", "tokens": 2}, {"op": "preempt", "rows": [0], "mode": "swap"},
+                         {"op": "decode", "steps": 1}])"),
+            "p.json: /steps/2: row 0 is preempted (at /steps/1): decode appends a token to every row; give per-row "
+            "counts with append until it resumes");
+  EXPECT_EQ(error_of(R"([{"op": "append", "tokens": 2}, {"op": "preempt", "rows": [0], "mode": "recompute"},
+                         {"op": "append", "tokens": [1, 1]}])"),
+            "p.json: /steps/2/tokens/0: row 0 is preempted (at /steps/1): it takes no tokens until it resumes");
+  EXPECT_EQ(error_of(R"([{"op": "append", "tokens": 2}, {"op": "preempt", "rows": [0], "mode": "later"}])"),
+            "p.json: /steps/1/mode: expected one of swap, recompute, got \"later\"");
+  EXPECT_EQ(error_of(R"([{"op": "append", "tokens": 2}, {"op": "preempt", "rows": [0], "mode": "swap"},
+                         {"op": "free", "rows": [0]}, {"op": "append", "tokens": [3, 1]}])"),
+            "");  // a preempted row may end, and start again
+}

@@ -167,7 +167,7 @@ FIELD_CASES = [
      "/steps/0/extra: extras enter context keys: the scenario needs \"content\": \"prefix\""),
     ("/steps/0", {"op": "append", "tokens": 3, "chunk": 0}, "/steps/0/chunk: expected an integer >= 1"),
     ("/steps/1", {"op": "preempt", "rows": [0], "mode": "swap"},
-     "/steps/1/op: \"preempt\" is in SPEC 8.6, but kvcheck's caches do not implement preemption yet"),
+     "/steps/1/op: \"preempt\" moves a row's blocks: the scenario needs \"paging\""),
     ("/steps/1", {"op": "evict", "blocks": "all"}, "/steps/1/op: \"evict\" drops blocks of a paged cache"),
     ("/steps/1", {"op": "free", "rows": [0, 0]}, "/steps/1/rows: expected each row at most once"),
     ("/steps/1", {"op": "free", "rows": [2]}, "/steps/1/rows/0: expected a row index below 2, got 2"),

@@ -209,6 +209,33 @@ void InProcessCache::apply(const StepRecord& rec) {
     case StepOp::evict:
       cache_->evict(rec.step.evict_blocks);
       break;
+    case StepOp::preempt:
+      cache_->preempt(rec.step.rows, rec.step.recompute);
+      recomputed_.resize(std::max<std::size_t>(recomputed_.size(), rec.retained.size()), false);
+      for (int b : rec.step.rows) recomputed_[static_cast<std::size_t>(b)] = rec.step.recompute;
+      break;
+    case StepOp::resume: {
+      // A recompute rebuilds every token each resumed row had: its whole history, raw.
+      reference::AppendResult history;
+      history.rows.resize(rec.retained.size());
+      bool recompute = false;
+      for (int b : rec.step.rows) {
+        if (static_cast<std::size_t>(b) >= recomputed_.size() || !recomputed_[static_cast<std::size_t>(b)]) continue;
+        recompute = true;
+        const RowHistory& h = rec.histories[static_cast<std::size_t>(b)];
+        for (std::size_t t = 0; t < h.size(); ++t)
+          history.rows[static_cast<std::size_t>(b)].push_back({h[t], static_cast<std::int64_t>(t), {}, {}});
+        history.chunk = std::max(history.chunk, static_cast<std::int64_t>(h.size()));
+      }
+      if (!recompute) {
+        cache_->resume(rec.step.rows, nullptr);
+        break;
+      }
+      Step none;  // no extras: the cache keeps each row's own
+      const ChunkBuffers buffers = make_chunk(s_, inputs_, history, none);
+      cache_->resume(rec.step.rows, &buffers.chunk);
+      break;
+    }
   }
 }
 

@@ -26,6 +26,7 @@ class InProcessCache {
   std::unique_ptr<optimized::KvCache> cache_;
   optimized::AttentionLog log_;
   std::vector<std::vector<float>> out_;
+  std::vector<bool> recomputed_;  // per row: its preemption was a recompute
 };
 
 CacheTrace trace_cache(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,

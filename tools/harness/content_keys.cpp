@@ -72,6 +72,8 @@ void assign_content_keys(Scenario& s) {
         for (int r : step.rows) rows[static_cast<std::size_t>(r)] = Row{};
         break;
       case StepOp::evict:
+      case StepOp::preempt:
+      case StepOp::resume:
         break;
     }
   }

@@ -108,6 +108,8 @@ const char* class_name(BugClass c) {
       return "hit beyond block alignment";
     case BugClass::paged_hit_count_wrong:
       return "prefix hit not the expected one";
+    case BugClass::tokens_lost_after_preemption:
+      return "tokens lost after preemption";
     case BugClass::chunk_misses_past_keys:
       return "chunk misses past keys";
     case BugClass::chunk_positions_wrong:
@@ -250,6 +252,9 @@ const char* class_explanation(BugClass c) {
       return "Every slot is right, but the cache reused another number of tokens from its prefix index than the "
              "scenario's expect_hit: a legitimate hit missed (blocks not registered, or registered under another "
              "key), or an eviction that was not least recently used first.";
+    case BugClass::tokens_lost_after_preemption:
+      return "After a preempted row resumed, tokens it held before are gone: a recompute rebuilt the prompt only, "
+             "not the tokens generated since (vLLM issue 16832; nano-vllm PR 211).";
     case BugClass::chunk_misses_past_keys:
       return "In a chunked prefill a chunk's queries do not see the keys earlier chunks wrote to the cache: the "
              "kernel attends within the chunk only (imp PR 114).";
@@ -345,6 +350,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.unrecorded) return BugClass::trace_incomplete;
   if (!e.refusal.empty()) return BugClass::refusal_mismatch;
   if (e.layer_holds_policy_of) return BugClass::layer_policy_swapped;
+  if (e.step < s.steps.size() && s.steps[e.step].op == StepOp::resume &&
+      any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; }))
+    return BugClass::tokens_lost_after_preemption;
   if (!e.paged.empty()) return paged_class(e.paged);
   // A chunked append whose queries missed keys, or used other positions, than the reference's.
   // A chunked append (SPEC 8.7): keys at other positions than the reference's, or queries

@@ -64,6 +64,7 @@ enum class BugClass {
   paged_hit_beyond_alignment,
   paged_hit_count_wrong,
   chunk_misses_past_keys,
+  tokens_lost_after_preemption,
   chunk_positions_wrong,
 };
 

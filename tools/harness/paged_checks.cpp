@@ -191,6 +191,7 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
   const auto refs = references(layer);
   const auto uid_count = static_cast<std::uint64_t>(s_.token_ids.empty() ? ~0ull : s_.token_ids.size());
   for (std::size_t b = 0; b < layer.tables.size() && b < rec.histories.size(); ++b) {
+    if (rec.is_preempted(static_cast<int>(b))) continue;  // its blocks are out (swap) or freed (recompute)
     const auto& table = layer.tables[b];
     const RowHistory& history = rec.histories[b];
     const auto n = static_cast<std::int64_t>(history.size());

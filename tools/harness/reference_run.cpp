@@ -124,7 +124,7 @@ StepRecord ReferenceStepper::next() {
   const std::size_t i = next_++;
   const Step& step = scenario_.steps.at(i);
   reference::ReferenceModel& model = state_->model;
-  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   try {
     switch (step.op) {
       case StepOp::append: {
@@ -136,6 +136,9 @@ StepRecord ReferenceStepper::next() {
       }
       case StepOp::free_rows:
         model.free_rows(step.rows);
+        break;
+      case StepOp::preempt:  // paging changes nothing of the row (SPEC 8.6)
+      case StepOp::resume:
         break;
       case StepOp::evict:
         if (state_->prefix_blocks && step.evict_blocks < 0) {
@@ -166,6 +169,13 @@ StepRecord ReferenceStepper::next() {
                                                                 : ", expected \"" + step.expect_error + "\""));
   }
   for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
+  preempted_.resize(static_cast<std::size_t>(model.batch()), false);
+  if (step.op == StepOp::reset || step.op == StepOp::reorder)
+    preempted_.assign(static_cast<std::size_t>(model.batch()), false);
+  for (int b : step.rows)
+    if (step.op == StepOp::preempt || step.op == StepOp::resume || step.op == StepOp::free_rows)
+      preempted_[static_cast<std::size_t>(b)] = step.op == StepOp::preempt;
+  record.preempted = preempted_;
   if (model.hybrid()) {
     record.layer_retained.resize(static_cast<std::size_t>(scenario_.dims.layers));
     for (int l = 0; l < scenario_.dims.layers; ++l)

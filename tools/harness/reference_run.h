@@ -52,6 +52,11 @@ struct StepRecord {
   // The same, were blocks written earlier in this very step hittable (they are not: a hit up
   // to this many tokens read a block before its write).
   std::vector<std::int64_t> largest_hit_same_step;
+  // SPEC 8.6: rows preempted after the step (their cache may hold nothing of them).
+  std::vector<bool> preempted;
+  bool is_preempted(int row) const {
+    return static_cast<std::size_t>(row) < preempted.size() && preempted[static_cast<std::size_t>(row)];
+  }
   std::string refused;                // the code when the step was refused
   std::string refusal_message;
 };
@@ -84,6 +89,7 @@ class ReferenceStepper {
   std::vector<bool> attend_;
   std::size_t next_ = 0;
   std::vector<std::string> problems_;
+  std::vector<bool> preempted_;
 };
 
 // Every step at once (export, goldens, diagnosis), with progress.

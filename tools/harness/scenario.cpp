@@ -41,6 +41,10 @@ const char* to_string(StepOp op) {
       return "free";
     case StepOp::evict:
       return "evict";
+    case StepOp::preempt:
+      return "preempt";
+    case StepOp::resume:
+      return "resume";
   }
   return "?";
 }
@@ -650,6 +654,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
   if (!j.is_array() || j.empty()) r.fail("/steps", "expected a non-empty array of steps");
   std::vector<Step> steps;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(batch), 0);  // to tell which rows start
+  std::vector<int> preempted(static_cast<std::size_t>(batch), -1);        // the preempt step's index, or -1
   // Every expanded step stores a count per row: bound their number before expanding.
   std::int64_t step_rows = 0;
   auto count = [&](const std::string& p, std::int64_t steps_added) {
@@ -665,8 +670,12 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
     if (!s.is_object()) r.fail(p, "expected an object, got " + describe(s));
     const std::string op = r.choice(r.field(s, p, "op"), p + "/op",
                                     {"append", "decode", "reorder", "reset", "crop", "free", "evict", "preempt", "resume"});
-    if (op == "preempt" || op == "resume")
-      r.fail(p + "/op", "\"" + op + "\" is in SPEC 8.6, but kvcheck's caches do not implement preemption yet");
+    // Preempted rows (SPEC 8.6) take no tokens and no row change until they resume.
+    auto require_running = [&](const std::string& path, const std::string& what) {
+      for (std::size_t b = 0; b < preempted.size(); ++b)
+        if (preempted[b] >= 0)
+          r.fail(path, fmt::format("row {} is preempted (at /steps/{}): {} until it resumes", b, preempted[b], what));
+    };
     Step step;
     const std::size_t first_new = steps.size();
     step.source_index = static_cast<int>(i);
@@ -688,6 +697,11 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
         step.tokens.assign(static_cast<std::size_t>(batch), r.integer(tokens, p + "/tokens", 1));
       }
       parse_append_paging(r, s, p, lengths, scenario, step);
+      for (std::size_t b = 0; b < preempted.size(); ++b)
+        if (preempted[b] >= 0 && step.tokens[b] > 0)
+          r.fail(p + (s.contains("ids") ? "/ids/" : "/tokens/") + std::to_string(b),
+                 fmt::format("row {} is preempted (at /steps/{}): it takes no tokens until it resumes", b,
+                             preempted[b]));
       count(p, 1);
       steps.push_back(step);
     } else if (op == "decode") {
@@ -696,14 +710,17 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       if (steps.size() + static_cast<std::size_t>(k) > 1000000)
         r.fail(p + "/steps", "more than a million steps in all after expanding decode");
       count(p + "/steps", k);
+      require_running(p, "decode appends a token to every row; give per-row counts with append");
       step.op = StepOp::append;
       step.tokens.assign(static_cast<std::size_t>(batch), 1);
       for (std::int64_t n = 0; n < k; ++n) steps.push_back(step);
     } else if (op == "reorder") {
       r.object(s, p, {"op", "rows"});
       step.op = StepOp::reorder;
+      require_running(p, "a reorder moves no preempted row");
       step.rows = row_list(r, r.field(s, p, "rows"), p + "/rows", batch);
       batch = static_cast<int>(step.rows.size());
+      preempted.assign(static_cast<std::size_t>(batch), -1);
       count(p, 1);
       steps.push_back(step);
     } else if (op == "reset") {
@@ -711,6 +728,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       step.op = StepOp::reset;
       if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1, kMaxBatch));
       step.batch = batch;
+      preempted.assign(static_cast<std::size_t>(batch), -1);
       count(p, 1);
       steps.push_back(step);
     } else if (op == "free") {
@@ -719,6 +737,27 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       step.rows = row_list(r, r.field(s, p, "rows"), p + "/rows", batch);
       std::set<int> distinct(step.rows.begin(), step.rows.end());
       if (distinct.size() != step.rows.size()) r.fail(p + "/rows", "expected each row at most once");
+      for (int b : step.rows) preempted[static_cast<std::size_t>(b)] = -1;  // a preempted row may end
+      count(p, 1);
+      steps.push_back(step);
+    } else if (op == "preempt" || op == "resume") {
+      const bool pre = op == "preempt";
+      r.object(s, p, pre ? std::initializer_list<const char*>{"op", "rows", "mode"}
+                         : std::initializer_list<const char*>{"op", "rows"});
+      if (!scenario.paging) r.fail(p + "/op", "\"" + op + "\" moves a row's blocks: the scenario needs \"paging\"");
+      step.op = pre ? StepOp::preempt : StepOp::resume;
+      step.rows = row_list(r, r.field(s, p, "rows"), p + "/rows", batch);
+      std::set<int> distinct(step.rows.begin(), step.rows.end());
+      if (distinct.size() != step.rows.size()) r.fail(p + "/rows", "expected each row at most once");
+      if (pre) step.recompute = r.choice(r.field(s, p, "mode"), p + "/mode", {"swap", "recompute"}) == "recompute";
+      for (std::size_t k = 0; k < step.rows.size(); ++k) {
+        const auto b = static_cast<std::size_t>(step.rows[k]);
+        const std::string pk = p + "/rows/" + std::to_string(k);
+        if (pre && preempted[b] >= 0) r.fail(pk, fmt::format("row {} is already preempted (at /steps/{})", b, preempted[b]));
+        if (pre && lengths[b] == 0) r.fail(pk, fmt::format("row {} holds no token: there is nothing to preempt", b));
+        if (!pre && preempted[b] < 0) r.fail(pk, fmt::format("row {} is not preempted: resume follows preempt", b));
+        preempted[b] = pre ? static_cast<int>(i) : -1;
+      }
       count(p, 1);
       steps.push_back(step);
     } else if (op == "evict") {
@@ -734,6 +773,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       steps.push_back(step);
     } else {
       r.object(s, p, {"op", "length", "expect_error"});
+      require_running(p, "a crop cuts no preempted row");
       step.op = StepOp::crop;
       step.length = r.integer(r.field(s, p, "length"), p + "/length", 0);
       step.expect_error = expect_error(r, s, p);
@@ -785,6 +825,8 @@ void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths) {
       for (int r : step.rows) lengths[static_cast<std::size_t>(r)] = 0;
       break;
     case StepOp::evict:
+    case StepOp::preempt:  // the row keeps its tokens (SPEC 8.6): they come back on resume
+    case StepOp::resume:
       break;
   }
 }

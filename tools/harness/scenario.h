@@ -19,7 +19,7 @@ struct InputError : std::runtime_error {
   InputError(std::string file_, std::string path_, std::string reason_);
 };
 
-enum class StepOp { append, reorder, reset, crop, free_rows, evict };
+enum class StepOp { append, reorder, reset, crop, free_rows, evict, preempt, resume };
 
 // A row's extras (SPEC 8.1): they enter its tokens' context keys, so equal ids under
 // another adapter or salt are other tokens.
@@ -37,7 +37,8 @@ struct HitRange {
 struct Step {
   StepOp op = StepOp::append;
   std::vector<std::int64_t> tokens;  // append: one count (every row) or one per row
-  std::vector<int> rows;             // reorder
+  std::vector<int> rows;             // reorder; free, preempt, resume: the rows
+  bool recompute = false;            // preempt (SPEC 8.6): "recompute" (else "swap")
   std::optional<int> batch;          // reset
   std::int64_t length = 0;           // crop
   std::int64_t evict_blocks = -1;    // evict: blocks to drop, -1 for all

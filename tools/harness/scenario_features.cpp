@@ -88,6 +88,7 @@ std::vector<Feature> scenario_features(const Scenario& s) {
   add(Feature::gqa, s.dims.kv_heads < s.dims.heads);
   add(Feature::quantized, s.kv_quant.has_value());
   add(Feature::paged, s.paging || s.content == Content::prefix || has_op(StepOp::free_rows) ||
+                          has_op(StepOp::preempt) ||
                           has_op(StepOp::evict) || std::any_of(s.steps.begin(), s.steps.end(), [](const Step& step) {
                             return step.chunk > 0;
                           }));

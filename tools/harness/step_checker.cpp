@@ -349,6 +349,7 @@ class StepChecker::Impl {
     for (std::size_t l = 0; l < view.layers.size(); ++l) {
       const ViewLayer& layer = view.layers[l];
       for (int b = 0; b < static_cast<int>(rec.retained.size()); ++b) {
+        if (rec.is_preempted(b)) continue;  // SPEC 8.6: its blocks are out until it resumes
         const std::size_t before = evidence.slots.size();
         check_row(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
         for (std::size_t k = before; k < evidence.slots.size(); ++k) evidence.slots[k].layer = static_cast<int>(l);

@@ -46,6 +46,9 @@ class FaultyPagedCache : public optimized::PagedCache {
     return fault_ == PagedFault::chunk_position_restart ? t - (forward_first - append_first) : t;
   }
   bool forget_evicted() const override { return fault_ != PagedFault::evict_keeps_index; }
+  std::int64_t recomputed_tokens(std::int64_t history, std::int64_t prompt) const override {
+    return fault_ == PagedFault::recompute_prompt_only ? prompt : history;
+  }
 
  private:
   PagedFault fault_;

@@ -20,6 +20,7 @@ enum class PagedFault {
   chunk_keys_chunk_only,   // a chunk's queries see only the chunk, not earlier chunks' keys (imp PR 114)
   chunk_position_restart,  // a later chunk's positions restart at 0 (transformers #43082)
   evict_keeps_index,       // an evicted or recycled block keeps its index entry (TRT-LLM #8813, llama.cpp #27148)
+  recompute_prompt_only,   // a recompute preemption rebuilds the prompt only (vLLM #16832, nano-vllm PR 211)
 };
 
 std::unique_ptr<optimized::KvCache> make_paged_faulty_cache(const optimized::CacheConfig& config, PagedFault fault);

@@ -287,6 +287,11 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    "TensorRT-LLM's block reuse serving another prompt's context (issues 8274, 8813); llama-server's "
                    "RAM prompt cache restoring an unrelated conversation (issue 27148)",
                    BugClass::paged_stale_prefix_hit, {"paged_evict_then_repeat"}),
+      paged_mutant("recompute_prompt_only", zoo::PagedFault::recompute_prompt_only,
+                   "a recompute preemption rebuilds the row's prompt only, losing the tokens generated since",
+                   "vLLM's \"preempted output is incomplete\" under PreemptionMode.RECOMPUTE (issue 16832); "
+                   "nano-vllm's stale num_cached_tokens (PR 211)",
+                   BugClass::tokens_lost_after_preemption, {"paged_preempt_swap_and_recompute"}),
   };
   return mutants;
 }
