@@ -65,11 +65,17 @@ void print_step(std::FILE* out, const char* what, const Scenario& s, const StepD
       f.table_query_index >= 0
           ? fmt::format(" (visibility and Pq-Pk as seen by token {}, the row's last of the step)", f.table_query_index)
           : "");
-  fmt::print(out, "{:>5} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", "slot", "uid", "token", "visible e/a",
-             "Pq-Pk e/a", "pos exp", "claimed", "recovered", "verdict");
+  // A paged cache's slot is block * B + offset: shown as "block+offset".
+  const bool paged = f.block_size > 0;
+  const auto slot_text = [&](std::int64_t slot) {
+    if (slot < 0) return std::string("-");
+    return paged ? fmt::format("{}+{}", slot / f.block_size, slot % f.block_size) : std::to_string(slot);
+  };
+  fmt::print(out, "{:>{}} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", paged ? "block+off" : "slot",
+             paged ? 9 : 5, "uid", "token", "visible e/a", "Pq-Pk e/a", "pos exp", "claimed", "recovered", "verdict");
   for (const SlotRow& r : f.slots)
-    fmt::print(out, "{:>5} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n",
-               r.slot < 0 ? std::string("-") : std::to_string(r.slot), r.uid, r.index,
+    fmt::print(out, "{:>{}} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", slot_text(r.slot), paged ? 9 : 5,
+               r.uid, r.index,
                fmt::format("{}/{}", yes(r.visible_expected), yes(r.visible_actual)),
                fmt::format("{}/{}", opt(r.distance_expected), opt(r.distance_actual)), opt(r.position_expected),
                opt(r.position_claimed), r.position_recovered.empty() ? "-" : r.position_recovered, verdict_text(r));

@@ -242,6 +242,7 @@ class StepChecker::Impl {
     const bool focus = options_.focus_step && *options_.focus_step == i;
     if ((!evidence.empty() && !trace_.first) || focus) {
       StepDiagnosis d = diagnose(rec, view, evidence, context_, rows);
+      if (view.paged) d.block_size = view.paged->block_size;
       if (!evidence.empty() && !trace_.first) trace_.first = d;
       if (focus) trace_.focus = std::move(d);
     }

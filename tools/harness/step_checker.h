@@ -33,6 +33,7 @@ struct StepDiagnosis {
   // last token of the step (whose view is the state the step leaves behind).
   std::int64_t table_query_index = -1;
   std::vector<SlotRow> slots;
+  std::int64_t block_size = 0;  // a paged cache's: slots are then shown as block + offset
 };
 
 struct CacheTrace {
