@@ -31,6 +31,8 @@ class BlockPool {
   void register_full(std::int64_t block, std::uint64_t key);
   // The registered block for `key`, or nullopt.
   std::optional<std::int64_t> lookup(std::uint64_t key) const;
+  // Drops a block's index entry (a block a crop cuts is no longer full).
+  void unregister(std::int64_t block);
   // Drops `count` cached blocks (every one when count < 0), least recently used first:
   // their index entries go, they become free.
   void evict(std::int64_t count, bool forget = true);
@@ -43,7 +45,6 @@ class BlockPool {
   std::int64_t free_count() const { return static_cast<std::int64_t>(free_.size()); }
 
  private:
-  void unregister(std::int64_t block);
   void make_free(std::int64_t block);
 
   std::vector<std::int32_t> refcount_;

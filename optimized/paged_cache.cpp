@@ -50,13 +50,18 @@ std::int64_t PagedCache::window(int layer) const {
 std::uint64_t PagedCache::block_key(std::uint64_t previous, std::span<const std::uint64_t> ids, const RowExtras& extras,
                                     bool first) const {
   std::uint64_t h = previous;
-  if (first) h = text_hash(text_hash(0xcbf29ce484222325ull, "adapter=" + extras.adapter + ";"), "salt=" + extras.salt);
+  if (first)  // each extra hashed on its own and tagged: no text of one can pass for the other
+    h = mix64(mix64(text_hash(0xcbf29ce484222325ull, extras.adapter) ^ 0xA) ^ text_hash(0xcbf29ce484222325ull, extras.salt) ^
+              0x5);
   for (std::uint64_t id : ids) h = mix64(h ^ id);
   return h;
 }
 
+// Blocks wholly before the window of the row's last token: what the policy keeps (its
+// retained set) stays, so a crop the policy accepts always finds its tokens. SPEC 8.5
+// allows freeing up to floor((n - W + 1) / B), one dead token sooner.
 std::int64_t PagedCache::first_live_block(std::int64_t n, std::int64_t w) const {
-  return std::max<std::int64_t>(0, n - w + 1) / paging_.block_size;
+  return std::max<std::int64_t>(0, n - w) / paging_.block_size;
 }
 
 std::uint64_t PagedCache::key_of_block(int b, std::int64_t logical) {
@@ -341,6 +346,8 @@ void PagedCache::cut_row(int b, std::int64_t length) {
       if (table[i] >= 0) blocks_[static_cast<std::size_t>(l)].release(table[i]);
     if (table.size() > keep) table.resize(keep);
     if (length % B != 0 && table[keep - 1] >= 0) {  // the block the row ends in loses its tail
+      BlockPool& pool = blocks_[static_cast<std::size_t>(l)];
+      if (pool.refcount(table[keep - 1]) == 1) pool.unregister(table[keep - 1]);  // no longer full: not reusable
       make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
       for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(0, table[keep - 1] * B + s);
     }

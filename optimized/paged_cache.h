@@ -53,6 +53,7 @@ class PagedCache : public KvCache {
   std::int64_t row_length(int row) const override { return lengths_[static_cast<std::size_t>(row)]; }
   int batch() const override { return static_cast<int>(lengths_.size()); }
   const PagedState* paged() const override;
+  std::int64_t block_size() const { return paging_.block_size; }
 
  protected:
   // The decisions a paged cache makes, one function each, so the zoo's mutants can make

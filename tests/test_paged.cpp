@@ -147,3 +147,50 @@ TEST(Paged, PreemptionIsValidatedWhereTheStepsSayIt) {
                          {"op": "free", "rows": [0]}, {"op": "append", "tokens": [3, 1]}])"),
             "");  // a preempted row may end, and start again
 }
+
+TEST(Paged, ThePoolCountsTheBlocksOfRowsThatDoNotAppend) {
+  // Row 0 keeps its 4 blocks of 2 while row 1 takes a fifth.
+  const std::string text = R"({"name": "p", "dimensions": {"layers": 1, "batch": 2, "heads": 1, "kv_heads": 1,
+    "head_dim": 2}, "policy": {"type": "full"}, "paging": {"block_size": 2, "num_blocks": 4},
+    "steps": [{"op": "append", "tokens": [8, 0]}, {"op": "append", "tokens": [0, 2]}]})";
+  try {
+    parse_scenario(text, "p.json");
+    ADD_FAILURE() << "a pool of 4 blocks accepted for 5";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).substr(0, 79),
+              "p.json: /paging/num_blocks: the pool holds 4 blocks, but /steps/1 needs up to 5");
+  }
+}
+
+// Corners where a correct paged cache must pass (each once failed or could have).
+TEST(Paged, ACorrectCacheServesTheCorners) {
+  const auto scenario = [](const std::string& policy, const std::string& paging, const std::string& steps) {
+    return parse_scenario(R"({"name": "p", "seed": 5, "dimensions": {"layers": 2, "batch": 2, "heads": 2,
+      "kv_heads": 1, "head_dim": 4}, "policy": )" + policy + R"(, "paging": )" + paging + R"(, "steps": )" + steps + "}",
+                          "p.json");
+  };
+  const std::vector<Scenario> corners = {
+      // Block size 1, window 4: a crop the policy accepts needs a token no later query sees.
+      scenario(R"({"type": "sliding", "window": 4})", R"({"block_size": 1, "num_blocks": 16})",
+               R"([{"op": "append", "tokens": 4}, {"op": "crop", "length": 3}, {"op": "decode", "steps": 3}])"),
+      // A crop into a registered full block with no block to spare: it is unregistered, not copied.
+      scenario(R"({"type": "full"})", R"({"block_size": 4, "num_blocks": 4, "prefix_cache": true})",
+               R"([{"op": "append", "tokens": [8, 0]}, {"op": "crop", "length": 6}, {"op": "decode", "steps": 2}])"),
+      // A recompute on a sliding layer rebuilds the whole history within the pool.
+      scenario(R"({"type": "sliding", "window": 8})", R"({"block_size": 4, "num_blocks": 24})",
+               R"([{"op": "append", "tokens": 8}, {"op": "decode", "steps": 12},
+                   {"op": "preempt", "rows": [0, 1], "mode": "recompute"}, {"op": "resume", "rows": [0, 1]},
+                   {"op": "decode", "steps": 2}])"),
+  };
+  const CacheEntry* paged = nullptr;
+  for (const CacheEntry& c : real_caches())
+    if (c.name == "paged") paged = &c;
+  ASSERT_NE(paged, nullptr);
+  for (const Scenario& s : corners) {
+    const InputTable inputs = load_inputs(s);
+    const ReferenceRun run = run_reference(s, inputs);
+    const Outcome o = check_cache(s, inputs, run, *paged);
+    EXPECT_TRUE(o.passed()) << s.steps.size() << " steps: "
+                            << (o.first_failure() ? o.first_failure()->detail : std::string());
+  }
+}

@@ -52,9 +52,7 @@ class BlockManagerCache:
         else:
             block, _ = self.cached[l].popitem(last=False)
             del self.index[l][self.key_of[l].pop(block)]
-        self.ref[l, block] = 1
-        self.k[l, block] = 0
-        self.v[l, block] = 0
+        self.ref[l, block] = 1  # not zeroed, as vLLM does not: slots past a row's end hold old values
         return block
 
     def retain(self, l, block):
@@ -220,6 +218,15 @@ class PagedTraceTest(unittest.TestCase):
         self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
         self.assertIn("class: write to a shared block (copy-on-write missing)", done.stdout)
         self.assertRegex(done.stdout, r"first divergence: step 2 \(decode")
+
+    def test_negative_hit_tokens_are_bad_input(self):
+        with tempfile.TemporaryDirectory() as work:
+            trace = trace_of("paged_chunked_prefill", work)
+            path = os.path.join(trace, "step000_l0_hit_tokens.npy")
+            np.save(path, np.array([-4], np.int32))
+            done = verify("paged_chunked_prefill", trace)
+        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+        self.assertIn("step000_l0_hit_tokens.npy: row 0 has -4 hit tokens: expected 0 or more", done.stderr)
 
     def test_a_block_id_outside_the_pool_is_bad_input(self):
         with tempfile.TemporaryDirectory() as work:

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include "tools/harness/content_keys.h"
@@ -23,13 +24,20 @@ std::map<std::int64_t, int> references(const PagedView::Layer& layer) {
   return refs;
 }
 
-// Each block's filled slots as the view shows them: (offset, uid), by offset.
-std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> contents(const ViewLayer& layer,
+// Each block's filled slots as the view shows them: (offset, context key of its token), by
+// offset (a trace names a shared slot by each row's own uid: their context keys agree).
+std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> contents(const Scenario& s,
+                                                                                    const ViewLayer& layer,
                                                                                     std::int64_t block_size) {
+  const auto uids = static_cast<std::int64_t>(s.token_ids.empty() ? std::numeric_limits<std::int64_t>::max()
+                                                                   : static_cast<std::int64_t>(s.token_ids.size()));
   std::map<std::int64_t, std::map<std::int64_t, std::int64_t>> seen;
   for (const auto& row : layer.slots)
     if (!row.empty())
-      for (const ViewSlot& v : row[0]) seen[v.slot / block_size][v.slot % block_size] = v.uid;
+      for (const ViewSlot& v : row[0])
+        seen[v.slot / block_size][v.slot % block_size] =
+            v.uid < 0 || v.uid >= uids ? -1
+                                       : static_cast<std::int64_t>(context_key(s, static_cast<std::uint64_t>(v.uid)));
   std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> out;
   for (const auto& [block, slots] : seen) out[block].assign(slots.begin(), slots.end());
   return out;
@@ -92,7 +100,7 @@ void PagedChecks::check_hits(const StepRecord& rec, const CacheView& view, StepE
   if (pv.hit_tokens.empty()) return;
   const std::int64_t B = pv.block_size;
   for (std::size_t b = 0; b < rec.append->rows.size() && b < pv.hit_tokens.size(); ++b) {
-    const std::int64_t hit = pv.hit_tokens[b];
+    const std::int64_t hit = std::max<std::int64_t>(0, pv.hit_tokens[b]);  // traces are refused below 0
     const auto added = static_cast<std::int64_t>(rec.append->rows[b].size());
     const bool started = added > 0 && static_cast<std::int64_t>(rec.histories[b].size()) == added;
     const std::int64_t legit = b < rec.largest_hit.size() ? rec.largest_hit[b] : 0;
@@ -155,7 +163,7 @@ void PagedChecks::check_refcounts(const CacheView& view, int l, StepEvidence& ev
 void PagedChecks::check_isolation(const CacheView& view, int l, StepEvidence& evidence) {
   const PagedView::Layer& layer = view.paged->layers[static_cast<std::size_t>(l)];
   const auto refs = references(layer);
-  const auto now = contents(view.layers[static_cast<std::size_t>(l)], view.paged->block_size);
+  const auto now = contents(s_, view.layers[static_cast<std::size_t>(l)], view.paged->block_size);
   auto& shared = shared_[static_cast<std::size_t>(l)];
   for (const auto& [block, before] : shared) {
     // Released since, or left to one row (the others copied it away): it may be written.

@@ -37,9 +37,10 @@ NpyArray<std::int32_t> integers(const std::string& path, const std::vector<std::
 
 }  // namespace
 
-void read_paged_layer(const PagedTraceFiles& f, std::size_t rows, std::size_t kv_heads, std::size_t head_dim,
-                      const IdentifyValue& identify, ViewLayer& layer, PagedView& paged, std::size_t index,
-                      std::vector<std::vector<float>>& storage, double& roundoff) {
+void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& lengths, std::size_t kv_heads,
+                      std::size_t head_dim, const IdentifyValue& identify, ViewLayer& layer, PagedView& paged,
+                      std::size_t index, std::vector<std::vector<float>>& storage, double& roundoff) {
+  const std::size_t rows = lengths.size();
   const auto B = static_cast<std::size_t>(f.block_size);
   NpyArray<float> keys = pool_tensor(f.key_cache, f, kv_heads, head_dim, roundoff);
   NpyArray<float> values = pool_tensor(f.value_cache, f, kv_heads, head_dim, roundoff);
@@ -50,6 +51,11 @@ void read_paged_layer(const PagedTraceFiles& f, std::size_t rows, std::size_t kv
   const NpyArray<std::int32_t> table =
       integers(f.block_table, {rows, 0}, fmt::format("a block table of shape [{}, max_blocks] (int32)", rows).c_str());
   const std::size_t width = table.shape[1];
+  if (paged.block_size != 0 && paged.block_size != f.block_size)
+    throw InputError(f.block_table, "",
+                     fmt::format("layer {} gives block size {}, an earlier layer {}: kvcheck reads one block size "
+                                 "per trace",
+                                 index, f.block_size, paged.block_size));
   paged.block_size = f.block_size;
   if (paged.layers.size() <= index) paged.layers.resize(index + 1);
   PagedView::Layer& out = paged.layers[index];
@@ -73,6 +79,9 @@ void read_paged_layer(const PagedTraceFiles& f, std::size_t rows, std::size_t kv
   if (!f.hit_tokens.empty() && index == 0) {
     const NpyArray<std::int32_t> h =
         integers(f.hit_tokens, {rows}, fmt::format("hit tokens of shape [{}] (int32)", rows).c_str());
+    for (std::size_t b = 0; b < rows; ++b)
+      if (h.data[b] < 0)
+        throw InputError(f.hit_tokens, "", fmt::format("row {} has {} hit tokens: expected 0 or more", b, h.data[b]));
     paged.hit_tokens.assign(h.data.begin(), h.data.end());
   }
   // Where slot (block, offset) of kv head g starts in a pool.
@@ -83,9 +92,10 @@ void read_paged_layer(const PagedTraceFiles& f, std::size_t rows, std::size_t kv
   const float* key_data = storage.back().data();
   layer.slots.assign(rows, std::vector<std::vector<ViewSlot>>(kv_heads));
   for (std::size_t b = 0; b < rows; ++b)
-    for (const std::int64_t block : out.tables[b]) {
+    for (std::size_t i = 0; i < out.tables[b].size(); ++i) {
+      const std::int64_t block = out.tables[b][i];
       if (block < 0) continue;
-      for (std::size_t o = 0; o < B; ++o)
+      for (std::size_t o = 0; o < B && i * B + o < lengths[b]; ++o)
         for (std::size_t g = 0; g < kv_heads; ++g) {
           const std::size_t p = at(static_cast<std::size_t>(block), o, g);
           const float* v = values.data.data() + p;

@@ -26,8 +26,10 @@ using IdentifyValue = std::function<std::int64_t(std::size_t row, int kv_head, c
 // Reads one layer's pool and tables into `layer` (the slots each row's table reaches, slot =
 // block * B + offset) and paged.layers[index]; the first layer's hits into paged.hit_tokens.
 // Throws InputError naming the file for a shape, dtype or block id that does not fit.
-void read_paged_layer(const PagedTraceFiles& files, std::size_t rows, std::size_t kv_heads, std::size_t head_dim,
-                      const IdentifyValue& identify, ViewLayer& layer, PagedView& paged, std::size_t index,
-                      std::vector<std::vector<float>>& storage, double& roundoff);
+// Slots past a row's length (`lengths`, the reference's) are left out: a block is not zeroed
+// when it is reused, and no query reads them.
+void read_paged_layer(const PagedTraceFiles& files, const std::vector<std::size_t>& lengths, std::size_t kv_heads,
+                      std::size_t head_dim, const IdentifyValue& identify, ViewLayer& layer, PagedView& paged,
+                      std::size_t index, std::vector<std::vector<float>>& storage, double& roundoff);
 
 }  // namespace kvcheck

@@ -835,10 +835,13 @@ namespace {
 
 // Blocks one layer of a row needs, without sharing, while it appends tokens [first, n):
 // every block from the first one holding a token that token `first` still sees.
+// A row of `first` tokens that appends up to n holds, without sharing, every block from
+// the first one holding a token of its retained set (the window of its last token, a
+// sliding layer's blocks being freed no earlier) to the last new token's.
 std::int64_t blocks_needed(const Policy& policy, std::int64_t block_size, std::int64_t first, std::int64_t n) {
-  if (n == first) return 0;
+  if (n == 0) return 0;
   const std::int64_t from =
-      policy.kind == PolicyKind::sliding ? std::max<std::int64_t>(0, first - policy.window + 1) / block_size : 0;
+      policy.kind == PolicyKind::sliding ? std::max<std::int64_t>(0, first - policy.window) / block_size : 0;
   return (n + block_size - 1) / block_size - from;
 }
 
@@ -847,14 +850,29 @@ std::int64_t blocks_needed(const Policy& policy, std::int64_t block_size, std::i
 PoolNeed largest_pool_need(const Scenario& s, std::int64_t block_size) {
   PoolNeed most;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(s.dims.batch), 0);
+  std::vector<bool> recompute(lengths.size(), false);  // preempted for a recompute
   for (const Step& step : s.steps) {
-    if (step.op == StepOp::append && step.expect_error.empty())
+    // Idle rows hold their blocks; a recompute's resume rebuilds its row from token 0.
+    const bool counts = (step.op == StepOp::append || step.op == StepOp::resume) && step.expect_error.empty();
+    if (counts)
       for (const Policy& policy : s.layer_policies) {
         std::int64_t need = 0;
-        for (std::size_t b = 0; b < lengths.size(); ++b)
-          need += blocks_needed(policy, block_size, lengths[b], lengths[b] + step.tokens[b]);
+        for (std::size_t b = 0; b < lengths.size(); ++b) {
+          const bool rebuilt = step.op == StepOp::resume && recompute[b] &&
+                               std::find(step.rows.begin(), step.rows.end(), static_cast<int>(b)) != step.rows.end();
+          need += rebuilt ? blocks_needed(policy, block_size, 0, lengths[b])
+                          : blocks_needed(policy, block_size, lengths[b],
+                                          lengths[b] + (step.op == StepOp::append ? step.tokens[b] : 0));
+        }
         if (need > most.blocks) most = {need, step.source_index};
       }
+    if (step.op == StepOp::preempt)
+      for (int b : step.rows) recompute[static_cast<std::size_t>(b)] = step.recompute;
+    if (step.op == StepOp::reset || step.op == StepOp::reorder) {
+      if (step.expect_error.empty()) advance_lengths(step, lengths);
+      recompute.assign(lengths.size(), false);
+      continue;
+    }
     if (step.expect_error.empty()) advance_lengths(step, lengths);
   }
   return most;

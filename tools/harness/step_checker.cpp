@@ -1015,7 +1015,9 @@ class StepChecker::Impl {
   PagedChecks paged_;                 // SPEC 8: the cache shows block tables
   std::vector<std::int64_t> uncomputed_;  // the step's, per row (prefix hits)
   std::size_t uncomputed(int row) const {
-    return static_cast<std::size_t>(row) < uncomputed_.size() ? static_cast<std::size_t>(uncomputed_[row]) : 0;
+    return static_cast<std::size_t>(row) < uncomputed_.size()
+               ? static_cast<std::size_t>(std::max<std::int64_t>(0, uncomputed_[static_cast<std::size_t>(row)]))
+               : 0;
   }
   Tolerance used_tolerance_{0.0, 0.0};
   std::string skipped_;

@@ -326,7 +326,9 @@ class TraceSource {
         const IdentifyValue id = [&](std::size_t row, int g, const float* v) {
           return identify(static_cast<int>(l), g, v, rec.histories[row], view.roundoff);
         };
-        read_paged_layer(*f.paged, B, Hkv, D, id, layer, *view.paged, l, view.storage, view.roundoff);
+        std::vector<std::size_t> lengths;
+        for (const RowHistory& h : rec.histories) lengths.push_back(h.size());
+        read_paged_layer(*f.paged, lengths, Hkv, D, id, layer, *view.paged, l, view.storage, view.roundoff);
         outputs_and_queries(rec, f, layer, view);
         view.layers.push_back(std::move(layer));
         continue;
