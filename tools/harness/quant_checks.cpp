@@ -165,12 +165,9 @@ std::vector<std::int64_t> QuantChecks::positions_seen(const StepRecord& rec, std
   return path;
 }
 
-std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(const StepRecord& rec, int l, int b, int g,
-                                                                           std::uint64_t uid,
+std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l, int g, std::uint64_t uid,
                                                                            const std::vector<std::int64_t>& path,
                                                                            const optimized::UnpackedRow& stored) const {
-  (void)rec;
-  (void)b;
   const KvQuant& q = *s_.kv_quant;
   const int D = s_.dims.head_dim;
   const reference::QuantizedRow written =
@@ -333,7 +330,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             if (held == held_.end() && rec.append && !(stored_now.codes == expected.codes && stored_now.scales == expected.scales)) {
               const std::vector<std::int64_t> path = positions_seen(rec, l, b, retained[i]);
               if (path.size() > 1)
-                if (auto other = through_write_boundary(rec, static_cast<int>(l), static_cast<int>(b), g,
+                if (auto other = through_write_boundary(static_cast<int>(l), g,
                                                         retained[i].uid, path, *slot.key_codes)) {
                   expected = std::move(*other);
                   ++codes_on_boundary_;

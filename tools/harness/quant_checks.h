@@ -88,8 +88,7 @@ class QuantChecks {
   // the codes of its write, never shown, may have taken a boundary the other way. Tries each
   // such element's neighbouring code through the step's shifts; the codes that reproduce the
   // stored ones, or nullopt.
-  std::optional<reference::QuantizedRow> through_write_boundary(const StepRecord& record, int layer, int row,
-                                                                int kv_head, std::uint64_t uid,
+  std::optional<reference::QuantizedRow> through_write_boundary(int layer, int kv_head, std::uint64_t uid,
                                                                 const std::vector<std::int64_t>& path,
                                                                 const optimized::UnpackedRow& stored) const;
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
