@@ -1,9 +1,9 @@
-"""SPEC 8.9: a paged cache written in NumPy the way vLLM's block manager behaves (slots from
-the token index, full-block prefix hashes with the adapter and salt, blocks registered after
-their forward, LRU eviction of cached blocks, null blocks behind a sliding window, copy on
-write), driven over exported paged fixtures, its pools and block tables dumped with
-kvtrace.TraceWriter in vLLM's NHD and FlashInfer's HND layouts, and judged by `kvcheck
-verify`; the same cache without copy-on-write is caught and classified."""
+"""SPEC 8.9: a paged cache written the way vLLM's block manager behaves (slots from the token
+index, full-block prefix hashes with the adapter and salt, blocks registered after their
+forward, LRU eviction of cached blocks, null blocks behind a sliding window, copy on write,
+swap), with NumPy or PyTorch pools, driven over exported paged fixtures by
+kvtrace.drive_paged_cache in vLLM's NHD and FlashInfer's HND layouts, and judged by `kvcheck
+verify`; the same cache with planted faults is caught and classified."""
 import collections
 import json
 import os
@@ -23,32 +23,56 @@ SCENARIOS = os.path.join(HERE, "..", "fixtures", "scenarios")
 
 
 class BlockManagerCache:
-    """One pool per layer, a table per row (lists of block ids, None for null)."""
+    """vLLM's block manager with its pools, for kvtrace.drive_paged_cache: one pool per
+    layer, a table per row (block ids, None for null). tensor: "numpy" or "torch" pools."""
 
-    def __init__(self, export, copy_on_write=True):
+    def __init__(self, export, layout="NHD", tensor="numpy", copy_on_write=True):
         d, p = export.dims, export.manifest["paging"]
-        self.exp, self.B, self.N = export, p["block_size"], p["num_blocks"]
+        self.exp, self.block_size, self.N = export, p["block_size"], p["num_blocks"]
+        self.B, self.layout = self.block_size, layout
         self.prefix_cache, self.copy_on_write = p["prefix_cache"], copy_on_write
         self.L, self.Hkv, self.D = d["layers"], d["kv_heads"], d["head_dim"]
-        self.k = np.zeros((self.L, self.N, self.B, self.Hkv, self.D), np.float32)
-        self.v = np.zeros_like(self.k)
+        shape = (self.L, self.N, self.B, self.Hkv, self.D) if layout == "NHD" else \
+            (self.L, self.N, self.Hkv, self.B, self.D)
+        if tensor == "torch":
+            import torch
+            self.k = torch.zeros(shape, dtype=torch.float32)
+        else:
+            self.k = np.zeros(shape, np.float32)
+        self.v = self.k.clone() if tensor == "torch" else self.k.copy()
         self.ref = np.zeros((self.L, self.N), np.int32)
         self.index = [dict() for _ in range(self.L)]          # hash -> block
         self.key_of = [dict() for _ in range(self.L)]         # block -> hash
         self.cached = [collections.OrderedDict() for _ in range(self.L)]  # refcount 0, registered; oldest first
-        self.free = [list(range(self.N - 1, -1, -1)) for _ in range(self.L)]  # lowest id on top
-        self.rows = []
+        self.free_blocks = [list(range(self.N - 1, -1, -1)) for _ in range(self.L)]  # lowest id on top
+        self.rows = {}
+        self.swapped = {}
+
+    # What the driver reads.
+    def key_cache(self, layer):
+        return self.k[layer]
+
+    def value_cache(self, layer):
+        return self.v[layer]
+
+    def block_table(self, layer, row):
+        return self.row(row)["tables"][layer]
+
+    def refcount(self, layer):
+        return self.ref[layer]
+
+    # The block manager.
+    def row(self, b):
+        return self.rows.setdefault(b, {"tables": [[] for _ in range(self.L)], "ids": [], "extra": {},
+                                        "hashes": [], "registered": 0})
 
     def window(self, layer):
         policy = self.exp.layer_policy(layer)
         return policy["window"] if policy["type"] == "sliding" else 0
 
-    def new_row(self):
-        return {"tables": [[] for _ in range(self.L)], "ids": [], "extra": {}, "hashes": [], "hit": 0}
-
-    def allocate(self, l):
-        if self.free[l]:
-            block = self.free[l].pop()
+    def allocate_block(self, l):
+        if self.free_blocks[l]:
+            block = self.free_blocks[l].pop()
         else:
             block, _ = self.cached[l].popitem(last=False)
             del self.index[l][self.key_of[l].pop(block)]
@@ -67,7 +91,7 @@ class BlockManagerCache:
             else:
                 if block in self.key_of[l]:
                     del self.index[l][self.key_of[l].pop(block)]
-                self.free[l].append(block)
+                self.free_blocks[l].append(block)
 
     def block_hash(self, row, i):
         while len(row["hashes"]) <= i:
@@ -77,122 +101,110 @@ class BlockManagerCache:
             row["hashes"].append(hash((parent, tuple(row["ids"][j * self.B:(j + 1) * self.B]))))
         return row["hashes"][i]
 
-    def append(self, step):
-        self.rows += [self.new_row() for _ in range(step["batch"] - len(self.rows))]
-        for b, r in enumerate(step["rows"]):
-            row = self.rows[b]
-            row["hit"] = 0
-            if not r["uids"]:
-                continue
-            start = len(row["ids"])
-            row["ids"] += r["ids"]
-            if start == 0:  # the row starts: take the leading full blocks the index holds
-                row["extra"] = r.get("extra", {})
-                n, hit = len(r["ids"]), 0
-                while self.prefix_cache and hit + self.B <= (n - 1) // self.B * self.B and all(
-                        self.block_hash(row, hit // self.B) in self.index[l] for l in range(self.L)):
-                    for l in range(self.L):
-                        block = self.index[l][self.block_hash(row, hit // self.B)]
-                        self.retain(l, block)
-                        row["tables"][l].append(block)
-                    hit += self.B
-                row["hit"] = hit
-            first = start + row["hit"]
+    def start(self, b, ids, extra):
+        """The leading full blocks the index holds, below the prompt's last token."""
+        row = self.row(b)
+        row["extra"], row["ids"] = extra, list(ids)
+        n, hit = len(ids), 0
+        while self.prefix_cache and hit + self.B <= (n - 1) // self.B * self.B and all(
+                self.block_hash(row, hit // self.B) in self.index[l] for l in range(self.L)):
             for l in range(self.L):
-                table = row["tables"][l]
-                for t in range(first, len(row["ids"])):
-                    i = t // self.B
-                    while len(table) <= i:
-                        table.append(None)
-                    if table[i] is None:
-                        table[i] = self.allocate(l)
-                    elif self.ref[l, table[i]] > 1 and self.copy_on_write:
-                        copy = self.allocate(l)
-                        self.k[l, copy], self.v[l, copy] = self.k[l, table[i]], self.v[l, table[i]]
+                block = self.index[l][self.block_hash(row, hit // self.B)]
+                self.retain(l, block)
+                row["tables"][l].append(block)
+            hit += self.B
+        row["ids"], row["registered"] = row["ids"][:hit], hit // self.B
+        return hit
+
+    def allocate(self, b, ids):
+        row = self.row(b)
+        first = len(row["ids"])
+        row["ids"] += list(ids)
+        for l in range(self.L):
+            table = row["tables"][l]
+            for i in range(first // self.B, (len(row["ids"]) - 1) // self.B + 1):
+                while len(table) <= i:
+                    table.append(None)
+                if table[i] is None:
+                    table[i] = self.allocate_block(l)
+                elif self.ref[l, table[i]] > 1 and self.copy_on_write:
+                    copy = self.allocate_block(l)
+                    self.k[l, copy], self.v[l, copy] = self.k[l, table[i]], self.v[l, table[i]]
+                    self.release(l, table[i])
+                    table[i] = copy
+
+    def finish(self, b):
+        """After the forward: full blocks enter the index; blocks behind the window go."""
+        row = self.row(b)
+        n = len(row["ids"])
+        for l in range(self.L):
+            table = row["tables"][l]
+            if self.prefix_cache:
+                for i in range(row["registered"], n // self.B):
+                    if table[i] is not None and self.block_hash(row, i) not in self.index[l]:
+                        self.index[l][self.block_hash(row, i)] = table[i]
+                        self.key_of[l][table[i]] = self.block_hash(row, i)
+            w = self.window(l)
+            if w:
+                for i in range(min(len(table), max(0, n - w + 1) // self.B)):
+                    if table[i] is not None:
                         self.release(l, table[i])
-                        table[i] = copy
-                    uid = r["uids"][t - start]
-                    key = kvtrace.rotate(self.exp.k[l, uid], np.array([t]), self.exp.rope)
-                    self.k[l, table[i], t % self.B] = key
-                    self.v[l, table[i], t % self.B] = self.exp.v[l, uid]
-            # After the forward: full blocks enter the index; blocks behind the window go.
-            n = len(row["ids"])
-            for l in range(self.L):
-                table = row["tables"][l]
-                if self.prefix_cache:
-                    for i in range(first // self.B, n // self.B):
-                        if table[i] is not None and self.block_hash(row, i) not in self.index[l]:
-                            self.index[l][self.block_hash(row, i)] = table[i]
-                            self.key_of[l][table[i]] = self.block_hash(row, i)
-                w = self.window(l)
-                if w:
-                    for i in range(min(len(table), max(0, n - w + 1) // self.B)):
-                        if table[i] is not None:
-                            self.release(l, table[i])
-                            table[i] = None
+                        table[i] = None
+        row["registered"] = n // self.B
 
-    def op(self, step):
-        if step["op"] == "append":
-            self.append(step)
-        elif step["op"] == "reorder":
-            moved = [json.loads(json.dumps(self.rows[r])) for r in step["rows_from"]]
-            for row in moved:
-                for l, table in enumerate(row["tables"]):
-                    for block in table:
-                        if block is not None:
-                            self.retain(l, block)
-            for row in self.rows:
-                self.drop(row)
-            self.rows = moved
-        elif step["op"] == "free":
-            for r in step["rows_freed"]:
-                self.drop(self.rows[r])
-                self.rows[r] = self.new_row()
-        elif step["op"] == "evict":
-            for l in range(self.L):
-                k = len(self.cached[l]) if step["blocks"] < 0 else step["blocks"]
-                for _ in range(min(k, len(self.cached[l]))):
-                    block, _ = self.cached[l].popitem(last=False)
-                    del self.index[l][self.key_of[l].pop(block)]
-                    self.free[l].append(block)
-        else:
-            raise ValueError("op %s is not driven here" % step["op"])
+    def fork(self, rows_from):
+        moved = [json.loads(json.dumps(self.row(r))) for r in rows_from]
+        for row in moved:
+            for l, table in enumerate(row["tables"]):
+                for block in table:
+                    if block is not None:
+                        self.retain(l, block)
+        for b in list(self.rows):
+            self.free(b)
+        self.rows = dict(enumerate(moved))
 
-    def drop(self, row):
-        for l, table in enumerate(row["tables"]):
+    def free(self, b):
+        for l, table in enumerate(self.row(b)["tables"]):
             for block in table:
                 if block is not None:
                     self.release(l, block)
-            table.clear()
+        del self.rows[b]
 
-    def state(self, layout):
-        width = max([1] + [len(t) for row in self.rows for t in row["tables"]])
-        layers = []
+    def evict(self, count):
         for l in range(self.L):
-            table = np.full((len(self.rows), width), -1, np.int32)
-            for b, row in enumerate(self.rows):
-                for i, block in enumerate(row["tables"][l]):
-                    table[b, i] = -1 if block is None else block
-            k, v = self.k[l], self.v[l]
-            if layout == "HND":
-                k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-            layers.append({"paged": {"block_size": self.B, "layout": layout, "key_cache": k, "value_cache": v,
-                                     "block_table": table, "refcount": self.ref[l],
-                                     "hit_tokens": np.array([row["hit"] for row in self.rows], np.int32)}})
-        return layers
+            k = len(self.cached[l]) if count is None else count
+            for _ in range(min(k, len(self.cached[l]))):
+                block, _ = self.cached[l].popitem(last=False)
+                del self.index[l][self.key_of[l].pop(block)]
+                self.free_blocks[l].append(block)
+
+    def swap_out(self, b):
+        row = self.row(b)
+        clone = lambda x: x.clone() if hasattr(x, "clone") else x.copy()  # noqa: E731 (torch or NumPy)
+        saved = [[None if blk is None else (clone(self.k[l, blk]), clone(self.v[l, blk])) for blk in table]
+                 for l, table in enumerate(row["tables"])]
+        self.swapped[b] = (json.loads(json.dumps(row)), saved)
+        self.free(b)
+
+    def swap_in(self, b):
+        row, saved = self.swapped.pop(b)
+        for l, table in enumerate(row["tables"]):
+            for i, blk in enumerate(table):
+                if blk is not None:
+                    table[i] = self.allocate_block(l)
+                    self.k[l, table[i]], self.v[l, table[i]] = saved[l][i]
+        self.rows[b] = row
 
 
-def trace_of(scenario, work, layout="NHD", copy_on_write=True):
+def trace_of(scenario, work, layout="NHD", tensor="numpy", **faults):
     export = os.path.join(work, "export")
     subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, scenario + ".json"), "--out", export],
                    check=True, capture_output=True)
     exp = kvtrace.Export(export)
-    cache = BlockManagerCache(exp, copy_on_write)
     path = os.path.join(work, "trace-" + layout)
-    with kvtrace.TraceWriter(path, exp.name, "tests/test_paged_trace.py", "absolute") as writer:
-        for step in exp.steps:
-            cache.op(step)
-            writer.step(cache.state(layout))
+    result = kvtrace.drive_paged_cache(exp, lambda: BlockManagerCache(exp, layout, tensor, **faults), path,
+                                       producer="tests/test_paged_trace.py")
+    assert result.error is None, result
     return path
 
 
@@ -203,13 +215,44 @@ def verify(scenario, trace):
 
 class PagedTraceTest(unittest.TestCase):
     def test_a_vllm_style_block_manager_passes_in_nhd_and_hnd(self):
-        for scenario in ("paged_fork_then_prefix_hit", "paged_gemma_hybrid_prefix", "paged_evict_then_repeat"):
+        for scenario in ("paged_fork_then_prefix_hit", "paged_gemma_hybrid_prefix", "paged_evict_then_repeat",
+                         "paged_preempt_swap_and_recompute", "paged_chunked_prefill"):
             for layout in ("NHD", "HND"):
                 with self.subTest(scenario=scenario, layout=layout), tempfile.TemporaryDirectory() as work:
                     done = verify(scenario, trace_of(scenario, work, layout))
                     self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
                     self.assertIn("paged bookkeeping", done.stdout)
                     self.assertIn("no divergence", done.stdout)
+
+    def test_the_same_block_manager_with_torch_pools_passes(self):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            self.fail("PyTorch is missing: tools/setup installs python3-torch")
+        with tempfile.TemporaryDirectory() as work:
+            done = verify("paged_fork_then_prefix_hit", trace_of("paged_fork_then_prefix_hit", work, "HND", "torch"))
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("no divergence", done.stdout)
+
+    def test_a_slot_mapping_from_the_append_not_the_row_is_named(self):
+        # The runner's bug: slots from the token's place in this append, not its index in the
+        # row; the first decode writes token 13 over token 0's slot.
+        class FromAppend(BlockManagerCache):
+            def slot_mapping(self, layer, row, first, count):
+                table = self.block_table(layer, row)
+                return [table[j // self.B] * self.B + j % self.B for j in range(count)]
+
+        with tempfile.TemporaryDirectory() as work:
+            export = os.path.join(work, "export")
+            subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, "paged_fork_then_prefix_hit.json"), "--out",
+                            export], check=True, capture_output=True)
+            exp = kvtrace.Export(export)
+            trace = os.path.join(work, "trace")
+            kvtrace.drive_paged_cache(exp, lambda: FromAppend(exp), trace)
+            done = verify("paged_fork_then_prefix_hit", trace)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("class: slot mapping wrong", done.stdout)
+        self.assertIn("token 13 was written to slot", done.stdout)
 
     def test_sharing_a_forked_block_without_copy_is_named(self):
         with tempfile.TemporaryDirectory() as work:
@@ -219,27 +262,58 @@ class PagedTraceTest(unittest.TestCase):
         self.assertIn("class: write to a shared block (copy-on-write missing)", done.stdout)
         self.assertRegex(done.stdout, r"first divergence: step 2 \(decode")
 
-    def test_negative_hit_tokens_are_bad_input(self):
+    def test_a_slot_mapping_that_disagrees_with_the_table_is_named(self):
+        # Step 0 of paged_chunked_prefill writes 13 tokens of its one row into blocks of 4.
+        for name, change, words in (
+                ("another block", lambda m: m.__setitem__((0, 5), (m[0, 5] + 4) % 32),
+                 "token 5 was written to slot"),
+                ("one slot short", lambda m: m.__setitem__((0, 12), -1),
+                 "the slot mapping gives 12 slots for the 13 tokens the row computed in this step")):
+            with self.subTest(name), tempfile.TemporaryDirectory() as work:
+                trace = trace_of("paged_chunked_prefill", work)
+                path = os.path.join(trace, "step000_l1_slot_mapping.npy")
+                mapping = np.load(path)
+                self.assertEqual(mapping.dtype, np.int64)
+                change(mapping)
+                np.save(path, mapping)
+                done = verify("paged_chunked_prefill", trace)
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn("layer 1 row 0", done.stdout)
+                self.assertIn(words, done.stdout)
+                self.assertIn("class: slot mapping wrong", done.stdout)
+
+    def verify_edited(self, name, edit):
+        """verify of paged_chunked_prefill's trace after edit(array) changed one of its files."""
         with tempfile.TemporaryDirectory() as work:
             trace = trace_of("paged_chunked_prefill", work)
-            path = os.path.join(trace, "step000_l0_hit_tokens.npy")
-            np.save(path, np.array([-4], np.int32))
-            done = verify("paged_chunked_prefill", trace)
-        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
-        self.assertIn("step000_l0_hit_tokens.npy: row 0 has -4 hit tokens: expected 0 or more", done.stderr)
+            path = os.path.join(trace, name)
+            array = np.load(path)
+            np.save(path, edit(array))
+            return verify("paged_chunked_prefill", trace)
 
-    def test_a_block_id_outside_the_pool_is_bad_input(self):
-        with tempfile.TemporaryDirectory() as work:
-            trace = trace_of("paged_chunked_prefill", work)
-            table = os.path.join(trace, "step000_l0_block_table.npy")
-            bad = np.load(table)
-            bad[0, 0] = 99
-            np.save(table, bad)
-            done = verify("paged_chunked_prefill", trace)
-        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
-        self.assertIn("step000_l0_block_table.npy: entry [0][0] is 99: expected -1 (null) or a block id below 8",
-                      done.stderr)
+    def test_bad_tables_slots_and_hits_are_bad_input(self):
+        def set_at(index, value):
+            def edit(a):
+                a[index] = value
+                return a
+            return edit
+        for name, edit, words in (
+                ("step000_l0_slot_mapping.npy", set_at((0, 2), 32),
+                 "step000_l0_slot_mapping.npy: entry [0][2] is 32: expected -1 (padding) or a slot below 32"),
+                ("step000_l0_hit_tokens.npy", lambda a: np.array([-4], np.int32),
+                 "step000_l0_hit_tokens.npy: row 0 has -4 hit tokens: expected 0 or more"),
+                ("step000_l0_block_table.npy", set_at((0, 0), 99),
+                 "step000_l0_block_table.npy: entry [0][0] is 99: expected -1 (null) or a block id below 8"),
+                ("step000_l0_block_table.npy", lambda a: a.astype(np.float32),
+                 "step000_l0_block_table.npy: expected dtype |i1, |u1, <i4 or <i8 (integers), got <f4")):
+            with self.subTest(name=name, words=words):
+                done = self.verify_edited(name, edit)
+                self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                self.assertIn(words, done.stderr)
 
+    def test_int64_tables_from_torch_are_read(self):
+        done = self.verify_edited("step000_l0_block_table.npy", lambda a: a.astype(np.int64))
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
 
 if __name__ == "__main__":
     unittest.main()

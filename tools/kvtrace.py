@@ -2,10 +2,12 @@
 """kvtrace: check a KV cache written in Python against kvcheck, through files.
 
 NumPy only at import (PyTorch is imported only when a cache is driven with as_tensor="torch";
-its tensors are accepted wherever arrays are). Three pieces:
+its tensors are accepted wherever arrays are). The pieces:
 
 - Export: loads a `kvcheck export` folder: the scenario's raw q/k/v by uid and its schedule.
 - TraceWriter: writes a trace folder (format kvcheck-trace-1) that `kvcheck verify` reads.
+- drive_paged_cache: plays a serving engine's model runner over a paged cache (a block
+  manager and its pools, SPEC 8; kvtrace_paged.py says what it must offer).
 - drive_hf_cache: feeds an export's schedule to any cache object with Hugging Face's
   `update(key_states, value_states, layer_idx, cache_kwargs) -> (keys, values)` (plus
   `crop`, `reorder_cache`), applies RoPE at the positions the caller chooses, runs eager
@@ -237,7 +239,9 @@ class TraceWriter:
         A paged cache (SPEC 8.9) gives "paged" instead of keys and values: a dict with
         block_size, layout ("NHD": pool [blocks, B, Hkv, D] as vLLM; "HND": [blocks, Hkv, B, D]
         as FlashInfer), key_cache and value_cache (the pools), block_table [B, max_blocks]
-        (-1 for null), and optionally refcount [blocks] and hit_tokens [B] (written int32)."""
+        (-1 for null), and optionally refcount [blocks], hit_tokens [B] (written int32) and
+        slot_mapping [B, n] (written int64): the slot of each token the step computed, the
+        row's tokens after its hit, in order, -1 as padding."""
         index = len(self.manifest["steps"])
         entry = []
         for l, tensors in enumerate(layers):
@@ -245,12 +249,13 @@ class TraceWriter:
             paged = tensors.get("paged")
             if paged is not None:
                 files["paged"] = {"block_size": int(paged["block_size"]), "layout": paged["layout"]}
-                for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens"):
+                for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens", "slot_mapping"):
                     if paged.get(name) is None:
                         continue
                     file = "step%03d_l%d_%s.npy" % (index, l, name)
                     x = to_numpy(paged[name])
-                    x = x.astype(self.dtype if name.endswith("_cache") else np.int32)
+                    x = x.astype(self.dtype if name.endswith("_cache") else
+                                 np.int64 if name == "slot_mapping" else np.int32)
                     np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
                     files["paged"][name] = file
             for name in ("keys", "values", "out", "q", "k_codes", "k_scales", "k_zero", "v_codes", "v_scales",
@@ -333,6 +338,14 @@ class DriveResult:
     refusals: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
     recorded: int = 0
+
+
+def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32"):
+    """Drives a paged cache (a block manager with its pools, SPEC 8) as vLLM's model runner
+    does and writes a trace with "paged" layers; see kvtrace_paged.py for what the cache must
+    offer. Returns a DriveResult."""
+    from kvtrace_paged import drive_paged_cache as drive
+    return drive(export, make_cache, trace_path, producer=producer, dtype=dtype)
 
 
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",

@@ -143,7 +143,11 @@ std::vector<ViewLayer> paged_layers(const optimized::PagedState& paged, const st
 PagedView paged_view(const optimized::PagedState& paged) {
   PagedView v;
   v.block_size = paged.block_size;
-  for (const auto& layer : paged.layers) v.layers.push_back({layer.tables, layer.refcounts});
+  for (const auto& layer : paged.layers) {
+    PagedView::Layer& out = v.layers.emplace_back();
+    out.tables = layer.tables;
+    out.refcounts = layer.refcounts;
+  }
   v.hit_tokens = paged.hit_tokens;
   return v;
 }

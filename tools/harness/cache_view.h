@@ -60,6 +60,9 @@ struct PagedView {
   struct Layer {
     std::vector<std::vector<std::int64_t>> tables;  // [row][logical block]: block id, -1 for null
     std::vector<std::int32_t> refcounts;            // [block]; empty: not reported
+    // [row][j]: the slot the step wrote its j-th computed token to (the tokens after the
+    // row's hit); -1 padding dropped. Empty: not reported.
+    std::vector<std::vector<std::int64_t>> slot_mapping;
   };
   std::vector<Layer> layers;
   std::vector<std::int64_t> hit_tokens;  // [row]: tokens the step's append took from the prefix index

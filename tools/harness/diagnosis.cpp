@@ -322,11 +322,12 @@ bool off_by_one(const StepEvidence& e) {
 
 }  // namespace
 
-// The paged issue that explains the others: a wrong hit or a shared write makes every later
-// slot look wrong, so it is named first.
+// The paged issue that explains the others: a write where the table does not point, a
+// wrong hit or a shared write makes every later slot look wrong, so it is named first.
 static BugClass paged_class(const std::vector<PagedIssue>& issues) {
   using K = PagedIssue::Kind;
   const std::pair<K, BugClass> order[] = {
+      {K::mapping_table, BugClass::paged_slot_mapping_wrong},
       {K::unwritten_hit, BugClass::paged_read_before_write},
       {K::hit_across, BugClass::paged_hit_across_contexts},
       {K::hit_unaligned, BugClass::paged_hit_beyond_alignment},

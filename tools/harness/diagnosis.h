@@ -126,6 +126,7 @@ struct CodeMismatch {
 struct PagedIssue {
   enum class Kind {
     slot_mapping,     // a token in another slot of its block than t % B
+    mapping_table,    // a trace's slot mapping wrote a token elsewhere than its table entry says
     stale_entry,      // a table entry holding no token of the row (past its end, or another row's)
     freed_visible,    // a null entry where the row has a live token
     unwritten_hit,    // a hit block not yet written when it was hit (same step)

@@ -231,6 +231,8 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     if (r.step.op == StepOp::crop) step["length"] = r.step.length;
     if (r.step.op == StepOp::free_rows) step["rows_freed"] = r.step.rows;
     if (r.step.op == StepOp::evict) step["blocks"] = r.step.evict_blocks;  // -1: all
+    if (r.step.op == StepOp::preempt || r.step.op == StepOp::resume) step["rows_preempted"] = r.step.rows;
+    if (r.step.op == StepOp::preempt) step["mode"] = r.step.recompute ? "recompute" : "swap";
 
     if (!r.step.expect_error.empty()) step["expect_error"] = r.step.expect_error;
     if (!r.refused.empty()) step["refused"] = r.refused;

@@ -157,12 +157,12 @@ NpyHeader read_header(std::ifstream& in, const std::string& path, std::uint64_t 
     h.word = 4;
   else if (h.descr == "<f8")
     h.word = 8;
-  else if (h.descr == "|i1" || h.descr == "|u1" || h.descr == "<i4")  // SPEC 9.3's codes and zero points
-    h.word = h.descr == "<i4" ? 4 : 1, h.kind = h.descr[1];
+  else if (h.descr == "|i1" || h.descr == "|u1" || h.descr == "<i4" || h.descr == "<i8")  // codes, indices
+    h.word = h.descr == "<i8" ? 8 : h.descr == "<i4" ? 4 : 1, h.kind = h.descr[1];
   else
     throw InputError(path, "",
-                     fmt::format("expected dtype <f2 (float16), <f4 (float32) or <f8 (float64) (codes: |i1, |u1 or "
-                                 "<i4), got {}",
+                     fmt::format("expected dtype <f2 (float16), <f4 (float32) or <f8 (float64) (integers: |i1, |u1, "
+                                 "<i4 or <i8), got {}",
                                  h.descr));
   h.count = 1;
   for (std::size_t d : h.shape)
@@ -206,11 +206,16 @@ std::vector<T> read_data(std::ifstream& in, const NpyHeader& h, const std::strin
     for (std::size_t i = 0; i < n; ++i) {
       const char* x = block.data() + i * h.word;
       if (h.kind != 'f') {
-        std::int32_t v = 0;
-        if (h.word == 4)
-          std::memcpy(&v, x, 4);
-        else
+        std::int64_t v = 0;
+        if (h.word == 8) {
+          std::memcpy(&v, x, 8);
+        } else if (h.word == 4) {
+          std::int32_t w;
+          std::memcpy(&w, x, 4);
+          v = w;
+        } else {
           v = h.kind == 'i' ? static_cast<std::int8_t>(*x) : static_cast<std::uint8_t>(*x);
+        }
         out[at + i] = static_cast<T>(v);
       } else if (h.word == 2) {
         std::uint16_t v;
@@ -244,9 +249,11 @@ NpyArray<T> read_npy(const std::string& path, const char* required, double* roun
   if (required != nullptr && h.descr != required)
     throw InputError(path, "", fmt::format("expected dtype {}, got {}", required, h.descr));
   const bool want_integers = std::is_integral_v<T>;
-  if (want_integers != (h.kind != 'f'))
+  const bool codes = want_integers && sizeof(T) == 4;  // SPEC 9.3's codes fit int32; indices may be int64
+  if (want_integers != (h.kind != 'f') || (codes && h.word == 8))
     throw InputError(path, "", fmt::format("expected dtype {}, got {}",
-                                           want_integers ? "|i1, |u1 or <i4 (integer codes)"
+                                           codes           ? "|i1, |u1 or <i4 (integer codes)"
+                                           : want_integers ? "|i1, |u1, <i4 or <i8 (integers)"
                                                          : "<f2 (float16), <f4 (float32) or <f8 (float64)",
                                            h.descr));
   if (roundoff != nullptr) *roundoff = h.word == 2 ? 0x1p-11 : 0x1p-24;
@@ -269,6 +276,7 @@ NpyArray<float> read_npy_floats(const std::string& path, double* roundoff) {
   return read_npy<float>(path, nullptr, roundoff);
 }
 NpyArray<std::int32_t> read_npy_codes(const std::string& path) { return read_npy<std::int32_t>(path, nullptr, nullptr); }
+NpyArray<std::int64_t> read_npy_indices(const std::string& path) { return read_npy<std::int64_t>(path, nullptr, nullptr); }
 
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data) {
   write(path, shape, data);

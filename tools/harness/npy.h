@@ -23,6 +23,8 @@ NpyArray<double> read_npy_f64(const std::string& path);
 NpyArray<float> read_npy_floats(const std::string& path, double* roundoff);
 // SPEC 9.3's codes: int8, uint8 or int32, as int32.
 NpyArray<std::int32_t> read_npy_codes(const std::string& path);
+// Block tables, slot mappings, refcounts (SPEC 8.9): any of those, or int64, as int64.
+NpyArray<std::int64_t> read_npy_indices(const std::string& path);
 
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<float>& data);
 void write_npy(const std::string& path, const std::vector<std::size_t>& shape, const std::vector<double>& data);

@@ -87,9 +87,57 @@ void PagedChecks::check(const StepRecord& rec, CacheView& view, StepEvidence& ev
     }
   }
   for (std::size_t l = 0; l < L; ++l) {
+    check_slot_mapping(rec, view, static_cast<int>(l), evidence);  // the cause of what follows, when wrong
     check_refcounts(view, static_cast<int>(l), evidence);
     check_isolation(view, static_cast<int>(l), evidence);
     check_layer(rec, view, static_cast<int>(l), evidence);
+  }
+}
+
+// 8.8.1 from the writer's side: the slot a step wrote each computed token to (a trace's
+// slot_mapping) is table[t / B] * B + t % B, the slot the table says the readers look in.
+// vLLM computes both from the token index; a mapping from the rotary position, or one
+// computed before a copy-on-write replaced the block, writes where no query reads.
+void PagedChecks::check_slot_mapping(const StepRecord& rec, const CacheView& view, int l, StepEvidence& evidence) {
+  const PagedView::Layer& layer = view.paged->layers[static_cast<std::size_t>(l)];
+  if (layer.slot_mapping.empty()) return;
+  const std::int64_t B = view.paged->block_size;
+  for (std::size_t b = 0; b < layer.slot_mapping.size() && b < rec.histories.size(); ++b) {
+    const auto& mapping = layer.slot_mapping[b];
+    const auto n = static_cast<std::int64_t>(rec.histories[b].size());
+    const auto added = rec.append && b < rec.append->rows.size() ? static_cast<std::int64_t>(rec.append->rows[b].size())
+                                                                 : std::int64_t{0};
+    const std::int64_t hit = b < view.uncomputed.size() ? view.uncomputed[b] : 0;
+    const std::int64_t first = n - added + std::min(hit, added), computed = n - first;
+    const int row = static_cast<int>(b);
+    if (static_cast<std::int64_t>(mapping.size()) != computed) {
+      fail(evidence, {K::mapping_table, l, row, -1, -1, -1,
+                      computed == 0 ? fmt::format("the slot mapping gives {} slots, but the row computed no token in "
+                                                  "this step",
+                                                  mapping.size())
+                                    : fmt::format("the slot mapping gives {} slots for the {} tokens the row computed "
+                                                  "in this step (tokens {} to {}, after a hit of {})",
+                                                  mapping.size(), computed, first, n - 1, hit)});
+      continue;
+    }
+    const auto& table = layer.tables[b];
+    int reported = 0;
+    for (std::int64_t j = 0; j < computed && reported < 4; ++j) {
+      const std::int64_t t = first + j, i = t / B;
+      const std::int64_t block = i < static_cast<std::int64_t>(table.size()) ? table[static_cast<std::size_t>(i)] : -1;
+      // A block the step freed behind a sliding window says nothing about where it wrote.
+      if (block < 0) continue;
+      const std::int64_t want = block * B + t % B, got = mapping[static_cast<std::size_t>(j)];
+      if (got == want) continue;
+      ++reported;
+      fail(evidence, {K::mapping_table, l, row, i, block, got,
+                      fmt::format("token {} was written to slot {}, but its table entry says slot {} = {} "
+                                              "* {} + {}{}",
+                                              t, got, want, block, B, t % B,
+                                              got / B == block
+                                                  ? std::string(": the right block, the wrong offset")
+                                                  : fmt::format(": block {}, offset {}", got / B, got % B))});
+    }
   }
 }
 

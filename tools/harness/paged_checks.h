@@ -1,7 +1,7 @@
-// The paged-cache checks of SPEC 8.8, in the one checker: slots (8.8.1), tables (8.8.2),
-// refcounts (8.8.3), isolation of shared blocks (8.8.4), no read of a block before its
-// write (8.8.5, through hits) and hit accounting (8.8.7), as integers from the tables and
-// the slots' metadata. Positions after reuse (8.8.6) and outputs are the checker's own
+// The paged-cache checks of SPEC 8.8, in the one checker: slots and a trace's slot
+// mapping (8.8.1), tables (8.8.2), refcounts (8.8.3), isolation of shared blocks (8.8.4),
+// no read of a block before its write (8.8.5, through hits) and hit accounting (8.8.7), as
+// integers from the tables and the slots' metadata. Positions after reuse (8.8.6) and outputs are the checker's own
 // checks, run after these on the same view.
 #pragma once
 
@@ -38,6 +38,7 @@ class PagedChecks {
   void fail(StepEvidence& evidence, PagedIssue issue);
   void check_hits(const StepRecord& record, const CacheView& view, StepEvidence& evidence);
   void check_layer(const StepRecord& record, CacheView& view, int layer, StepEvidence& evidence);
+  void check_slot_mapping(const StepRecord& record, const CacheView& view, int layer, StepEvidence& evidence);
   void check_refcounts(const CacheView& view, int layer, StepEvidence& evidence);
   void check_isolation(const CacheView& view, int layer, StepEvidence& evidence);
 

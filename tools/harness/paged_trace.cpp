@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "tools/harness/npy.h"
 #include "tools/harness/scenario.h"
@@ -27,8 +28,9 @@ NpyArray<float> pool_tensor(const std::string& path, const PagedTraceFiles& f, s
   return a;
 }
 
-NpyArray<std::int32_t> integers(const std::string& path, const std::vector<std::size_t>& shape, const char* what) {
-  NpyArray<std::int32_t> a = read_npy_codes(path);
+// int32 or int64 (torch's default): vLLM's tables are int32, its slot mappings int64.
+NpyArray<std::int64_t> integers(const std::string& path, const std::vector<std::size_t>& shape, const char* what) {
+  NpyArray<std::int64_t> a = read_npy_indices(path);
   bool ok = a.shape.size() == shape.size();
   for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == 0 || a.shape[i] == shape[i];
   if (!ok) throw InputError(path, "", fmt::format("expected {}, got shape {}", what, shape_string(a.shape)));
@@ -48,7 +50,7 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   if (values.shape != keys.shape)
     throw InputError(f.value_cache, "", fmt::format("expected the key pool's shape {}, got {}", shape_string(keys.shape),
                                                     shape_string(values.shape)));
-  const NpyArray<std::int32_t> table =
+  const NpyArray<std::int64_t> table =
       integers(f.block_table, {rows, 0}, fmt::format("a block table of shape [{}, max_blocks] (int32)", rows).c_str());
   const std::size_t width = table.shape[1];
   if (paged.block_size != 0 && paged.block_size != f.block_size)
@@ -62,8 +64,8 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   out.tables.assign(rows, {});
   for (std::size_t b = 0; b < rows; ++b) {
     for (std::size_t i = 0; i < width; ++i) {
-      const std::int32_t block = table.data[b * width + i];
-      if (block < -1 || block >= static_cast<std::int32_t>(blocks))
+      const std::int64_t block = table.data[b * width + i];
+      if (block < -1 || block >= static_cast<std::int64_t>(blocks))
         throw InputError(f.block_table, "",
                          fmt::format("entry [{}][{}] is {}: expected -1 (null) or a block id below {}", b, i, block,
                                      blocks));
@@ -72,17 +74,39 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
     while (!out.tables[b].empty() && out.tables[b].back() < 0) out.tables[b].pop_back();  // padding
   }
   if (!f.refcount.empty()) {
-    const NpyArray<std::int32_t> r =
+    const NpyArray<std::int64_t> r =
         integers(f.refcount, {blocks}, fmt::format("refcounts of shape [{}] (int32)", blocks).c_str());
-    out.refcounts = r.data;
+    for (std::size_t i = 0; i < r.data.size(); ++i)
+      if (r.data[i] < 0 || r.data[i] > std::numeric_limits<std::int32_t>::max())
+        throw InputError(f.refcount, "", fmt::format("block {} has refcount {}: expected 0 or more", i, r.data[i]));
+    out.refcounts.assign(r.data.begin(), r.data.end());
   }
   if (!f.hit_tokens.empty() && index == 0) {
-    const NpyArray<std::int32_t> h =
+    const NpyArray<std::int64_t> h =
         integers(f.hit_tokens, {rows}, fmt::format("hit tokens of shape [{}] (int32)", rows).c_str());
     for (std::size_t b = 0; b < rows; ++b)
       if (h.data[b] < 0)
         throw InputError(f.hit_tokens, "", fmt::format("row {} has {} hit tokens: expected 0 or more", b, h.data[b]));
     paged.hit_tokens.assign(h.data.begin(), h.data.end());
+  }
+  if (!f.slot_mapping.empty()) {
+    const NpyArray<std::int64_t> m = integers(
+        f.slot_mapping, {rows, 0}, fmt::format("a slot mapping of shape [{}, tokens] (int64)", rows).c_str());
+    const std::size_t n = m.shape[1];
+    const std::int64_t slots = static_cast<std::int64_t>(blocks) * f.block_size;
+    out.slot_mapping.assign(rows, {});
+    for (std::size_t b = 0; b < rows; ++b) {
+      for (std::size_t j = 0; j < n; ++j) {
+        const std::int64_t slot = m.data[b * n + j];
+        if (slot < -1 || slot >= slots)
+          throw InputError(f.slot_mapping, "",
+                           fmt::format("entry [{}][{}] is {}: expected -1 (padding) or a slot below {} (blocks "
+                                       "times block size)",
+                                       b, j, slot, slots));
+        out.slot_mapping[b].push_back(slot);
+      }
+      while (!out.slot_mapping[b].empty() && out.slot_mapping[b].back() < 0) out.slot_mapping[b].pop_back();
+    }
   }
   // Where slot (block, offset) of kv head g starts in a pool.
   const auto at = [&](std::size_t block, std::size_t offset, std::size_t g) {

@@ -17,7 +17,8 @@ struct PagedTraceFiles {
   std::int64_t block_size = 0;
   bool head_major = false;  // HND
   std::string key_cache, value_cache, block_table;  // required
-  std::string refcount, hit_tokens;                 // optional: int32 [blocks], int32 [rows]
+  std::string refcount, hit_tokens;                 // optional: [blocks], [rows]
+  std::string slot_mapping;                         // optional: [rows, tokens], the step's computed tokens
 };
 
 // Which uid row `row`'s slot of kv head g holds, from its value vector (-1: none).

@@ -165,14 +165,13 @@ std::vector<std::int64_t> QuantChecks::positions_seen(const StepRecord& rec, std
   return path;
 }
 
-std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l, int g, std::uint64_t uid,
-                                                                           const std::vector<std::int64_t>& path,
-                                                                           const optimized::UnpackedRow& stored) const {
-  const KvQuant& q = *s_.kv_quant;
-  const int D = s_.dims.head_dim;
+std::optional<reference::QuantizedRow> codes_through_write_boundary(const TensorQuant& format, QuantTransform transform,
+                                                                    const Rope& rope, const float* raw, int head_dim,
+                                                                    int kv_head, const std::vector<std::int64_t>& path,
+                                                                    const reference::QuantizedRow& stored) {
+  if (path.empty()) return std::nullopt;
   const reference::QuantizedRow written =
-      reference::quantize_key_at(*q.k, q.transform, s_.rope, inputs_.k_at(l, uid, g), D, g, path.front());
-  const reference::QuantizedRow want = as_row(stored);
+      reference::quantize_key_at(format, transform, rope, raw, head_dim, kv_head, path.front());
   int tried = 0;
   for (std::size_t i = 0; i < written.codes.size() && tried < 16; ++i) {
     if (i >= written.near_boundary.size() || !written.near_boundary[i]) continue;
@@ -181,11 +180,19 @@ std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l
       reference::QuantizedRow codes = written;
       codes.codes[i] += step;
       for (std::size_t k = 1; k < path.size(); ++k)
-        codes = reference::requantize_shifted(*q.k, q.transform, s_.rope, codes, g, path[k - 1], path[k]);
-      if (codes.codes == want.codes && codes.scales == want.scales) return codes;
+        codes = reference::requantize_shifted(format, transform, rope, codes, kv_head, path[k - 1], path[k]);
+      if (codes.codes == stored.codes && codes.scales == stored.scales) return codes;
     }
   }
   return std::nullopt;
+}
+
+std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l, int g, std::uint64_t uid,
+                                                                           const std::vector<std::int64_t>& path,
+                                                                           const optimized::UnpackedRow& stored) const {
+  const KvQuant& q = *s_.kv_quant;
+  return codes_through_write_boundary(*q.k, q.transform, s_.rope, inputs_.k_at(l, uid, g), s_.dims.head_dim, g, path,
+                                      as_row(stored));
 }
 
 void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {

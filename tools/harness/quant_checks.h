@@ -28,6 +28,16 @@ double value_roundoff(const Scenario& scenario);
 // The optimized caches' row format for a scenario's quantized tensor.
 optimized::RowFormat row_format(const TensorQuant& quant, QuantTransform transform);
 
+// A key written and shifted within one step shows only its codes after the shifts: those
+// of its write may have taken a rounding boundary the other way. Tries the neighbouring
+// code of each element of the write (at `path.front()`) that sat near a boundary (the
+// first 16 such), through the shifts along `path`; the codes that reproduce `stored`, or
+// nullopt.
+std::optional<reference::QuantizedRow> codes_through_write_boundary(const TensorQuant& format, QuantTransform transform,
+                                                                    const Rope& rope, const float* raw, int head_dim,
+                                                                    int kv_head, const std::vector<std::int64_t>& path,
+                                                                    const reference::QuantizedRow& stored);
+
 class QuantChecks {
  public:
   QuantChecks(const Scenario& scenario, const InputTable& inputs);
@@ -84,10 +94,7 @@ class QuantChecks {
     bool as_reference;  // the codes are the reference's own (no boundary taken the other way)
     double weight = 0.0;  // how far outputs over them may move from R_stored (when not the reference's)
   };
-  // A key written and shifted within one step, whose stored codes are not the reference's:
-  // the codes of its write, never shown, may have taken a boundary the other way. Tries each
-  // such element's neighbouring code through the step's shifts; the codes that reproduce the
-  // stored ones, or nullopt.
+  // codes_through_write_boundary for a key of the scenario.
   std::optional<reference::QuantizedRow> through_write_boundary(int layer, int kv_head, std::uint64_t uid,
                                                                 const std::vector<std::int64_t>& path,
                                                                 const optimized::UnpackedRow& stored) const;

@@ -51,7 +51,7 @@ struct Trace {
 };
 
 // A layer's "paged" entry (SPEC 8.9): block_size, layout, key_cache, value_cache,
-// block_table, and optionally refcount and hit_tokens.
+// block_table, and optionally refcount, hit_tokens and slot_mapping.
 PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std::string& dir,
                                  const std::string& manifest, const Scenario& s) {
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(manifest, path, why); };
@@ -61,10 +61,7 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   for (const auto& [key, value] : j.items())
     if (!known.count(key))
       fail(p + "/" + key, "unknown key (expected block_size, layout, key_cache, value_cache, block_table, refcount, "
-                          "hit_tokens)");
-  if (j.contains("slot_mapping"))
-    fail(p + "/slot_mapping", "slot_mapping is in SPEC 8.9, but kvcheck does not read it yet: leave it out (the "
-                              "tables and the pool say where every token went)");
+                          "hit_tokens, slot_mapping)");
   if (s.kv_quant) fail(p, "a paged trace of a quantized cache is not read yet (SPEC 8.9 with 9.3)");
   PagedTraceFiles f;
   if (!j.contains("block_size") || !j["block_size"].is_number_integer() || j["block_size"].get<std::int64_t>() < 1 ||
@@ -89,6 +86,7 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   f.block_table = file("block_table", true);
   f.refcount = file("refcount", false);
   f.hit_tokens = file("hit_tokens", false);
+  f.slot_mapping = file("slot_mapping", false);
   return f;
 }
 

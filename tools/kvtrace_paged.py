@@ -1,0 +1,286 @@
+"""kvtrace for paged caches (SPEC 8): drive_paged_cache plays vLLM's model runner over a
+`kvcheck export` and writes a kvcheck-trace-1 whose layers carry "paged" (SPEC 8.9).
+
+The cache under test is the block manager with its pools, as a serving engine splits them;
+the driver is the runner: it asks the cache for a prefix hit when a row starts, for room
+before each forward, rotates keys at their token index, writes them (and values) into the
+pools at the slot mapping, runs attention by reading the pools through the block tables,
+and dumps pools, tables, refcounts, hits and slot mappings after every step. What a cache
+must offer (rows are batch indices; a method it lacks is a finding when a step needs it):
+
+    block_size                       int (attribute)
+    layout                           "NHD" ([blocks, B, Hkv, D], vLLM) or "HND" ([blocks, Hkv, B, D],
+                                     FlashInfer) (attribute, default "NHD")
+    key_cache(layer), value_cache(layer)   the pools: torch tensors or NumPy arrays, written in place
+    block_table(layer, row)          block ids of the row's logical blocks, -1 (or None) for null
+    start(row, ids, extra) -> int    a row begins (empty before): tokens taken from the prefix index,
+                                     whole blocks; the table then holds those blocks
+    allocate(row, ids)               room for the row's next len(ids) tokens, copying shared blocks
+                                     they would write into
+    finish(row)                      after each forward: register full blocks, free what left a window
+    fork(rows_from)                  `reorder`: new row i continues old row rows_from[i], sharing blocks
+    free(row); evict(count)          `free`; `evict` (count None: every cached block)
+    swap_out(row); swap_in(row)      `preempt` / `resume` with mode "swap"
+    refcount(layer)                  optional: [blocks]
+    slot_mapping(layer, row, first, count)  optional: the slots for tokens first .. first + count - 1
+                                     (default: from the table, as vLLM's runner computes it)
+
+`preempt` with mode "recompute" frees the row; `resume` starts it again with its whole
+history (prompt and generated ids) and recomputes what was not hit, without outputs.
+
+    exp = kvtrace.Export("out/paged_fork_then_prefix_hit")
+    kvtrace.drive_paged_cache(exp, lambda: MyBlockManager(exp), "trace/")
+    # then: kvcheck verify fixtures/scenarios/paged_fork_then_prefix_hit.json --trace trace/
+"""
+
+import numpy as np
+
+import kvtrace
+
+
+class _Failed(Exception):
+    """The cache failed at a step (written into the trace); driving stops."""
+
+
+class _PagedDriver:
+    def __init__(self, export, make_cache, writer):
+        if "paging" not in export.manifest:
+            raise kvtrace.UsageError("%s is not a paged scenario (no \"paging\" in its export): drive it with "
+                                     "drive_hf_cache" % export.name)
+        if any(export.layer_policy(l)["type"] == "sink" for l in range(export.dims["layers"])):
+            raise kvtrace.UsageError("drive_paged_cache drives full and sliding layers (kvcheck refuses paging with "
+                                     "a sink policy)")
+        self.exp, self.make, self.writer = export, make_cache, writer
+        self.result = kvtrace.DriveResult()
+        self.L, self.H = export.dims["layers"], export.dims["heads"]
+        self.Hkv, self.D = export.dims["kv_heads"], export.dims["head_dim"]
+
+    # -- the cache's methods, failures written as the step's error ---------------------------
+
+    def call(self, index, method, *args):
+        function = getattr(self.cache, method, None)
+        if not callable(function):
+            self.fail(index, "the cache has no %s()" % method)
+        try:
+            return function(*args)
+        except kvtrace.UsageError:
+            raise
+        except Exception as e:
+            self.fail(index, "%s: %s" % (type(e).__name__, e))
+
+    def fail(self, index, message):
+        self.writer.error_step(message)
+        self.result.error, self.result.error_step = message, index
+        raise _Failed()
+
+    def table(self, index, layer, row):
+        entries = self.call(index, "block_table", layer, row)
+        return [-1 if e is None else int(e) for e in kvtrace.to_numpy(entries).reshape(-1).tolist()] \
+            if entries is not None and len(entries) else []
+
+    def pool(self, index, name, layer):
+        return self.call(index, name, layer)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def run(self):
+        self.new_cache(self.exp.dims["batch"])
+        for index, step in enumerate(self.exp.steps):
+            if self.result.error is not None:
+                self.writer.skip_step()
+                continue
+            try:
+                self.step(index, step)
+            except _Failed:
+                pass
+        self.result.recorded = sum(1 for s in self.writer.manifest["steps"] if "layers" in s)
+        return self.result
+
+    def new_cache(self, batch):
+        self.cache = self.make()
+        self.B = int(getattr(self.cache, "block_size"))
+        self.layout = getattr(self.cache, "layout", "NHD")
+        if self.layout not in ("NHD", "HND"):
+            raise kvtrace.UsageError("the cache's layout is %r: expected \"NHD\" or \"HND\"" % (self.layout,))
+        # Per row: the uids and ids it holds (a recompute rebuilds from them), its extras.
+        self.rows = [{"uids": [], "ids": [], "extra": {}} for _ in range(batch)]
+        self.preempted = {}
+
+    def step(self, index, step):
+        op = step["op"]
+        self.hits, self.slots = None, None
+        if op == "append":
+            return self.append(index, step)
+        if op == "reset":
+            self.new_cache(step.get("batch", len(self.rows)))
+            return self.writer.skip_step()
+        if op == "reorder":
+            self.call(index, "fork", list(step["rows_from"]))
+            self.rows = [dict(self.rows[r], uids=list(self.rows[r]["uids"]), ids=list(self.rows[r]["ids"]))
+                         for r in step["rows_from"]]
+        elif op == "free":
+            for r in step["rows_freed"]:
+                self.call(index, "free", r)
+                self.rows[r] = {"uids": [], "ids": [], "extra": {}}
+        elif op == "evict":
+            self.call(index, "evict", None if step["blocks"] < 0 else step["blocks"])
+        elif op == "preempt":
+            for r in step["rows_preempted"]:
+                self.preempted[r] = step["mode"]
+                self.call(index, "swap_out" if step["mode"] == "swap" else "free", r)
+        elif op == "resume":
+            for r in step["rows_preempted"]:
+                if self.preempted.pop(r) == "swap":
+                    self.call(index, "swap_in", r)
+                else:
+                    self.recompute(index, r)
+        else:
+            self.writer.skipped_step("drive_paged_cache does not drive %s" % op)
+            self.result.skipped.append((index, "drive_paged_cache does not drive %s" % op))
+            self.result.error, self.result.error_step = "stopped at %s" % op, index
+            return
+        self.record(index, None)
+
+    def append(self, index, step):
+        rows, n = step["rows"], step["chunk"]
+        forward = step.get("forward") or n
+        self.hits = [0] * len(rows)
+        self.slots = [[[] for _ in rows] for _ in range(self.L)]
+        # Tokens each row computes: those after its hit; a row that starts asks for one first.
+        todo = []
+        for b, r in enumerate(rows):
+            row = self.rows[b]
+            if r["uids"] and not row["uids"]:
+                row["extra"] = r.get("extra") or {}
+                self.hits[b] = self.start(index, b, r["ids"], row["extra"])
+            todo.append((len(row["uids"]) + self.hits[b], r))
+            row["uids"] += r["uids"]
+            row["ids"] += r["ids"]
+        out = np.full((self.L, len(rows), self.H, n, self.D), np.nan)
+        q_rot = np.zeros_like(out)
+        for begin in range(0, max([len(r["uids"]) for r in rows] + [0]), forward):
+            work = []
+            for b, (first, r) in enumerate(todo):
+                start = len(self.rows[b]["uids"]) - len(r["uids"])  # the append's first token index
+                lo, hi = max(first, start + begin), min(start + begin + forward, len(self.rows[b]["uids"]))
+                if lo < hi:
+                    self.call(index, "allocate", b, self.rows[b]["ids"][lo:hi])
+                    work.append((b, lo, hi, n - len(r["uids"]) - start))  # place of token t: t + offset
+            for l in range(self.L):
+                for b, lo, hi, offset in work:
+                    self.write(index, l, b, lo, hi)
+                for b, lo, hi, offset in work:
+                    o, q = self.attend(index, l, b, lo, hi)
+                    out[l, b, :, lo + offset:hi + offset], q_rot[l, b, :, lo + offset:hi + offset] = o, q
+            for b, lo, hi, offset in work:
+                self.call(index, "finish", b)
+        self.record(index, (out, q_rot))
+
+    def start(self, index, row, ids, extra):
+        hit = self.call(index, "start", row, list(ids), dict(extra))
+        try:
+            return int(hit or 0)
+        except (TypeError, ValueError):
+            self.fail(index, "start() returned %r, expected the number of tokens hit" % (hit,))
+
+    def recompute(self, index, b):
+        """resume after a recompute preemption: the row starts again with its whole history."""
+        row = self.rows[b]
+        hit = self.start(index, b, row["ids"], row["extra"])
+        if row["uids"][hit:]:
+            self.call(index, "allocate", b, row["ids"][hit:])
+            for l in range(self.L):
+                self.write(index, l, b, hit, len(row["uids"]))
+            self.call(index, "finish", b)
+
+    def write(self, index, l, b, lo, hi):
+        """reshape_and_cache: rotated keys and values of tokens lo .. hi - 1 into their slots."""
+        row, uids = self.rows[b], self.rows[b]["uids"][lo:hi]
+        if hasattr(self.cache, "slot_mapping"):
+            slots = [int(s) for s in kvtrace.to_numpy(self.call(index, "slot_mapping", l, b, lo, hi - lo)).reshape(-1)]
+        else:
+            table = self.table(index, l, b)
+            slots = [table[t // self.B] * self.B + t % self.B if t // self.B < len(table) and table[t // self.B] >= 0
+                     else -1 for t in range(lo, hi)]
+        if self.slots is not None:
+            self.slots[l][b] += slots
+        k = kvtrace.rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, Hkv, D]
+        v = self.exp.v[l][uids]
+        keys, values = self.pool(index, "key_cache", l), self.pool(index, "value_cache", l)
+        blocks = int(keys.shape[0])
+        for j, slot in enumerate(slots):
+            if not 0 <= slot < blocks * self.B:
+                self.fail(index, "layer %d row %d: token %d has no slot (%d) to be written to" % (l, b, lo + j, slot))
+        for pool, x in ((keys, k), (values, v)):
+            block, offset = np.array(slots) // self.B, np.array(slots) % self.B
+            if hasattr(pool, "detach"):  # torch: index with tensors, values in the pool's dtype
+                import torch
+                block, offset = torch.as_tensor(block), torch.as_tensor(offset)
+                x = torch.as_tensor(x).to(pool.dtype)
+            if self.layout == "NHD":
+                pool[block, offset] = x
+            else:
+                pool[block, :, offset] = x
+
+    def attend(self, index, l, b, lo, hi):
+        """Paged attention of tokens lo .. hi - 1: keys read through the row's table; a key
+        whose entry is null (or past the table) is not read."""
+        policy = self.exp.layer_policy(l)
+        window = policy["window"] if policy["type"] == "sliding" else None
+        table = self.table(index, l, b)
+        keys = kvtrace.to_numpy(self.pool(index, "key_cache", l)).astype(np.float64)
+        values = kvtrace.to_numpy(self.pool(index, "value_cache", l)).astype(np.float64)
+        if self.layout == "HND":
+            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        uids = self.rows[b]["uids"]
+        group = self.H // self.Hkv
+        q = kvtrace.rotate(self.exp.q[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, H, D]
+        out = np.full((hi - lo, self.H, self.D), np.nan)
+        for j, t in enumerate(range(lo, hi)):
+            i = np.arange(0 if window is None else max(0, t - window + 1), t + 1)
+            logical = i // self.B
+            entry = np.array([table[x] if x < len(table) else -1 for x in range(int(logical.max()) + 1)])[logical]
+            read = entry >= 0
+            if not read.any():
+                continue
+            k = np.repeat(keys[entry[read], i[read] % self.B], group, axis=1)  # [S, H, D]
+            v = np.repeat(values[entry[read], i[read] % self.B], group, axis=1)
+            scores = np.einsum("shd,hd->hs", k, q[j]) * self.exp.scale
+            w = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[j] = np.einsum("hs,shd->hd", w / w.sum(axis=1, keepdims=True), v)
+        return out.transpose(1, 0, 2), q.transpose(1, 0, 2)
+
+    def record(self, index, outputs):
+        batch = len(self.rows)
+        layers = []
+        for l in range(self.L):
+            tables = [self.table(index, l, b) for b in range(batch)]
+            width = max([1] + [len(t) for t in tables])
+            table = np.full((batch, width), -1, np.int32)
+            for b, t in enumerate(tables):
+                table[b, :len(t)] = t
+            paged = {"block_size": self.B, "layout": self.layout, "block_table": table,
+                     "key_cache": self.pool(index, "key_cache", l), "value_cache": self.pool(index, "value_cache", l)}
+            if hasattr(self.cache, "refcount"):
+                paged["refcount"] = np.asarray(kvtrace.to_numpy(self.call(index, "refcount", l)), np.int32)
+            if self.hits is not None:
+                paged["hit_tokens"] = np.array(self.hits, np.int32)
+            if self.slots is not None:
+                mapping = np.full((batch, max([1] + [len(s) for s in self.slots[l]])), -1, np.int64)
+                for b, s in enumerate(self.slots[l]):
+                    mapping[b, :len(s)] = s
+                paged["slot_mapping"] = mapping
+            layer = {"paged": paged}
+            if outputs is not None:
+                layer["out"], layer["q"] = outputs[0][l], outputs[1][l]
+            layers.append(layer)
+        self.writer.step(layers)
+
+
+def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32"):
+    """Drives a paged cache (see the module's docstring for what it must offer) over an
+    export's schedule and writes the trace; returns a kvtrace.DriveResult. make_cache() gives
+    a fresh cache (called again at a `reset`). A failure of the cache is written into the
+    trace at its step, and driving stops there."""
+    with kvtrace.TraceWriter(trace_path, export.name, producer, "absolute", dtype=dtype) as writer:
+        return _PagedDriver(export, make_cache, writer).run()
