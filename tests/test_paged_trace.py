@@ -196,14 +196,14 @@ class BlockManagerCache:
         self.rows[b] = row
 
 
-def trace_of(scenario, work, layout="NHD", tensor="numpy", **faults):
+def trace_of(scenario, work, layout="NHD", tensor="numpy", dump="referenced", **faults):
     export = os.path.join(work, "export")
     subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, scenario + ".json"), "--out", export],
                    check=True, capture_output=True)
     exp = kvtrace.Export(export)
     path = os.path.join(work, "trace-" + layout)
     result = kvtrace.drive_paged_cache(exp, lambda: BlockManagerCache(exp, layout, tensor, **faults), path,
-                                       producer="tests/test_paged_trace.py")
+                                       producer="tests/test_paged_trace.py", dump=dump)
     assert result.error is None, result
     return path
 
@@ -218,8 +218,10 @@ class PagedTraceTest(unittest.TestCase):
         for scenario in ("paged_fork_then_prefix_hit", "paged_gemma_hybrid_prefix", "paged_evict_then_repeat",
                          "paged_preempt_swap_and_recompute", "paged_chunked_prefill"):
             for layout in ("NHD", "HND"):
+                # The whole pools once per scenario; the referenced blocks (block_ids) otherwise.
+                dump = "pool" if layout == "NHD" and scenario == "paged_evict_then_repeat" else "referenced"
                 with self.subTest(scenario=scenario, layout=layout), tempfile.TemporaryDirectory() as work:
-                    done = verify(scenario, trace_of(scenario, work, layout))
+                    done = verify(scenario, trace_of(scenario, work, layout, dump=dump))
                     self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
                     self.assertIn("paged bookkeeping", done.stdout)
                     self.assertIn("no divergence", done.stdout)
@@ -270,7 +272,7 @@ class PagedTraceTest(unittest.TestCase):
                 ("one slot short", lambda m: m.__setitem__((0, 12), -1),
                  "the slot mapping gives 12 slots for the 13 tokens the row computed in this step")):
             with self.subTest(name), tempfile.TemporaryDirectory() as work:
-                trace = trace_of("paged_chunked_prefill", work)
+                trace = trace_of("paged_chunked_prefill", work, dump="pool")
                 path = os.path.join(trace, "step000_l1_slot_mapping.npy")
                 mapping = np.load(path)
                 self.assertEqual(mapping.dtype, np.int64)
@@ -282,10 +284,10 @@ class PagedTraceTest(unittest.TestCase):
                 self.assertIn(words, done.stdout)
                 self.assertIn("class: slot mapping wrong", done.stdout)
 
-    def verify_edited(self, name, edit):
+    def verify_edited(self, name, edit, dump="pool"):
         """verify of paged_chunked_prefill's trace after edit(array) changed one of its files."""
         with tempfile.TemporaryDirectory() as work:
-            trace = trace_of("paged_chunked_prefill", work)
+            trace = trace_of("paged_chunked_prefill", work, dump=dump)
             path = os.path.join(trace, name)
             array = np.load(path)
             np.save(path, edit(array))
@@ -308,6 +310,17 @@ class PagedTraceTest(unittest.TestCase):
                  "step000_l0_block_table.npy: expected dtype |i1, |u1, <i4 or <i8 (integers), got <f4")):
             with self.subTest(name=name, words=words):
                 done = self.verify_edited(name, edit)
+                self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                self.assertIn(words, done.stderr)
+        # Only the referenced blocks dumped: the table must stay among them, each listed once.
+        for name, edit, words in (
+                ("step000_l1_block_table.npy", set_at((0, 3), 7),
+                 "step000_l1_block_table.npy: entry [0][3] is 7: expected -1 (null) or a block that block_ids lists"),
+                ("step000_l1_block_ids.npy", set_at(1, 0), "step000_l1_block_ids.npy: block 0 is listed twice"),
+                ("step000_l1_block_ids.npy", lambda a: a[:-1],
+                 "step000_l1_block_ids.npy: expected block ids of shape [4], one per row of the pools")):
+            with self.subTest(name=name, words=words):
+                done = self.verify_edited(name, edit, dump="referenced")
                 self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
                 self.assertIn(words, done.stderr)
 

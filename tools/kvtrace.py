@@ -241,7 +241,9 @@ class TraceWriter:
         as FlashInfer), key_cache and value_cache (the pools), block_table [B, max_blocks]
         (-1 for null), and optionally refcount [blocks], hit_tokens [B] (written int32) and
         slot_mapping [B, n] (written int64): the slot of each token the step computed, the
-        row's tokens after its hit, in order, -1 as padding."""
+        row's tokens after its hit, in order, -1 as padding. With block_ids [k], the pools hold
+        only those k blocks (key_cache [k, B, Hkv, D] in NHD): dump the blocks the tables
+        reference, not a pool of gigabytes."""
         index = len(self.manifest["steps"])
         entry = []
         for l, tensors in enumerate(layers):
@@ -249,7 +251,8 @@ class TraceWriter:
             paged = tensors.get("paged")
             if paged is not None:
                 files["paged"] = {"block_size": int(paged["block_size"]), "layout": paged["layout"]}
-                for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens", "slot_mapping"):
+                for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens", "slot_mapping",
+                             "block_ids"):
                     if paged.get(name) is None:
                         continue
                     file = "step%03d_l%d_%s.npy" % (index, l, name)
@@ -340,12 +343,13 @@ class DriveResult:
     recorded: int = 0
 
 
-def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32"):
+def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32",
+                      dump="referenced"):
     """Drives a paged cache (a block manager with its pools, SPEC 8) as vLLM's model runner
     does and writes a trace with "paged" layers; see kvtrace_paged.py for what the cache must
     offer. Returns a DriveResult."""
     from kvtrace_paged import drive_paged_cache as drive
-    return drive(export, make_cache, trace_path, producer=producer, dtype=dtype)
+    return drive(export, make_cache, trace_path, producer=producer, dtype=dtype, dump=dump)
 
 
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",

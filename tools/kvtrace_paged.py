@@ -43,14 +43,16 @@ class _Failed(Exception):
 
 
 class _PagedDriver:
-    def __init__(self, export, make_cache, writer):
+    def __init__(self, export, make_cache, writer, dump):
         if "paging" not in export.manifest:
             raise kvtrace.UsageError("%s is not a paged scenario (no \"paging\" in its export): drive it with "
                                      "drive_hf_cache" % export.name)
         if any(export.layer_policy(l)["type"] == "sink" for l in range(export.dims["layers"])):
             raise kvtrace.UsageError("drive_paged_cache drives full and sliding layers (kvcheck refuses paging with "
                                      "a sink policy)")
-        self.exp, self.make, self.writer = export, make_cache, writer
+        if dump not in ("referenced", "pool"):
+            raise kvtrace.UsageError("dump must be \"referenced\" or \"pool\", got %r" % (dump,))
+        self.exp, self.make, self.writer, self.dump = export, make_cache, writer, dump
         self.result = kvtrace.DriveResult()
         self.L, self.H = export.dims["layers"], export.dims["heads"]
         self.Hkv, self.D = export.dims["kv_heads"], export.dims["head_dim"]
@@ -259,8 +261,13 @@ class _PagedDriver:
             table = np.full((batch, width), -1, np.int32)
             for b, t in enumerate(tables):
                 table[b, :len(t)] = t
-            paged = {"block_size": self.B, "layout": self.layout, "block_table": table,
-                     "key_cache": self.pool(index, "key_cache", l), "value_cache": self.pool(index, "value_cache", l)}
+            paged = {"block_size": self.B, "layout": self.layout, "block_table": table}
+            keys, values = self.pool(index, "key_cache", l), self.pool(index, "value_cache", l)
+            if self.dump == "referenced":  # only the blocks the tables reach (SPEC 8.9's block_ids)
+                ids = np.unique(table[table >= 0]).astype(np.int64)
+                paged["block_ids"] = ids
+                keys, values = kvtrace.to_numpy(keys)[ids], kvtrace.to_numpy(values)[ids]
+            paged["key_cache"], paged["value_cache"] = keys, values
             if hasattr(self.cache, "refcount"):
                 paged["refcount"] = np.asarray(kvtrace.to_numpy(self.call(index, "refcount", l)), np.int32)
             if self.hits is not None:
@@ -277,10 +284,12 @@ class _PagedDriver:
         self.writer.step(layers)
 
 
-def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32"):
+def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32",
+                      dump="referenced"):
     """Drives a paged cache (see the module's docstring for what it must offer) over an
     export's schedule and writes the trace; returns a kvtrace.DriveResult. make_cache() gives
     a fresh cache (called again at a `reset`). A failure of the cache is written into the
-    trace at its step, and driving stops there."""
+    trace at its step, and driving stops there. dump: "referenced" writes the blocks the
+    tables reference (with block_ids), "pool" the whole pools after every step."""
     with kvtrace.TraceWriter(trace_path, export.name, producer, "absolute", dtype=dtype) as writer:
-        return _PagedDriver(export, make_cache, writer).run()
+        return _PagedDriver(export, make_cache, writer, dump).run()

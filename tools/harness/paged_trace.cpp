@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <limits>
 
 #include "tools/harness/npy.h"
@@ -46,10 +47,29 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   const auto B = static_cast<std::size_t>(f.block_size);
   NpyArray<float> keys = pool_tensor(f.key_cache, f, kv_heads, head_dim, roundoff);
   NpyArray<float> values = pool_tensor(f.value_cache, f, kv_heads, head_dim, roundoff);
-  const std::size_t blocks = keys.shape[0];
+  const std::size_t dumped = keys.shape[0];
   if (values.shape != keys.shape)
     throw InputError(f.value_cache, "", fmt::format("expected the key pool's shape {}, got {}", shape_string(keys.shape),
                                                     shape_string(values.shape)));
+  // Which block each of the pools' rows is: the whole pool in order, or the blocks block_ids lists.
+  std::map<std::int64_t, std::size_t> row_of;
+  if (f.block_ids.empty()) {
+    for (std::size_t i = 0; i < dumped; ++i) row_of[static_cast<std::int64_t>(i)] = i;
+  } else {
+    const NpyArray<std::int64_t> ids =
+        integers(f.block_ids, {dumped}, fmt::format("block ids of shape [{}], one per row of the pools", dumped).c_str());
+    for (std::size_t i = 0; i < dumped; ++i) {
+      const std::int64_t id = ids.data[i];
+      if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
+        throw InputError(f.block_ids, "", fmt::format("entry [{}] is {}: expected a block id of 0 or more", i, id));
+      if (!row_of.emplace(id, i).second)
+        throw InputError(f.block_ids, "", fmt::format("block {} is listed twice (entries [{}] and [{}])", id,
+                                                      row_of[id], i));
+    }
+  }
+  const auto known = [&](std::int64_t block) { return row_of.count(block) > 0; };
+  const std::string known_blocks =
+      f.block_ids.empty() ? fmt::format("a block id below {}", dumped) : "a block that block_ids lists";
   const NpyArray<std::int64_t> table =
       integers(f.block_table, {rows, 0}, fmt::format("a block table of shape [{}, max_blocks] (int32)", rows).c_str());
   const std::size_t width = table.shape[1];
@@ -65,17 +85,26 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   for (std::size_t b = 0; b < rows; ++b) {
     for (std::size_t i = 0; i < width; ++i) {
       const std::int64_t block = table.data[b * width + i];
-      if (block < -1 || block >= static_cast<std::int64_t>(blocks))
+      if (block != -1 && !known(block))
         throw InputError(f.block_table, "",
-                         fmt::format("entry [{}][{}] is {}: expected -1 (null) or a block id below {}", b, i, block,
-                                     blocks));
+                         fmt::format("entry [{}][{}] is {}: expected -1 (null) or {}", b, i, block, known_blocks));
       out.tables[b].push_back(block);
     }
     while (!out.tables[b].empty() && out.tables[b].back() < 0) out.tables[b].pop_back();  // padding
   }
   if (!f.refcount.empty()) {
-    const NpyArray<std::int64_t> r =
-        integers(f.refcount, {blocks}, fmt::format("refcounts of shape [{}] (int32)", blocks).c_str());
+    // The whole pool's refcounts, also when only some blocks were dumped.
+    const std::size_t blocks = f.block_ids.empty() || row_of.empty()
+                                   ? dumped
+                                   : static_cast<std::size_t>(row_of.rbegin()->first) + 1;
+    const NpyArray<std::int64_t> r = integers(
+        f.refcount, {f.block_ids.empty() ? blocks : 0},
+        fmt::format("refcounts of shape [{}] (int32){}", f.block_ids.empty() ? fmt::format("{}", blocks) : "blocks",
+                    f.block_ids.empty() ? "" : ", one per block of the whole pool")
+            .c_str());
+    if (r.data.size() < blocks)
+      throw InputError(f.refcount, "", fmt::format("has {} refcounts, but block_ids lists block {}", r.data.size(),
+                                                   blocks - 1));
     for (std::size_t i = 0; i < r.data.size(); ++i)
       if (r.data[i] < 0 || r.data[i] > std::numeric_limits<std::int32_t>::max())
         throw InputError(f.refcount, "", fmt::format("block {} has refcount {}: expected 0 or more", i, r.data[i]));
@@ -93,16 +122,22 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
     const NpyArray<std::int64_t> m = integers(
         f.slot_mapping, {rows, 0}, fmt::format("a slot mapping of shape [{}, tokens] (int64)", rows).c_str());
     const std::size_t n = m.shape[1];
-    const std::int64_t slots = static_cast<std::int64_t>(blocks) * f.block_size;
     out.slot_mapping.assign(rows, {});
     for (std::size_t b = 0; b < rows; ++b) {
       for (std::size_t j = 0; j < n; ++j) {
         const std::int64_t slot = m.data[b * n + j];
-        if (slot < -1 || slot >= slots)
+        // With block_ids, a slot may be in a block not dumped (the step freed it behind a
+        // window); the check compares it with the table.
+        const bool ok = slot == -1 || (slot >= 0 && (!f.block_ids.empty() ||
+                                                     slot < static_cast<std::int64_t>(dumped) * f.block_size));
+        if (!ok)
           throw InputError(f.slot_mapping, "",
-                           fmt::format("entry [{}][{}] is {}: expected -1 (padding) or a slot below {} (blocks "
-                                       "times block size)",
-                                       b, j, slot, slots));
+                           f.block_ids.empty()
+                               ? fmt::format("entry [{}][{}] is {}: expected -1 (padding) or a slot below {} (blocks "
+                                             "times block size)",
+                                             b, j, slot, static_cast<std::int64_t>(dumped) * f.block_size)
+                               : fmt::format("entry [{}][{}] is {}: expected -1 (padding) or a slot (0 or more)", b,
+                                             j, slot));
         out.slot_mapping[b].push_back(slot);
       }
       while (!out.slot_mapping[b].empty() && out.slot_mapping[b].back() < 0) out.slot_mapping[b].pop_back();
@@ -121,7 +156,7 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
       if (block < 0) continue;
       for (std::size_t o = 0; o < B && i * B + o < lengths[b]; ++o)
         for (std::size_t g = 0; g < kv_heads; ++g) {
-          const std::size_t p = at(static_cast<std::size_t>(block), o, g);
+          const std::size_t p = at(row_of.at(block), o, g);
           const float* v = values.data.data() + p;
           // All zeros: never written. NaN is not "unused": it is judged (and matches no token).
           if (std::all_of(v, v + head_dim, [](float x) { return x == 0.0f; })) continue;

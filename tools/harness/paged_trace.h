@@ -19,6 +19,7 @@ struct PagedTraceFiles {
   std::string key_cache, value_cache, block_table;  // required
   std::string refcount, hit_tokens;                 // optional: [blocks], [rows]
   std::string slot_mapping;                         // optional: [rows, tokens], the step's computed tokens
+  std::string block_ids;  // optional: [k], the blocks the pools' k rows hold (only those dumped)
 };
 
 // Which uid row `row`'s slot of kv head g holds, from its value vector (-1: none).

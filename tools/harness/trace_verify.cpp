@@ -51,17 +51,18 @@ struct Trace {
 };
 
 // A layer's "paged" entry (SPEC 8.9): block_size, layout, key_cache, value_cache,
-// block_table, and optionally refcount, hit_tokens and slot_mapping.
+// block_table, and optionally refcount, hit_tokens, slot_mapping and block_ids.
 PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std::string& dir,
                                  const std::string& manifest, const Scenario& s) {
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(manifest, path, why); };
   if (!j.is_object()) fail(p, "expected an object");
   static const std::set<std::string> known = {"block_size",  "layout",   "key_cache", "value_cache",
-                                              "block_table", "refcount", "hit_tokens", "slot_mapping"};
+                                              "block_table", "refcount", "hit_tokens", "slot_mapping",
+                                              "block_ids"};
   for (const auto& [key, value] : j.items())
     if (!known.count(key))
       fail(p + "/" + key, "unknown key (expected block_size, layout, key_cache, value_cache, block_table, refcount, "
-                          "hit_tokens, slot_mapping)");
+                          "hit_tokens, slot_mapping, block_ids)");
   if (s.kv_quant) fail(p, "a paged trace of a quantized cache is not read yet (SPEC 8.9 with 9.3)");
   PagedTraceFiles f;
   if (!j.contains("block_size") || !j["block_size"].is_number_integer() || j["block_size"].get<std::int64_t>() < 1 ||
@@ -87,6 +88,7 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   f.refcount = file("refcount", false);
   f.hit_tokens = file("hit_tokens", false);
   f.slot_mapping = file("slot_mapping", false);
+  f.block_ids = file("block_ids", false);
   return f;
 }
 
