@@ -187,11 +187,10 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     const auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
     for (std::int64_t t = first; t < first + count; ++t) {
       const std::int64_t chunk_pos = pad + t - start;
-      const std::size_t entry = static_cast<std::size_t>(t / B);
-      if (entry >= table.size() || table[entry] < 0)
+      const std::int64_t slot = write_slot(table, t);
+      if (slot < 0)
         throw std::logic_error("layer " + std::to_string(l) + " row " + std::to_string(b) + ": no block for token " +
                                std::to_string(t));
-      const std::int64_t slot = table[entry] * B + t % B;
       const std::size_t token = (static_cast<std::size_t>(b) * chunk.length + chunk_pos) * Hkv;
       const std::int64_t position = position_of(t, first, start);
       for (int g = 0; g < Hkv; ++g) {
@@ -218,6 +217,12 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     const std::size_t per_row = static_cast<std::size_t>(b) * chunk.length * config_.heads * config_.head_dim;
     kernel_.attend(shape, rope_, {chunk.q[l]}, {out[l]}, per_row, plans_, sources, l == 0 ? log : nullptr, b);
   }
+}
+
+std::int64_t PagedCache::write_slot(const std::vector<std::int64_t>& table, std::int64_t t) const {
+  const auto entry = static_cast<std::size_t>(t / paging_.block_size);
+  if (entry >= table.size() || table[entry] < 0) return -1;
+  return table[entry] * paging_.block_size + t % paging_.block_size;
 }
 
 void PagedCache::register_full_blocks(int b, std::int64_t from, std::int64_t to) {

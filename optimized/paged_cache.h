@@ -90,6 +90,9 @@ class PagedCache : public KvCache {
     (void)append_first;
     return t;
   }
+  // The slot token t is written to, through the row's table in that layer (SPEC 8.2:
+  // table[t / B] * B + t % B); -1 when the entry is null or missing.
+  virtual std::int64_t write_slot(const std::vector<std::int64_t>& table, std::int64_t t) const;
   // Evicting or reusing a cached block drops its index entry.
   virtual bool forget_evicted() const { return true; }
   // After a recompute, the row keeps this many tokens of the `history` it was rebuilt from

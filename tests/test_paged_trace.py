@@ -284,6 +284,51 @@ class PagedTraceTest(unittest.TestCase):
                 self.assertIn(words, done.stdout)
                 self.assertIn("class: slot mapping wrong", done.stdout)
 
+    def drive(self, scenario, work, make):
+        """drive_paged_cache over scenario with make(export) as the cache; (result, verify)."""
+        export = os.path.join(work, "export")
+        subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, scenario + ".json"), "--out", export],
+                       check=True, capture_output=True)
+        exp = kvtrace.Export(export)
+        trace = os.path.join(work, "trace")
+        result = kvtrace.drive_paged_cache(exp, lambda: make(exp), trace)
+        return result, verify(scenario, trace)
+
+    def test_a_cache_that_raises_or_lacks_an_op_fails_at_that_step(self):
+        class ThreeBlocks(BlockManagerCache):  # the scenario's first step needs five
+            def __init__(self, exp):
+                super().__init__(exp)
+                self.free_blocks = [f[-3:] for f in self.free_blocks]
+
+            def allocate_block(self, l):
+                if not self.free_blocks[l] and not self.cached[l]:
+                    raise RuntimeError("no free block in layer %d" % l)
+                return super().allocate_block(l)
+
+        class NoSwap(BlockManagerCache):
+            swap_out = None
+
+        for scenario, make, step, words in (
+                ("paged_evict_then_repeat", ThreeBlocks, 0, "RuntimeError: no free block in layer 0"),
+                ("paged_preempt_swap_and_recompute", NoSwap, 6, "the cache has no swap_out()")):
+            with self.subTest(scenario), tempfile.TemporaryDirectory() as work:
+                result, done = self.drive(scenario, work, make)
+                self.assertIn(words, result.error)
+                self.assertEqual(result.error_step, step)
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn("step %d" % result.error_step, done.stdout)
+                self.assertIn(words, done.stdout)
+
+    def test_an_unpaged_export_is_a_usage_error_and_writes_nothing(self):
+        with tempfile.TemporaryDirectory() as work:
+            export = os.path.join(work, "export")
+            subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, "sliding_baseline.json"), "--out", export],
+                           check=True, capture_output=True)
+            exp = kvtrace.Export(export)
+            with self.assertRaisesRegex(kvtrace.UsageError, "not a paged scenario"):
+                kvtrace.drive_paged_cache(exp, lambda: None, os.path.join(work, "trace"))
+            self.assertEqual(sorted(os.listdir(work)), ["export"])
+
     def verify_edited(self, name, edit, dump="pool"):
         """verify of paged_chunked_prefill's trace after edit(array) changed one of its files."""
         with tempfile.TemporaryDirectory() as work:

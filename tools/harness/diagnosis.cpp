@@ -335,8 +335,10 @@ static BugClass paged_class(const std::vector<PagedIssue>& issues) {
       {K::shared_write, BugClass::paged_shared_block_written},
       {K::refcount, BugClass::paged_refcount_mismatch},
       {K::freed_visible, BugClass::paged_block_freed_while_visible},
-      {K::stale_entry, BugClass::paged_stale_table_entry},
+      // A live token missing from its own slot went elsewhere: the other row's slot it
+      // landed in looks stale, but the write is the cause.
       {K::slot_mapping, BugClass::paged_slot_mapping_wrong},
+      {K::stale_entry, BugClass::paged_stale_table_entry},
       {K::hit_expected, BugClass::paged_hit_count_wrong},
   };
   for (const auto& [kind, bug] : order)

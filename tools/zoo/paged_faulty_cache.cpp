@@ -46,6 +46,16 @@ class FaultyPagedCache : public optimized::PagedCache {
   std::int64_t position_of(std::int64_t t, std::int64_t forward_first, std::int64_t append_first) const override {
     return fault_ == PagedFault::chunk_position_restart ? t - (forward_first - append_first) : t;
   }
+  std::int64_t write_slot(const std::vector<std::int64_t>& table, std::int64_t t) const override {
+    if (fault_ != PagedFault::window_absolute_index) return PagedCache::write_slot(table, t);
+    // The sliding layer's compact table holds the entries from the first live one on,
+    // right-padded with block 0; the mutant indexes it with the absolute t / B.
+    const auto live = static_cast<std::size_t>(
+        std::find_if(table.begin(), table.end(), [](std::int64_t block) { return block >= 0; }) - table.begin());
+    const std::size_t i = static_cast<std::size_t>(t / block_size()) + live;  // compact[t / B] is table[t / B + live]
+    const std::int64_t block = i < table.size() && table[i] >= 0 ? table[i] : 0;
+    return block * block_size() + t % block_size();
+  }
   bool forget_evicted() const override { return fault_ != PagedFault::evict_keeps_index; }
   std::int64_t recomputed_tokens(std::int64_t history, std::int64_t prompt) const override {
     return fault_ == PagedFault::recompute_prompt_only ? prompt : history;

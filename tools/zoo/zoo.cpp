@@ -273,6 +273,12 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    "frees the sliding window's blocks one block early: below floor((n - W + 1) / B) + 1",
                    "vLLM v1 dropping one block too many from a sliding window's table (PR 17398)",
                    BugClass::paged_block_freed_while_visible, {"paged_window_2b", "paged_window_2b_plus_1"}),
+      paged_mutant("window_absolute_index", zoo::PagedFault::window_absolute_index,
+                   "keeps a sliding layer's table compact (from the first live block on, padded with block 0) but "
+                   "indexes it with the absolute t / B, so past the window tokens land in block 0",
+                   "tt-metal's vLLM plugin indexing the sliding-window page table with cur_pos // block_size "
+                   "(PR 45184)",
+                   BugClass::paged_slot_mapping_wrong, {"paged_window_2b", "paged_gemma_hybrid_prefix"}),
       paged_mutant("chunk_keys_chunk_only", zoo::PagedFault::chunk_keys_chunk_only,
                    "in a chunked prefill, a chunk's queries see only the chunk's own keys",
                    "imp's chunked prefill attending within the chunk, never the cache (PR 114)",
