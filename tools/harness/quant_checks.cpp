@@ -381,6 +381,9 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
     slack.assign(out.size() / static_cast<std::size_t>(D), 0.0);
   else
     slack = ref.query_slack;
+  // Where each kept key sits among the retained ones, by token index.
+  std::map<std::int64_t, std::size_t> kept;
+  for (std::size_t r = 0; r < retained.size(); ++r) kept[retained[r].index] = r;
   std::vector<double> keys, values, scores, result(static_cast<std::size_t>(D));
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     // Every key the token saw must still be kept, where it saw it: the view shows the state
@@ -392,26 +395,28 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
     scores.resize(n);
     for (int head = 0; head < H; ++head) {
       const int g = head / G;
-      for (std::size_t j = 0; j < n; ++j) {
-        const auto found = std::find_if(retained.begin(), retained.end(),
-                                        [&](const reference::RetainedKey& r) { return r.index == view.keys[j].index; });
-        if (found == retained.end() || found->position != view.keys[j].position) {
-          out.clear(), slack.clear();
-          return false;
+      if (head % G == 0)  // the group's keys and values, once for its G query heads
+        for (std::size_t j = 0; j < n; ++j) {
+          const auto found = kept.find(view.keys[j].index);
+          if (found == kept.end() || retained[found->second].position != view.keys[j].position) {
+            out.clear(), slack.clear();
+            return false;
+          }
+          const reference::RetainedKey& key = retained[found->second];
+          const reference::StoredHead& h =
+              rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][found->second]
+                  .heads[static_cast<std::size_t>(g)];
+          std::copy(h.key.begin(), h.key.end(), keys.begin() + static_cast<std::ptrdiff_t>(j * D));
+          std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));
+          // Codes the cache holds that are not the reference's (taken at a boundary).
+          const HeldId id{l, b, static_cast<std::int64_t>(key.uid), g};
+          const auto held = held_.find(id);
+          if (q.k && held != held_.end() && held->second.position == key.position && !held->second.as_reference)
+            reference::dequantize_stored(*q.k, q.transform, held->second.codes, keys.data() + j * D);
+          const auto held_value = held_values_.find(id);
+          if (q.v && held_value != held_values_.end())
+            reference::dequantize_stored(*q.v, q.transform, held_value->second, values.data() + j * D);
         }
-        const reference::StoredHead& h =
-            rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)]
-                      [static_cast<std::size_t>(found - retained.begin())].heads[static_cast<std::size_t>(g)];
-        std::copy(h.key.begin(), h.key.end(), keys.begin() + static_cast<std::ptrdiff_t>(j * D));
-        std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));
-        const HeldId id{l, b, static_cast<std::int64_t>(found->uid), g};
-        const auto held = held_.find(id);
-        if (q.k && held != held_.end() && held->second.position == found->position)
-          reference::dequantize_stored(*q.k, q.transform, held->second.codes, keys.data() + j * D);
-        const auto held_value = held_values_.find(id);
-        if (q.v && held_value != held_values_.end())
-          reference::dequantize_stored(*q.v, q.transform, held_value->second, values.data() + j * D);
-      }
       // The query the cache used when the source shows it (its rope's float32 rounding can
       // move a quantized query's code across a boundary), else the reference's.
       const std::size_t token_at = (static_cast<std::size_t>(b) * ref.chunk + pad + i) * H + head;
