@@ -80,9 +80,6 @@ class _PagedDriver:
         return [-1 if e is None else int(e) for e in kvtrace.to_numpy(entries).reshape(-1).tolist()] \
             if entries is not None and len(entries) else []
 
-    def pool(self, index, name, layer):
-        return self.call(index, name, layer)
-
     # -- running -------------------------------------------------------------------------------
 
     def run(self):
@@ -169,12 +166,12 @@ class _PagedDriver:
                     self.call(index, "allocate", b, self.rows[b]["ids"][lo:hi])
                     work.append((b, lo, hi, n - len(r["uids"]) - start))  # place of token t: t + offset
             for l in range(self.L):
-                for b, lo, hi, offset in work:
+                for b, lo, hi, _ in work:
                     self.write(index, l, b, lo, hi)
                 for b, lo, hi, offset in work:
                     o, q = self.attend(index, l, b, lo, hi)
                     out[l, b, :, lo + offset:hi + offset], q_rot[l, b, :, lo + offset:hi + offset] = o, q
-            for b, lo, hi, offset in work:
+            for b, _, _, _ in work:
                 self.call(index, "finish", b)
         self.record(index, (out, q_rot))
 
@@ -197,7 +194,7 @@ class _PagedDriver:
 
     def write(self, index, l, b, lo, hi):
         """reshape_and_cache: rotated keys and values of tokens lo .. hi - 1 into their slots."""
-        row, uids = self.rows[b], self.rows[b]["uids"][lo:hi]
+        uids = self.rows[b]["uids"][lo:hi]
         if hasattr(self.cache, "slot_mapping"):
             slots = [int(s) for s in kvtrace.to_numpy(self.call(index, "slot_mapping", l, b, lo, hi - lo)).reshape(-1)]
         else:
@@ -208,7 +205,7 @@ class _PagedDriver:
             self.slots[l][b] += slots
         k = kvtrace.rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, Hkv, D]
         v = self.exp.v[l][uids]
-        keys, values = self.pool(index, "key_cache", l), self.pool(index, "value_cache", l)
+        keys, values = self.call(index, "key_cache", l), self.call(index, "value_cache", l)
         blocks = int(keys.shape[0])
         for j, slot in enumerate(slots):
             if not 0 <= slot < blocks * self.B:
@@ -230,8 +227,8 @@ class _PagedDriver:
         policy = self.exp.layer_policy(l)
         window = policy["window"] if policy["type"] == "sliding" else None
         table = self.table(index, l, b)
-        keys = kvtrace.to_numpy(self.pool(index, "key_cache", l)).astype(np.float64)
-        values = kvtrace.to_numpy(self.pool(index, "value_cache", l)).astype(np.float64)
+        keys = kvtrace.to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
+        values = kvtrace.to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
         if self.layout == "HND":
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
         uids = self.rows[b]["uids"]
@@ -262,7 +259,7 @@ class _PagedDriver:
             for b, t in enumerate(tables):
                 table[b, :len(t)] = t
             paged = {"block_size": self.B, "layout": self.layout, "block_table": table}
-            keys, values = self.pool(index, "key_cache", l), self.pool(index, "value_cache", l)
+            keys, values = self.call(index, "key_cache", l), self.call(index, "value_cache", l)
             if self.dump == "referenced":  # only the blocks the tables reach (SPEC 8.9's block_ids)
                 ids = np.unique(table[table >= 0]).astype(np.int64)
                 paged["block_ids"] = ids

@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
 #include <limits>
+#include <map>
 
 #include "tools/harness/npy.h"
 #include "tools/harness/scenario.h"
@@ -51,23 +51,27 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   if (values.shape != keys.shape)
     throw InputError(f.value_cache, "", fmt::format("expected the key pool's shape {}, got {}", shape_string(keys.shape),
                                                     shape_string(values.shape)));
-  // Which block each of the pools' rows is: the whole pool in order, or the blocks block_ids lists.
-  std::map<std::int64_t, std::size_t> row_of;
-  if (f.block_ids.empty()) {
-    for (std::size_t i = 0; i < dumped; ++i) row_of[static_cast<std::int64_t>(i)] = i;
-  } else {
+  // Which row of the pools holds a block: the block id itself (the whole pool), or its
+  // place in block_ids (only the blocks the tables reference were dumped).
+  std::map<std::int64_t, std::size_t> listed;
+  if (!f.block_ids.empty()) {
     const NpyArray<std::int64_t> ids =
         integers(f.block_ids, {dumped}, fmt::format("block ids of shape [{}], one per row of the pools", dumped).c_str());
     for (std::size_t i = 0; i < dumped; ++i) {
       const std::int64_t id = ids.data[i];
       if (id < 0 || id > std::numeric_limits<std::int32_t>::max())
         throw InputError(f.block_ids, "", fmt::format("entry [{}] is {}: expected a block id of 0 or more", i, id));
-      if (!row_of.emplace(id, i).second)
+      if (!listed.emplace(id, i).second)
         throw InputError(f.block_ids, "", fmt::format("block {} is listed twice (entries [{}] and [{}])", id,
-                                                      row_of[id], i));
+                                                      listed[id], i));
     }
   }
-  const auto known = [&](std::int64_t block) { return row_of.count(block) > 0; };
+  const auto known = [&](std::int64_t block) {
+    return f.block_ids.empty() ? block >= 0 && block < static_cast<std::int64_t>(dumped) : listed.count(block) > 0;
+  };
+  const auto pool_row = [&](std::int64_t block) {
+    return f.block_ids.empty() ? static_cast<std::size_t>(block) : listed.at(block);
+  };
   const std::string known_blocks =
       f.block_ids.empty() ? fmt::format("a block id below {}", dumped) : "a block that block_ids lists";
   const NpyArray<std::int64_t> table =
@@ -94,9 +98,9 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   }
   if (!f.refcount.empty()) {
     // The whole pool's refcounts, also when only some blocks were dumped.
-    const std::size_t blocks = f.block_ids.empty() || row_of.empty()
+    const std::size_t blocks = f.block_ids.empty() || listed.empty()
                                    ? dumped
-                                   : static_cast<std::size_t>(row_of.rbegin()->first) + 1;
+                                   : static_cast<std::size_t>(listed.rbegin()->first) + 1;
     const NpyArray<std::int64_t> r = integers(
         f.refcount, {f.block_ids.empty() ? blocks : 0},
         fmt::format("refcounts of shape [{}] (int32){}", f.block_ids.empty() ? fmt::format("{}", blocks) : "blocks",
@@ -156,7 +160,7 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
       if (block < 0) continue;
       for (std::size_t o = 0; o < B && i * B + o < lengths[b]; ++o)
         for (std::size_t g = 0; g < kv_heads; ++g) {
-          const std::size_t p = at(row_of.at(block), o, g);
+          const std::size_t p = at(pool_row(block), o, g);
           const float* v = values.data.data() + p;
           // All zeros: never written. NaN is not "unused": it is judged (and matches no token).
           if (std::all_of(v, v + head_dim, [](float x) { return x == 0.0f; })) continue;
