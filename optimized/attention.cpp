@@ -414,8 +414,10 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       // decoded floats stay in L1 and K and V are read from memory in their stored size.
       const bool converted = !block.slots.empty() && !block.slots[0].store->plain_float32();
       // Formats whose codes the dot products read in place, never decoded to floats.
-      const int k_group = converted ? direct_lanes_group(block.slots[0].store->key_format(), D) : 0;
-      const int v_group = converted ? direct_lanes_group(block.slots[0].store->value_format(), D) : 0;
+      // A store holding some tokens raw (a residual) decodes each row by what its slot holds.
+      const bool direct = converted && !block.slots[0].store->holds_raw();
+      const int k_group = direct ? direct_lanes_group(block.slots[0].store->key_format(), D) : 0;
+      const int v_group = direct ? direct_lanes_group(block.slots[0].store->value_format(), D) : 0;
       if (converted) {
         w.k_rows.resize(static_cast<std::size_t>(D));
         w.v_rows.resize(kValueTile * D);

@@ -15,6 +15,8 @@ void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, in
   const std::size_t token = (static_cast<std::size_t>(row) * chunk.length + chunk_pos) * hkv;
   thread_local std::vector<float> k;  // rotated in float32, rounded once when stored
   k.resize(static_cast<std::size_t>(d));
+  store.meta(row, slot) = meta;
+  store.meta(row, slot).raw = store.holds_raw();  // a new token enters the residual, if there is one
   for (int l = 0; l < store.layers(); ++l)
     for (int g = 0; g < hkv; ++g) {
       std::copy_n(chunk.k[l] + (token + g) * d, d, k.data());
@@ -22,7 +24,29 @@ void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, in
       store.write_key(l, row, g, slot, k.data());
       store.write_value(l, row, g, slot, chunk.v[l] + (token + g) * d);
     }
-  store.meta(row, slot) = meta;
+}
+
+void flush_residual(SlotStore& store, int row, const Residual& rule, bool first_append) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> raw;  // (token index, slot), sorted to oldest first
+  std::vector<std::int64_t> stored;
+  for (std::int64_t s = 0; s < store.capacity(); ++s) {
+    const SlotMeta& m = store.meta(row, s);
+    if (m.uid < 0) continue;
+    if (m.raw)
+      raw.emplace_back(m.index, s);
+    else
+      stored.push_back(s);
+  }
+  std::sort(raw.begin(), raw.end());
+  const auto residual = static_cast<std::size_t>(rule.tokens);
+  if (first_append && rule.prefill_store) {
+    for (const auto& [index, s] : raw) store.quantize_slot(row, s);
+  } else if (!rule.requantize_all) {
+    for (std::size_t i = 0; i + residual < raw.size(); ++i) store.quantize_slot(row, raw[i].second);
+  } else if (raw.size() >= residual) {
+    for (std::int64_t s : stored) store.quantize_slot(row, s);
+    for (const auto& [index, s] : raw) store.quantize_slot(row, s);
+  }
 }
 
 std::int64_t first_missing_index(const SlotStore& store, int row, std::int64_t begin, std::int64_t end) {

@@ -29,6 +29,15 @@ struct PagedLayout {
   bool prefix_cache = false;    // full blocks stay reusable by rows with the same prefix
 };
 
+// SPEC 9's residual: the newest tokens of a row held unquantized beside the codes, and when
+// they are quantized.
+struct Residual {
+  std::int64_t tokens = 0;       // R
+  bool requantize_all = false;   // once R are raw, everything quantized again (Hugging Face); else each once, as it leaves
+  bool prefill_store = true;     // a row's first append quantized at once
+  bool chunk_reads_raw = false;  // the queries read the chunk raw and the flush comes after them; else before
+};
+
 struct CacheConfig {
   int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   int batch = 1;
@@ -46,6 +55,7 @@ struct CacheConfig {
   std::vector<LayerPolicy> layer_policies;      // hybrid: one per layer; the fields above are layer 0's
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
   std::optional<PagedLayout> paging;            // the paged cache's pool
+  std::optional<Residual> residual;             // quantized stores holding some tokens raw (SPEC 9)
 };
 
 // What a row carries besides its tokens (SPEC 8.1): a prefix may be reused only under the
@@ -133,6 +143,10 @@ std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t 
 // meta.position (every layer, every kv head).
 void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
                  std::int64_t slot, const SlotMeta& meta);
+
+// The residual's rule for `row` once its chunk is written (see Residual): the oldest raw
+// tokens beyond R quantized, or, once R are raw, every token quantized (again).
+void flush_residual(SlotStore& store, int row, const Residual& rule, bool first_append);
 
 // The first token index in [begin, end) that `row` does not hold, or -1.
 std::int64_t first_missing_index(const SlotStore& store, int row, std::int64_t begin, std::int64_t end);

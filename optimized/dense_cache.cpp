@@ -14,6 +14,7 @@ DenseCache::DenseCache(const CacheConfig& config, Growth growth)
       rope_(config.rope),
       kernel_(config.threads),
       store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+  if (config.residual) store_.hold_raw(config.storage);
   reset(config.batch);
 }
 
@@ -36,8 +37,13 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
       store_token(store_, rope_, chunk, b, pad + i, t, {chunk.uids[b * chunk.length + pad + i], t, t});
       plans_.push_back({pad + i, QueryPlan{t, 0, 0, t, t}});
     }
+    const bool first_append = lengths_[b] == 0;
+    const Residual* residual = config_.residual ? &*config_.residual : nullptr;
+    if (residual && !residual->chunk_reads_raw && chunk.counts[b] > 0)
+      flush_residual(store_, b, *residual, first_append);
     const SlotSource sources[] = {{&store_, b}};
     attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
+    if (residual && residual->chunk_reads_raw && chunk.counts[b] > 0) flush_residual(store_, b, *residual, first_append);
     lengths_[b] += chunk.counts[b];
   }
 }

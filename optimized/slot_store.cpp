@@ -20,6 +20,44 @@ SlotStore::SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_forma
       k_(layers),
       v_(layers) {}
 
+void SlotStore::hold_raw(Storage storage) {
+  holds_raw_ = true;
+  raw_storage_ = storage;
+  raw_k_.assign(static_cast<std::size_t>(layers_), {});
+  raw_v_.assign(static_cast<std::size_t>(layers_), {});
+}
+
+void SlotStore::write_raw(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot,
+                          const float* x) {
+  float* out = data[static_cast<std::size_t>(layer)].data() + raw_at(layer, row, kv_head, slot);
+  if (raw_storage_ == Storage::float32) {
+    std::copy_n(x, head_dim_, out);
+    return;
+  }
+  // Rounded to the float storage, kept as float32 (the bytes a half cache would hold).
+  half_scratch_.resize(static_cast<std::size_t>(head_dim_));
+  encode(raw_storage_, x, head_dim_, half_scratch_.data());
+  decode(raw_storage_, half_scratch_.data(), head_dim_, out);
+}
+
+void SlotStore::read_raw(const std::vector<std::vector<float>>& data, int layer, int row, int kv_head,
+                         std::int64_t slot, float* x) const {
+  std::copy_n(data[static_cast<std::size_t>(layer)].data() + raw_at(layer, row, kv_head, slot), head_dim_, x);
+}
+
+void SlotStore::quantize_slot(int row, std::int64_t slot) {
+  std::vector<float> x(static_cast<std::size_t>(head_dim_));
+  for (int l = 0; l < layers_; ++l)
+    for (int g = 0; g < kv_heads_; ++g) {
+      // From the values it is held as: its float row while raw, what its codes stand for after.
+      read_key(l, row, g, slot, x.data());
+      encode_row(key_format_, g, x.data(), head_dim_, at(k_, l, row, g, slot), scratch_.data());
+      read_value(l, row, g, slot, x.data());
+      encode_row(value_format_, g, x.data(), head_dim_, at(v_, l, row, g, slot), scratch_.data());
+    }
+  meta(row, slot).raw = false;
+}
+
 void SlotStore::reset(int batch, std::int64_t capacity) {
   batch_ = batch;
   capacity_ = capacity;
@@ -27,6 +65,10 @@ void SlotStore::reset(int batch, std::int64_t capacity) {
   for (int l = 0; l < layers_; ++l) {
     k_[l].assign(rows * key_bytes_, std::byte{0});
     v_[l].assign(rows * value_bytes_, std::byte{0});
+    if (holds_raw_) {
+      raw_k_[l].assign(rows * head_dim_, 0.0f);
+      raw_v_[l].assign(rows * head_dim_, 0.0f);
+    }
   }
   meta_.assign(static_cast<std::size_t>(batch) * capacity, SlotMeta{});
 }
@@ -41,6 +83,7 @@ void SlotStore::make_empty(int batch, std::int64_t capacity) {
 void SlotStore::grow(std::int64_t capacity) {
   if (capacity <= capacity_) return;
   SlotStore bigger(layers_, kv_heads_, head_dim_, key_format_, value_format_);
+  if (holds_raw_) bigger.hold_raw(raw_storage_);
   bigger.reset(batch_, capacity);
   const std::size_t slots = static_cast<std::size_t>(capacity_);
   for (int l = 0; l < layers_; ++l)
@@ -48,6 +91,7 @@ void SlotStore::grow(std::int64_t capacity) {
       for (int g = 0; g < kv_heads_; ++g) {
         std::copy_n(at(k_, l, b, g, 0), slots * key_bytes_, bigger.at(bigger.k_, l, b, g, 0));
         std::copy_n(at(v_, l, b, g, 0), slots * value_bytes_, bigger.at(bigger.v_, l, b, g, 0));
+        bigger.copy_raw_run(*this, l, b, b, g, 0, 0, slots);
       }
   for (int b = 0; b < batch_; ++b) std::copy_n(row_meta(b), capacity_, &bigger.meta(b, 0));
   *this = std::move(bigger);
@@ -55,6 +99,7 @@ void SlotStore::grow(std::int64_t capacity) {
 
 void SlotStore::gather_rows(const std::vector<int>& rows) {
   SlotStore next(layers_, kv_heads_, head_dim_, key_format_, value_format_);
+  if (holds_raw_) next.hold_raw(raw_storage_);
   next.reset(static_cast<int>(rows.size()), capacity_);
   const std::size_t slots = static_cast<std::size_t>(capacity_);
   for (std::size_t b = 0; b < rows.size(); ++b) {
@@ -62,6 +107,7 @@ void SlotStore::gather_rows(const std::vector<int>& rows) {
       for (int g = 0; g < kv_heads_; ++g) {
         std::copy_n(at(k_, l, rows[b], g, 0), slots * key_bytes_, next.at(next.k_, l, static_cast<int>(b), g, 0));
         std::copy_n(at(v_, l, rows[b], g, 0), slots * value_bytes_, next.at(next.v_, l, static_cast<int>(b), g, 0));
+        next.copy_raw_run(*this, l, rows[b], static_cast<int>(b), g, 0, 0, slots);
       }
     std::copy_n(row_meta(rows[b]), capacity_, &next.meta(static_cast<int>(b), 0));
   }
@@ -71,7 +117,7 @@ void SlotStore::gather_rows(const std::vector<int>& rows) {
 void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to) {
   // Raw bytes: both stores must hold the same format and shape (a cache makes its stores alike).
   if (!(src.key_format_ == key_format_) || !(src.value_format_ == value_format_) || src.head_dim_ != head_dim_ ||
-      src.layers_ != layers_ || src.kv_heads_ != kv_heads_)
+      src.layers_ != layers_ || src.kv_heads_ != kv_heads_ || src.holds_raw_ != holds_raw_)
     throw std::logic_error("copy_slot between stores of different formats or shapes");
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
@@ -79,6 +125,7 @@ void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_
                   at(k_, l, row, g, to));
       std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), value_bytes_,
                   at(v_, l, row, g, to));
+      copy_raw_run(src, l, from_row, row, g, from_slot, to, 1);
     }
   meta(row, to) = src.meta(from_row, from_slot);
 }
@@ -88,8 +135,20 @@ void SlotStore::move_slot(int row, std::int64_t from, std::int64_t to) {
     for (int g = 0; g < kv_heads_; ++g) {
       std::copy_n(at(k_, l, row, g, from), key_bytes_, at(k_, l, row, g, to));
       std::copy_n(at(v_, l, row, g, from), value_bytes_, at(v_, l, row, g, to));
+      copy_raw_run(*this, l, row, row, g, from, to, 1);
     }
   meta(row, to) = meta(row, from);
+}
+
+void SlotStore::copy_raw_run(const SlotStore& src, int layer, int from_row, int row, int kv_head,
+                             std::int64_t from_slot, std::int64_t to, std::size_t slots) {
+  if (!holds_raw_) return;
+  const auto l = static_cast<std::size_t>(layer);
+  const std::size_t n = slots * head_dim_;
+  std::copy_n(src.raw_k_[l].data() + src.raw_at(layer, from_row, kv_head, from_slot), n,
+              raw_k_[l].data() + raw_at(layer, row, kv_head, to));
+  std::copy_n(src.raw_v_[l].data() + src.raw_at(layer, from_row, kv_head, from_slot), n,
+              raw_v_[l].data() + raw_at(layer, row, kv_head, to));
 }
 
 }  // namespace kvcheck::optimized

@@ -19,6 +19,7 @@ struct SlotMeta {
   std::int64_t uid = -1;
   std::int64_t index = -1;     // token index in the row
   std::int64_t position = -1;  // the position its key is rotated at
+  bool raw = false;            // held in the float storage, not yet quantized (a residual)
 };
 
 class SlotStore {
@@ -26,6 +27,15 @@ class SlotStore {
   SlotStore() = default;
   SlotStore(int layers, int kv_heads, int head_dim, Storage storage = Storage::float32);
   SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format);
+
+  // A quantized store that also holds some tokens unquantized (SPEC 9's residual): every
+  // slot gets a float row beside its codes, rounded to `storage`; a slot's meta says which
+  // one it holds. Call before reset().
+  void hold_raw(Storage storage);
+  bool holds_raw() const { return holds_raw_; }
+  // A raw slot's tokens quantized, or a quantized slot quantized again from what its codes
+  // stand for (a flush); every layer and kv head.
+  void quantize_slot(int row, std::int64_t slot);
 
   // Drops everything and makes `batch` rows of `capacity` empty slots.
   void reset(int batch, std::int64_t capacity);
@@ -52,18 +62,24 @@ class SlotStore {
     return self->at(self->v_, layer, row, kv_head, slot);
   }
   // Writes head_dim floats, rounded or quantized to the format; reads them back as floats.
+  // A raw slot (meta(row, slot).raw, set before the write) keeps them in its float row.
   void write_key(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
+    if (raw_slot(row, slot)) return write_raw(raw_k_, layer, row, kv_head, slot, x);
     encode_row(key_format_, kv_head, x, head_dim_, at(k_, layer, row, kv_head, slot), scratch_.data());
   }
   void write_value(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
+    if (raw_slot(row, slot)) return write_raw(raw_v_, layer, row, kv_head, slot, x);
     encode_row(value_format_, kv_head, x, head_dim_, at(v_, layer, row, kv_head, slot), scratch_.data());
   }
   void read_key(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
+    if (raw_slot(row, slot)) return read_raw(raw_k_, layer, row, kv_head, slot, x);
     decode_row(key_format_, kv_head, static_cast<const std::byte*>(key(layer, row, kv_head, slot)), head_dim_, x);
   }
   void read_value(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
+    if (raw_slot(row, slot)) return read_raw(raw_v_, layer, row, kv_head, slot, x);
     decode_row(value_format_, kv_head, static_cast<const std::byte*>(value(layer, row, kv_head, slot)), head_dim_, x);
   }
+  bool raw_slot(int row, std::int64_t slot) const { return holds_raw_ && meta(row, slot).raw; }
   const RowFormat& key_format() const { return key_format_; }
   const RowFormat& value_format() const { return value_format_; }
   // Keys and values are plain float32 rows: the attention reads them in place.
@@ -92,7 +108,23 @@ class SlotStore {
     return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * bytes;
   }
 
+  std::size_t raw_at(int layer, int row, int kv_head, std::int64_t slot) const {
+    (void)layer;
+    return ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * head_dim_;
+  }
+  void write_raw(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot,
+                 const float* x);
+  void read_raw(const std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot,
+                float* x) const;
+  // `slots` consecutive float rows of one kv head from `src` (which must hold raw too).
+  void copy_raw_run(const SlotStore& src, int layer, int from_row, int row, int kv_head, std::int64_t from_slot,
+                    std::int64_t to, std::size_t slots);
+
   int layers_ = 0, kv_heads_ = 0, head_dim_ = 0, batch_ = 0;
+  bool holds_raw_ = false;
+  Storage raw_storage_ = Storage::float32;
+  std::vector<std::uint16_t> half_scratch_;          // a raw row rounded to float16 or bfloat16
+  std::vector<std::vector<float>> raw_k_, raw_v_;  // per layer, [row][kv_head][slot][head_dim]; empty unless holds_raw_
   RowFormat key_format_, value_format_;
   std::size_t key_bytes_ = 0, value_bytes_ = 0;  // one row of each
   std::vector<float> scratch_;                   // head_dim floats for a transform

@@ -2,6 +2,7 @@
 // `kv_quant` field). Plain value types: the reference's quantizer is reference/quantize.h.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -33,6 +34,17 @@ struct TensorQuant {
 
 enum class QuantTransform { none, hadamard };
 
+// When a token leaves the residual (SPEC 9): quantized once as it leaves ("append", KIVI,
+// vLLM), or, once the residual is full, everything stored dequantized and quantized again
+// with it (Hugging Face's QuantizedCache).
+enum class Flush { append, requantize_all };
+// The first append of a row: quantized at once ("store", as Hugging Face does whatever the
+// residual) or kept in the residual like any later token.
+enum class PrefillRule { store, residual };
+// What a chunk's queries read of its own tokens: the stored values (written, then read
+// back: vLLM) or the raw ones, earlier tokens dequantized (Hugging Face).
+enum class ChunkReads { stored, raw };
+
 struct KvQuant {
   std::optional<TensorQuant> k, v;  // absent: stored in kv_dtype
   QuantTransform transform = QuantTransform::none;
@@ -42,6 +54,14 @@ struct KvQuant {
   // query too before its dot products with the keys, as ggml's CPU matmul converts its
   // activations to the quantized weight's dot-product type (q8_0 for q8_0 K).
   std::optional<QuantFormat> query;
+  std::int64_t residual = 0;  // the newest tokens kept in kv_dtype
+  Flush flush = Flush::append;
+  PrefillRule prefill = PrefillRule::store;
+  ChunkReads chunk_reads = ChunkReads::stored;
+  // Some token is ever held unquantized: a residual, or a flush or read rule that needs one.
+  bool holds_raw() const {
+    return residual > 0 || flush == Flush::requantize_all || chunk_reads == ChunkReads::raw;
+  }
   bool operator==(const KvQuant&) const = default;
 };
 
@@ -79,5 +99,8 @@ inline const char* to_string(ScaleGranularity g) {
 }
 inline const char* to_string(ScaleDtype d) { return d == ScaleDtype::float32 ? "float32" : "float16"; }
 inline const char* to_string(QuantTransform t) { return t == QuantTransform::none ? "none" : "hadamard"; }
+inline const char* to_string(Flush f) { return f == Flush::append ? "append" : "requantize_all"; }
+inline const char* to_string(PrefillRule p) { return p == PrefillRule::store ? "store" : "residual"; }
+inline const char* to_string(ChunkReads c) { return c == ChunkReads::stored ? "stored" : "raw"; }
 
 }  // namespace kvcheck

@@ -188,8 +188,19 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
     if (attend) result.out_stored.assign(result.out.size(), std::numeric_limits<double>::quiet_NaN());
     if (attend) result.query_slack.assign(result.out.size() / static_cast<std::size_t>(D), 0.0);
     Scratch scratch;
+    const KvQuant& quant = stored_->quant();
     for (int b = 0; b < B; ++b) {
       const std::int64_t pad = n - counts[b];
+      const auto length = static_cast<std::int64_t>(histories_[b].size());
+      const bool first_append = length == counts[b];
+      // A residual's flush: before the queries read under chunk_reads "stored", after under "raw".
+      if (quant.holds_raw() && counts[b] > 0) {
+        // Every new token written first (raw), at its index: a residual needs full attention.
+        for (int l = 0; l < L; ++l)
+          for (const AppendedToken& token : result.rows[b])
+            stored_->settle(b, l, token.index, histories_[b][static_cast<std::size_t>(token.index)], token.index);
+        if (quant.chunk_reads == ChunkReads::stored) stored_->flush(b, length, first_append);
+      }
       for (std::size_t i = 0; i < result.rows[b].size(); ++i)
         for (int l = 0; l < L; ++l) {
           const AppendedToken& token = result.rows[b][i];
@@ -198,6 +209,8 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
                         attend ? result.out_stored.data() + base : nullptr,
                         attend ? result.query_slack.data() + base / static_cast<std::size_t>(D) : nullptr);
         }
+      if (quant.holds_raw() && counts[b] > 0 && quant.chunk_reads == ChunkReads::raw)
+        stored_->flush(b, length, first_append);
       // What the row keeps after the step, at the positions its next token sees them (a
       // dense prefill shifts once more after its forward).
       for (int l = 0; l < L; ++l)

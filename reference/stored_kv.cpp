@@ -111,18 +111,20 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
       const float* v = inputs_.v_at(layer, uid, g);
       h.key = rotate(std::vector<double>(k, k + d), static_cast<double>(position), rope_);
       h.value.assign(v, v + d);
-      encode(quant_.k, g, h.key, h.key_codes, position);
-      encode(quant_.v, g, h.value, h.value_codes, 0);
+      // Held raw: in kv_dtype until the flush rule quantizes it.
+      encode(quant_.holds_raw() ? std::nullopt : quant_.k, g, h.key, h.key_codes, position);
+      encode(quant_.holds_raw() ? std::nullopt : quant_.v, g, h.value, h.value_codes, 0);
     }
+    here.raw = quant_.holds_raw();
   } else {  // a shift: what is stored, turned by the difference, stored again
     for (int g = 0; g < dims_.kv_heads; ++g) {
       StoredHead& h = here.heads[static_cast<std::size_t>(g)];
-      if (quant_.k) {
+      if (quant_.k && !here.raw) {
         h.key_codes = requantize_shifted(*quant_.k, quant_.transform, rope_, h.key_codes, g, here.position, position,
                                          &h.key);
       } else {
         h.key = rotate(h.key, static_cast<double>(position - here.position), turn_);
-        encode(quant_.k, g, h.key, h.key_codes, position);
+        encode(std::nullopt, g, h.key, h.key_codes, position);
       }
     }
   }
@@ -136,6 +138,39 @@ double StoredKv::quantize_query(double* q, std::int64_t position) const {
 
 const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {
   return rows_.at(static_cast<std::size_t>(row)).at(static_cast<std::size_t>(index)).at(static_cast<std::size_t>(layer));
+}
+
+void StoredKv::quantize_token(StoredLayer& token) const {
+  // From the values it is held as: kv_dtype while raw, what its codes stand for after.
+  if (!token.raw) ++token.flushes;
+  for (int g = 0; g < dims_.kv_heads; ++g) {
+    StoredHead& h = token.heads[static_cast<std::size_t>(g)];
+    if (quant_.k) encode(quant_.k, g, h.key, h.key_codes, token.position);
+    if (quant_.v) encode(quant_.v, g, h.value, h.value_codes, 0);
+  }
+  token.raw = false;
+}
+
+void StoredKv::flush(int row, std::int64_t length, bool first_append) {
+  if (!quant_.holds_raw()) return;
+  auto& tokens = rows_.at(static_cast<std::size_t>(row));
+  const std::size_t n = std::min(tokens.size(), static_cast<std::size_t>(std::max<std::int64_t>(length, 0)));
+  for (int l = 0; l < dims_.layers; ++l) {
+    std::vector<StoredLayer*> raw, stored;  // oldest first
+    for (std::size_t i = 0; i < n; ++i) {
+      StoredLayer& token = tokens[i][static_cast<std::size_t>(l)];
+      if (token.position >= 0) (token.raw ? raw : stored).push_back(&token);
+    }
+    const auto residual = static_cast<std::size_t>(quant_.residual);
+    if (first_append && quant_.prefill == PrefillRule::store) {
+      for (StoredLayer* token : raw) quantize_token(*token);
+    } else if (quant_.flush == Flush::append) {
+      for (std::size_t i = 0; i + residual < raw.size(); ++i) quantize_token(*raw[i]);
+    } else if (raw.size() >= residual) {
+      for (StoredLayer* token : stored) quantize_token(*token);
+      for (StoredLayer* token : raw) quantize_token(*token);
+    }
+  }
 }
 
 void StoredKv::reorder(const std::vector<int>& rows) {

@@ -3,6 +3,8 @@
 // quantized; re-rotated through the format when a shifting policy moves it (dequantize,
 // rotate, quantize again: each shift rounds once more, and the drift is simulated, not
 // tolerated); values quantized once. A tensor that is not quantized is rounded to kv_dtype.
+// Under a residual (SPEC 9: residual, flush, prefill, chunk_reads) a token is first held in
+// kv_dtype and quantized when the flush rule says, from the values it was held as.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +24,8 @@ struct StoredHead {
 
 struct StoredLayer {
   std::int64_t position = -1;  // where the key is rotated; -1: not written yet
+  bool raw = false;            // held in kv_dtype, not yet quantized (the residual; SPEC 9.2.4)
+  int flushes = 0;             // times quantized again from its own codes (flush "requantize_all")
   std::vector<StoredHead> heads;
 };
 
@@ -55,6 +59,13 @@ class StoredKv {
   // As stored now (settle() must have written it).
   const StoredLayer& at(int row, int layer, std::int64_t index) const;
 
+  // The residual's rule after the tokens [0, length) of `row` are written (each settled):
+  // "append" quantizes the oldest raw tokens until `residual` remain; "requantize_all",
+  // once `residual` tokens are raw, quantizes them and every stored token again. The first
+  // append of a row is quantized at once under prefill "store". When it runs follows
+  // chunk_reads: before the step's queries read ("stored"), or after ("raw").
+  void flush(int row, std::int64_t length, bool first_append);
+
   // The query as the attention uses it (kv_quant.query): rounded to float32, transformed,
   // quantized, dequantized, transformed back. Unchanged without `query`. Returns how far
   // (2-norm) a backend's query may be from it: codes on a tie may round either way.
@@ -71,6 +82,8 @@ class StoredKv {
   // `position`: where the key is rotated (its boundary window grows with it); 0 for values.
   void encode(const std::optional<TensorQuant>& format, int kv_head, std::vector<double>& x, QuantizedRow& codes,
               std::int64_t position) const;
+  // A raw token quantized, or a quantized one quantized again from what its codes stand for.
+  void quantize_token(StoredLayer& token) const;
 
   Dims dims_;
   Rope rope_, turn_;  // turn_: a pure rotation (a shift does not apply yarn's factor again)

@@ -282,6 +282,100 @@ class StaticFp8Cache:
         return out
 
 
+class QuantizedCache:
+    """transformers' QuantizedCache (QuantizedLayer.update, as in PR 30483 and since) over
+    affine codes per group along head_dim, with a residual of `residual` float tokens. The
+    first update quantizes the whole prompt and returns it raw; later ones return
+    cat(dequantize(codes), residual, new), and once the residual is full, quantize that whole
+    concatenation again and empty the residual. Codes are SPEC 9's (spec_quant), per row.
+
+    full_when: "after" (the residual with the new tokens holds `residual` or more: kvcheck's
+    rule, SPEC 9) or "one_token" (transformers' own test, residual_len + 1 >= residual, which
+    assumes a one-token update). bug "reorder_residual_only": reorder_cache and crop touch the
+    residual only, as QuantizedLayer inherits them (transformers PRs 45510 and 48700)."""
+
+    def __init__(self, fmt, residual, full_when="after", bug=None):
+        self.fmt, self.residual, self.full_when, self.bug = fmt, residual, full_when, bug
+        self.stored = []  # per layer: [k, v] float64 arrays [B, Hkv, S, D], what the codes stand for
+        self.codes = []  # per layer: [k, v] (codes, scales, zeros) arrays
+        self.raw = []  # per layer: [k, v] float32 tensors [B, Hkv, r, D]
+
+    def get_seq_length(self, layer_idx=0):
+        if layer_idx >= len(self.stored):
+            return 0
+        return self.stored[layer_idx][0].shape[-2] + self.raw[layer_idx][0].shape[-2]
+
+    def quantize(self, x):
+        """[B, Hkv, S, D] floats: (codes, scales, zeros), dequantized."""
+        x = np.asarray(x, dtype=np.float32)
+        rows = [spec_quant.quantize(self.fmt, row)[:3] for row in x.reshape(-1, x.shape[-1])]
+        shape = x.shape[:-1]
+        codes = np.array([r[0] for r in rows]).reshape(x.shape)
+        scales = np.array([r[1] for r in rows]).reshape(shape + (-1,))
+        zeros = np.array([r[2] for r in rows]).reshape(shape + (-1,))
+        back = np.array([spec_quant.dequantize(self.fmt, *r) for r in rows]).reshape(x.shape)
+        return (codes, scales, zeros), back
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        new = [key_states, value_states]
+        if layer_idx == len(self.stored):  # the prefill: quantized at once, returned raw
+            quantized = [self.quantize(x.numpy()) for x in new]
+            self.codes.append([q[0] for q in quantized])
+            self.stored.append([q[1] for q in quantized])
+            self.raw.append([x[..., :0, :] for x in new])
+            return key_states, value_states
+        before = len(self.raw[layer_idx][0][0, 0])
+        out = [torch.cat([torch.tensor(st, dtype=torch.float32), r, x], dim=-2)
+               for st, r, x in zip(self.stored[layer_idx], self.raw[layer_idx], new)]
+        held = before + key_states.shape[-2] if self.full_when == "after" else before + 1
+        if held >= self.residual:  # everything stored, quantized again with the residual
+            quantized = [self.quantize(x.numpy()) for x in out]
+            self.codes[layer_idx] = [q[0] for q in quantized]
+            self.stored[layer_idx] = [q[1] for q in quantized]
+            self.raw[layer_idx] = [x[..., :0, :] for x in new]
+        else:
+            self.raw[layer_idx] = [torch.cat([r, x], dim=-2) for r, x in zip(self.raw[layer_idx], new)]
+        return out[0], out[1]
+
+    def reorder_cache(self, beam_idx):
+        rows = beam_idx.numpy()
+        self.raw = [[x.index_select(0, beam_idx) for x in layer] for layer in self.raw]
+        if self.bug == "reorder_residual_only":
+            return
+        self.stored = [[x[rows] for x in layer] for layer in self.stored]
+        self.codes = [[tuple(a[rows] for a in q) for q in layer] for layer in self.codes]
+
+    def crop(self, max_length):
+        for layer in range(len(self.stored)):
+            quantized = self.stored[layer][0].shape[-2]
+            keep_raw = max(0, max_length - quantized)
+            self.raw[layer] = [x[..., :keep_raw, :] for x in self.raw[layer]]
+            if self.bug != "reorder_residual_only":
+                self.stored[layer] = [x[..., :max_length, :] for x in self.stored[layer]]
+                self.codes[layer] = [tuple(a[..., :max_length, :] for a in q) for q in self.codes[layer]]
+
+    @property
+    def kv_codes(self):
+        """Codes, scales and zero points of every slot (quantized first, then the residual,
+        whose codes are placeholders), the raw mask, and keys and values as held."""
+        out = []
+        for stored, codes, raw in zip(self.stored, self.codes, self.raw):
+            B, Hkv, S, D = stored[0].shape
+            r = raw[0].shape[-2]
+            layer = {"raw": np.concatenate([np.zeros((B, S)), np.ones((B, r))], axis=1)}
+            for name, st, (c, sc, z), x in zip(("k", "v"), stored, codes, raw):
+                groups = sc.shape[-1]
+                layer[name + "_codes"] = np.concatenate([c, np.zeros((B, Hkv, r, D), np.int64)], axis=2)
+                layer[name + "_scales"] = np.concatenate([sc, np.ones((B, Hkv, r, groups))], axis=2)
+                layer[name + "_zero"] = np.concatenate([z, np.zeros((B, Hkv, r, groups), np.int64)], axis=2)
+                layer["keys" if name == "k" else "values"] = np.concatenate([st, x.numpy()], axis=2)
+            out.append(layer)
+        return out
+
+
+INT4_GROUP_16 = {"format": "int4", "scale": {"granularity": "group", "group": 16, "dtype": "float16", "elements": 16}}
+
+
 class KvtraceTorchTest(unittest.TestCase):
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvtrace-torch-test-")
@@ -342,6 +436,38 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("checks failed: outputs, quantization bound (0 position", verify.stdout)  # codes right
         self.assertIn("class: scale not applied", verify.stdout)
+
+    def test_a_quantized_cache_with_a_residual_passes_code_for_code(self):
+        # quant_residual_hf: int4 groups of 16, residual 4, the prompt quantized at once, a
+        # flush re-quantizing everything, beams reordered and a crop.
+        result, verify = self.drive("quant_residual_hf", lambda: QuantizedCache(INT4_GROUP_16, 4),
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        report = os.path.join(self.work, "report.json")
+        kvcheck("verify", os.path.join(SCENARIOS, "quant_residual_hf.json"), "--trace", self.trace, "--json", report)
+        with open(report) as f:
+            checks = {c["name"]: c for c in json.load(f)["results"][0]["checks"]}
+        self.assertRegex(checks["codes"]["detail"], r"^[1-9][0-9]* codes and their scales")
+        self.assertRegex(checks["precision map"]["detail"], r"\(([1-9][0-9]*) of them raw\)")
+
+    def test_transformers_flush_test_assumes_one_token_updates(self):
+        # transformers flushes when residual_len + 1 >= residual_length: a 3-token append after
+        # the prefill leaves more raw tokens than the residual holds, where SPEC 9 flushes.
+        _, verify = self.drive("quant_residual_hf", lambda: QuantizedCache(INT4_GROUP_16, 4, full_when="one_token"),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 15 (append, /steps/6)", verify.stdout)
+        self.assertIn("is held raw, the rules say quantized", verify.stdout)
+        self.assertIn("class: precision map mismatch", verify.stdout)
+
+    def test_a_quantized_cache_reordering_its_residual_only_is_named(self):
+        _, verify = self.drive("quant_residual_hf",
+                               lambda: QuantizedCache(INT4_GROUP_16, 4, bug="reorder_residual_only"),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 6 (reorder, /steps/2)", verify.stdout)
+        self.assertIn("class: quantized store not reordered or cropped", verify.stdout)
 
     def test_sliding_window_cache_passes_verify(self):
         # Two layers, GQA, W = 6: the buffer is returned whole and masked by cache position.

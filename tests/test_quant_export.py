@@ -159,19 +159,151 @@ class QuantExportTest(unittest.TestCase):
                                                    err_msg="%s step %d" % (m["name"], step["index"]))
         return compared
 
+    def check_residual_export(self, out):
+        """A residual's export (full attention, no shift) against NumPy's own simulation of
+        SPEC 9's rules: which tokens are raw after each step (the `raw` mask), their codes and
+        scales once quantized (a flush "requantize_all" quantizes what the codes stand for
+        again), and every decode step's R_stored, over the state its query reads: after the
+        flush under chunk_reads "stored", before it, its own token raw, under "raw"."""
+        with open(os.path.join(out, "manifest.json")) as f:
+            m = json.load(f)
+        quant, rope = m["kv_quant"], m["rope"]
+        R, requantize_all = quant["residual"], quant["flush"] == "requantize_all"
+        prefill_store, raw_reads = quant["prefill"] == "store", quant["chunk_reads"] == "raw"
+        dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": None}[m.get("kv_dtype", "float32")]
+        self.assertIsNotNone(dtype, "bfloat16 residuals are not simulated here")
+        L, Hkv, H, D = (m["dimensions"][k] for k in ("layers", "kv_heads", "heads", "head_dim"))
+        k_in, v_in, q_in = (np.load(os.path.join(out, n + ".npy")) for n in ("k", "v", "q"))
+        rows = [[] for _ in range(m["dimensions"]["batch"])]  # per row, oldest first: token dicts
+
+        def quantize(token):
+            for name in ("k", "v"):
+                if name in quant:
+                    for at, x in enumerate(token[name]):
+                        codes, scales, zeros, near = spec_quant.quantize(quant[name], np.float32(x), at % Hkv)
+                        token[name][at] = spec_quant.dequantize(quant[name], codes, scales, zeros)
+                        token[name + "_codes"][at] = (codes, scales, near)
+            token["raw"] = False
+
+        def flush(row, first):
+            raw = [t for t in row if t["raw"]]
+            if first and prefill_store:
+                for t in raw:
+                    quantize(t)
+            elif not requantize_all:
+                for t in raw[:max(0, len(raw) - R)]:
+                    quantize(t)
+            elif len(raw) >= R:
+                for t in row:
+                    quantize(t)
+
+        def attend(row, l, h, q):
+            g = h // (H // Hkv)
+            ks = np.array([t["k"][l * Hkv + g] for t in row], dtype=np.float64)
+            vs = np.array([t["v"][l * Hkv + g] for t in row], dtype=np.float64)
+            x = ks @ q * m["softmax_scale"]
+            w = np.exp(x - x.max())
+            return (w / w.sum()) @ vs
+
+        compared = 0
+        for step in m["steps"]:
+            op = step["op"]
+            if op == "reorder":
+                rows = [[dict(t, k=list(t["k"]), v=list(t["v"]), k_codes=dict(t["k_codes"]), v_codes=dict(t["v_codes"]))
+                         for t in rows[r]] for r in step["rows_from"]]
+            elif op == "reset":
+                rows = [[] for _ in range(step["batch"])]
+            elif op == "crop":
+                rows = [row[:step["length"]] for row in rows]
+            elif op == "append":
+                stored = np.load(os.path.join(out, step["out_stored"]))
+                for b, entry in enumerate(step["rows"]):
+                    if not entry["uids"]:
+                        continue
+                    first = not rows[b]
+                    before = list(rows[b])
+                    for uid, p in zip(entry["uids"], entry["indices"]):
+                        k = [kvtrace.rotate(k_in[l, uid, g][None], [p], rope)[0].astype(dtype).astype(np.float64)
+                             for l in range(L) for g in range(Hkv)]
+                        v = [v_in[l, uid, g].astype(dtype).astype(np.float64) for l in range(L) for g in range(Hkv)]
+                        rows[b].append({"uid": uid, "raw": True, "k": k, "v": v, "k_codes": {}, "v_codes": {}})
+                    if not raw_reads:
+                        flush(rows[b], first)
+                    if step["chunk"] == 1:  # a decode token: R_stored over what its query reads
+                        read = before + rows[b][-1:] if raw_reads else rows[b]
+                        uid, qp = entry["uids"][0], entry["query_positions"][0]
+                        for l in range(L):
+                            for h in range(H):
+                                q = kvtrace.rotate(q_in[l, uid, h][None], [qp], rope)[0]
+                                np.testing.assert_allclose(stored[l, b, 0, h], attend(read, l, h, q), rtol=1e-9,
+                                                           atol=1e-12, err_msg="%s step %d" % (m["name"], step["index"]))
+                                compared += 1
+                    if raw_reads:
+                        flush(rows[b], first)
+            raw_mask = np.load(os.path.join(out, step["raw"]))
+            arrays = {n: np.load(os.path.join(out, step[n])) for n in ("k_codes", "k_scales", "v_codes", "v_scales")
+                      if n in step}
+            with open(os.path.join(out, step["cache"])) as f:
+                cache_rows = json.load(f)["rows"]
+            for b, row in enumerate(cache_rows):
+                self.assertEqual([k["uid"] for k in row["keys"]], [t["uid"] for t in rows[b]])
+                for i, token in enumerate(rows[b]):
+                    self.assertEqual(bool(raw_mask[0, b, i]), token["raw"],
+                                     "%s step %d row %d uid %d" % (m["name"], step["index"], b, token["uid"]))
+                    if token["raw"]:
+                        continue
+                    for name in ("k", "v"):
+                        for l in range(L):
+                            for g in range(Hkv):
+                                codes, scales, near = token[name + "_codes"][l * Hkv + g]
+                                got = arrays[name + "_codes"][l, b, i, g].astype(np.int64)
+                                bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
+                                self.assertFalse(bad.any(), "%s step %d row %d uid %d: %s codes %s, NumPy %s" % (
+                                    m["name"], step["index"], b, token["uid"], name, got[bad], codes[bad]))
+                                np.testing.assert_allclose(arrays[name + "_scales"][l, b, i, g], scales, rtol=2 ** -10)
+                                compared += len(codes)
+        return compared
+
+    def test_a_residual_worked_out_by_hand(self):
+        """Residual 2, flush append, prefill residual: a prompt of 3 keeps its newest 2 raw, and
+        each decode quantizes one more; the raw masks follow by hand."""
+        scenario = os.path.join(self.work, "residual.json")
+        with open(scenario, "w") as f:
+            json.dump({"name": "residual_by_hand", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "kv_heads": 1,
+                                                                   "head_dim": 32},
+                       "kv_quant": {"k": {"format": "q8_0"}, "v": {"format": "q8_0"}, "residual": 2,
+                                    "prefill": "residual"},
+                       "policy": {"type": "full"}, "seed": 7,
+                       "steps": [{"op": "append", "tokens": 3}, {"op": "decode", "steps": 2}]}, f)
+        out = self.export(scenario)
+        masks = [np.load(os.path.join(out, "step%03d_raw.npy" % i))[0, 0].tolist() for i in range(3)]
+        self.assertEqual(masks, [[0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1, 1]])  # R: the most keys a row keeps that step
+        # A raw token's codes are not exported: code 0, scale NaN; a quantized one's are.
+        scales = np.load(os.path.join(out, "step000_k_scales.npy"))[0, 0]
+        self.assertTrue(np.isnan(scales[1]).all() and np.isnan(scales[2]).all())
+        self.assertFalse(np.isnan(scales[0]).any())
+        self.assertGreater(self.check_residual_export(out), 0)
+
     def test_every_quantized_fixture_agrees_with_numpy_spec9(self):
         found = kvtrace.fixtures(KVCHECK, features=["quantized"])
-        formats = set()
+        formats, residuals = set(), 0
         for fixture in found:
             if "per_layer_policy" in fixture["features"]:
                 continue
             with self.subTest(fixture=fixture["name"]):
                 out = self.export(fixture["file"])
-                self.assertGreater(self.check_export(out), 0)
+                with open(os.path.join(out, "manifest.json")) as f:
+                    manifest = json.load(f)
+                if any("raw" in step for step in manifest["steps"]):
+                    residuals += 1
+                    self.assertGreater(self.check_residual_export(out), 0)
+                else:
+                    self.assertGreater(self.check_export(out), 0)
                 with open(os.path.join(out, "manifest.json")) as f:
                     q = json.load(f)["kv_quant"]
                 formats |= {q[t]["format"] for t in ("k", "v") if t in q}
         self.assertEqual(formats, {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"})
+        self.assertGreaterEqual(residuals, 2)  # Hugging Face's convention and KIVI's
 
 
 if __name__ == "__main__":

@@ -234,7 +234,9 @@ class TraceWriter:
         out [B, H, n, D] and rotated q [B, H, n, D]. A quantized cache (SPEC 9.3) may give
         k_codes / v_codes [B, Hkv, slots, D] (integers, written as int8 or uint8, one code a
         byte), k_scales / v_scales [B, Hkv, slots, groups] and k_zero / v_zero, with or
-        without keys and values: kvcheck dequantizes what is left out.
+        without keys and values: kvcheck dequantizes what is left out. A cache with a residual
+        of unquantized tokens adds raw [B, slots] (1: the slot holds its token raw, in keys
+        and values, which it must then give; its codes are ignored).
 
         A paged cache (SPEC 8.9) gives "paged" instead of keys and values: a dict with
         block_size, layout ("NHD": pool [blocks, B, Hkv, D] as vLLM; "HND": [blocks, Hkv, B, D]
@@ -262,7 +264,7 @@ class TraceWriter:
                     np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
                     files["paged"][name] = file
             for name in ("keys", "values", "out", "q", "k_codes", "k_scales", "k_zero", "v_codes", "v_scales",
-                         "v_zero"):
+                         "v_zero", "raw"):
                 if tensors.get(name) is None:
                     continue
                 file = "step%03d_l%d_%s.npy" % (index, l, name)
@@ -271,6 +273,8 @@ class TraceWriter:
                     x = x.astype(np.int8 if x.min(initial=0) < 0 else np.uint8)
                 elif name.endswith("_zero"):
                     x = x.astype(np.int32)
+                elif name == "raw":
+                    x = x.astype(np.uint8)
                 elif name.endswith("_scales"):
                     x = x.astype(np.float32)
                 else:
@@ -508,7 +512,7 @@ class _Missing(Exception):
 def _cache_codes(cache, layers):
     """A quantized cache's codes and scales per layer (SPEC 9.3), when it exposes them as
     `kv_codes`: one dict per layer of k_codes, k_scales, k_zero, v_codes, v_scales, v_zero
-    (any of them); else None."""
+    (any of them), and with a residual raw, keys and values (TraceWriter.step); else None."""
     codes = getattr(cache, "kv_codes", None)
     if codes is None or len(codes) != layers:
         return None

@@ -93,6 +93,8 @@ std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_co
               ViewSlot{slot, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
           const auto* k_bytes = static_cast<const std::byte*>(store.key(l, b, g, slot));
           const auto* v_bytes = static_cast<const std::byte*>(store.value(l, b, g, slot));
+          v.raw = store.raw_slot(b, slot);
+          if (v.raw) continue;
           if (optimized::is_quantized(store.key_format().codec))
             v.key_codes = optimized::unpack_row(store.key_format(), g, k_bytes, store.head_dim());
           if (optimized::is_quantized(store.value_format().codec))

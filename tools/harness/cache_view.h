@@ -39,6 +39,7 @@ struct ViewSlot {
   const float* key = nullptr;                    // head_dim floats as stored (rotated)
   // A quantized cache's codes and scales (SPEC 9.2.1), when the source shows them.
   std::optional<optimized::UnpackedRow> key_codes, value_codes;
+  bool raw = false;  // held unquantized (SPEC 9's residual): no codes, `key` in kv_dtype
 };
 
 struct ViewLayer {

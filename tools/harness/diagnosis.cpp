@@ -88,6 +88,10 @@ const char* class_name(BugClass c) {
       return "quantized key not re-rotated";
     case BugClass::quant_query_quantized:
       return "query quantized too";
+    case BugClass::quant_precision_map:
+      return "precision map mismatch";
+    case BugClass::quant_store_not_moved:
+      return "quantized store not reordered or cropped";
     case BugClass::paged_slot_mapping_wrong:
       return "slot mapping wrong";
     case BugClass::paged_stale_table_entry:
@@ -265,6 +269,14 @@ const char* class_explanation(BugClass c) {
       return "Codes, scales and positions are right, and the outputs equal the attention with the query also "
              "quantized to q8_0 before its dot products with the keys: a convention, not a bug (ggml's CPU matmul "
              "converts the activation to q8_0 K's dot-product type). Declare it with kv_quant \"query\": \"q8_0\".";
+    case BugClass::quant_precision_map:
+      return "A token is held raw where the residual, flush and prefill rules quantize it, or quantized where they "
+             "keep it raw (SPEC 9.2.4): a prefill quantized at once though declared kept in the residual, or the "
+             "reverse (transformers issue 35185), a flush at the wrong count, or a residual of the wrong length.";
+    case BugClass::quant_store_not_moved:
+      return "A reorder or crop moved the raw residual but not the quantized tokens: after it a row holds another "
+             "row's quantized tokens, or tokens past the crop (transformers PRs 45510 and 48700: QuantizedLayer's "
+             "reorder_cache and crop touch the residual buffer only).";
     case BugClass::quant_key_not_rerotated:
       return "Kept keys moved to their new positions but their stored codes are still the old rotation: the "
              "shift skipped the quantized store (llama.cpp's context shift with a quantized K cache, done as "
@@ -378,6 +390,12 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
 
   const bool stale = any(e.slots, [](const SlotIssue& i) { return i.kind == K::stale; }) ||
                      any(e.pairs, [](const PairMismatch& p) { return p.key_index < 0; });
+  // Under a residual, only quantized slots hold what is not the row's: the raw residual
+  // moved with the reorder or crop, the quantized store did not.
+  const auto stale_slot = [](const SlotIssue& i) { return i.kind == K::stale; };
+  if (stale && s.kv_quant && s.kv_quant->holds_raw() && any(e.slots, stale_slot) &&
+      std::all_of(e.slots.begin(), e.slots.end(), [&](const SlotIssue& i) { return !stale_slot(i) || i.quantized; }))
+    return BugClass::quant_store_not_moved;
   if (stale) {
     if (ctx.last_row_change == StepContext::RowChange::reset_new_batch) return BugClass::stale_row_after_batch_change;
     if (ctx.last_row_change == StepContext::RowChange::reorder) return BugClass::reorder_lost_positions;
@@ -452,6 +470,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (new_unshifted) return BugClass::new_key_not_shifted;
   // A stored scale that is not its rule's explains every key and output it touches (keys
   // at another position are named above: their scales differ as a consequence).
+  // A token held at the wrong precision explains its codes and the outputs over it.
+  if (!e.precision.empty()) return BugClass::quant_precision_map;
   if (any(e.codes, [](const CodeMismatch& c) { return c.element < 0; })) return BugClass::quant_scale_wrong;
   // Every bad key is nearest its claim: right positions, too much rounding.
   const bool rotations = any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; });

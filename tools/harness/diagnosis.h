@@ -52,6 +52,8 @@ enum class BugClass {
   quant_dequantization_layout,
   quant_key_not_rerotated,
   quant_query_quantized,
+  quant_precision_map,
+  quant_store_not_moved,
   // Paged caches (SPEC 8.10).
   paged_slot_mapping_wrong,
   paged_stale_table_entry,
@@ -99,6 +101,7 @@ struct SlotIssue {
   bool in_chunk = false;                           // the token came in this step's chunk
   bool dead = false;                               // extra: a dead token held under declared eager eviction
   bool closest_at_claim = false;  // rotation: nearer its claim than its neighbours, beyond the storage's rounding
+  bool quantized = false;         // stale, extra: the slot holds codes, not a raw residual token
 
   static SlotIssue of(Kind kind, int row, std::int64_t uid, std::int64_t true_index) {
     SlotIssue i{};
@@ -142,6 +145,13 @@ struct PagedIssue {
   std::string detail;
 };
 
+// SPEC 9.2.4: a retained token held raw where the residual rules quantize it, or the reverse.
+struct PrecisionIssue {
+  int layer, row;
+  std::int64_t uid, index, slot;
+  bool expected_raw;
+};
+
 struct OutputMismatch {
   int layer, row, head, dim;
   std::int64_t query_index, uid;
@@ -158,6 +168,7 @@ struct StepEvidence {
   std::vector<SlotIssue> slots;
   std::vector<CodeMismatch> codes;        // SPEC 9.2.1
   std::vector<PagedIssue> paged;          // SPEC 8.8
+  std::vector<PrecisionIssue> precision;  // SPEC 9.2.4
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
@@ -175,7 +186,7 @@ struct StepEvidence {
   bool dropped_before_last_use = false;
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
-           pairs.empty() && slots.empty() && codes.empty() && paged.empty();
+           pairs.empty() && slots.empty() && codes.empty() && paged.empty() && precision.empty();
   }
 };
 

@@ -92,8 +92,9 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
       scale["value"] = "amax";
     return json{{"format", to_string(t.format)}, {"scale", scale}};
   };
-  json j = {{"transform", to_string(q.transform)}, {"shift", "requantize"}, {"residual", 0}, {"flush", "append"},
-            {"prefill", "store"}, {"chunk_reads", "stored"}};
+  json j = {{"transform", to_string(q.transform)}, {"shift", "requantize"}, {"residual", q.residual},
+            {"flush", to_string(q.flush)},           {"prefill", to_string(q.prefill)},
+            {"chunk_reads", to_string(q.chunk_reads)}};
   if (q.k) j["k"] = tensor(*q.k);
   if (q.v) j["v"] = tensor(*q.v);
   return j;
@@ -101,7 +102,8 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
 
 // SPEC 9: the codes and scales a quantized cache must hold after the step, for the keys of
 // the step's cache file in its order ([L, B, R, Hkv, D] codes and [L, B, R, Hkv, groups]
-// scales, R the most keys any row keeps; a shorter row is padded with code 0 and scale NaN).
+// scales, R the most keys any row keeps; a shorter row is padded with code 0 and scale NaN,
+// as are the keys a residual holds raw, which [L, B, R] `raw` marks with 1).
 // Codes as SPEC 9.3 dumps them: int8 for int8 and q8_0, uint8 otherwise (fp8 bit patterns,
 // 4- and 2-bit codes one per byte); zero points int32.
 void write_stored_codes(const std::filesystem::path& dir, const std::string& stem, const Scenario& s,
@@ -111,6 +113,14 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
   std::size_t R = 0;
   for (const auto& layer : r.stored)
     for (const auto& row : layer) R = std::max(R, row.size());
+  if (s.kv_quant->holds_raw()) {  // which keys the residual holds raw (their codes: 0, scales: NaN)
+    std::vector<std::uint8_t> raw(L * B * R, 0);
+    for (std::size_t l = 0; l < L; ++l)
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t i = 0; i < r.stored[l][b].size(); ++i) raw[(l * B + b) * R + i] = r.stored[l][b][i].raw;
+    step["raw"] = stem + "_raw.npy";
+    write_npy((dir / (stem + "_raw.npy")).string(), {L, B, R}, raw);
+  }
   for (const bool value : {false, true}) {
     const std::optional<TensorQuant>& t = value ? s.kv_quant->v : s.kv_quant->k;
     if (!t) continue;

@@ -308,7 +308,9 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           const ViewSlot& slot = *found->second;
           // A key stored at another position than the reference's is the rotation check's.
           if (slot.claimed_position && *slot.claimed_position != retained[i].position) continue;
-          const reference::StoredHead& h = rec.stored[l][b][i].heads[static_cast<std::size_t>(g)];
+          const reference::StoredLayer& token = rec.stored[l][b][i];
+          if (token.raw) continue;  // in the residual: the precision map's (no codes to compare)
+          const reference::StoredHead& h = token.heads[static_cast<std::size_t>(g)];
           const CodeMismatch where{static_cast<int>(l), static_cast<int>(b), g, false,
                                    static_cast<std::int64_t>(retained[i].uid), slot.slot, 0, 0, 0.0, 0.0};
           const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(retained[i].uid), g};
@@ -317,7 +319,11 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             // one as the reference re-quantized it (every shift of the step), or, once this
             // cache took the other side of a rounding boundary, re-quantized from the codes it
             // held (followed, not held against it at every later shift; one shift per step).
-            const auto held = held_.find(id);
+            auto held = held_.find(id);
+            if (held != held_.end() && held->second.flushes != token.flushes) {
+              held_.erase(held);  // quantized again at a flush: expected anew
+              held = held_.end();
+            }
             reference::QuantizedRow expected = h.key_codes;
             if (held != held_.end() && held->second.position == retained[i].position) {
               expected = held->second.codes;  // kept: must be unchanged, exactly
@@ -346,7 +352,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             if (compare(*q.k, expected, *slot.key_codes, where, false)) {
               const bool as_reference = stored_now.codes == h.key_codes.codes && stored_now.scales == h.key_codes.scales;
               const double w = as_reference ? 0.0 : weigh(*q.k, h.key_codes, *slot.key_codes, false);
-              held_[id] = {retained[i].position, stored_now, as_reference, w};
+              held_[id] = {retained[i].position, stored_now, as_reference, w, token.flushes};
               if (!as_reference) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
             }
           }
@@ -488,14 +494,14 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
     const auto found = std::find_if(retained.begin(), retained.end(),
                                     [&](const reference::RetainedKey& r) { return r.index == view.keys[j].index; });
     if (found == retained.end() || found->position != view.keys[j].position) return false;
-    const reference::StoredHead& h =
-        rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][static_cast<std::size_t>(found - retained.begin())]
-            .heads[static_cast<std::size_t>(g)];
-    if (q.k)
+    const reference::StoredLayer& held =
+        rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][static_cast<std::size_t>(found - retained.begin())];
+    const reference::StoredHead& h = held.heads[static_cast<std::size_t>(g)];
+    if (q.k && !held.raw)  // a raw token (the residual) has no scale to drop
       unit(*q.k, h.key_codes, keys.data() + j * D);
     else
       std::copy(h.key.begin(), h.key.end(), keys.begin() + static_cast<std::ptrdiff_t>(j * D));
-    if (q.v)
+    if (q.v && !held.raw)
       unit(*q.v, h.value_codes, values.data() + j * D);
     else
       std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));

@@ -93,6 +93,7 @@ class QuantChecks {
     reference::QuantizedRow codes;
     bool as_reference;  // the codes are the reference's own (no boundary taken the other way)
     double weight = 0.0;  // how far outputs over them may move from R_stored (when not the reference's)
+    int flushes = 0;      // the reference's count when accepted: a flush quantizes them anew
   };
   // codes_through_write_boundary for a key of the scenario.
   std::optional<reference::QuantizedRow> through_write_boundary(int layer, int kv_head, std::uint64_t uid,

@@ -412,14 +412,17 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
   KvQuant q;
   if (j.contains("k")) q.k = parse_tensor_quant(r, j["k"], p + "/k", dims);
   if (j.contains("v")) q.v = parse_tensor_quant(r, j["v"], p + "/v", dims);
-  if (j.contains("residual") && r.integer(j["residual"], p + "/residual", 0) > 0)
-    not_yet(r, p + "/residual", "a residual of unquantized tokens");
-  if (j.contains("flush") && r.choice(j["flush"], p + "/flush", {"append", "requantize_all"}) != "append")
-    not_yet(r, p + "/flush", "\"requantize_all\"");
-  if (j.contains("prefill") && r.choice(j["prefill"], p + "/prefill", {"store", "residual"}) != "store")
-    not_yet(r, p + "/prefill", "a prefill kept in the residual");
-  if (j.contains("chunk_reads") && r.choice(j["chunk_reads"], p + "/chunk_reads", {"stored", "raw"}) != "stored")
-    not_yet(r, p + "/chunk_reads", "a chunk that attends its own tokens unquantized (\"raw\")");
+  // An engine keeps at most a few thousand tokens unquantized; more is a typo.
+  if (j.contains("residual")) q.residual = r.integer(j["residual"], p + "/residual", 0, 1 << 20);
+  if (j.contains("flush"))
+    q.flush = r.choice(j["flush"], p + "/flush", {"append", "requantize_all"}) == "append" ? Flush::append
+                                                                                            : Flush::requantize_all;
+  if (j.contains("prefill"))
+    q.prefill = r.choice(j["prefill"], p + "/prefill", {"store", "residual"}) == "store" ? PrefillRule::store
+                                                                                        : PrefillRule::residual;
+  if (j.contains("chunk_reads"))
+    q.chunk_reads = r.choice(j["chunk_reads"], p + "/chunk_reads", {"stored", "raw"}) == "stored" ? ChunkReads::stored
+                                                                                                  : ChunkReads::raw;
   if (j.contains("transform") && r.choice(j["transform"], p + "/transform", {"none", "hadamard"}) == "hadamard") {
     if ((dims.head_dim & (dims.head_dim - 1)) != 0)
       r.fail(p + "/transform", fmt::format("a Hadamard transform needs a power-of-two head_dim, got {}", dims.head_dim));
@@ -1013,6 +1016,14 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     s.policy = parse_policy(r, policy);
     s.layer_policies.assign(static_cast<std::size_t>(s.dims.layers), s.policy);
   }
+  if (s.kv_quant && s.kv_quant->holds_raw())
+    for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
+      if (s.layer_policies[l].kind != PolicyKind::full)
+        not_yet(r, "/kv_quant",
+                fmt::format("unquantized tokens (\"residual\", \"flush\": \"requantize_all\" or \"chunk_reads\": "
+                            "\"raw\") with a {} policy{} (only \"full\" so far)",
+                            to_string(s.layer_policies[l].kind),
+                            s.layer_policies.size() > 1 && policy.is_array() ? fmt::format(" in layer {}", l) : ""));
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) {
     s.tolerance = parse_tolerance(r, j["tolerance"]);

@@ -17,6 +17,7 @@
 #include "tools/harness/hypotheses.h"
 #include "tools/harness/progress.h"
 #include "tools/harness/paged_checks.h"
+#include "tools/harness/precision_checks.h"
 #include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
 
@@ -343,6 +344,7 @@ class StepChecker::Impl {
     paged_.check(rec, view, evidence);  // first: it names shared and hit slots by the row's own uids
     uncomputed_ = view.uncomputed;
     if (quant_) quant_->check_codes(rec, view, evidence);
+    if (quant_) precision_.check(rec, view, evidence);
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
@@ -424,6 +426,7 @@ class StepChecker::Impl {
                                                  : fmt::format("uid {}, not this row's token (stale)", v.uid)));
             SlotIssue issue = SlotIssue::of(SlotIssue::Kind::stale, b, v.uid, -1);
             issue.slot = v.slot;
+            issue.quantized = !v.raw && (v.key_codes || v.value_codes);
             evidence.slots.push_back(issue);
           }
         } else if (!first_time) {
@@ -545,7 +548,7 @@ class StepChecker::Impl {
   // nullopt: not applicable.
   std::optional<bool> matches_simulated_key(const StepRecord& rec, int l, int b, int g, const ViewSlot& v,
                                             std::int64_t position) const {
-    if (rec.stored.empty() || !s_.kv_quant->k || v.key_codes) return std::nullopt;
+    if (rec.stored.empty() || !s_.kv_quant->k || v.key_codes || v.raw) return std::nullopt;
     const bool moves = std::any_of(s_.layer_policies.begin(), s_.layer_policies.end(), [](const Policy& p) {
       return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
     });
@@ -553,8 +556,9 @@ class StepChecker::Impl {
     const auto& keys = rec.retained_in(l, b).keys;
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (static_cast<std::int64_t>(keys[i].uid) != v.uid || keys[i].position != position) continue;
-      const reference::StoredHead& h =
-          rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i].heads[static_cast<std::size_t>(g)];
+      const reference::StoredLayer& token = rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i];
+      if (token.raw) return std::nullopt;  // in the residual: held in kv_dtype
+      const reference::StoredHead& h = token.heads[static_cast<std::size_t>(g)];
       const TensorQuant& format = *s_.kv_quant->k;
       const int D = s_.dims.head_dim, group = std::max(1, reference::scale_group(format, D));
       double step = 0.0;  // the largest code step of the row, both sides of a boundary
@@ -990,6 +994,7 @@ class StepChecker::Impl {
             : fmt::format("every stored key is its raw key rotated at its {} position",
                           to_string(options_.key_positions)));
     if (quant_) quant_->add_checks(o);
+    precision_.add_checks(o);
     paged_.add_checks(o);
     o.max_abs_error = max_abs_;
     o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
@@ -1013,6 +1018,7 @@ class StepChecker::Impl {
   Tally refusals_, outputs_, positions_, retained_, rotation_, unrecorded_;
   std::optional<QuantChecks> quant_;  // SPEC 9: the scenario quantizes the cache
   PagedChecks paged_;                 // SPEC 8: the cache shows block tables
+  PrecisionChecks precision_;         // SPEC 9.2.4: quantized caches with a residual
   std::vector<std::int64_t> uncomputed_;  // the step's, per row (prefix hits)
   std::size_t uncomputed(int row) const {
     return static_cast<std::size_t>(row) < uncomputed_.size()

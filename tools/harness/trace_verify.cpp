@@ -34,6 +34,9 @@ struct TraceFiles {
   // SPEC 9.3, optional: a quantized cache's codes [B, Hkv, slots, D], scales and zero points
   // [B, Hkv, slots, groups], per tensor.
   std::string codes[2], scales[2], zeros[2];  // [0] keys, [1] values
+  // SPEC 9 residual, optional: [B, slots], 1 where a slot holds its token unquantized (its
+  // key and value are then those of `keys` and `values`, its codes are ignored).
+  std::string raw;
   std::optional<PagedTraceFiles> paged;       // SPEC 8.9: a pool and block tables instead of keys and values
 };
 
@@ -163,11 +166,11 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         const std::string lp = fmt::format("{}/layers/{}", p, l);
         if (!ls[l].is_object()) fail(lp, "expected an object of file names");
         for (const auto& [key, value] : ls[l].items()) {
-          static const std::set<std::string> known = {"keys",    "values",   "out",    "q",      "k_codes", "k_scales",
-                                                      "k_zero",  "v_codes",  "v_scales", "v_zero", "paged"};
+          static const std::set<std::string> known = {"keys",    "values",   "out",      "q",      "k_codes", "k_scales",
+                                                      "k_zero",  "v_codes",  "v_scales", "v_zero", "raw",     "paged"};
           if (!known.count(key))
             fail(lp + "/" + key, "unknown key (expected keys, values, out, q, k_codes, k_scales, k_zero, v_codes, "
-                                 "v_scales, v_zero, paged)");
+                                 "v_scales, v_zero, raw, paged)");
           if (key != "paged" && !value.is_string()) fail(lp + "/" + key, "expected a file name");
         }
         TraceFiles f;
@@ -193,6 +196,12 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         if (ls[l].contains("values")) f.values = file("values");
         if (ls[l].contains("out")) f.out = file("out");
         if (ls[l].contains("q")) f.q = file("q");
+        if (ls[l].contains("raw")) {
+          if (!s.kv_quant) fail(lp + "/raw", "the scenario quantizes nothing: a raw mask needs its kv_quant (SPEC 9)");
+          if (!ls[l].contains("keys") || !ls[l].contains("values"))
+            fail(lp + "/raw", "a raw mask needs \"keys\" and \"values\": they hold the residual's unquantized tokens");
+          f.raw = file("raw");
+        }
         for (int tensor = 0; tensor < 2; ++tensor) {
           const std::string name = tensor == 0 ? "k" : "v";
           const std::optional<TensorQuant>& quant = tensor == 0 ? (s.kv_quant ? s.kv_quant->k : std::nullopt)
@@ -353,6 +362,16 @@ class TraceSource {
         scales[t] = load(f.scales[t], {B, Hkv, slots, G}, "scales [B, Hkv, slots, groups]", false, ignored);
         if (!f.zeros[t].empty()) zeros[t] = load_codes(f.zeros[t], {B, Hkv, slots, G}, false);
       }
+      // Which slots hold their token raw (SPEC 9's residual).
+      std::optional<NpyArray<std::int32_t>> raw;
+      if (!f.raw.empty()) {
+        raw = read_npy_codes(f.raw);
+        if (raw->shape != std::vector<std::size_t>{B, slots})
+          throw InputError(f.raw, "", fmt::format("expected a raw mask of shape {}, got {}",
+                                                  shape_string({B, slots}), shape_string(raw->shape)));
+        for (std::int32_t x : raw->data)
+          if (x != 0 && x != 1) throw InputError(f.raw, "", fmt::format("expected 0 or 1 in a raw mask, got {}", x));
+      }
       // Left out: what the codes stand for, the transform undone.
       const auto dequantized = [&](int t) {
         const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
@@ -392,8 +411,9 @@ class TraceSource {
             s.slot = static_cast<std::int64_t>(slot);
             s.uid = identify(static_cast<int>(l), static_cast<int>(g), v, rec.histories[b], view.roundoff);
             s.key = key_data + at;
+            s.raw = raw && raw->data[b * slots + slot] != 0;
             for (int t = 0; t < 2; ++t)
-              if (codes[t]) {
+              if (codes[t] && !s.raw) {
                 optimized::UnpackedRow row;
                 row.codes.assign(codes[t]->data.begin() + static_cast<std::ptrdiff_t>(at),
                                  codes[t]->data.begin() + static_cast<std::ptrdiff_t>(at + D));

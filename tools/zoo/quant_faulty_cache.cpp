@@ -3,6 +3,7 @@
 #include <cstring>
 #include <map>
 
+#include "optimized/dense_cache.h"
 #include "optimized/row_codec.h"
 
 namespace kvcheck::zoo {
@@ -24,9 +25,25 @@ class QuantFaultyCache : public KvCache {
     if (fault_ == QuantFault::scale_frozen_on_first) freeze_scales(chunk);
     if (read_side() && !out.empty()) attend_as_read_wrongly(chunk, out);
   }
-  void reorder(const std::vector<int>& rows) override { inner_->reorder(rows); }
+  void reorder(const std::vector<int>& rows) override {
+    if (fault_ != QuantFault::reorder_residual_only) return inner_->reorder(rows);
+    // Each row keeps its own quantized tokens; only the residual follows the reorder.
+    const auto quantized = quantized_slots([](const SlotMeta&) { return true; });
+    inner_->reorder(rows);
+    SlotStore& s = store();
+    for (int b = 0; b < s.batch(); ++b)
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot)
+        if (!s.meta(b, slot).raw) s.clear_slot(b, slot);
+    put_back(quantized);
+  }
   void reset(int batch) override { inner_->reset(batch); }
-  void crop(std::int64_t length) override { inner_->crop(length); }
+  void crop(std::int64_t length) override {
+    if (fault_ != QuantFault::reorder_residual_only) return inner_->crop(length);
+    // Quantized tokens past the crop stay.
+    const auto beyond = quantized_slots([length](const SlotMeta& m) { return m.index >= length; });
+    inner_->crop(length);
+    put_back(beyond);
+  }
   void check_crop(std::int64_t length) const override { inner_->check_crop(length); }
   const SlotStore& slots() const override { return inner_->slots(); }
   std::int64_t row_length(int row) const override { return inner_->row_length(row); }
@@ -36,6 +53,47 @@ class QuantFaultyCache : public KvCache {
     std::int64_t position;
     std::vector<std::vector<std::byte>> keys;  // [layer * Hkv + head]
   };
+
+  // A quantized slot as stored: where, its metadata and every layer's and head's bytes.
+  struct StoredSlot {
+    int row;
+    std::int64_t slot;
+    SlotMeta meta;
+    std::vector<std::vector<std::byte>> keys, values;  // [layer * Hkv + head]
+  };
+  template <class Pick>
+  std::vector<StoredSlot> quantized_slots(Pick pick) const {
+    std::vector<StoredSlot> out;
+    const SlotStore& s = inner_->slots();
+    const std::size_t kb = row_bytes(s.key_format(), config_.head_dim), vb = row_bytes(s.value_format(), config_.head_dim);
+    for (int b = 0; b < s.batch(); ++b)
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
+        const SlotMeta& m = s.meta(b, slot);
+        if (m.uid < 0 || m.raw || !pick(m)) continue;
+        StoredSlot& x = out.emplace_back(StoredSlot{b, slot, m, {}, {}});
+        for (int l = 0; l < s.layers(); ++l)
+          for (int g = 0; g < s.kv_heads(); ++g) {
+            const auto* k = static_cast<const std::byte*>(s.key(l, b, g, slot));
+            const auto* v = static_cast<const std::byte*>(s.value(l, b, g, slot));
+            x.keys.emplace_back(k, k + kb);
+            x.values.emplace_back(v, v + vb);
+          }
+      }
+    return out;
+  }
+  void put_back(const std::vector<StoredSlot>& slots) {
+    SlotStore& s = store();
+    for (const StoredSlot& x : slots) {
+      if (x.row >= s.batch() || x.slot >= s.capacity()) continue;
+      for (int l = 0; l < s.layers(); ++l)
+        for (int g = 0; g < s.kv_heads(); ++g) {
+          const std::size_t at = static_cast<std::size_t>(l * s.kv_heads() + g);
+          std::memcpy(const_cast<void*>(s.key(l, x.row, g, x.slot)), x.keys[at].data(), x.keys[at].size());
+          std::memcpy(const_cast<void*>(s.value(l, x.row, g, x.slot)), x.values[at].data(), x.values[at].size());
+        }
+      s.meta(x.row, x.slot) = x.meta;
+    }
+  }
 
   bool read_side() const {
     return fault_ == QuantFault::scale_dropped_on_read || fault_ == QuantFault::v_with_k_scales ||
@@ -182,6 +240,12 @@ class QuantFaultyCache : public KvCache {
 
 std::unique_ptr<KvCache> make_quant_faulty_cache(const CacheConfig& config, QuantFault fault,
                                                  std::unique_ptr<KvCache> inner) {
+  if (fault == QuantFault::prefill_skips_residual) {
+    // Planted in the configuration: the real cache told the other prefill rule.
+    CacheConfig flipped = config;
+    if (flipped.residual) flipped.residual->prefill_store = !flipped.residual->prefill_store;
+    return std::make_unique<DenseCache>(flipped, DenseCache::Growth::dynamic);
+  }
   return std::make_unique<QuantFaultyCache>(config, fault, std::move(inner));
 }
 

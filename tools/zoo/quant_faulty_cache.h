@@ -17,6 +17,10 @@ enum class QuantFault {
   scale_frozen_on_first,  // a per-token int8 scale computed at the first append, then kept (imp #89)
   shift_skips_quantized,  // a context shift moves quantized keys and their positions, not their codes
                           // (llama.cpp #5652: context shift with a quantized K cache)
+  prefill_skips_residual,  // a prefill declared kept in the residual quantized at once, and the reverse
+                           // (transformers #35185)
+  reorder_residual_only,   // reorder and crop move the residual, not the quantized tokens
+                           // (transformers PRs 45510 and 48700)
 };
 
 // `inner` is the real cache the fault is planted in: dense or sliding for the read-side

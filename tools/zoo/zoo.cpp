@@ -239,6 +239,22 @@ const std::vector<ZooMutant>& zoo_mutants() {
           "llama.cpp's context shift with a quantized K cache, unsupported and then done by dequantize, rope, "
           "quantize (issues 5652, 7230, 9743; PR 5653)",
           BugClass::quant_key_not_rerotated, {"quant_q8_0_hadamard_context_shift"}),
+      quant_mutant(
+          "prefill_skips_residual", zoo::QuantFault::prefill_skips_residual,
+          [](const Scenario& s) { return full_or_sliding(s) && s.kv_quant && s.kv_quant->holds_raw(); },
+          "quantizes a row's first append at once though the scenario keeps it in the residual (prefill "
+          "\"residual\"), and keeps it raw where it says \"store\"",
+          "transformers' QuantizedCache quantizing the whole prompt in one shot whatever residual_length: Qwen2.5-7B "
+          "int4 answers 0 of 120 (issue 35185)",
+          BugClass::quant_precision_map, {"quant_residual_kivi"}),
+      quant_mutant(
+          "reorder_residual_only", zoo::QuantFault::reorder_residual_only,
+          [](const Scenario& s) { return full_or_sliding(s) && s.kv_quant && s.kv_quant->holds_raw(); },
+          "moves only the raw residual on a beam reorder or a crop; each row keeps its own quantized tokens, "
+          "and those past a crop stay",
+          "transformers' QuantizedLayer inheriting reorder_cache and crop that touch the residual buffer only: "
+          "beams cross silently (PRs 45510 and 48700)",
+          BugClass::quant_store_not_moved, {"quant_residual_hf"}),
       // Paged caches (SPEC 8): planted in kvcheck's paged cache.
       paged_mutant("key_without_extras", zoo::PagedFault::key_without_extras,
                    "keys its prefix index by token ids alone, without the row's adapter and salt",
