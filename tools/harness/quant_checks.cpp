@@ -137,7 +137,7 @@ QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), i
 }
 
 void QuantChecks::follow_rows(const Step& step) {
-  if (step.op == StepOp::reset) held_.clear(), held_values_.clear();
+  if (step.op == StepOp::reset) held_.clear(), held_values_.clear(), precision_seen_.clear();
   if (step.op != StepOp::reorder) return;
   // New row b holds old row rows[b]'s keys and values.
   const auto move = [&](auto& map) {
@@ -150,6 +150,7 @@ void QuantChecks::follow_rows(const Step& step) {
   };
   move(held_);
   move(held_values_);
+  move(precision_seen_);
 }
 
 // The positions the step's queries saw a key at, in order, ending at where it is kept: its
@@ -198,6 +199,8 @@ std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l
 void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
   follow_rows(rec.step);
   diverged_.clear();
+  flushed_after_reads_.clear();
+  const bool raw_reads = s_.kv_quant->chunk_reads == ChunkReads::raw && rec.append;
   if (rec.stored.empty()) return;
   // Keys this cache holds with codes not the reference's, which the step's queries saw and
   // the step then evicted: their outputs were over the held codes.
@@ -309,11 +312,29 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           // A key stored at another position than the reference's is the rotation check's.
           if (slot.claimed_position && *slot.claimed_position != retained[i].position) continue;
           const reference::StoredLayer& token = rec.stored[l][b][i];
+          const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(retained[i].uid), g};
+          if (raw_reads) {
+            // Under chunk_reads "raw" the step's queries read the row before its flush: a
+            // token new in the step was read raw, a kept one as it was held. Where a token's
+            // precision changed, R_stored is over the state before (the reference's own),
+            // and codes this cache held off the reference's then keep their allowance.
+            const auto seen = precision_seen_.find(id);
+            const std::pair<bool, int> now{token.raw, token.flushes};
+            if (seen == precision_seen_.end() ? !token.raw : seen->second != now) {
+              flushed_after_reads_.insert({static_cast<int>(l), static_cast<int>(b)});
+              const auto key_before = held_.find(id);
+              if (key_before != held_.end() && !key_before->second.as_reference)
+                diverged_[{static_cast<int>(l), static_cast<int>(b)}] += key_before->second.weight;
+              const auto value_before = held_values_.find(id);
+              if (value_before != held_values_.end())
+                diverged_[{static_cast<int>(l), static_cast<int>(b)}] += value_before->second.second;
+            }
+            precision_seen_[id] = now;
+          }
           if (token.raw) continue;  // in the residual: the precision map's (no codes to compare)
           const reference::StoredHead& h = token.heads[static_cast<std::size_t>(g)];
           const CodeMismatch where{static_cast<int>(l), static_cast<int>(b), g, false,
                                    static_cast<std::int64_t>(retained[i].uid), slot.slot, 0, 0, 0.0, 0.0};
-          const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(retained[i].uid), g};
           if (q.k && slot.key_codes) {
             // Expected: a new key as the reference stores it; a kept one unchanged; a shifted
             // one as the reference re-quantized it (every shift of the step), or, once this
@@ -361,8 +382,9 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             if (stored.codes == h.value_codes.codes && stored.scales == h.value_codes.scales) {
               held_values_.erase(id);
             } else {  // a value code on a boundary taken the other way: outputs are over it
-              held_values_[id] = stored;
-              diverged_[{static_cast<int>(l), static_cast<int>(b)}] += weigh(*q.v, h.value_codes, *slot.value_codes, true);
+              const double w = weigh(*q.v, h.value_codes, *slot.value_codes, true);
+              held_values_[id] = {stored, w};
+              diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
             }
           }
         }
@@ -375,6 +397,7 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
   const KvQuant& q = *s_.kv_quant;
   const bool own_query = rotated_q != nullptr && q.query;
   if ((!diverged_.count({l, b}) && !own_query) || rec.stored.empty()) return false;
+  if (flushed_after_reads_.count({l, b})) return false;  // the queries read what the step then flushed
   const reference::AppendResult& ref = *rec.append;
   const auto& tokens = ref.rows[static_cast<std::size_t>(b)];
   const auto& retained = rec.retained_in(l, b).keys;
@@ -421,7 +444,7 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
             reference::dequantize_stored(*q.k, q.transform, held->second.codes, keys.data() + j * D);
           const auto held_value = held_values_.find(id);
           if (q.v && held_value != held_values_.end())
-            reference::dequantize_stored(*q.v, q.transform, held_value->second, values.data() + j * D);
+            reference::dequantize_stored(*q.v, q.transform, held_value->second.first, values.data() + j * D);
         }
       // The query the cache used when the source shows it (its rope's float32 rounding can
       // move a quantized query's code across a boundary), else the reference's.

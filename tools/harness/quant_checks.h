@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -51,8 +52,9 @@ class QuantChecks {
   // not the reference's (accepted at a boundary), or with the rotated query the source
   // shows when the attention quantizes it: `out` becomes R_stored with this row's entries
   // replaced, `slack` ([L, B, n, H]) the query's slack. Every token of the row must have
-  // seen only keys still kept. False, both left empty: not needed or not possible (use
-  // R_stored with row_allowance()).
+  // seen only keys still kept, and none may have changed precision after the queries read
+  // it (a residual's flush under chunk_reads "raw"). False, both left empty: not needed or
+  // not possible (use R_stored with row_allowance()).
   bool held_outputs(const StepRecord& record, int layer, int row, const float* rotated_q, std::vector<double>& out,
                     std::vector<double>& slack) const;
   // The allowance of check_codes for one row of one layer (0 when its codes are the reference's).
@@ -100,7 +102,12 @@ class QuantChecks {
                                                                 const std::vector<std::int64_t>& path,
                                                                 const optimized::UnpackedRow& stored) const;
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
-  std::map<HeldId, reference::QuantizedRow> held_values_;  // value codes accepted though not the reference's
+  // Value codes accepted though not the reference's, and how far outputs over them may move.
+  std::map<HeldId, std::pair<reference::QuantizedRow, double>> held_values_;
+  // A residual's precision of each kept token (raw, flushes) as last seen (kv head 0), and the
+  // (layer, row)s where it changed in a step whose queries read before the flush (chunk_reads "raw").
+  std::map<HeldId, std::pair<bool, int>> precision_seen_;
+  std::set<std::pair<int, int>> flushed_after_reads_;
   std::map<std::pair<int, int>, double> diverged_;  // (layer, row) whose codes are not the reference's this step
   double bound_ = 0.0;        // 9.2.3, before the float tolerance; infinite when values saturate
   std::string saturation_;    // why the bound does not apply
