@@ -459,7 +459,12 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 15 (append, /steps/6)", verify.stdout)
         self.assertIn("is held raw, the rules say quantized", verify.stdout)
+        self.assertIn("is held raw, the residual's rules say quantized (the first of", verify.stdout)
         self.assertIn("class: precision map mismatch", verify.stdout)
+        # The slot table shows each slot's precision, expected/actual: some token the rules
+        # quantize is still raw.
+        self.assertIn("held e/a", verify.stdout)
+        self.assertRegex(verify.stdout, r"\n +[0-9]+ +[0-9]+ +[0-9]+ .* q/raw  ")
 
     def test_a_quantized_cache_reordering_its_residual_only_is_named(self):
         _, verify = self.drive("quant_residual_hf",

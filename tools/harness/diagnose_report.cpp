@@ -71,14 +71,18 @@ void print_step(std::FILE* out, const char* what, const Scenario& s, const StepD
     if (slot < 0) return std::string("-");
     return paged ? fmt::format("{}+{}", slot / f.block_size, slot % f.block_size) : std::to_string(slot);
   };
-  fmt::print(out, "{:>{}} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", paged ? "block+off" : "slot",
-             paged ? 9 : 5, "uid", "token", "visible e/a", "Pq-Pk e/a", "pos exp", "claimed", "recovered", "verdict");
+  // A residual's precision (SPEC 9.2.4): expected/actual, "raw" or "q".
+  const bool held = std::any_of(f.slots.begin(), f.slots.end(), [](const SlotRow& r) { return !r.held.empty(); });
+  fmt::print(out, "{:>{}} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}{}  {}\n", paged ? "block+off" : "slot",
+             paged ? 9 : 5, "uid", "token", "visible e/a", "Pq-Pk e/a", "pos exp", "claimed", "recovered",
+             held ? fmt::format(" {:>10}", "held e/a") : "", "verdict");
   for (const SlotRow& r : f.slots)
-    fmt::print(out, "{:>{}} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}  {}\n", slot_text(r.slot), paged ? 9 : 5,
+    fmt::print(out, "{:>{}} {:>6} {:>6} {:>12} {:>10} {:>8} {:>8} {:>14}{}  {}\n", slot_text(r.slot), paged ? 9 : 5,
                r.uid, r.index,
                fmt::format("{}/{}", yes(r.visible_expected), yes(r.visible_actual)),
                fmt::format("{}/{}", opt(r.distance_expected), opt(r.distance_actual)), opt(r.position_expected),
-               opt(r.position_claimed), r.position_recovered.empty() ? "-" : r.position_recovered, verdict_text(r));
+               opt(r.position_claimed), r.position_recovered.empty() ? "-" : r.position_recovered,
+               held ? fmt::format(" {:>10}", r.held.empty() ? "-" : r.held) : "", verdict_text(r));
 }
 
 }  // namespace

@@ -63,6 +63,14 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
       const SlotIssue& i = f.evidence.slots.front();
       return fmt::format("layer {} row {}: uid {} (token {}) {}", i.layer, i.row, i.uid, i.true_index, issue_text(i));
     }
+    if (!f.evidence.precision.empty()) {  // SPEC 9.2.4: it explains the outputs over it
+      const PrecisionIssue& p = f.evidence.precision.front();
+      const std::size_t n = f.evidence.precision.size();  // the evidence keeps at most 64
+      return fmt::format("layer {} row {}: token {} (uid {}, slot {}) is held {}, the residual's rules say {} (the "
+                         "first of {}{} such tokens)",
+                         p.layer, p.row, p.index, p.uid, p.slot, p.expected_raw ? "quantized" : "raw",
+                         p.expected_raw ? "raw" : "quantized", n, n >= 64 ? "+" : "");
+    }
     if (!f.evidence.outputs.empty()) {
       const OutputMismatch& o = f.evidence.outputs.front();
       std::string text = fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; ", o.query_index,

@@ -43,6 +43,7 @@ struct SlotRow {
   std::optional<std::int64_t> position_claimed;                    // by the slot's metadata, or the trace's declaration
   std::optional<std::int64_t> claimed_index;
   std::string position_recovered;  // from the tensors (SPEC 5.5)
+  std::string held;                // a residual's precision, expected/actual ("raw/q"); empty: not shown
   SlotVerdict verdict = SlotVerdict::ok;
 };
 

@@ -408,6 +408,14 @@ class StepChecker::Impl {
       // Keys re-encoded for the next token only where no dead token is held (SPEC 3).
       const Convention positions = key_convention(rec, view, l, b, static_cast<int>(g), heads[g], sets, dead_held);
 
+      // A residual's precision of each retained token, for the slot table (SPEC 9.2.4).
+      std::map<std::int64_t, bool> raw_expected;
+      const bool shows_precision = s_.kv_quant && s_.kv_quant->holds_raw() && !rec.stored.empty();
+      if (shows_precision) {
+        const auto& keys = rec.retained_in(l, b).keys;
+        for (std::size_t i = 0; i < keys.size() && i < rec.stored[static_cast<std::size_t>(l)][b].size(); ++i)
+          raw_expected[static_cast<std::int64_t>(keys[i].uid)] = rec.stored[static_cast<std::size_t>(l)][b][i].raw;
+      }
       std::map<std::int64_t, int> seen;
       for (const ViewSlot& v : heads[g]) {
         SlotRow row;
@@ -416,6 +424,11 @@ class StepChecker::Impl {
         row.uid = v.uid;
         row.index = v.uid < 0 ? -1 : index_of(history, v.uid);
         row.claimed_index = v.claimed_index;
+        if (shows_precision) {
+          const auto expected = raw_expected.find(v.uid);
+          const char* actual = v.raw ? "raw" : v.key_codes || v.value_codes ? "q" : "?";
+          row.held = fmt::format("{}/{}", expected == raw_expected.end() ? "-" : expected->second ? "raw" : "q", actual);
+        }
         const bool first_time = row.index >= 0 && ++seen[v.uid] == 1;
         const bool live = sets.live.count(v.uid) > 0;
         if (row.index < 0) {
