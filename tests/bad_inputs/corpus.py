@@ -424,10 +424,10 @@ TRACE_SCENARIO = {
 }
 
 
-def trace_case(manifest=None, files=None, raw_manifest=None, extra=None):
-    """A one-step trace of TRACE_SCENARIO; `files` maps names to .npy bytes."""
+def trace_case(manifest=None, files=None, raw_manifest=None, extra=None, scenario_doc=None):
+    """A one-step trace of TRACE_SCENARIO (or scenario_doc, named "tr"); `files` maps names to .npy bytes."""
     def run(d):
-        scenario = write(d, "tr.json", json.dumps(TRACE_SCENARIO))
+        scenario = write(d, "tr.json", json.dumps(scenario_doc or TRACE_SCENARIO))
         t = os.path.join(d, "trace")
         os.mkdir(t)
         m = manifest if manifest is not None else {
@@ -458,6 +458,8 @@ def manifest_with(**changes):
 
 
 GOOD = {"k.npy": npy_bytes(shape=(1, 1, 2, 4)), "v.npy": npy_bytes(shape=(1, 1, 2, 4))}
+RESIDUAL_SCENARIO = dict(TRACE_SCENARIO, policy={"type": "full"},
+                         kv_quant={"k": {"format": "int8"}, "v": {"format": "int8"}, "residual": 2})
 TRACE_CASES = [
     ("manifest missing", trace_case(raw_manifest=None, extra=lambda d, t: os.remove(os.path.join(t, "manifest.json"))),
      "manifest.json: no manifest.json in the trace folder"),
@@ -489,6 +491,20 @@ TRACE_CASES = [
     ("a codes file misnamed", trace_case(manifest_with(steps=[{"layers": [
         {"keys": "k.npy", "values": "v.npy", "k_code": "k.npy"}]}])),
      "/steps/0/layers/0/k_code: unknown key \\(expected keys, values, out, q, k_codes, k_scales, k_zero"),
+    ("a raw mask for a scenario that quantizes nothing", trace_case(manifest_with(steps=[{"layers": [
+        {"keys": "k.npy", "values": "v.npy", "raw": "k.npy"}]}])),
+     "/steps/0/layers/0/raw: the scenario quantizes nothing: a raw mask needs its kv_quant \\(SPEC 9\\)"),
+    ("a raw mask without values", trace_case(manifest_with(steps=[{"layers": [
+        {"keys": "k.npy", "v_codes": "c.npy", "v_scales": "s.npy", "raw": "r.npy"}]}]), scenario_doc=RESIDUAL_SCENARIO),
+     "/steps/0/layers/0/raw: a raw mask needs \"keys\" and \"values\""),
+    ("a raw mask of the wrong shape", trace_case(manifest_with(steps=[{"layers": [
+        {"keys": "k.npy", "values": "v.npy", "raw": "r.npy"}]}]), scenario_doc=RESIDUAL_SCENARIO,
+        files=dict(GOOD, **{"r.npy": npy_bytes(descr="|u1", shape=(1, 3), data=bytes(3))})),
+     "r.npy: expected a raw mask of shape \\[1, 2\\], got \\[1, 3\\]"),
+    ("a raw mask of 2", trace_case(manifest_with(steps=[{"layers": [
+        {"keys": "k.npy", "values": "v.npy", "raw": "r.npy"}]}]), scenario_doc=RESIDUAL_SCENARIO,
+        files=dict(GOOD, **{"r.npy": npy_bytes(descr="|u1", shape=(1, 2), data=bytes([1, 2]))})),
+     "r.npy: expected 0 or 1 in a raw mask, got 2"),
     ("keys missing", trace_case(files={"v.npy": GOOD["v.npy"]}), "k.npy: cannot open the .npy file"),
     ("keys of the wrong rank", trace_case(files={"k.npy": npy_bytes(shape=(1, 2, 4)), "v.npy": GOOD["v.npy"]}),
      "k.npy: expected keys \\[B, Hkv, slots, D\\] of shape \\[1, 1, slots, 4\\]"),
