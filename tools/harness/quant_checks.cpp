@@ -196,6 +196,14 @@ std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l
                                       as_row(stored));
 }
 
+reference::QuantizedRow QuantChecks::requantized(const TensorQuant& format, reference::QuantizedRow codes, int kv_head,
+                                                 std::int64_t position, int times) const {
+  // A flush re-quantizes what the codes stand for: dequantize, turn by nothing, quantize.
+  for (int k = 0; k < times; ++k)
+    codes = reference::requantize_shifted(format, s_.kv_quant->transform, s_.rope, codes, kv_head, position, position);
+  return codes;
+}
+
 void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
   follow_rows(rec.step);
   diverged_.clear();
@@ -327,7 +335,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
                 diverged_[{static_cast<int>(l), static_cast<int>(b)}] += key_before->second.weight;
               const auto value_before = held_values_.find(id);
               if (value_before != held_values_.end())
-                diverged_[{static_cast<int>(l), static_cast<int>(b)}] += value_before->second.second;
+                diverged_[{static_cast<int>(l), static_cast<int>(b)}] += value_before->second.weight;
             }
             precision_seen_[id] = now;
           }
@@ -341,11 +349,17 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             // cache took the other side of a rounding boundary, re-quantized from the codes it
             // held (followed, not held against it at every later shift; one shift per step).
             auto held = held_.find(id);
+            std::optional<reference::QuantizedRow> flushed_from_held;
             if (held != held_.end() && held->second.flushes != token.flushes) {
-              held_.erase(held);  // quantized again at a flush: expected anew
+              // Quantized again at a flush: from the codes it held, followed like a shift's
+              // when they were not the reference's; else expected anew.
+              if (!held->second.as_reference)
+                flushed_from_held = requantized(*q.k, held->second.codes, g, retained[i].position,
+                                                token.flushes - held->second.flushes);
+              held_.erase(held);
               held = held_.end();
             }
-            reference::QuantizedRow expected = h.key_codes;
+            reference::QuantizedRow expected = flushed_from_held ? *flushed_from_held : h.key_codes;
             if (held != held_.end() && held->second.position == retained[i].position) {
               expected = held->second.codes;  // kept: must be unchanged, exactly
               expected.near_boundary.clear();
@@ -377,13 +391,19 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               if (!as_reference) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
             }
           }
-          if (q.v && slot.value_codes && compare(*q.v, h.value_codes, *slot.value_codes, where, true)) {
+          // A value held off the reference's codes and quantized again since: from those.
+          const auto value_held = held_values_.find(id);
+          const reference::QuantizedRow expected_value =
+              q.v && value_held != held_values_.end() && value_held->second.flushes != token.flushes
+                  ? requantized(*q.v, value_held->second.codes, g, 0, token.flushes - value_held->second.flushes)
+                  : h.value_codes;
+          if (q.v && slot.value_codes && compare(*q.v, expected_value, *slot.value_codes, where, true)) {
             const reference::QuantizedRow stored = as_row(*slot.value_codes);
             if (stored.codes == h.value_codes.codes && stored.scales == h.value_codes.scales) {
               held_values_.erase(id);
             } else {  // a value code on a boundary taken the other way: outputs are over it
               const double w = weigh(*q.v, h.value_codes, *slot.value_codes, true);
-              held_values_[id] = {stored, w};
+              held_values_[id] = {stored, w, token.flushes};
               diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
             }
           }
@@ -444,7 +464,7 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
             reference::dequantize_stored(*q.k, q.transform, held->second.codes, keys.data() + j * D);
           const auto held_value = held_values_.find(id);
           if (q.v && held_value != held_values_.end())
-            reference::dequantize_stored(*q.v, q.transform, held_value->second.first, values.data() + j * D);
+            reference::dequantize_stored(*q.v, q.transform, held_value->second.codes, values.data() + j * D);
         }
       // The query the cache used when the source shows it (its rope's float32 rounding can
       // move a quantized query's code across a boundary), else the reference's.

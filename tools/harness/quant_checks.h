@@ -103,7 +103,15 @@ class QuantChecks {
                                                                 const optimized::UnpackedRow& stored) const;
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
   // Value codes accepted though not the reference's, and how far outputs over them may move.
-  std::map<HeldId, std::pair<reference::QuantizedRow, double>> held_values_;
+  struct HeldValue {
+    reference::QuantizedRow codes;
+    double weight = 0.0;
+    int flushes = 0;  // the reference's count when accepted
+  };
+  std::map<HeldId, HeldValue> held_values_;
+  // `codes` quantized again `times` over at a residual's flush (flush "requantize_all").
+  reference::QuantizedRow requantized(const TensorQuant& format, reference::QuantizedRow codes, int kv_head,
+                                      std::int64_t position, int times) const;
   // A residual's precision of each kept token (raw, flushes) as last seen (kv head 0), and the
   // (layer, row)s where it changed in a step whose queries read before the flush (chunk_reads "raw").
   std::map<HeldId, std::pair<bool, int>> precision_seen_;
