@@ -118,6 +118,8 @@ const char* class_name(BugClass c) {
       return "chunk misses past keys";
     case BugClass::chunk_positions_wrong:
       return "chunk positions wrong";
+    case BugClass::path_inconsistency:
+      return "decode and chunk paths disagree";
   }
   return "?";
 }
@@ -265,6 +267,12 @@ const char* class_explanation(BugClass c) {
     case BugClass::chunk_positions_wrong:
       return "In a chunked prefill a later chunk's tokens are rotated at positions that restart or skip: the "
              "position ids were taken per chunk (transformers issue 43082, vLLM PR 10388).";
+    case BugClass::path_inconsistency:
+      return "Every slot, code and position is right, but a token computed in a decode step and the same token "
+             "computed inside a chunk, over the same stored cache, have outputs further apart than twice the "
+             "tolerance (SPEC 9.2.6): the two paths use other kernels, tiles or roundings, and one of them loses "
+             "precision (FA3's FP8 decode with tiles of 96 keys: decode and prefill diverge from position 97, vLLM "
+             "issue 54035, SGLang issue 25790).";
     case BugClass::quant_query_quantized:
       return "Codes, scales and positions are right, and the outputs equal the attention with the query also "
              "quantized to q8_0 before its dot products with the keys: a convention, not a bug (ggml's CPU matmul "
@@ -555,6 +563,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
                                                                              : BugClass::quant_codes_wrong;
   if (e.outputs_fit_unit_scale) return BugClass::quant_scale_not_applied;
   if (e.outputs_fit_quantized_query) return BugClass::quant_query_quantized;
+  // Outputs wrong on one path only, where the other path computed the same token over the
+  // same stored cache within tolerance: the paths disagree, whatever the storage.
+  if (!e.paths.empty() && e.slots.empty() && e.pairs.empty()) return BugClass::path_inconsistency;
   if (s.kv_quant && !e.outputs.empty() && e.slots.empty() && e.pairs.empty())
     return BugClass::quant_dequantization_layout;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;

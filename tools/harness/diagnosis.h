@@ -68,6 +68,7 @@ enum class BugClass {
   chunk_misses_past_keys,
   tokens_lost_after_preemption,
   chunk_positions_wrong,
+  path_inconsistency,  // SPEC 9.2.6: decode and chunk paths disagree
 };
 
 const char* class_name(BugClass c);
@@ -152,6 +153,20 @@ struct PrecisionIssue {
   bool expected_raw;
 };
 
+// SPEC 9.2.6: one token computed in a decode step and inside a chunk, over the same stored
+// cache, with outputs further apart than twice check 2's tolerance. `step` is where it was
+// found (the later computation), `other_step` the earlier one.
+struct PathIssue {
+  int layer, row;
+  std::size_t step;
+  std::int64_t index, uid;
+  bool decode;  // the computation at `step` was a decode; the other was inside a chunk
+  std::size_t other_step;
+  std::int64_t other_index, other_uid;
+  int head, dim;
+  double here, there, allowed;
+};
+
 struct OutputMismatch {
   int layer, row, head, dim;
   std::int64_t query_index, uid;
@@ -169,6 +184,7 @@ struct StepEvidence {
   std::vector<CodeMismatch> codes;        // SPEC 9.2.1
   std::vector<PagedIssue> paged;          // SPEC 8.8
   std::vector<PrecisionIssue> precision;  // SPEC 9.2.4
+  std::vector<PathIssue> paths;           // SPEC 9.2.6
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
@@ -186,7 +202,7 @@ struct StepEvidence {
   bool dropped_before_last_use = false;
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
-           pairs.empty() && slots.empty() && codes.empty() && paged.empty() && precision.empty();
+           pairs.empty() && slots.empty() && codes.empty() && paged.empty() && precision.empty() && paths.empty();
   }
 };
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cctype>
+#include <cmath>
 
 namespace kvcheck {
 namespace {
@@ -70,6 +71,16 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
                          "first of {}{} such tokens)",
                          p.layer, p.row, p.index, p.uid, p.slot, p.expected_raw ? "quantized" : "raw",
                          p.expected_raw ? "raw" : "quantized", n, n >= 64 ? "+" : "");
+    }
+    if (!f.evidence.paths.empty()) {  // SPEC 9.2.6: it names both computations
+      const PathIssue& p = f.evidence.paths.front();
+      const auto path = [](bool decode) { return decode ? "in a decode step" : "inside a chunk"; };
+      return fmt::format("layer {} row {}: token {} (uid {}) head {} dim {} is {:.9g} computed {} at step {}, and "
+                         "{:.9g} computed {} at step {} (token {}, uid {}) over the same stored cache: {:.3g} apart, "
+                         "more than twice the tolerance ({:.3g})",
+                         p.layer, p.row, p.index, p.uid, p.head, p.dim, p.here, path(p.decode), p.step, p.there,
+                         path(!p.decode), p.other_step, p.other_index, p.other_uid, std::abs(p.here - p.there),
+                         p.allowed);
     }
     if (!f.evidence.outputs.empty()) {
       const OutputMismatch& o = f.evidence.outputs.front();

@@ -14,9 +14,11 @@
 #include "reference/quantize.h"
 #include "reference/rope.h"
 #include "tools/harness/divergence_report.h"
+#include "tools/harness/content_keys.h"
 #include "tools/harness/hypotheses.h"
 #include "tools/harness/progress.h"
 #include "tools/harness/paged_checks.h"
+#include "tools/harness/path_checks.h"
 #include "tools/harness/precision_checks.h"
 #include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
@@ -218,7 +220,8 @@ class StepChecker::Impl {
         options_(options),
         max_position_(largest_position(s)),
         rotations_(s.dims.head_dim, s.rope, largest_position(s)),
-        paged_(s) {
+        paged_(s),
+        paths_(s) {
     if (s.kv_quant) quant_.emplace(s, inputs);
     rotations_.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
@@ -284,6 +287,13 @@ class StepChecker::Impl {
         trace_.picture = std::move(columns_[layer][row]);
         trace_.picture.resize(s_.steps.size());
       }
+    }
+    // A decode that went wrong before the chunk computing the same token came: the first
+    // divergence learns of the disagreement now.
+    if (trace_.first && trace_.first->evidence.paths.empty()) {
+      StepDiagnosis& first = *trace_.first;
+      first.evidence.paths = paths_.found_later_for(first.evidence.step);
+      if (!first.evidence.paths.empty()) first.bug = classify(s_, first.evidence, first.context);
     }
     trace_.outcome = outcome();
     if (trace_.first) trace_.outcome.first_divergence = first_divergence(s_, *trace_.first);
@@ -699,7 +709,14 @@ class StepChecker::Impl {
     if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, evidence.label);
     std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     const std::size_t skipped = uncomputed(b);  // a prefix hit spared their outputs
-    for (std::size_t i = skipped; i < ref.rows[b].size(); ++i)
+    // SPEC 9.2.6: a token of a decode step, or inside a longer chunk, kept to compare with
+    // the other path's computation of it.
+    const bool decode = n == 1;
+    const bool on_a_path = paths_.enabled() && (decode || ref.rows[b].size() > 1);
+    std::vector<double> path_want, path_allowed;
+    for (std::size_t i = skipped; i < ref.rows[b].size(); ++i) {
+      path_want.clear();
+      path_allowed.clear();
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < D; ++d) {
           const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;
@@ -713,7 +730,12 @@ class StepChecker::Impl {
               query_slack.empty()
                   ? 0.0
                   : quant_->query_allowance(query_slack[(static_cast<std::size_t>(l) * B * n * H * D + at) / D]);
-          if (err <= tol.atol + row_allowance + slack + tol.rtol * std::abs(want)) continue;
+          const double allowed = tol.atol + row_allowance + slack + tol.rtol * std::abs(want);
+          if (on_a_path) {
+            path_want.push_back(want);
+            path_allowed.push_back(allowed);
+          }
+          if (err <= allowed) continue;
           if (!first) first = {i, h};
           const auto& token = ref.rows[b][i];
           outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got {:.9g}",
@@ -721,6 +743,15 @@ class StepChecker::Impl {
           if (evidence.outputs.size() < 64)
             evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
         }
+      if (on_a_path) {
+        const auto& token = ref.rows[b][i];
+        const std::size_t at = (static_cast<std::size_t>(b) * n + pad + i) * H * D;
+        paths_.record({l, b, evidence.step, token.index, static_cast<std::int64_t>(token.uid), decode,
+                       context_key(s_, token.uid), std::span<const float>(out + at, static_cast<std::size_t>(H) * D),
+                       path_want, path_allowed},
+                      evidence);
+      }
+    }
     if (!first || evidence.hypotheses_tested) return;
     // The first wrong output recomputed under named mistakes: does one of them fit it?
     evidence.hypotheses_tested = true;
@@ -1008,6 +1039,7 @@ class StepChecker::Impl {
                           to_string(options_.key_positions)));
     if (quant_) quant_->add_checks(o);
     precision_.add_checks(o);
+    paths_.add_checks(o);
     paged_.add_checks(o);
     o.max_abs_error = max_abs_;
     o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
@@ -1032,6 +1064,7 @@ class StepChecker::Impl {
   std::optional<QuantChecks> quant_;  // SPEC 9: the scenario quantizes the cache
   PagedChecks paged_;                 // SPEC 8: the cache shows block tables
   PrecisionChecks precision_;         // SPEC 9.2.4: quantized caches with a residual
+  PathChecks paths_;                  // SPEC 9.2.6: tokens computed both in a decode step and inside a chunk
   std::vector<std::int64_t> uncomputed_;  // the step's, per row (prefix hits)
   std::size_t uncomputed(int row) const {
     return static_cast<std::size_t>(row) < uncomputed_.size()

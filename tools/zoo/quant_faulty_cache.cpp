@@ -1,9 +1,13 @@
 #include "tools/zoo/quant_faulty_cache.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include "optimized/dense_cache.h"
+#include "optimized/half.h"
 #include "optimized/row_codec.h"
 
 namespace kvcheck::zoo {
@@ -24,6 +28,7 @@ class QuantFaultyCache : public KvCache {
     if (fault_ == QuantFault::shift_skips_quantized) restore_shifted(before);
     if (fault_ == QuantFault::scale_frozen_on_first) freeze_scales(chunk);
     if (read_side() && !out.empty()) attend_as_read_wrongly(chunk, out);
+    if (fault_ == QuantFault::decode_tile_rounding && chunk.length == 1 && !out.empty()) attend_in_tiles(chunk, out);
   }
   void reorder(const std::vector<int>& rows) override {
     if (fault_ != QuantFault::reorder_residual_only) return inner_->reorder(rows);
@@ -224,6 +229,59 @@ class QuantFaultyCache : public KvCache {
       }
       const SlotSource sources[] = {{&read_, b}};
       attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans, sources, nullptr);
+    }
+  }
+
+  // A decode's outputs again, the way a decode kernel with tiles of 96 keys computes them:
+  // an online softmax whose running output is held in bfloat16 from one tile to the next.
+  // Up to 96 keys it is one float32 pass, as a chunk's; from the 97th key on it drifts.
+  void attend_in_tiles(const Chunk& chunk, const std::vector<float*>& out) {
+    constexpr std::size_t tile = 96;
+    const SlotStore& s = inner_->slots();
+    const int H = config_.heads, D = config_.head_dim, group = config_.heads / config_.kv_heads;
+    std::vector<float> q(static_cast<std::size_t>(D)), k(q.size()), v(q.size()), acc(q.size()), scores;
+    for (int b = 0; b < s.batch(); ++b) {
+      if (chunk.counts[b] == 0) continue;
+      const std::int64_t t = inner_->row_length(b) - 1;  // the query; full attention: its position too
+      rope_.cover(t + 1);
+      std::vector<std::int64_t> slots;  // every held token, by token index
+      for (std::int64_t slot = 0; slot < s.capacity(); ++slot)
+        if (s.meta(b, slot).uid >= 0 && s.meta(b, slot).index <= t) slots.push_back(slot);
+      std::sort(slots.begin(), slots.end(),
+                [&](std::int64_t x, std::int64_t y) { return s.meta(b, x).index < s.meta(b, y).index; });
+      for (int l = 0; l < s.layers(); ++l)
+        for (int h = 0; h < H; ++h) {
+          const std::size_t at = (static_cast<std::size_t>(b) * H + h) * D;
+          std::copy(chunk.q[l] + at, chunk.q[l] + at + D, q.begin());
+          rope_.rotate(q.data(), t);
+          float running_max = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (std::size_t begin = 0; begin < slots.size(); begin += tile) {
+            const std::size_t end = std::min(slots.size(), begin + tile);
+            scores.assign(end - begin, 0.0f);
+            float tile_max = running_max;
+            for (std::size_t j = begin; j < end; ++j) {
+              s.read_key(l, b, h / group, slots[j], k.data());
+              float dot = 0.0f;
+              for (int d = 0; d < D; ++d) dot += q[d] * k[d];
+              scores[j - begin] = dot * config_.softmax_scale;
+              tile_max = std::max(tile_max, scores[j - begin]);
+            }
+            const float rescale = std::exp(running_max - tile_max);
+            sum *= rescale;
+            for (float& a : acc) a *= rescale;
+            for (std::size_t j = begin; j < end; ++j) {
+              const float w = std::exp(scores[j - begin] - tile_max);
+              sum += w;
+              s.read_value(l, b, h / group, slots[j], v.data());
+              for (int d = 0; d < D; ++d) acc[d] += w * v[d];
+            }
+            running_max = tile_max;
+            if (end < slots.size())  // the bug: the tile's partial output leaves the registers in bfloat16
+              for (float& a : acc) a = from_bfloat16(to_bfloat16(a));
+          }
+          for (int d = 0; d < D; ++d) out[l][at + d] = acc[d] / sum;
+        }
     }
   }
 

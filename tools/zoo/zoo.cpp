@@ -255,6 +255,17 @@ const std::vector<ZooMutant>& zoo_mutants() {
           "transformers' QuantizedLayer inheriting reorder_cache and crop that touch the residual buffer only: "
           "beams cross silently (PRs 45510 and 48700)",
           BugClass::quant_store_not_moved, {"quant_residual_hf"}),
+      quant_mutant(
+          "decode_tile_rounding", zoo::QuantFault::decode_tile_rounding,
+          [](const Scenario& s) {
+            return !s.hybrid() && s.policy.kind == PolicyKind::full && s.kv_quant &&
+                   s.kv_quant->transform == QuantTransform::none && s.attention.sink_logits.empty();
+          },
+          "computes a decode in tiles of 96 keys, holding the running output in bfloat16 between tiles; a chunk is "
+          "one float32 pass",
+          "FA3's FP8 decode picking a tile of 96 keys, prefill another: decode and prefill logprobs diverge from "
+          "position 97, bf16 is bitwise equal (vLLM issue 54035, SGLang issue 25790)",
+          BugClass::path_inconsistency, {"quant_decode_tile_paths"}),
       // Paged caches (SPEC 8): planted in kvcheck's paged cache.
       paged_mutant("key_without_extras", zoo::PagedFault::key_without_extras,
                    "keys its prefix index by token ids alone, without the row's adapter and salt",
