@@ -171,3 +171,17 @@ TEST(Diagnosis, TheDriftSummaryNamesHowTheErrorEvolves) {
   EXPECT_EQ(summarize_drift({{4, 1, false}, {5, 2, true}}).to_string(),
             "the error grows by about one per step: +1 at step 4, +2 at step 5");
 }
+
+TEST(Diagnosis, CodesThatFitOnlyWithoutTheTransformExplainTheRotationsTheyBreak) {
+  Scenario s;
+  s.kv_quant.emplace();
+  s.kv_quant->transform = QuantTransform::hadamard;
+  StepEvidence e;
+  SlotIssue garbage = SlotIssue::of(SlotIssue::Kind::rotation, 0, 4, 4);  // read through the transform: no rotation
+  garbage.claimed_position = 4;
+  e.slots.push_back(garbage);
+  e.codes.push_back({0, 0, 0, false, 4, 4, -1, 0, 0.011, 0.0077});
+  EXPECT_NE(classify(s, e, {}), BugClass::quant_transform_missing);
+  e.codes_fit_without_transform = true;
+  EXPECT_EQ(classify(s, e, {}), BugClass::quant_transform_missing);
+}

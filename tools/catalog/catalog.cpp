@@ -47,7 +47,7 @@ const std::vector<CacheEntry>& real_caches() {
       // scenario, with the scenario's `paging` or a default pool; eviction is per block.
       {"paged", "block pool and tables (vLLM), copy-on-write, prefix index, window freeing, chunked prefill",
        [](const Scenario& s) {
-         return !s.kv_quant && std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
+         return !(s.kv_quant && s.kv_quant->holds_raw()) && std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
                                            [](const Policy& p) { return p.kind != PolicyKind::sink; });
        },
        [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},

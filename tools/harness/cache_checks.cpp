@@ -57,6 +57,19 @@ ChunkBuffers make_chunk(const Scenario& s, const InputTable& inputs, const refer
 
 namespace {
 
+// A quantized slot's codes and scales as the view shows them (SPEC 9.2.1), or that it holds
+// its token raw (a residual).
+void show_codes(const optimized::SlotStore& store, int l, int b, int g, std::int64_t slot, ViewSlot& v) {
+  v.raw = store.raw_slot(b, slot);
+  if (v.raw) return;
+  if (optimized::is_quantized(store.key_format().codec))
+    v.key_codes = optimized::unpack_row(store.key_format(), g, static_cast<const std::byte*>(store.key(l, b, g, slot)),
+                                        store.head_dim());
+  if (optimized::is_quantized(store.value_format().codec))
+    v.value_codes = optimized::unpack_row(store.value_format(), g,
+                                          static_cast<const std::byte*>(store.value(l, b, g, slot)), store.head_dim());
+}
+
 // The view of every used slot. Half-precision keys are converted to float32 (exactly) into
 // `storage`, which the view owns.
 std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_count,
@@ -91,14 +104,7 @@ std::vector<ViewLayer> slot_layers(const optimized::KvCache& cache, int layer_co
           }
           ViewSlot& v = layer.slots[static_cast<std::size_t>(b)][static_cast<std::size_t>(g)].emplace_back(
               ViewSlot{slot, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
-          const auto* k_bytes = static_cast<const std::byte*>(store.key(l, b, g, slot));
-          const auto* v_bytes = static_cast<const std::byte*>(store.value(l, b, g, slot));
-          v.raw = store.raw_slot(b, slot);
-          if (v.raw) continue;
-          if (optimized::is_quantized(store.key_format().codec))
-            v.key_codes = optimized::unpack_row(store.key_format(), g, k_bytes, store.head_dim());
-          if (optimized::is_quantized(store.value_format().codec))
-            v.value_codes = optimized::unpack_row(store.value_format(), g, v_bytes, store.head_dim());
+          show_codes(store, l, b, g, slot, v);
         }
   }
   return layers;
@@ -133,8 +139,9 @@ std::vector<ViewLayer> paged_layers(const optimized::PagedState& paged, const st
               pool.read_key(0, 0, g, slot, x);
               key = x;
             }
-            layer.slots[b][static_cast<std::size_t>(g)].push_back(
+            ViewSlot& v = layer.slots[b][static_cast<std::size_t>(g)].emplace_back(
                 ViewSlot{slot, m.uid, m.index, m.position, key, std::nullopt, std::nullopt});
+            show_codes(pool, 0, 0, g, slot, v);
           }
         }
       }

@@ -92,6 +92,8 @@ const char* class_name(BugClass c) {
       return "precision map mismatch";
     case BugClass::quant_store_not_moved:
       return "quantized store not reordered or cropped";
+    case BugClass::quant_transform_missing:
+      return "transform missing on a path";
     case BugClass::paged_slot_mapping_wrong:
       return "slot mapping wrong";
     case BugClass::paged_stale_table_entry:
@@ -267,6 +269,11 @@ const char* class_explanation(BugClass c) {
     case BugClass::chunk_positions_wrong:
       return "In a chunked prefill a later chunk's tokens are rotated at positions that restart or skip: the "
              "position ids were taken per chunk (transformers issue 43082, vLLM PR 10388).";
+    case BugClass::quant_transform_missing:
+      return "Stored rows that should hold the Hadamard-transformed key or value hold the plain one: read without "
+             "the transform they stand for their token within the format's rounding. One path forgot the transform "
+             "the others apply, typically one that restores, copies or re-quantizes rows (llama.cpp PR 24367: \"f16 to "
+             "q8_0 is broken with attention rotation on\"; unslothai/llama.cpp PR 129).";
     case BugClass::path_inconsistency:
       return "Every slot, code and position is right, but a token computed in a decode step and the same token "
              "computed inside a chunk, over the same stored cache, have outputs further apart than twice the "
@@ -377,6 +384,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
       any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; }))
     return BugClass::tokens_lost_after_preemption;
   if (!e.paged.empty()) return paged_class(e.paged);
+  // Codes that fit the token only without the transform: every key read back is garbage
+  // through it (rotations, outputs), and this is why.
+  if (e.codes_fit_without_transform) return BugClass::quant_transform_missing;
   // A chunked append whose queries missed keys, or used other positions, than the reference's.
   // A chunked append (SPEC 8.7): keys at other positions than the reference's, or queries
   // that missed keys of the append and nothing else.

@@ -54,6 +54,7 @@ enum class BugClass {
   quant_query_quantized,
   quant_precision_map,
   quant_store_not_moved,
+  quant_transform_missing,
   // Paged caches (SPEC 8.10).
   paged_slot_mapping_wrong,
   paged_stale_table_entry,
@@ -187,6 +188,9 @@ struct StepEvidence {
   std::vector<PathIssue> paths;           // SPEC 9.2.6
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
+  // Quantized with a transform: every row whose codes are wrong stands for its token's value
+  // when read without the transform (a path that forgot it).
+  bool codes_fit_without_transform = false;
   std::int64_t evicted_before_last = 0;  // E of the diagnosed row's last token (sink policy)
   bool chunk_kept_whole = false;         // a row holds all of a chunk longer than the policy keeps
   bool wrong_row_count = false;          // the cache holds another number of rows than the reference

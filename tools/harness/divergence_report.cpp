@@ -59,6 +59,15 @@ std::string where(const StepDiagnosis& f) {
 
 std::string what(const StepDiagnosis& f, const SlotRow* r) {
   if (!f.evidence.refusal.empty()) return f.evidence.refusal;
+  if (f.bug == BugClass::quant_transform_missing && !f.evidence.codes.empty()) {
+    // The codes say why the key is "not a rotation": it was stored without the transform.
+    const CodeMismatch& c = f.evidence.codes.front();
+    const std::size_t n = f.evidence.codes.size();  // the evidence keeps at most 64
+    return fmt::format("layer {} row {}: uid {} (slot {}, kv head {}) holds a {} that, read without the Hadamard "
+                       "transform, is its token's within the format's rounding; through the transform it is not (the "
+                       "first of {}{} such code mismatches at this step)",
+                       c.layer, c.row, c.uid, c.slot, c.kv_head, c.value ? "value" : "key", n, n >= 64 ? "+" : "");
+  }
   if (r == nullptr) {
     if (!f.evidence.slots.empty()) {
       const SlotIssue& i = f.evidence.slots.front();

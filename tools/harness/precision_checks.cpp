@@ -42,7 +42,7 @@ void PrecisionChecks::add_checks(Outcome& outcome) const {
   outcome.checks.push_back(
       {"precision map", failures_ == 0,
        failures_ ? first_
-                 : fmt::format("{} retained tokens held raw or quantized as the residual rules say ({} of them raw)",
+                 : fmt::format("{} retained tokens held raw or quantized as the rules say ({} of them raw)",
                                checked_, raw_seen_)});
 }
 

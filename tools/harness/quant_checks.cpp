@@ -307,6 +307,29 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
     return value ? diff : std::expm1(2.0 * s_.softmax_scale() * q_norm_ * diff) * v_range_ / 2.0;
   };
 
+  // SPEC 9.4, "transform missing on a path": a wrong row read without the transform stands
+  // for the token's value within the format's own rounding.
+  std::int64_t wrong_rows = 0, untransformed_rows = 0;
+  const auto fits_untransformed = [&](const TensorQuant& format, const reference::QuantizedRow& expected,
+                                      const optimized::UnpackedRow& actual) {
+    if (q.transform == QuantTransform::none || actual.codes.size() != expected.codes.size()) return false;
+    reference::dequantize_stored(format, q.transform, expected, want.data());  // the token's value
+    const reference::QuantizedRow stored = as_row(actual);
+    reference::dequantize(format, stored, got.data());  // the codes as they are, no transform undone
+    const auto group = static_cast<std::size_t>(std::max(1, reference::scale_group(format, D)));
+    for (std::size_t i = 0; i < static_cast<std::size_t>(D); ++i) {
+      const double scale = i / group < stored.scales.size() ? std::abs(stored.scales[i / group]) : 0.0;
+      if (!(std::abs(got[i] - want[i]) <= 2.0 * reference::element_bound(format.format, want[i], scale) + 0x1p-20))
+        return false;
+    }
+    return true;
+  };
+  const auto wrong_row = [&](const TensorQuant& format, const reference::QuantizedRow& expected,
+                             const optimized::UnpackedRow& actual) {
+    ++wrong_rows;
+    untransformed_rows += fits_untransformed(format, expected, actual) ? 1 : 0;
+  };
+
   for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
     for (std::size_t b = 0; b < rec.stored[l].size() && b < view.layers[l].slots.size(); ++b) {
       const auto& retained = rec.retained_in(static_cast<int>(l), static_cast<int>(b)).keys;
@@ -389,6 +412,8 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               const double w = as_reference ? 0.0 : weigh(*q.k, h.key_codes, *slot.key_codes, false);
               held_[id] = {retained[i].position, stored_now, as_reference, w, token.flushes};
               if (!as_reference) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
+            } else {
+              wrong_row(*q.k, expected, *slot.key_codes);
             }
           }
           // A value held off the reference's codes and quantized again since: from those.
@@ -397,7 +422,9 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               q.v && value_held != held_values_.end() && value_held->second.flushes != token.flushes
                   ? requantized(*q.v, value_held->second.codes, g, 0, token.flushes - value_held->second.flushes)
                   : h.value_codes;
-          if (q.v && slot.value_codes && compare(*q.v, expected_value, *slot.value_codes, where, true)) {
+          const bool value_right = q.v && slot.value_codes && compare(*q.v, expected_value, *slot.value_codes, where, true);
+          if (q.v && slot.value_codes && !value_right) wrong_row(*q.v, expected_value, *slot.value_codes);
+          if (value_right) {
             const reference::QuantizedRow stored = as_row(*slot.value_codes);
             if (stored.codes == h.value_codes.codes && stored.scales == h.value_codes.scales) {
               held_values_.erase(id);
@@ -410,6 +437,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         }
       }
     }
+  evidence.codes_fit_without_transform = wrong_rows > 0 && untransformed_rows == wrong_rows;
 }
 
 bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float* rotated_q, std::vector<double>& out,
@@ -492,13 +520,14 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
   return true;
 }
 
-void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* out, const std::string& label) {
+void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* out, std::size_t skipped,
+                              const std::string& label) {
   const reference::AppendResult& ref = *rec.append;
   const int H = s_.dims.heads, D = s_.dims.head_dim;
   const std::size_t B = ref.rows.size();
   const std::int64_t n = ref.chunk;
   const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
-  for (std::size_t i = 0; i < ref.rows[b].size(); ++i)
+  for (std::size_t i = skipped; i < ref.rows[b].size(); ++i)
     for (int h = 0; h < H; ++h)
       for (int d = 0; d < D; ++d) {
         const std::size_t at = ((static_cast<std::size_t>(b) * n + pad + i) * H + h) * D + d;

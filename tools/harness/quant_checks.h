@@ -63,7 +63,9 @@ class QuantChecks {
     return found == diverged_.end() ? 0.0 : found->second;
   }
   // 9.2.3 for one row of one layer of an append step.
-  void check_bound(const StepRecord& record, int layer, int row, const float* out, const std::string& label);
+  // The row's first `skipped` tokens were not computed (a prefix hit): no outputs to judge.
+  void check_bound(const StepRecord& record, int layer, int row, const float* out, std::size_t skipped,
+                   const std::string& label);
   // The first wrong output (row b, token i, head h of layer l) recomputed under a named
   // mistake or convention: does it fit?
   enum class Variant {

@@ -706,9 +706,9 @@ class StepChecker::Impl {
     const std::vector<double>& query_slack = !held.empty() ? held_slack : ref.query_slack;
     const std::vector<double>& expected = !held.empty() ? held : ref.out_stored.empty() ? ref.out : ref.out_stored;
     const double row_allowance = !held.empty() ? 0.0 : quant_ ? quant_->row_allowance(l, b) : 0.0;
-    if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, evidence.label);
-    std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     const std::size_t skipped = uncomputed(b);  // a prefix hit spared their outputs
+    if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, skipped, evidence.label);
+    std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     // SPEC 9.2.6: a token of a decode step, or inside a longer chunk, kept to compare with
     // the other path's computation of it.
     const bool decode = n == 1;

@@ -8,6 +8,7 @@
 
 #include "optimized/dense_cache.h"
 #include "optimized/half.h"
+#include "optimized/paged_cache.h"
 #include "optimized/row_codec.h"
 
 namespace kvcheck::zoo {
@@ -50,8 +51,18 @@ class QuantFaultyCache : public KvCache {
     put_back(beyond);
   }
   void check_crop(std::int64_t length) const override { inner_->check_crop(length); }
+  void free_rows(const std::vector<int>& rows) override { inner_->free_rows(rows); }
+  void evict(std::int64_t blocks) override { inner_->evict(blocks); }
+  void preempt(const std::vector<int>& rows, bool recompute) override { inner_->preempt(rows, recompute); }
+  void resume(const std::vector<int>& rows, const Chunk* history) override {
+    inner_->resume(rows, history);
+    if (fault_ == QuantFault::transform_missing_on_restore && history == nullptr) restore_untransformed(rows);
+  }
   const SlotStore& slots() const override { return inner_->slots(); }
+  const SlotStore& layer_slots(int layer) const override { return inner_->layer_slots(layer); }
   std::int64_t row_length(int row) const override { return inner_->row_length(row); }
+  int batch() const override { return inner_->batch(); }
+  const PagedState* paged() const override { return inner_->paged(); }
 
  private:
   struct Snapshot {
@@ -229,6 +240,36 @@ class QuantFaultyCache : public KvCache {
       }
       const SlotSource sources[] = {{&read_, b}};
       attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans, sources, nullptr);
+    }
+  }
+
+  // The rows just swapped back in, as a restore path that stages them in float and
+  // quantizes them again forgetting the transform the write path applies: each key and
+  // value of the rows' own blocks re-encoded with the format minus its Hadamard.
+  void restore_untransformed(const std::vector<int>& rows) {
+    const PagedState* paged = inner_->paged();
+    if (paged == nullptr) return;
+    const int D = config_.head_dim;
+    std::vector<float> x(static_cast<std::size_t>(D)), scratch(x.size());
+    for (const PagedState::Layer& layer : paged->layers) {
+      auto& pool = const_cast<SlotStore&>(*layer.pool);
+      RowFormat key_plain = pool.key_format(), value_plain = pool.value_format();
+      key_plain.hadamard = value_plain.hadamard = false;
+      for (const int b : rows)
+        for (const std::int64_t block : layer.tables[static_cast<std::size_t>(b)]) {
+          if (block < 0 || layer.refcounts[static_cast<std::size_t>(block)] != 1) continue;  // its own blocks only
+          for (std::int64_t slot = block * paged->block_size; slot < (block + 1) * paged->block_size; ++slot) {
+            if (pool.meta(0, slot).uid < 0) continue;
+            for (int g = 0; g < pool.kv_heads(); ++g) {
+              pool.read_key(0, 0, g, slot, x.data());
+              encode_row(key_plain, g, x.data(), D, static_cast<std::byte*>(const_cast<void*>(pool.key(0, 0, g, slot))),
+                         scratch.data());
+              pool.read_value(0, 0, g, slot, x.data());
+              encode_row(value_plain, g, x.data(), D,
+                         static_cast<std::byte*>(const_cast<void*>(pool.value(0, 0, g, slot))), scratch.data());
+            }
+          }
+        }
     }
   }
 

@@ -23,11 +23,14 @@ enum class QuantFault {
                            // (transformers PRs 45510 and 48700)
   decode_tile_rounding,    // a decode keeps its running output in bfloat16 between tiles of 96 keys, where
                            // chunks keep float32 (FA3 FP8's decode tile: vLLM #54035, SGLang #25790)
+  transform_missing_on_restore,  // a swapped-out row comes back re-quantized without the Hadamard transform
+                                 // (llama.cpp PR 24367, unslothai/llama.cpp PR 129)
 };
 
 // `inner` is the real cache the fault is planted in: dense or sliding for the read-side
 // faults (whose queries see every slot of their window by token index), dense (full
-// attention, no transform) for decode_tile_rounding, any for the others.
+// attention, no transform) for decode_tile_rounding, paged for transform_missing_on_restore,
+// any for the others.
 std::unique_ptr<optimized::KvCache> make_quant_faulty_cache(const optimized::CacheConfig& config, QuantFault fault,
                                                             std::unique_ptr<optimized::KvCache> inner);
 

@@ -4,6 +4,7 @@
 
 #include "optimized/dense_cache.h"
 #include "optimized/hybrid_cache.h"
+#include "optimized/paged_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
 #include "tools/harness/scenario.h"
@@ -266,6 +267,28 @@ const std::vector<ZooMutant>& zoo_mutants() {
           "FA3's FP8 decode picking a tile of 96 keys, prefill another: decode and prefill logprobs diverge from "
           "position 97, bf16 is bitwise equal (vLLM issue 54035, SGLang issue 25790)",
           BugClass::path_inconsistency, {"quant_decode_tile_paths"}),
+      [] {
+        // Planted in the paged cache, whose rows swap out and back in.
+        ZooMutant m = quant_mutant(
+            "transform_missing_on_restore", zoo::QuantFault::transform_missing_on_restore,
+            [](const Scenario& s) {
+              return s.paging && s.kv_quant && s.kv_quant->transform == QuantTransform::hadamard &&
+                     !s.kv_quant->holds_raw() &&
+                     std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
+                                 [](const Policy& p) { return p.kind != PolicyKind::sink; });
+            },
+            "quantizes with the Hadamard transform on every write, but a row swapped back in is staged in float and "
+            "quantized again without it",
+            "llama.cpp's attention rotation of quantized KV missing on the path that restores or re-quantizes slots: "
+            "\"f16 to q8_0 is broken with attention rotation on\" (PR 24367, unslothai/llama.cpp PR 129)",
+            BugClass::quant_transform_missing, {"quant_paged_hadamard_swap"});
+        m.cache.make = [](const optimized::CacheConfig& config) {
+          return zoo::make_quant_faulty_cache(config, zoo::QuantFault::transform_missing_on_restore,
+                                              std::make_unique<optimized::PagedCache>(config));
+        };
+        m.cache.eviction = Eviction::any;
+        return m;
+      }(),
       // Paged caches (SPEC 8): planted in kvcheck's paged cache.
       paged_mutant("key_without_extras", zoo::PagedFault::key_without_extras,
                    "keys its prefix index by token ids alone, without the row's adapter and salt",
