@@ -17,6 +17,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 import kvtrace  # noqa: E402
+import spec_quant  # noqa: E402
 
 KVCHECK = os.environ.get("KVCHECK_BIN", os.path.join(HERE, "..", "build", "kvcheck"))
 SCENARIOS = os.path.join(HERE, "..", "fixtures", "scenarios")
@@ -196,6 +197,51 @@ class BlockManagerCache:
         self.rows[b] = row
 
 
+class Fp8BlockManagerCache(BlockManagerCache):
+    """The same block manager with vLLM's kv_cache_dtype fp8 pools: OCP E4M3 codes (uint8) of
+    x / k_scale with the checkpoint's static per-tensor scales, written by write_kv (vLLM's
+    reshape_and_cache) and read by read_kv as code * scale (its attention kernel). Forks,
+    copies-on-write and swaps copy codes. bug: "scale_dropped_on_read" (written as x / s,
+    read as code * 1: tokenspeed PR 759), "scale_never_loaded" (the scales left at vLLM's
+    default 1.0: SGLang issue 18818, ModelOpt issue 20)."""
+
+    def __init__(self, export, layout="NHD", bug=None):
+        super().__init__(export, layout)
+        q = export.manifest["kv_quant"]
+        self.scales = (1.0, 1.0) if bug == "scale_never_loaded" else \
+            (q["k"]["scale"]["value"][0], q["v"]["scale"]["value"][0])
+        self.bug = bug
+        self.k = np.zeros(self.k.shape, np.uint8)
+        self.v = np.zeros(self.v.shape, np.uint8)
+
+    def at(self, layer, slots):
+        """Index of each slot's [Hkv, D] row in a layer's pool."""
+        block, offset = np.asarray(slots) // self.B, np.asarray(slots) % self.B
+        return (layer, block, offset) if self.layout == "NHD" else (layer, block, slice(None), offset)
+
+    def write_kv(self, layer, slots, k, v):
+        for pool, x, scale in ((self.k, k, self.scales[0]), (self.v, v, self.scales[1])):
+            codes = spec_quant.fp8_encode("fp8_e4m3", np.asarray(x, np.float64) / scale)[0].astype(np.uint8)
+            if self.layout == "NHD":
+                pool[self.at(layer, slots)] = codes
+            else:
+                for j, slot in enumerate(slots):
+                    pool[self.at(layer, [slot])] = codes[j:j + 1]
+
+    def dequantize(self, codes, scale):
+        values = spec_quant.fp8_values("fp8_e4m3")
+        x = np.where(codes & 0x80, -1.0, 1.0) * values[codes & 0x7F]
+        return x * (1.0 if self.bug == "scale_dropped_on_read" else scale)
+
+    def read_kv(self, layer):
+        return self.dequantize(self.k[layer], self.scales[0]), self.dequantize(self.v[layer], self.scales[1])
+
+    def kv_codes(self, layer):
+        shape = self.k[layer].shape[:-1] + (1,)  # one per-tensor scale, given per row as SPEC 9.3 reads it
+        return {"k_codes": self.k[layer], "k_scales": np.full(shape, self.scales[0], np.float32),
+                "v_codes": self.v[layer], "v_scales": np.full(shape, self.scales[1], np.float32)}
+
+
 def trace_of(scenario, work, layout="NHD", tensor="numpy", dump="referenced", **faults):
     export = os.path.join(work, "export")
     subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, scenario + ".json"), "--out", export],
@@ -284,6 +330,27 @@ class PagedTraceTest(unittest.TestCase):
                 self.assertIn(words, done.stdout)
                 self.assertIn("class: slot mapping wrong", done.stdout)
 
+    def test_a_vllm_fp8_pool_passes_code_for_code_and_its_bugs_are_named(self):
+        # quant_paged_fp8_prefix: the pools hold uint8 E4M3 codes; the trace carries them with
+        # their scales and no float pools, and kvcheck dequantizes.
+        for layout in ("NHD", "HND"):
+            with self.subTest(layout=layout), tempfile.TemporaryDirectory() as work:
+                result, done = self.drive("quant_paged_fp8_prefix", work, lambda exp: Fp8BlockManagerCache(exp, layout))
+                self.assertIsNone(result.error)
+                self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+                self.assertRegex(done.stdout, r"codes: [0-9]+ codes and their scales as the format's rules give")
+                self.assertIn("paged bookkeeping", done.stdout)
+                with open(os.path.join(work, "trace", "manifest.json")) as f:
+                    step = json.load(f)["steps"][0]["layers"][0]["paged"]
+                self.assertNotIn("key_cache", step)
+                self.assertEqual(np.load(os.path.join(work, "trace", step["k_codes"])).dtype, np.uint8)
+        for bug, words in (("scale_dropped_on_read", "class: scale not applied"),
+                           ("scale_never_loaded", "class: quantization scale wrong")):
+            with self.subTest(bug=bug), tempfile.TemporaryDirectory() as work:
+                _, done = self.drive("quant_paged_fp8_prefix", work, lambda exp: Fp8BlockManagerCache(exp, bug=bug))
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertIn(words, done.stdout)
+
     def drive(self, scenario, work, make):
         """drive_paged_cache over scenario with make(export) as the cache; (result, verify)."""
         export = os.path.join(work, "export")
@@ -366,6 +433,39 @@ class PagedTraceTest(unittest.TestCase):
                  "step000_l1_block_ids.npy: expected block ids of shape [4], one per row of the pools")):
             with self.subTest(name=name, words=words):
                 done = self.verify_edited(name, edit, dump="referenced")
+                self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                self.assertIn(words, done.stderr)
+
+    def test_bad_codes_in_a_pool_are_bad_input(self):
+        def edited(change_manifest=None, name=None, edit=None, scenario="quant_paged_fp8_prefix"):
+            with tempfile.TemporaryDirectory() as work:
+                self.drive("quant_paged_fp8_prefix", work, lambda exp: Fp8BlockManagerCache(exp))
+                trace = os.path.join(work, "trace")
+                if name:
+                    path = os.path.join(trace, name)
+                    np.save(path, edit(np.load(path)))
+                path = os.path.join(trace, "manifest.json")
+                with open(path) as f:
+                    m = json.load(f)
+                m["scenario"] = scenario
+                if change_manifest:
+                    change_manifest(m["steps"][0]["layers"][0]["paged"])
+                with open(path, "w") as f:
+                    json.dump(m, f)
+                return verify(scenario, trace)
+        for what, done, words in (
+                ("scales left out", edited(lambda p: p.pop("k_scales")),
+                 "/steps/0/layers/0/paged/k_scales: expected a file name: codes and scales come together"),
+                ("neither codes nor a pool", edited(lambda p: (p.pop("v_codes"), p.pop("v_scales"))),
+                 "/steps/0/layers/0/paged/value_cache: missing required field (a file name)"),
+                ("codes of another head_dim", edited(name="step000_l0_k_codes.npy", edit=lambda a: a[..., :8]),
+                 "step000_l0_k_codes.npy: expected codes of shape"),
+                ("a scale per element", edited(name="step000_l0_k_scales.npy",
+                                               edit=lambda a: np.repeat(a, 16, axis=-1)),
+                 "step000_l0_k_scales.npy: expected scales of shape"),
+                ("codes for an unquantized scenario", edited(scenario="paged_fork_then_prefix_hit"),
+                 "/steps/0/layers/0/paged/k_codes: the scenario quantizes no K: codes need its kv_quant")):
+            with self.subTest(what):
                 self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
                 self.assertIn(words, done.stderr)
 

@@ -196,6 +196,9 @@ def _is_trace(path):
         return False
 
 
+_CODE_NAMES = ("k_codes", "k_scales", "k_zero", "v_codes", "v_scales", "v_zero")  # SPEC 9.3
+
+
 class TraceWriter:
     """Writes a trace folder; nothing appears at `path` until close() succeeds, and a
     folder already there is replaced only if it is a trace. Use it as a context manager
@@ -245,7 +248,9 @@ class TraceWriter:
         slot_mapping [B, n] (written int64): the slot of each token the step computed, the
         row's tokens after its hit, in order, -1 as padding. With block_ids [k], the pools hold
         only those k blocks (key_cache [k, B, Hkv, D] in NHD): dump the blocks the tables
-        reference, not a pool of gigabytes."""
+        reference, not a pool of gigabytes. A quantized pool adds k_codes / v_codes in the
+        pool's layout ([blocks, B, Hkv, D] in NHD), k_scales / v_scales [blocks, B, Hkv,
+        groups] (and k_zero / v_zero), and may leave key_cache and value_cache out."""
         index = len(self.manifest["steps"])
         entry = []
         for l, tensors in enumerate(layers):
@@ -254,35 +259,33 @@ class TraceWriter:
             if paged is not None:
                 files["paged"] = {"block_size": int(paged["block_size"]), "layout": paged["layout"]}
                 for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens", "slot_mapping",
-                             "block_ids"):
-                    if paged.get(name) is None:
-                        continue
-                    file = "step%03d_l%d_%s.npy" % (index, l, name)
-                    x = to_numpy(paged[name])
-                    x = x.astype(self.dtype if name.endswith("_cache") else
-                                 np.int64 if name == "slot_mapping" else np.int32)
-                    np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
-                    files["paged"][name] = file
-            for name in ("keys", "values", "out", "q", "k_codes", "k_scales", "k_zero", "v_codes", "v_scales",
-                         "v_zero", "raw"):
-                if tensors.get(name) is None:
-                    continue
-                file = "step%03d_l%d_%s.npy" % (index, l, name)
-                x = to_numpy(tensors[name])
-                if name.endswith("_codes"):
-                    x = x.astype(np.int8 if x.min(initial=0) < 0 else np.uint8)
-                elif name.endswith("_zero"):
-                    x = x.astype(np.int32)
-                elif name == "raw":
-                    x = x.astype(np.uint8)
-                elif name.endswith("_scales"):
-                    x = x.astype(np.float32)
-                else:
-                    x = x.astype(self.dtype)
-                np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
-                files[name] = file
+                             "block_ids") + _CODE_NAMES:
+                    if paged.get(name) is not None:
+                        files["paged"][name] = self._save(index, l, name, paged[name])
+            for name in ("keys", "values", "out", "q", "raw") + _CODE_NAMES:
+                if tensors.get(name) is not None:
+                    files[name] = self._save(index, l, name, tensors[name])
             entry.append(files)
         self.manifest["steps"].append({"layers": entry})
+
+    def _save(self, index, l, name, tensor):
+        """One array of a step, in the type its name takes in the trace; returns the file name."""
+        x = to_numpy(tensor)
+        if name.endswith("_codes"):  # one code a byte: signed formats as int8, the others uint8
+            x = x.astype(np.int8 if x.min(initial=0) < 0 else np.uint8)
+        elif name.endswith("_zero") or name in ("block_table", "refcount", "hit_tokens"):
+            x = x.astype(np.int32)
+        elif name in ("slot_mapping", "block_ids"):
+            x = x.astype(np.int64)
+        elif name == "raw":
+            x = x.astype(np.uint8)
+        elif name.endswith("_scales"):
+            x = x.astype(np.float32)
+        else:  # keys, values, pools, out, q
+            x = x.astype(self.dtype)
+        file = "step%03d_l%d_%s.npy" % (index, l, name)
+        np.save(os.path.join(self.tmp, file), np.ascontiguousarray(x))
+        return file
 
     def skip_step(self):
         """A step whose state was not recorded (kvcheck checks nothing there)."""

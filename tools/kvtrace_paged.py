@@ -25,6 +25,15 @@ must offer (rows are batch indices; a method it lacks is a finding when a step n
     slot_mapping(layer, row, first, count)  optional: the slots for tokens first .. first + count - 1
                                      (default: from the table, as vLLM's runner computes it)
 
+A quantized cache (SPEC 9, vLLM's kv_cache_dtype fp8) owns how its pools are written and
+read, as vLLM's reshape_and_cache and attention kernels do; it then offers:
+
+    write_kv(layer, slots, k, v)     store rotated keys and values ([n, Hkv, D] float64) at the slots
+    read_kv(layer) -> (keys, values)   the pools as its attention reads them: floats in the pool layout
+    kv_codes(layer) -> dict          k_codes, k_scales (k_zero), v_codes, v_scales (v_zero) in the pool
+                                     layout ([blocks, B, Hkv, D] and [blocks, B, Hkv, groups] in NHD):
+                                     dumped instead of key_cache and value_cache
+
 `preempt` with mode "recompute" frees the row; `resume` starts it again with its whole
 history (prompt and generated ids) and recomputes what was not hit, without outputs.
 
@@ -210,6 +219,9 @@ class _PagedDriver:
         for j, slot in enumerate(slots):
             if not 0 <= slot < blocks * self.B:
                 self.fail(index, "layer %d row %d: token %d has no slot (%d) to be written to" % (l, b, lo + j, slot))
+        if hasattr(self.cache, "write_kv"):  # the cache quantizes as it stores
+            self.call(index, "write_kv", l, slots, k, v)
+            return
         for pool, x in ((keys, k), (values, v)):
             block, offset = np.array(slots) // self.B, np.array(slots) % self.B
             if hasattr(pool, "detach"):  # torch: index with tensors, values in the pool's dtype
@@ -227,8 +239,11 @@ class _PagedDriver:
         policy = self.exp.layer_policy(l)
         window = policy["window"] if policy["type"] == "sliding" else None
         table = self.table(index, l, b)
-        keys = kvtrace.to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
-        values = kvtrace.to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
+        if hasattr(self.cache, "read_kv"):  # the cache dequantizes as its attention reads
+            keys, values = (kvtrace.to_numpy(x).astype(np.float64) for x in self.call(index, "read_kv", l))
+        else:
+            keys = kvtrace.to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
+            values = kvtrace.to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
         if self.layout == "HND":
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
         uids = self.rows[b]["uids"]
@@ -259,12 +274,16 @@ class _PagedDriver:
             for b, t in enumerate(tables):
                 table[b, :len(t)] = t
             paged = {"block_size": self.B, "layout": self.layout, "block_table": table}
-            keys, values = self.call(index, "key_cache", l), self.call(index, "value_cache", l)
+            # A quantized pool is dumped as its codes and scales (kvcheck dequantizes them).
+            if hasattr(self.cache, "kv_codes"):
+                pools = dict(self.call(index, "kv_codes", l))
+            else:
+                pools = {"key_cache": self.call(index, "key_cache", l), "value_cache": self.call(index, "value_cache", l)}
             if self.dump == "referenced":  # only the blocks the tables reach (SPEC 8.9's block_ids)
                 ids = np.unique(table[table >= 0]).astype(np.int64)
                 paged["block_ids"] = ids
-                keys, values = kvtrace.to_numpy(keys)[ids], kvtrace.to_numpy(values)[ids]
-            paged["key_cache"], paged["value_cache"] = keys, values
+                pools = {name: kvtrace.to_numpy(x)[ids] for name, x in pools.items()}
+            paged.update(pools)
             if hasattr(self.cache, "refcount"):
                 paged["refcount"] = np.asarray(kvtrace.to_numpy(self.call(index, "refcount", l)), np.int32)
             if self.hits is not None:

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "tools/harness/npy.h"
 #include "tools/harness/scenario.h"
@@ -41,16 +42,38 @@ NpyArray<std::int64_t> integers(const std::string& path, const std::vector<std::
 }  // namespace
 
 void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& lengths, std::size_t kv_heads,
-                      std::size_t head_dim, const IdentifyValue& identify, ViewLayer& layer, PagedView& paged,
-                      std::size_t index, std::vector<std::vector<float>>& storage, double& roundoff) {
+                      std::size_t head_dim, const KvQuant* quant, const IdentifyValue& identify, ViewLayer& layer,
+                      PagedView& paged, std::size_t index, std::vector<std::vector<float>>& storage,
+                      double& roundoff) {
   const std::size_t rows = lengths.size();
   const auto B = static_cast<std::size_t>(f.block_size);
-  NpyArray<float> keys = pool_tensor(f.key_cache, f, kv_heads, head_dim, roundoff);
-  NpyArray<float> values = pool_tensor(f.value_cache, f, kv_heads, head_dim, roundoff);
-  const std::size_t dumped = keys.shape[0];
+  // SPEC 9.3: each tensor's codes in the pool's layout (rows of D), their scales per group.
+  std::optional<StoredRows> codes[2];
+  std::size_t dumped = 0;
+  for (int t = 0; t < 2; ++t) {
+    if (f.codes.codes[t].empty() || quant == nullptr) continue;
+    const TensorQuant& format = t == 0 ? *quant->k : *quant->v;
+    // Blocks: as many as an earlier tensor's codes, else any.
+    const std::vector<std::size_t> rows_shape = f.head_major ? std::vector<std::size_t>{dumped, kv_heads, B}
+                                                             : std::vector<std::size_t>{dumped, B, kv_heads};
+    codes[t] = StoredRows::read(f.codes, t, format, rows_shape, head_dim);
+    dumped = codes[t]->codes.shape[0];
+  }
+  const auto pool = [&](int t) {
+    const std::string& path = t == 0 ? f.key_cache : f.value_cache;
+    if (!path.empty()) return pool_tensor(path, f, kv_heads, head_dim, roundoff);
+    NpyArray<float> a{codes[t]->codes.shape, codes[t]->dequantized(t == 0 ? *quant->k : *quant->v, quant->transform)};
+    return a;
+  };
+  NpyArray<float> keys = pool(0);
+  NpyArray<float> values = pool(1);
+  if (dumped != 0 && keys.shape[0] != dumped)
+    throw InputError(f.key_cache, "", fmt::format("expected {} blocks, as the codes, got {}", dumped, keys.shape[0]));
+  dumped = keys.shape[0];
   if (values.shape != keys.shape)
-    throw InputError(f.value_cache, "", fmt::format("expected the key pool's shape {}, got {}", shape_string(keys.shape),
-                                                    shape_string(values.shape)));
+    throw InputError(f.value_cache.empty() ? f.codes.codes[1] : f.value_cache, "",
+                     fmt::format("expected the key pool's shape {}, got {}", shape_string(keys.shape),
+                                 shape_string(values.shape)));
   // Which row of the pools holds a block: the block id itself (the whole pool), or its
   // place in block_ids (only the blocks the tables reference were dumped).
   std::map<std::int64_t, std::size_t> listed;
@@ -168,6 +191,8 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
           s.slot = block * f.block_size + static_cast<std::int64_t>(o);
           s.uid = identify(b, static_cast<int>(g), v);
           s.key = key_data + p;
+          for (int t = 0; t < 2; ++t)
+            if (codes[t]) (t == 0 ? s.key_codes : s.value_codes) = codes[t]->unpacked(p / head_dim);
           layer.slots[b][g].push_back(s);
         }
     }

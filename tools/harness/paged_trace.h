@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tools/harness/cache_view.h"
+#include "tools/harness/trace_codes.h"
 
 namespace kvcheck {
 
@@ -20,6 +21,9 @@ struct PagedTraceFiles {
   std::string refcount, hit_tokens;                 // optional: [blocks], [rows]
   std::string slot_mapping;                         // optional: [rows, tokens], the step's computed tokens
   std::string block_ids;  // optional: [k], the blocks the pools' k rows hold (only those dumped)
+  // SPEC 9.3, optional: codes in the pool's layout, scales and zero points per group; a
+  // tensor with codes may leave its float pool out (key_cache or value_cache then empty).
+  CodeFiles codes;
 };
 
 // Which uid row `row`'s slot of kv head g holds, from its value vector (-1: none).
@@ -30,8 +34,9 @@ using IdentifyValue = std::function<std::int64_t(std::size_t row, int kv_head, c
 // Throws InputError naming the file for a shape, dtype or block id that does not fit.
 // Slots past a row's length (`lengths`, the reference's) are left out: a block is not zeroed
 // when it is reused, and no query reads them.
+// `quant` is the scenario's kv_quant (null: none): how the pool's codes read.
 void read_paged_layer(const PagedTraceFiles& files, const std::vector<std::size_t>& lengths, std::size_t kv_heads,
-                      std::size_t head_dim, const IdentifyValue& identify, ViewLayer& layer, PagedView& paged,
-                      std::size_t index, std::vector<std::vector<float>>& storage, double& roundoff);
+                      std::size_t head_dim, const KvQuant* quant, const IdentifyValue& identify, ViewLayer& layer,
+                      PagedView& paged, std::size_t index, std::vector<std::vector<float>>& storage, double& roundoff);
 
 }  // namespace kvcheck

@@ -21,6 +21,7 @@
 #include "tools/harness/quant_checks.h"
 #include "tools/harness/recovery.h"
 #include "tools/harness/safe_file.h"
+#include "tools/harness/trace_codes.h"
 
 namespace kvcheck {
 
@@ -33,7 +34,7 @@ struct TraceFiles {
   std::string keys, values, out, q;  // out and q optional
   // SPEC 9.3, optional: a quantized cache's codes [B, Hkv, slots, D], scales and zero points
   // [B, Hkv, slots, groups], per tensor.
-  std::string codes[2], scales[2], zeros[2];  // [0] keys, [1] values
+  CodeFiles codes;
   // SPEC 9 residual, optional: [B, slots], 1 where a slot holds its token unquantized (its
   // key and value are then those of `keys` and `values`, its codes are ignored).
   std::string raw;
@@ -59,14 +60,13 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
                                  const std::string& manifest, const Scenario& s) {
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(manifest, path, why); };
   if (!j.is_object()) fail(p, "expected an object");
-  static const std::set<std::string> known = {"block_size",  "layout",   "key_cache", "value_cache",
-                                              "block_table", "refcount", "hit_tokens", "slot_mapping",
-                                              "block_ids"};
+  static const std::set<std::string> known = {"block_size", "layout",     "key_cache",    "value_cache", "block_table",
+                                              "refcount",   "hit_tokens", "slot_mapping", "block_ids",   "k_codes",
+                                              "k_scales",   "k_zero",     "v_codes",      "v_scales",    "v_zero"};
   for (const auto& [key, value] : j.items())
     if (!known.count(key))
       fail(p + "/" + key, "unknown key (expected block_size, layout, key_cache, value_cache, block_table, refcount, "
-                          "hit_tokens, slot_mapping, block_ids)");
-  if (s.kv_quant) fail(p, "a paged trace of a quantized cache is not read yet (SPEC 8.9 with 9.3)");
+                          "hit_tokens, slot_mapping, block_ids, k_codes, k_scales, k_zero, v_codes, v_scales, v_zero)");
   PagedTraceFiles f;
   if (!j.contains("block_size") || !j["block_size"].is_number_integer() || j["block_size"].get<std::int64_t>() < 1 ||
       j["block_size"].get<std::int64_t>() > 65536)
@@ -85,8 +85,13 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
     if (!j[key].is_string()) fail(p + "/" + key, "expected a file name");
     return resolve_inside(dir, j[key].get<std::string>(), manifest, p + "/" + key);
   };
-  f.key_cache = file("key_cache", true);
-  f.value_cache = file("value_cache", true);
+  // SPEC 9.3 in a pool: codes [blocks, B, Hkv, D] (or HND), scales and zero points per group;
+  // a pool of floats may then be left out (the checker dequantizes the codes).
+  read_code_files(
+      j, p, s, [&](const std::string& key) { return file(key.c_str(), true); },
+      [&](const std::string& path, const std::string& why) { fail(path, why); }, f.codes);
+  f.key_cache = file("key_cache", f.codes.codes[0].empty());
+  f.value_cache = file("value_cache", f.codes.codes[1].empty());
   f.block_table = file("block_table", true);
   f.refcount = file("refcount", false);
   f.hit_tokens = file("hit_tokens", false);
@@ -202,26 +207,9 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
             fail(lp + "/raw", "a raw mask needs \"keys\" and \"values\": they hold the residual's unquantized tokens");
           f.raw = file("raw");
         }
-        for (int tensor = 0; tensor < 2; ++tensor) {
-          const std::string name = tensor == 0 ? "k" : "v";
-          const std::optional<TensorQuant>& quant = tensor == 0 ? (s.kv_quant ? s.kv_quant->k : std::nullopt)
-                                                                : (s.kv_quant ? s.kv_quant->v : std::nullopt);
-          const bool any = ls[l].contains(name + "_codes") || ls[l].contains(name + "_scales");
-          if (!any) continue;
-          if (!quant)
-            fail(lp + "/" + name + "_codes",
-                 fmt::format("the scenario quantizes no {}: codes need its kv_quant (SPEC 9)", tensor == 0 ? "K" : "V"));
-          for (const std::string& key : {name + "_codes", name + "_scales"})
-            if (!ls[l].contains(key)) fail(lp + "/" + key, "expected a file name: codes and scales come together");
-          f.codes[tensor] = file((name + "_codes").c_str());
-          f.scales[tensor] = file((name + "_scales").c_str());
-          const bool affine = quant->format == QuantFormat::int4 || quant->format == QuantFormat::int2;
-          if (affine != ls[l].contains(name + "_zero"))
-            fail(lp + "/" + name + "_zero", affine ? fmt::format("expected a file name: {} codes need their zero points",
-                                                                 to_string(quant->format))
-                                                   : fmt::format("{} has no zero points", to_string(quant->format)));
-          if (affine) f.zeros[tensor] = file((name + "_zero").c_str());
-        }
+        read_code_files(
+            ls[l], lp, s, [&](const std::string& key) { return file(key.c_str()); },
+            [&](const std::string& path, const std::string& why) { fail(path, why); }, f.codes);
         layers.push_back(f);
       }
     }
@@ -247,45 +235,6 @@ NpyArray<float> load(const std::string& path, std::vector<std::size_t> expected,
       want += (i ? ", " : "") + (any_third && i == 2 ? std::string("slots") : std::to_string(expected[i]));
     throw InputError(path, "", fmt::format("expected {} of shape {}], got {}", what, want, shape_string(a.shape)));
   }
-  return a;
-}
-
-// SPEC 9.3's codes or zero points (int8, uint8 or int32) of exactly this shape.
-// Codes as SPEC 9.3 reads them whatever byte type they came in: fp8 bit patterns 0..255,
-// int8 and q8_0 signed, q4_0 and int4 0..15, int2 0..3 (anything else is bad input).
-void normalize_codes(QuantFormat format, const std::string& path, std::vector<std::int32_t>& codes) {
-  int lo = 0, hi = 255;
-  switch (format) {
-    case QuantFormat::fp8_e4m3:
-    case QuantFormat::fp8_e5m2:
-      for (std::int32_t& c : codes) c &= 0xFF;
-      return;
-    case QuantFormat::int8:
-    case QuantFormat::q8_0:
-      for (std::int32_t& c : codes)
-        if (c > 127 && c <= 255) c -= 256;  // written as uint8
-      lo = -128, hi = 127;
-      break;
-    case QuantFormat::q4_0:
-    case QuantFormat::int4:
-      hi = 15;
-      break;
-    case QuantFormat::int2:
-      hi = 3;
-      break;
-  }
-  for (std::int32_t c : codes)
-    if (c < lo || c > hi)
-      throw InputError(path, "", fmt::format("a {} code of {}: expected {} to {}", to_string(format), c, lo, hi));
-}
-
-// any_slots: the third dimension (slots) may be anything.
-NpyArray<std::int32_t> load_codes(const std::string& path, std::vector<std::size_t> expected, bool any_slots) {
-  NpyArray<std::int32_t> a = read_npy_codes(path);
-  if (any_slots && a.shape.size() == expected.size()) expected[2] = a.shape[2];
-  if (a.shape != expected)
-    throw InputError(path, "", fmt::format("expected codes of shape {}, got {}", shape_string(expected),
-                                           shape_string(a.shape)));
   return a;
 }
 
@@ -337,7 +286,8 @@ class TraceSource {
         };
         std::vector<std::size_t> lengths;
         for (const RowHistory& h : rec.histories) lengths.push_back(h.size());
-        read_paged_layer(*f.paged, lengths, Hkv, D, id, layer, *view.paged, l, view.storage, view.roundoff);
+        read_paged_layer(*f.paged, lengths, Hkv, D, s_.kv_quant ? &*s_.kv_quant : nullptr, id, layer, *view.paged, l,
+                         view.storage, view.roundoff);
         outputs_and_queries(rec, f, layer, view);
         view.layers.push_back(std::move(layer));
         continue;
@@ -349,18 +299,12 @@ class TraceSource {
         slots = key_file->shape[2];
       }
       // SPEC 9.3: codes of the same slots, scales and zero points per group.
-      std::optional<NpyArray<std::int32_t>> codes[2], zeros[2];
-      std::optional<NpyArray<float>> scales[2];
+      std::optional<StoredRows> codes[2];
       for (int t = 0; t < 2; ++t) {
-        if (f.codes[t].empty()) continue;
+        if (f.codes.codes[t].empty()) continue;
         const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
-        const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(quant, static_cast<int>(D)));
-        codes[t] = load_codes(f.codes[t], {B, Hkv, slots, D}, slots == 0);
-        slots = codes[t]->shape[2];
-        normalize_codes(quant.format, f.codes[t], codes[t]->data);
-        double ignored = 0.0;
-        scales[t] = load(f.scales[t], {B, Hkv, slots, G}, "scales [B, Hkv, slots, groups]", false, ignored);
-        if (!f.zeros[t].empty()) zeros[t] = load_codes(f.zeros[t], {B, Hkv, slots, G}, false);
+        codes[t] = StoredRows::read(f.codes, t, quant, {B, Hkv, slots}, D);  // slots 0: any
+        slots = codes[t]->codes.shape[2];
       }
       // Which slots hold their token raw (SPEC 9's residual).
       std::optional<NpyArray<std::int32_t>> raw;
@@ -375,22 +319,7 @@ class TraceSource {
       // Left out: what the codes stand for, the transform undone.
       const auto dequantized = [&](int t) {
         const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
-        const std::size_t G = scales[t]->shape[3];
-        NpyArray<float> out{{B, Hkv, slots, D}, std::vector<float>(B * Hkv * slots * D)};
-        std::vector<double> row(D);
-        for (std::size_t r = 0; r < B * Hkv * slots; ++r) {
-          reference::QuantizedRow q;
-          q.codes.assign(codes[t]->data.begin() + static_cast<std::ptrdiff_t>(r * D),
-                         codes[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * D));
-          q.scales.assign(scales[t]->data.begin() + static_cast<std::ptrdiff_t>(r * G),
-                          scales[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * G));
-          if (zeros[t])
-            q.zeros.assign(zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(r * G),
-                           zeros[t]->data.begin() + static_cast<std::ptrdiff_t>((r + 1) * G));
-          reference::dequantize_stored(quant, s_.kv_quant->transform, q, row.data());
-          std::copy(row.begin(), row.end(), out.data.begin() + static_cast<std::ptrdiff_t>(r * D));
-        }
-        return out;
+        return NpyArray<float>{{B, Hkv, slots, D}, codes[t]->dequantized(quant, s_.kv_quant->transform)};
       };
       NpyArray<float> keys = key_file ? std::move(*key_file) : dequantized(0);
       NpyArray<float> values =
@@ -413,18 +342,7 @@ class TraceSource {
             s.key = key_data + at;
             s.raw = raw && raw->data[b * slots + slot] != 0;
             for (int t = 0; t < 2; ++t)
-              if (codes[t] && !s.raw) {
-                optimized::UnpackedRow row;
-                row.codes.assign(codes[t]->data.begin() + static_cast<std::ptrdiff_t>(at),
-                                 codes[t]->data.begin() + static_cast<std::ptrdiff_t>(at + D));
-                const std::size_t G = scales[t]->shape[3], gat = ((b * Hkv + g) * slots + slot) * G;
-                row.scales.assign(scales[t]->data.begin() + static_cast<std::ptrdiff_t>(gat),
-                                  scales[t]->data.begin() + static_cast<std::ptrdiff_t>(gat + G));
-                if (zeros[t])
-                  row.zeros.assign(zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(gat),
-                                   zeros[t]->data.begin() + static_cast<std::ptrdiff_t>(gat + G));
-                (t == 0 ? s.key_codes : s.value_codes) = std::move(row);
-              }
+              if (codes[t] && !s.raw) (t == 0 ? s.key_codes : s.value_codes) = codes[t]->unpacked(at / D);
             layer.slots[b][g].push_back(s);
           }
       outputs_and_queries(rec, f, layer, view);
