@@ -174,9 +174,9 @@ struct Capture {
   std::map<std::string, std::vector<float>> tensors;
   // llama.cpp multiplied K (V) by a Hadamard matrix before storing it (quantized cells): a
   // MUL_MAT whose first source is named attn_inp_k_rot (attn_inp_v_rot). With V rotated,
-  // kqv_out is still in the rotated basis (measured), one reason q8_0 V is refused.
+  // kqv_out is still in the rotated basis (measured): the driver multiplies it back.
   bool keys_hadamard = false, values_hadamard = false;
-  std::int64_t rotation_size = 0;  // the Hadamard matrix's ne[0]
+  std::int64_t rotation_size[2] = {0, 0};  // K's and V's Hadamard matrix's ne[0]
   std::string unreadable;          // a wanted tensor of a type this driver does not read
 };
 
@@ -199,8 +199,10 @@ bool on_tensor(void* t, bool ask, void* user) {
     if (src0 != nullptr && std::strcmp(c.api->ggml_op_name(op), "MUL_MAT") == 0) {
       const std::string factor = c.api->ggml_get_name(src0);
       if (factor == "attn_inp_k_rot" || factor == "attn_inp_v_rot") {
-        (factor == "attn_inp_k_rot" ? c.keys_hadamard : c.values_hadamard) = true;
-        std::memcpy(&c.rotation_size, static_cast<const char*>(src0) + tensor_offset::ne, sizeof c.rotation_size);
+        const bool value = factor == "attn_inp_v_rot";
+        (value ? c.values_hadamard : c.keys_hadamard) = true;
+        std::memcpy(&c.rotation_size[value ? 1 : 0], static_cast<const char*>(src0) + tensor_offset::ne,
+                    sizeof c.rotation_size[0]);
       }
     }
   }
@@ -255,6 +257,16 @@ const std::vector<float>& captured(const Capture& c, const std::string& name, co
   throw std::runtime_error(fmt::format("the graph had no {} ({}): another llama.cpp graph", name, ops.front()));
 }
 
+// Whether the scenario declares the q8_0 cells as SPEC 9 describes them (codes checked
+// exactly, outputs against R_stored): without flash attention; with it, when V is q8_0 too
+// (the kernel then reads both through q8_0's dot product and dequantized rows). q8_0 K under
+// flash attention with a float V is judged at bfloat16's tolerance instead (the kernel
+// rounds to float16): its error, d / 2 = amax / 254 per element of a block, is bfloat16's
+// unit roundoff 2^-8 of the block's largest element.
+bool exact_q8_0(const Options& o) {
+  return (o.type_k == GgmlType::q8_0 && !o.flash_attn) || o.type_v == GgmlType::q8_0;
+}
+
 // Each D-vector of `x` multiplied by the normalized Sylvester Hadamard matrix (its own
 // inverse): H_ij = (-1)^popcount(i & j) / sqrt(D), D a power of two.
 void unrotate_hadamard(std::vector<float>& x, std::size_t D) {
@@ -284,9 +296,8 @@ void write_atomically(const fs::path& path, const std::string& text) {
 int run(const Options& o) {
   const Scenario s = load_scenario(o.scenario);
   require_supported(s);
-  if (o.type_v == GgmlType::q8_0)
-    throw Unsupported("--type-v q8_0: llama.cpp quantizes V only under flash attention, whose output this driver "
-                      "captures still in the Hadamard basis: not driven yet (K in q8_0 is checked code for code)");
+  if (o.type_v == GgmlType::q8_0 && !o.flash_attn)
+    throw Unsupported("--type-v q8_0: llama.cpp quantizes V only under flash attention: add --flash-attn on");
   if (o.type_k == GgmlType::q4_0 || o.type_v == GgmlType::q4_0)
     throw Unsupported("--type-k/--type-v q4_0: not read yet (SPEC 9)");
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
@@ -417,11 +428,15 @@ int run(const Options& o) {
               keys[dst] = held[b].layers[static_cast<std::size_t>(l)].k[src];
               values[dst] = held[b].layers[static_cast<std::size_t>(l)].v[src];
             }
-      if ((capture.keys_hadamard || capture.values_hadamard) &&
-          (capture.rotation_size != D || (Ds & (Ds - 1)) != 0))
-        throw std::runtime_error(fmt::format("llama.cpp's Hadamard rotation is {} wide at head_dim {}: not the "
-                                             "normalized Sylvester matrix of the head this driver undoes",
-                                             capture.rotation_size, D));
+      // SPEC 9's transform is the head's own D x D matrix; llama.cpp may rotate in narrower
+      // blocks (V at head_dim 128: 64 wide), which the scenario cannot declare yet.
+      for (const bool value : {false, true})
+        if ((value ? capture.values_hadamard : capture.keys_hadamard) &&
+            (capture.rotation_size[value ? 1 : 0] != D || (Ds & (Ds - 1)) != 0))
+          throw Unsupported(fmt::format("llama.cpp rotates {} by a Hadamard matrix {} wide at head_dim {}: SPEC 9's "
+                                        "transform is the head's own {} x {} matrix, so this cache cannot be declared "
+                                        "(not driven yet)",
+                                        value ? "V" : "K", capture.rotation_size[value ? 1 : 0], D, D, D));
       if (capture.keys_hadamard) unrotate_hadamard(keys, Ds);  // H R(p) k back to R(p) k
       if (capture.values_hadamard) unrotate_hadamard(values, Ds);
       const std::string stem = fmt::format("step{:03d}_l{}_", i, l);
@@ -431,8 +446,8 @@ int run(const Options& o) {
       json files = {{"keys", stem + "keys.npy"}, {"values", stem + "values.npy"}};
       // q8_0 cells as stored (SPEC 9.3): the codes and scales the checker compares exactly.
       for (const bool value : {false, true}) {
-        // Only where the scenario declares kv_quant (not under flash attention: see below).
-        if ((value ? o.type_v : o.type_k) != GgmlType::q8_0 || o.flash_attn) continue;
+        // Only where the scenario declares kv_quant (see below).
+        if ((value ? o.type_v : o.type_k) != GgmlType::q8_0 || !exact_q8_0(o)) continue;
         const std::size_t G = Ds / 32;
         std::vector<std::int8_t> codes(B * Hkvs * slots * Ds, 0);
         std::vector<float> scales(B * Hkvs * slots * G, 0.0f);
@@ -595,7 +610,10 @@ int run(const Options& o) {
         const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE"}, kv_size);
         const auto& vp = captured(capture, "Vcur-" + tag, {"RESHAPE", "VIEW", "MUL_MAT"}, kv_size);
         const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"}, q_size);
-        const auto& kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"}, q_size);
+        std::vector<float> kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"}, q_size);
+        // With V stored as H v, the attention output is H out until llama.cpp multiplies it
+        // back after kqv_out: undone here, per head.
+        if (capture.values_hadamard) unrotate_hadamard(kqv, static_cast<std::size_t>(D));
         for (std::int32_t j = 0; j < count; ++j) {
           const Entry& e = entries[static_cast<std::size_t>(j)];
           const auto ls = static_cast<std::size_t>(l), place = static_cast<std::size_t>(e.place);
@@ -641,21 +659,22 @@ int run(const Options& o) {
   scenario.erase("seed");
   scenario["inputs"] = {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}};
   scenario["rope"]["layout"] = "interleaved";
-  // A q8_0 K cache is declared as SPEC 9 describes it (blocks of 32, float16 scales, the
-  // Hadamard transform when llama.cpp applied one): its codes are checked exactly and its
-  // outputs against R_stored. Under flash attention the kernel also rounds to float16, so
-  // q8_0 is judged there at bfloat16's tolerance instead: its error, d / 2 = amax / 254 per
-  // element of a block, is bfloat16's unit roundoff 2^-8 of the block's largest element.
-  const bool exact_q8_0 = o.type_k == GgmlType::q8_0 && !o.flash_attn;
+  // A q8_0 cache is declared as SPEC 9 describes it (blocks of 32, float16 scales, the
+  // Hadamard transform when llama.cpp applied one); see exact_q8_0.
   // ggml's CPU matmul converts Q to q8_0, the dot-product type of q8_0 K, before K Q:
   // declared, so R_stored quantizes the query the same way (kvcheck's `query` extension).
-  if (exact_q8_0)
-    scenario["kv_quant"] = {{"k", {{"format", "q8_0"}}},
-                            {"transform", capture.keys_hadamard ? "hadamard" : "none"},
-                            {"query", "q8_0"}};
+  if (exact_q8_0(o)) {
+    json q = {{"transform", capture.keys_hadamard || capture.values_hadamard ? "hadamard" : "none"}};
+    if (o.type_k == GgmlType::q8_0) q["k"] = {{"format", "q8_0"}}, q["query"] = "q8_0";
+    if (o.type_v == GgmlType::q8_0) q["v"] = {{"format", "q8_0"}};
+    scenario["kv_quant"] = q;
+  }
   const bool bf16 = o.type_k == GgmlType::bf16 || o.type_v == GgmlType::bf16 ||
-                    (o.type_k == GgmlType::q8_0 && !exact_q8_0) || o.type_v == GgmlType::q8_0;
-  const bool half = o.type_k == GgmlType::f16 || o.type_v == GgmlType::f16 || o.flash_attn;
+                    (o.type_k == GgmlType::q8_0 && !exact_q8_0(o));
+  // Flash attention works in float16 over float cells; over q8_0 K and V it dots q8_0 codes
+  // and accumulates dequantized rows in float32 (measured: within float32's tolerance).
+  const bool q8_0_both = o.type_k == GgmlType::q8_0 && o.type_v == GgmlType::q8_0;
+  const bool half = o.type_k == GgmlType::f16 || o.type_v == GgmlType::f16 || (o.flash_attn && !q8_0_both);
   scenario["kv_dtype"] = bf16 ? "bfloat16" : half ? "float16" : "float32";
   write_atomically(fs::path(o.out) / "scenario.json", scenario.dump(2) + "\n");
   const json manifest = {{"format", "kvcheck-trace-1"},
