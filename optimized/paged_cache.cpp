@@ -145,8 +145,7 @@ void PagedCache::take_prefix_hit(int b, const Chunk& chunk) {
     }
   }
   hits_[static_cast<std::size_t>(b)] = blocks * B;
-  row.length = blocks * B;
-  lengths_[static_cast<std::size_t>(b)] = row.length;
+  lengths_[static_cast<std::size_t>(b)] = blocks * B;
 }
 
 // Row by row, as a scheduler admits requests: a starting row takes its hit, then every row's
@@ -161,7 +160,7 @@ void PagedCache::schedule(const Chunk& chunk) {
     for (std::int64_t i = 0; i < n; ++i)
       row.ids.push_back(chunk.ids.empty() ? static_cast<std::uint64_t>(chunk.uids[b * chunk.length + pad + i])
                                           : chunk.ids[b * chunk.length + pad + i]);
-    if (row.length == 0 && row.ids.size() == static_cast<std::size_t>(n)) {
+    if (lengths_[static_cast<std::size_t>(b)] == 0 && row.ids.size() == static_cast<std::size_t>(n)) {
       if (!chunk.extras.empty()) row.extras = chunk.extras[static_cast<std::size_t>(b)];
       if (row.prompt == 0) row.prompt = n;  // a recompute keeps the prompt it had
       take_prefix_hit(b, chunk);
@@ -266,7 +265,7 @@ void PagedCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
     for (std::int64_t first = lengths_[static_cast<std::size_t>(b)]; first < end; first += step) {
       const std::int64_t count = std::min(step, end - first);
       run_forward(chunk, out, log, b, first, count);
-      row.length = lengths_[static_cast<std::size_t>(b)] = first + count;
+      lengths_[static_cast<std::size_t>(b)] = first + count;
       register_full_blocks(b, first, first + count);
       free_behind_window(b);
     }
@@ -360,7 +359,7 @@ void PagedCache::cut_row(int b, std::int64_t length) {
   Row& row = rows_[static_cast<std::size_t>(b)];
   row.ids.resize(static_cast<std::size_t>(length));
   if (static_cast<std::int64_t>(row.keys.size()) > length / B) row.keys.resize(static_cast<std::size_t>(length / B));
-  row.length = lengths_[static_cast<std::size_t>(b)] = length;
+  lengths_[static_cast<std::size_t>(b)] = length;
 }
 
 // Swap: each layer's blocks are copied out and released; recompute: released, the row

@@ -108,8 +108,7 @@ class PagedCache : public KvCache {
     SlotStore slots;  // one row, B slots per present entry
   };
   struct Row {
-    std::int64_t length = 0;
-    std::int64_t prompt = 0;  // tokens of the append that started it
+    std::int64_t prompt = 0;  // tokens of the append that started it (its length is lengths_'s)
     RowExtras extras;
     std::vector<Swapped> swapped;  // per layer, while swapped out
     std::vector<std::uint64_t> ids;   // every token id so far (the open block's complete a key)

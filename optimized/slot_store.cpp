@@ -29,7 +29,7 @@ void SlotStore::hold_raw(Storage storage) {
 
 void SlotStore::write_raw(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot,
                           const float* x) {
-  float* out = data[static_cast<std::size_t>(layer)].data() + raw_at(layer, row, kv_head, slot);
+  float* out = data[static_cast<std::size_t>(layer)].data() + raw_at(row, kv_head, slot);
   if (raw_storage_ == Storage::float32) {
     std::copy_n(x, head_dim_, out);
     return;
@@ -42,11 +42,12 @@ void SlotStore::write_raw(std::vector<std::vector<float>>& data, int layer, int 
 
 void SlotStore::read_raw(const std::vector<std::vector<float>>& data, int layer, int row, int kv_head,
                          std::int64_t slot, float* x) const {
-  std::copy_n(data[static_cast<std::size_t>(layer)].data() + raw_at(layer, row, kv_head, slot), head_dim_, x);
+  std::copy_n(data[static_cast<std::size_t>(layer)].data() + raw_at(row, kv_head, slot), head_dim_, x);
 }
 
 void SlotStore::quantize_slot(int row, std::int64_t slot) {
-  std::vector<float> x(static_cast<std::size_t>(head_dim_));
+  std::vector<float>& x = flush_row_;
+  x.resize(static_cast<std::size_t>(head_dim_));  // allocates once
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
       // From the values it is held as: its float row while raw, what its codes stand for after.
@@ -145,10 +146,10 @@ void SlotStore::copy_raw_run(const SlotStore& src, int layer, int from_row, int 
   if (!holds_raw_) return;
   const auto l = static_cast<std::size_t>(layer);
   const std::size_t n = slots * head_dim_;
-  std::copy_n(src.raw_k_[l].data() + src.raw_at(layer, from_row, kv_head, from_slot), n,
-              raw_k_[l].data() + raw_at(layer, row, kv_head, to));
-  std::copy_n(src.raw_v_[l].data() + src.raw_at(layer, from_row, kv_head, from_slot), n,
-              raw_v_[l].data() + raw_at(layer, row, kv_head, to));
+  std::copy_n(src.raw_k_[l].data() + src.raw_at(from_row, kv_head, from_slot), n,
+              raw_k_[l].data() + raw_at(row, kv_head, to));
+  std::copy_n(src.raw_v_[l].data() + src.raw_at(from_row, kv_head, from_slot), n,
+              raw_v_[l].data() + raw_at(row, kv_head, to));
 }
 
 }  // namespace kvcheck::optimized

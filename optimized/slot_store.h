@@ -108,8 +108,8 @@ class SlotStore {
     return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * bytes;
   }
 
-  std::size_t raw_at(int layer, int row, int kv_head, std::int64_t slot) const {
-    (void)layer;
+  // Where a slot's float row starts in one layer's raw_k_ or raw_v_.
+  std::size_t raw_at(int row, int kv_head, std::int64_t slot) const {
     return ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * head_dim_;
   }
   void write_raw(std::vector<std::vector<float>>& data, int layer, int row, int kv_head, std::int64_t slot,
@@ -128,6 +128,7 @@ class SlotStore {
   RowFormat key_format_, value_format_;
   std::size_t key_bytes_ = 0, value_bytes_ = 0;  // one row of each
   std::vector<float> scratch_;                   // head_dim floats for a transform
+  std::vector<float> flush_row_;                 // head_dim floats: a row quantized at a flush
   std::int64_t capacity_ = 0;
   std::vector<std::vector<std::byte>> k_, v_;  // per layer
   std::vector<SlotMeta> meta_;             // [row][slot]
