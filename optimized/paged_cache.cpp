@@ -118,7 +118,6 @@ void PagedCache::make_writable(int layer, int b, std::int64_t logical) {
 }
 
 void PagedCache::take_prefix_hit(int b, const Chunk& chunk) {
-  Row& row = rows_[static_cast<std::size_t>(b)];
   const std::int64_t n = chunk.counts[static_cast<std::size_t>(b)];
   const std::int64_t B = paging_.block_size;
   std::int64_t blocks = 0;
