@@ -56,7 +56,7 @@ class PathChecks {
     std::vector<float> out, allowed;
   };
   bool enabled_ = false;
-  int heads_ = 1, head_dim_ = 1;
+  int head_dim_ = 1;
   // (layer, context key, path) -> the first computations of that token on that path, one
   // per distinct expected output.
   std::map<std::tuple<int, std::uint64_t, bool>, std::vector<Seen>> seen_;
