@@ -25,9 +25,11 @@ class WorkerPool;
 struct QueryPlan {
   std::int64_t index = 0;                // token index t of the query
   std::int64_t sink_end = 0;             // slots of tokens with index < sink_end are sinks
-  std::int64_t window_begin = 0;         // other slots are visible iff window_begin <= index <= t
+  std::int64_t window_begin = 0;         // other slots are visible iff window_begin <= index <= t (causal)
   std::int64_t query_position = 0;       // rotation of the query against window keys
   std::int64_t sink_query_position = 0;  // against sink keys (differs only in sink_ring)
+  std::int64_t sees_ahead = 0;           // slots of index <= index + sees_ahead are visible: 0 is causal,
+                                         // and only a zoo mutant reads ahead
 };
 
 // One visible (query, key) pair as the kernel used it: the integers SPEC 5.3 checks.

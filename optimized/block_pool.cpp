@@ -40,16 +40,17 @@ void BlockPool::retain(std::int64_t block) {
   ++refcount_[i];
 }
 
-void BlockPool::release(std::int64_t block) {
+bool BlockPool::release(std::int64_t block) {
   const auto i = static_cast<std::size_t>(block);
   if (refcount_[i] <= 0) throw std::logic_error("block " + std::to_string(block) + " released with no reference");
-  if (--refcount_[i] > 0) return;
+  if (--refcount_[i] > 0) return false;
   if (prefix_cache_ && key_[i]) {
     cached_at_[i] = cached_.insert(cached_.end(), block);
     is_cached_[i] = true;
-  } else {
-    make_free(block);
+    return false;
   }
+  make_free(block);
+  return true;
 }
 
 void BlockPool::register_full(std::int64_t block, std::uint64_t key) {
@@ -64,15 +65,18 @@ std::optional<std::int64_t> BlockPool::lookup(std::uint64_t key) const {
   return it->second;
 }
 
-void BlockPool::evict(std::int64_t count, bool forget) {
+std::vector<std::int64_t> BlockPool::evict(std::int64_t count, bool forget) {
+  std::vector<std::int64_t> evicted;
   while (!cached_.empty() && count != 0) {
     const std::int64_t block = cached_.front();
     cached_.pop_front();
     is_cached_[static_cast<std::size_t>(block)] = false;
     if (forget) unregister(block);
     free_.push_back(block);
+    evicted.push_back(block);
     if (count > 0) --count;
   }
+  return evicted;
 }
 
 void BlockPool::unregister(std::int64_t block) {

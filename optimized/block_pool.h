@@ -25,8 +25,9 @@ class BlockPool {
   std::optional<std::int64_t> allocate(bool forget = true);
   // One more reference (a fork, a prefix hit); a cached block leaves the eviction list.
   void retain(std::int64_t block);
-  // One reference fewer; at zero the block is cached (registered, with a prefix cache) or free.
-  void release(std::int64_t block);
+  // One reference fewer; at zero the block is cached (registered, with a prefix cache) or
+  // free. True when it became free.
+  bool release(std::int64_t block);
   // A full block enters the prefix index under `key` (a block already there keeps it).
   void register_full(std::int64_t block, std::uint64_t key);
   // The registered block for `key`, or nullopt.
@@ -34,8 +35,8 @@ class BlockPool {
   // Drops a block's index entry (a block a crop cuts is no longer full).
   void unregister(std::int64_t block);
   // Drops `count` cached blocks (every one when count < 0), least recently used first:
-  // their index entries go, they become free.
-  void evict(std::int64_t count, bool forget = true);
+  // their index entries go, they become free. Returns them.
+  std::vector<std::int64_t> evict(std::int64_t count, bool forget = true);
 
   std::int32_t refcount(std::int64_t block) const { return refcount_[static_cast<std::size_t>(block)]; }
   const std::vector<std::int32_t>& refcounts() const { return refcount_; }

@@ -56,6 +56,7 @@ struct CacheConfig {
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
   std::optional<PagedLayout> paging;            // the paged cache's pool
   std::optional<Residual> residual;             // quantized stores holding some tokens raw (SPEC 9)
+  bool poison_blocks = false;                   // paged: new and freed blocks hold marked NaNs (poison.h)
 };
 
 // What a row carries besides its tokens (SPEC 8.1): a prefix may be reused only under the

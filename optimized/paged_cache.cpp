@@ -33,6 +33,7 @@ PagedCache::PagedCache(const CacheConfig& config)
     pools_.emplace_back(1, config.kv_heads, config.head_dim, key_format(config), value_format(config));
     pools_.back().reset(1, paging_.num_blocks * paging_.block_size);
     blocks_.emplace_back(paging_.num_blocks, paging_.prefix_cache);
+    poisoned_.emplace_back(static_cast<std::size_t>(paging_.num_blocks), 0);
     sink_logits_.push_back(config.sink_logits.empty()
                                ? std::vector<std::vector<float>>{}
                                : std::vector<std::vector<float>>{config.sink_logits[static_cast<std::size_t>(l)]});
@@ -74,14 +75,28 @@ std::uint64_t PagedCache::key_of_block(int b, std::int64_t logical) {
   return row.keys[static_cast<std::size_t>(logical)];
 }
 
+// A block taken for new data: its slots empty (and poisoned, when asked).
 void PagedCache::clear_block(int layer, std::int64_t block) {
+  if (config_.poison_blocks) return poison_block(layer, block, PoisonKind::never_written);
   SlotStore& pool = pools_[static_cast<std::size_t>(layer)];
   for (std::int64_t s = 0; s < paging_.block_size; ++s) pool.clear_slot(0, block * paging_.block_size + s);
 }
 
+void PagedCache::poison_block(int layer, std::int64_t block, PoisonKind kind) {
+  std::int64_t& epoch = poisoned_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(block)];
+  const std::uint32_t bits = poison_bits(kind, block, epoch++);
+  SlotStore& pool = pools_[static_cast<std::size_t>(layer)];
+  for (std::int64_t s = 0; s < paging_.block_size; ++s) pool.poison_slot(0, block * paging_.block_size + s, bits);
+}
+
+void PagedCache::release_block(int layer, std::int64_t block) {
+  if (blocks_[static_cast<std::size_t>(layer)].release(block) && config_.poison_blocks)
+    poison_block(layer, block, PoisonKind::freed);
+}
+
 void PagedCache::release_table(int layer, std::vector<std::int64_t>& table) {
   for (std::int64_t block : table)
-    if (block >= 0) blocks_[static_cast<std::size_t>(layer)].release(block);
+    if (block >= 0) release_block(layer, block);
   table.clear();
 }
 
@@ -113,7 +128,7 @@ void PagedCache::make_writable(int layer, int b, std::int64_t logical) {
   SlotStore& store = pools_[static_cast<std::size_t>(layer)];
   for (std::int64_t s = 0; s < paging_.block_size; ++s)
     store.copy_slot(store, 0, entry * paging_.block_size + s, 0, *copy * paging_.block_size + s);
-  pool.release(entry);
+  release_block(layer, entry);
   entry = *copy;
 }
 
@@ -173,6 +188,31 @@ void PagedCache::schedule(const Chunk& chunk) {
   }
 }
 
+// The forward that writes token t of row b starts here (forwards of `forward` tokens from
+// the row's length before the append; 0: one forward).
+std::int64_t PagedCache::forward_first(int b, std::int64_t t, std::int64_t forward) const {
+  const std::int64_t from = lengths_[static_cast<std::size_t>(b)];
+  return forward > 0 ? from + (t - from) / forward * forward : from;
+}
+
+// Every new token's slot gets its metadata before any forward runs: the slot mapping.
+void PagedCache::map_slots(const Chunk& chunk) {
+  for (int b = 0; b < batch(); ++b) {
+    const std::int64_t n = chunk.counts[static_cast<std::size_t>(b)];
+    const auto end = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size());
+    const std::int64_t start = end - n, pad = chunk.length - n;
+    for (int l = 0; l < config_.layers; ++l) {
+      const auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+      for (std::int64_t t = lengths_[static_cast<std::size_t>(b)]; t < end; ++t) {
+        const std::int64_t slot = write_slot(table, t);
+        if (slot < 0) continue;  // run_forward names it
+        pools_[static_cast<std::size_t>(l)].meta(0, slot) = {chunk.uids[b * chunk.length + pad + t - start], t,
+                                                             position_of(t, forward_first(b, t, chunk.forward), start)};
+      }
+    }
+  }
+}
+
 void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log, int b,
                              std::int64_t first, std::int64_t count) {
   const std::int64_t B = paging_.block_size, D = config_.head_dim, Hkv = config_.kv_heads;
@@ -204,7 +244,8 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     const std::int64_t w = window(l);
     for (std::int64_t t = first; t < first + count; ++t) {
       const std::int64_t position = position_of(t, first, start);
-      plans_.push_back({pad + t - start, QueryPlan{t, 0, window_begin(t, w, first, start), position, position}});
+      plans_.push_back({pad + t - start, QueryPlan{t, 0, window_begin(t, w, first, start), position, position,
+                                                   keys_ahead(t, first + count, start + n)}});
     }
     std::vector<SlotSource> sources;
     for (std::int64_t block : table)
@@ -245,7 +286,7 @@ void PagedCache::free_behind_window(int b) {
                                                       static_cast<std::int64_t>(table.size()));
     for (std::int64_t i = 0; i < first; ++i)
       if (table[static_cast<std::size_t>(i)] >= 0) {
-        blocks_[static_cast<std::size_t>(l)].release(table[static_cast<std::size_t>(i)]);
+        release_block(l, table[static_cast<std::size_t>(i)]);
         table[static_cast<std::size_t>(i)] = -1;
       }
   }
@@ -257,6 +298,7 @@ void PagedCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
   for (std::size_t b = 0; b < lengths_.size(); ++b) longest[b] = lengths_[b];
   cover_chunk(rope_, longest, chunk);
   schedule(chunk);
+  map_slots(chunk);
   for (int b = 0; b < batch(); ++b) {
     Row& row = rows_[static_cast<std::size_t>(b)];
     const auto end = static_cast<std::int64_t>(row.ids.size());
@@ -311,7 +353,9 @@ void PagedCache::free_rows(const std::vector<int>& rows) {
 }
 
 void PagedCache::evict(std::int64_t count) {
-  for (BlockPool& pool : blocks_) pool.evict(count, forget_evicted());
+  for (int l = 0; l < config_.layers; ++l)
+    for (std::int64_t block : blocks_[static_cast<std::size_t>(l)].evict(count, forget_evicted()))
+      if (config_.poison_blocks) poison_block(l, block, PoisonKind::freed);
 }
 
 // The cropped row's last token needs the window that ends at it, in every sliding layer.
@@ -346,13 +390,23 @@ void PagedCache::cut_row(int b, std::int64_t length) {
     auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
     const std::size_t keep = static_cast<std::size_t>((length + B - 1) / B);
     for (std::size_t i = keep; i < table.size(); ++i)
-      if (table[i] >= 0) blocks_[static_cast<std::size_t>(l)].release(table[i]);
+      if (table[i] >= 0) release_block(l, table[i]);
     if (table.size() > keep) table.resize(keep);
     if (length % B != 0 && table[keep - 1] >= 0) {  // the block the row ends in loses its tail
       BlockPool& pool = blocks_[static_cast<std::size_t>(l)];
       if (pool.refcount(table[keep - 1]) == 1) pool.unregister(table[keep - 1]);  // no longer full: not reusable
       make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
-      for (std::int64_t s = length % B; s < B; ++s) pools_[static_cast<std::size_t>(l)].clear_slot(0, table[keep - 1] * B + s);
+      SlotStore& store = pools_[static_cast<std::size_t>(l)];
+      const std::int64_t block = table[keep - 1];
+      const std::uint32_t bits = config_.poison_blocks
+                                     ? poison_bits(PoisonKind::freed, block,
+                                                   poisoned_[static_cast<std::size_t>(l)][static_cast<std::size_t>(block)]++)
+                                     : 0;
+      for (std::int64_t s = length % B; s < B; ++s)
+        if (config_.poison_blocks)
+          store.poison_slot(0, block * B + s, bits);
+        else
+          store.clear_slot(0, block * B + s);
     }
   }
   Row& row = rows_[static_cast<std::size_t>(b)];

@@ -8,6 +8,8 @@
 // A step is scheduled, then run, as an engine batches it: first, row by row, a starting row
 // takes its prefix hit and every row gets the blocks its new tokens need; then each row's
 // forwards run; full blocks enter the prefix index only after the forward that wrote them.
+// Slots are mapped (their metadata written) when the step is scheduled, as an engine's slot
+// mapping is; each forward writes its tokens' keys and values.
 // The attention reads K and V through the table: each table entry is one source of B
 // contiguous slots per kv head.
 #pragma once
@@ -18,6 +20,7 @@
 
 #include "optimized/block_pool.h"
 #include "optimized/cache.h"
+#include "optimized/poison.h"
 
 namespace kvcheck::optimized {
 
@@ -90,6 +93,14 @@ class PagedCache : public KvCache {
     (void)append_first;
     return t;
   }
+  // How many keys past its own a query at t sees, in a forward that ends before token
+  // `forward_end` of an append that ends before `append_end`: none (causal attention).
+  virtual std::int64_t keys_ahead(std::int64_t t, std::int64_t forward_end, std::int64_t append_end) const {
+    (void)t;
+    (void)forward_end;
+    (void)append_end;
+    return 0;
+  }
   // The slot token t is written to, through the row's table in that layer (SPEC 8.2:
   // table[t / B] * B + t % B); -1 when the entry is null or missing.
   virtual std::int64_t write_slot(const std::vector<std::int64_t>& table, std::int64_t t) const;
@@ -127,6 +138,10 @@ class PagedCache : public KvCache {
   void release_table(int layer, std::vector<std::int64_t>& table);
   void cut_row(int b, std::int64_t length);
   void clear_block(int layer, std::int64_t block);
+  void release_block(int layer, std::int64_t block);
+  void poison_block(int layer, std::int64_t block, PoisonKind kind);
+  void map_slots(const Chunk& chunk);
+  std::int64_t forward_first(int b, std::int64_t t, std::int64_t forward) const;
   std::uint64_t key_of_block(int b, std::int64_t logical);
 
   CacheConfig config_;
@@ -141,6 +156,7 @@ class PagedCache : public KvCache {
   std::vector<std::int64_t> lengths_;
   std::vector<Row> rows_;
   std::vector<std::int64_t> hits_;  // tokens of the last append each row took from the prefix index
+  std::vector<std::vector<std::int64_t>> poisoned_;  // [layer][block]: times poisoned (the mark's epoch)
   mutable PagedState state_;
   std::vector<float> scratch_;
 };

@@ -249,6 +249,25 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
   }
 }
 
+bool poison_row(const RowFormat& f, int d, std::byte* out, std::uint32_t nan_bits) {
+  const float nan = std::bit_cast<float>(nan_bits);
+  if (!is_quantized(f.codec)) {
+    const Storage s = f.codec == Codec::float32 ? Storage::float32
+                      : f.codec == Codec::float16 ? Storage::float16
+                                                  : Storage::bfloat16;
+    for (int i = 0; i < d; ++i) encode(s, &nan, 1, out + static_cast<std::size_t>(i) * element_bytes(s));
+    return true;
+  }
+  if (!stores_scale(f)) return false;
+  const int g = group_of(f, d);
+  std::memset(out, 0, row_bytes(f, d));
+  for (int g0 = 0; g0 < d; g0 += g) {
+    std::byte* p = out + static_cast<std::size_t>(g0 / g) * group_bytes(f, g);
+    put_scale(f, nan, p);
+  }
+  return true;
+}
+
 void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, float* x) {
   switch (f.codec) {
     case Codec::float32:

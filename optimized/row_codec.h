@@ -31,6 +31,10 @@ std::size_t row_bytes(const RowFormat& format, int d);
 
 // Writes x[0..d) of kv head `kv_head` into `out` (row_bytes long). `scratch` holds d floats.
 void encode_row(const RowFormat& format, int kv_head, const float* x, int d, std::byte* out, float* scratch);
+// Fills a stored row with the NaN `nan_bits` (poison.h): float32 rows keep the bits, half
+// rows a NaN of theirs, quantized rows a NaN scale. False when the format has no room for
+// a NaN (a static scale): the row is left as it was.
+bool poison_row(const RowFormat& format, int d, std::byte* out, std::uint32_t nan_bits);
 // Reads a stored row back into d floats (the transform undone).
 void decode_row(const RowFormat& format, int kv_head, const std::byte* in, int d, float* x);
 

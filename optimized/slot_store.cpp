@@ -1,6 +1,7 @@
 #include "optimized/slot_store.h"
 
 #include <algorithm>
+#include <bit>
 #include <stdexcept>
 
 namespace kvcheck::optimized {
@@ -129,6 +130,22 @@ void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_
       copy_raw_run(src, l, from_row, row, g, from_slot, to, 1);
     }
   meta(row, to) = src.meta(from_row, from_slot);
+}
+
+void SlotStore::poison_slot(int row, std::int64_t slot, std::uint32_t nan_bits) {
+  for (int l = 0; l < layers_; ++l)
+    for (int g = 0; g < kv_heads_; ++g) {
+      poison_row(key_format_, head_dim_, at(k_, l, row, g, slot), nan_bits);
+      poison_row(value_format_, head_dim_, at(v_, l, row, g, slot), nan_bits);
+      if (holds_raw_) {
+        const auto l_at = static_cast<std::size_t>(l);
+        std::fill_n(raw_k_[l_at].begin() + static_cast<std::ptrdiff_t>(raw_at(row, g, slot)), head_dim_,
+                    std::bit_cast<float>(nan_bits));
+        std::fill_n(raw_v_[l_at].begin() + static_cast<std::ptrdiff_t>(raw_at(row, g, slot)), head_dim_,
+                    std::bit_cast<float>(nan_bits));
+      }
+    }
+  clear_slot(row, slot);
 }
 
 void SlotStore::move_slot(int row, std::int64_t from, std::int64_t to) {

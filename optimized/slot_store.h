@@ -51,6 +51,9 @@ class SlotStore {
   // Copies slot `from` to slot `to` in the same row, every layer and head.
   void move_slot(int row, std::int64_t from, std::int64_t to);
   void clear_slot(int row, std::int64_t slot) { meta(row, slot) = SlotMeta{}; }
+  // An empty slot whose keys and values are the NaN `nan_bits` (poison.h), every layer and
+  // kv head, so that reading it shows.
+  void poison_slot(int row, std::int64_t slot, std::uint32_t nan_bits);
 
   // A key or value as stored: one row in key_format() or value_format().
   const void* key(int layer, int row, int kv_head, std::int64_t slot) const {

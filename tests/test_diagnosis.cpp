@@ -1,6 +1,7 @@
 // Classification rules on hand-made evidence: each case is the evidence a bug leaves.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <tuple>
 
 #include "tools/harness/diagnosis.h"
@@ -105,6 +106,30 @@ TEST(Diagnosis, OutputsThatFitTheChunksLaterKeysAreAMissingCausalMask) {
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::chunk_sees_future_keys);
   e.outputs_fit_with_later_chunk_keys = false;  // no hypothesis fits: the arithmetic
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::output_mismatch_positions_correct);
+}
+
+TEST(Diagnosis, APoisonNaNIsAReadBeforeWriteOrAUseAfterFree) {
+  StepEvidence e;
+  e.outputs.push_back({0, 0, 0, 0, 3, 3, 0.5, std::nan("")});
+  e.poisoned = PoisonedRead{0, 0, 3, 3, 7, 1, false};
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::paged_read_before_write);
+  e.poisoned->freed = true;
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::paged_refcount_mismatch);
+  EXPECT_EQ(poison_text(*e.poisoned), "a poison NaN: block 7 (epoch 1), freed");
+}
+
+TEST(Diagnosis, AChunkedAppendsQueryThatSeesALaterKeySeesTheFuture) {
+  Scenario s = sink_scenario();
+  s.policy.kind = PolicyKind::full;
+  Step append;
+  append.op = StepOp::append;
+  append.chunk = 4;
+  s.steps.push_back(append);
+  StepEvidence e;
+  e.pairs.push_back({0, 2, 5, 5, std::nullopt, -3, 2, 0});  // query 2 used key 5, later in the append
+  EXPECT_EQ(classify(s, e, {}), BugClass::chunk_sees_future_keys);
+  e.pairs[0].key_index = 1;  // an earlier key it should not see: not the future
+  EXPECT_NE(classify(s, e, {}), BugClass::chunk_sees_future_keys);
 }
 
 TEST(Diagnosis, RotationDriftSaysWhetherTheErrorGrows) {

@@ -10,6 +10,7 @@
 #include "reference/prefix_reuse.h"
 #include "tools/catalog/catalog.h"
 #include "tools/harness/cache_checks.h"
+#include "tools/harness/cache_entry.h"
 #include "tools/harness/inputs.h"
 
 using namespace kvcheck;
@@ -68,6 +69,8 @@ TEST(Paged, EveryPagedFixtureHasTheOutputsOfItsUnpagedTwin) {
       }
       if (cache.name == "paged") {
         EXPECT_TRUE(check_cache(paged, inputs, a, cache).passed()) << file;
+        // SPEC 8.8.5: a correct cache reads no slot before its write or after its free.
+        EXPECT_TRUE(check_cache(paged, inputs, a, with_poisoned_blocks(cache)).passed()) << file << " poisoned";
       }
     }
   }
@@ -189,8 +192,10 @@ TEST(Paged, ACorrectCacheServesTheCorners) {
   for (const Scenario& s : corners) {
     const InputTable inputs = load_inputs(s);
     const ReferenceRun run = run_reference(s, inputs);
-    const Outcome o = check_cache(s, inputs, run, *paged);
-    EXPECT_TRUE(o.passed()) << s.steps.size() << " steps: "
-                            << (o.first_failure() ? o.first_failure()->detail : std::string());
+    for (const CacheEntry& cache : {*paged, with_poisoned_blocks(*paged)}) {
+      const Outcome o = check_cache(s, inputs, run, cache);
+      EXPECT_TRUE(o.passed()) << s.steps.size() << " steps: "
+                              << (o.first_failure() ? o.first_failure()->detail : std::string());
+    }
   }
 }

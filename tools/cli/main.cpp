@@ -240,7 +240,7 @@ int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
 }
 
 int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const std::string& html,
-                 const std::string& json, std::optional<std::size_t> step) {
+                 const std::string& json, std::optional<std::size_t> step, bool poison_blocks) {
   const Scenario scenario = load_scenario(path);
   if (caches.empty())
     for (const CacheEntry& c : real_caches())
@@ -255,7 +255,9 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   bool diverged = !run.problems.empty();
   std::vector<Outcome> outcomes;
   for (const std::string& name : caches) {
-    const CacheEntry* cache = find_cache(name);
+    const CacheEntry* found = find_cache(name);
+    const CacheEntry poisoned = poison_blocks ? with_poisoned_blocks(*found) : CacheEntry{};
+    const CacheEntry* cache = poison_blocks ? &poisoned : found;
     if (!cache->serves(scenario))
       throw InputError(
           path, "/policy",
@@ -342,6 +344,10 @@ int main(int argc, char** argv) {
       "skip the reference's own invariant checks");
   const std::map<std::string, KvDtype> dtypes = {
       {"float32", KvDtype::float32}, {"float16", KvDtype::float16}, {"bfloat16", KvDtype::bfloat16}};
+  bool poison_blocks = false;
+  run->add_flag("--poison-blocks", poison_blocks,
+                "paged caches fill new and freed blocks with NaNs that name the block (SPEC 8.8.5), so a read of "
+                "an unwritten or freed slot shows in the outputs");
   run->add_option("--kv-dtype", options.kv_dtype,
                   "caches store keys and values in this format, whatever the scenarios say (float32, float16, "
                   "bfloat16)")
@@ -388,6 +394,7 @@ int main(int argc, char** argv) {
                        "write a JSON report to FILE (per cache: the checks and the first divergence as fields)");
   std::optional<std::size_t> diagnose_step, verify_step;
   diagnose->add_option("--step", diagnose_step, "also show step N's evidence and slot table (as numbered in reports)");
+  diagnose->add_flag("--poison-blocks", poison_blocks, "as run's: paged caches poison new and freed blocks");
 
   GoldenOptions golden_options;
   std::vector<std::string> golden_paths;
@@ -477,12 +484,17 @@ int main(int argc, char** argv) {
       if (!options.caches.empty()) options.reference_checks = false;  // show the asked-for caches only
       if (options.caches.empty())
         for (const CacheEntry& c : real_caches()) options.caches.push_back(&c);
+      std::vector<CacheEntry> poisoned;  // --poison-blocks: the same caches, reconfigured
+      if (poison_blocks) {
+        poisoned.reserve(options.caches.size());
+        for (const CacheEntry*& c : options.caches) c = &poisoned.emplace_back(with_poisoned_blocks(*c));
+      }
       return cmd_run(run_paths, options, junit, json, parse_shard(shard_text));
     }
     if (*exp) return cmd_export(export_path, export_out);
     if (*diagnose) {
       validate_cache_names(diagnose_caches);
-      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step);
+      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step, poison_blocks);
     }
     if (*zoo) return cmd_zoo(zoo_only, zoo_dtype);
     if (*llamacpp) {

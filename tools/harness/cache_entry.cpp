@@ -68,6 +68,14 @@ optimized::PagedLayout paged_layout(const Scenario& s) {
   return layout;
 }
 
+CacheEntry with_poisoned_blocks(CacheEntry entry) {
+  entry.make = [make = std::move(entry.make)](CacheConfig config) {
+    config.poison_blocks = true;
+    return make(config);
+  };
+  return entry;
+}
+
 CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   CacheConfig c;
   c.layers = s.dims.layers;

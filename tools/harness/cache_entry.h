@@ -28,6 +28,10 @@ optimized::RopeSpec rope_spec(const Rope& rope, int head_dim);
 // The paged cache's pool: the scenario's `paging`, else a default that no step exhausts.
 optimized::PagedLayout paged_layout(const Scenario& scenario);
 
+// The same cache with its blocks poisoned (CacheConfig::poison_blocks, SPEC 8.8.5): a paged
+// cache fills new and freed blocks with NaNs naming them; other caches are unchanged.
+CacheEntry with_poisoned_blocks(CacheEntry entry);
+
 // The optimized caches' own configuration for a scenario; `capacity` sizes a static cache.
 optimized::CacheConfig cache_config(const Scenario& scenario, std::int64_t capacity);
 

@@ -238,15 +238,17 @@ const char* class_explanation(BugClass c) {
       return "A block was freed while a token in it was still in the window of the row's next query: the window "
              "freeing counts one block too many (vLLM PR 17398; free blocks below floor((n - W + 1) / B) only).";
     case BugClass::paged_read_before_write:
-      return "A row took a block from the prefix index before the forward that fills it had run: the block was "
-             "registered at allocation, not after its write (vLLM PR 37152, the invariant of PR 7822).";
+      return "A query read a slot before its token was written: a row took a block from the prefix index before "
+             "the forward that fills it had run (registered at allocation, not after its write: vLLM PR 37152, the "
+             "invariant of PR 7822), or a kernel read past the keys written so far. With poisoning on, the NaN in "
+             "the output names the block.";
     case BugClass::paged_shared_block_written:
       return "A block that several rows reference was written: a fork or a prefix hit shared a partly filled "
              "block and both rows appended into it, with no copy-on-write (atlas issue 1193).";
     case BugClass::paged_refcount_mismatch:
       return "The refcount the cache reports is not the number of table entries referencing the block: a hit or "
              "fork took no reference, or a free gave one back twice, so the block can be reused while still in a "
-             "table (atlas issue 692).";
+             "table (atlas issue 692). With poisoning on, a query that read a freed block gets a NaN naming it.";
     case BugClass::paged_hit_across_contexts:
       return "A prefix hit reused a block whose tokens have the same ids but another context: the prefix key left "
              "out the adapter, the salt or an earlier token, or mixed them untagged (vLLM issues 3264, 30931, 44701).";
@@ -313,7 +315,8 @@ const char* class_explanation(BugClass c) {
       return "A token of a multi-token chunk attended the chunk's later tokens: its output equals the attention "
              "over its visible keys plus those. The causal mask inside the chunk is missing, typically a model's "
              "mask comparing slot indices with cache_position over a cache that shifts or rolls (transformers' "
-             "Llama mask over SinkCache once the window is full).";
+             "Llama mask over SinkCache once the window is full), or a chunked prefill's kernel was given the "
+             "whole append's key length and read slots later chunks had not written yet (nano-vllm PR 213).";
     case BugClass::output_mismatch_positions_correct:
       return "Every position and visible token is right but the outputs differ: the attention arithmetic "
              "(scale, softmax, GQA head mapping, value copy) is wrong, or the tolerance is too tight.";
@@ -392,6 +395,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // that missed keys of the append and nothing else.
   const bool chunked = e.step < s.steps.size() && s.steps[e.step].chunk > 0;
   if (chunked) {
+    if (any(e.pairs, [](const PairMismatch& p) { return !p.expected && p.actual && p.key_index > p.query_index; }))
+      return BugClass::chunk_sees_future_keys;
     if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; }) ||
         any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual && *p.expected != *p.actual; }))
       return BugClass::chunk_positions_wrong;
@@ -399,6 +404,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
         std::all_of(e.pairs.begin(), e.pairs.end(), [](const PairMismatch& p) { return p.expected && !p.actual; }))
       return BugClass::chunk_misses_past_keys;
   }
+  // A poison NaN in an output (SPEC 8.8.5): the query read a block no token was written to,
+  // or one that was freed, whatever the log says.
+  if (e.poisoned) return e.poisoned->freed ? BugClass::paged_refcount_mismatch : BugClass::paged_read_before_write;
   if (e.wrong_row_count)
     return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions
                                                                   : BugClass::stale_row_after_batch_change;
@@ -614,6 +622,11 @@ Drift summarize_drift(std::vector<Drift::Point> points) {
   else
     d.shape = Drift::Shape::varies;
   return d;
+}
+
+std::string poison_text(const PoisonedRead& read) {
+  return fmt::format("a poison NaN: block {} (epoch {}), {}", read.block, read.epoch,
+                     read.freed ? "freed" : "never written");
 }
 
 std::string Drift::to_string() const {

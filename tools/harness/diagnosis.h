@@ -147,6 +147,15 @@ struct PagedIssue {
   std::string detail;
 };
 
+// SPEC 8.8.5: an output that is one of a paged cache's poison NaNs (optimized/poison.h):
+// its query read a slot of a block no token was written to, or one that was freed.
+struct PoisonedRead {
+  int layer, row;
+  std::int64_t query_index, uid;
+  std::int64_t block, epoch;  // mod 16384 and mod 64, as the NaN carries them
+  bool freed;                 // else never written
+};
+
 // SPEC 9.2.4: a retained token held raw where the residual rules quantize it, or the reverse.
 struct PrecisionIssue {
   int layer, row;
@@ -186,6 +195,7 @@ struct StepEvidence {
   std::vector<PagedIssue> paged;          // SPEC 8.8
   std::vector<PrecisionIssue> precision;  // SPEC 9.2.4
   std::vector<PathIssue> paths;           // SPEC 9.2.6
+  std::optional<PoisonedRead> poisoned;   // SPEC 8.8.5: the first output that is a poison NaN
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
   // Quantized with a transform: every row whose codes are wrong stands for its token's value
@@ -219,6 +229,9 @@ struct StepContext {
 };
 
 BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);
+
+// "a poison NaN: block 5 (epoch 2), never written", for reports.
+std::string poison_text(const PoisonedRead& read);
 
 // How the position error of the diagnosed row evolves from the first divergence on: the
 // signed error (actual - expected Pq - Pk, or recovered - claimed key position) per step.

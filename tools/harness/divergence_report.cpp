@@ -91,6 +91,11 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
                          path(!p.decode), p.other_step, p.other_index, p.other_uid, std::abs(p.here - p.there),
                          p.allowed);
     }
+    if (const auto& p = f.evidence.poisoned) {  // SPEC 8.8.5: the NaN names the block
+      return fmt::format("layer {} row {}: the output of token {} (uid {}) is {}; the query read a slot {}", p->layer,
+                         p->row, p->query_index, p->uid, poison_text(*p),
+                         p->freed ? "of a block freed before the read" : "no token had been written to");
+    }
     if (!f.evidence.outputs.empty()) {
       const OutputMismatch& o = f.evidence.outputs.front();
       std::string text = fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; ", o.query_index,
@@ -105,13 +110,14 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
     }
     return f.evidence.empty() ? "every check passes at this step" : "no single slot stands out";
   }
+  const std::string poisoned = f.evidence.poisoned ? "; an output is " + poison_text(*f.evidence.poisoned) : "";
   return fmt::format(
       "{}, uid {} (token {}): visible expected {}, actual {}; position expected {}, claimed {}, "
-      "recovered {}; Pq-Pk expected {}, actual {}: {}",
+      "recovered {}; Pq-Pk expected {}, actual {}: {}{}",
       r->slot < 0 ? std::string("no slot") : fmt::format("slot {}", r->slot), r->uid, r->index,
       yes(r->visible_expected), yes(r->visible_actual), opt(r->position_expected), opt(r->position_claimed),
       r->position_recovered.empty() ? "-" : r->position_recovered, opt(r->distance_expected), opt(r->distance_actual),
-      verdict_text(*r));
+      verdict_text(*r), poisoned);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "reference/policy.h"
 #include "reference/quantize.h"
+#include "optimized/poison.h"
 #include "reference/rope.h"
 #include "tools/harness/divergence_report.h"
 #include "tools/harness/content_keys.h"
@@ -738,8 +739,14 @@ class StepChecker::Impl {
           if (err <= allowed) continue;
           if (!first) first = {i, h};
           const auto& token = ref.rows[b][i];
-          outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got {:.9g}",
-                                    evidence.label, l, b, token.index, token.uid, h, d, want, got));
+          std::optional<PoisonedRead> poison;
+          if (const std::optional<optimized::PoisonMark> mark = optimized::read_poison(out[at]))
+            poison = PoisonedRead{l, b, token.index, static_cast<std::int64_t>(token.uid), mark->block, mark->epoch,
+                                  mark->kind == optimized::PoisonKind::freed};
+          outputs_.fail(fmt::format("{}: layer {} row {} token {} (uid {}) head {} dim {}: expected {:.9g}, got {:.9g}{}",
+                                    evidence.label, l, b, token.index, token.uid, h, d, want, got,
+                                    poison ? ", " + poison_text(*poison) : std::string()));
+          if (poison && !evidence.poisoned) evidence.poisoned = poison;
           if (evidence.outputs.size() < 64)
             evidence.outputs.push_back({l, b, h, d, token.index, static_cast<std::int64_t>(token.uid), want, got});
         }

@@ -43,6 +43,12 @@ class FaultyPagedCache : public optimized::PagedCache {
     const bool later_chunk = forward_first > append_first;  // decodes and first chunks are right
     return fault_ == PagedFault::chunk_keys_chunk_only && later_chunk ? std::max(begin, forward_first) : begin;
   }
+  // The key length of the whole append with a bottom-right causal mask: a query of an early
+  // chunk sees as many keys past its own as the later chunks hold, mapped but not yet written.
+  std::int64_t keys_ahead(std::int64_t t, std::int64_t forward_end, std::int64_t append_end) const override {
+    (void)t;
+    return fault_ == PagedFault::chunk_keys_to_append_end ? append_end - forward_end : 0;
+  }
   std::int64_t position_of(std::int64_t t, std::int64_t forward_first, std::int64_t append_first) const override {
     return fault_ == PagedFault::chunk_position_restart ? t - (forward_first - append_first) : t;
   }

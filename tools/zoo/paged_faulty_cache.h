@@ -18,6 +18,7 @@ enum class PagedFault {
   move_row_stale_tail,     // a reorder copies the source's entries over the old table, keeping its tail (tt-plugin PR 103)
   window_free_early,       // frees one block more than floor((n - W + 1) / B) (vLLM PR 17398)
   window_absolute_index,   // a compact window table indexed with t / B, its padding block 0 (tt-metal PR 45184)
+  chunk_keys_to_append_end,  // a chunk's kernel is told the whole append's key length (nano-vllm PR 213)
   chunk_keys_chunk_only,   // a chunk's queries see only the chunk, not earlier chunks' keys (imp PR 114)
   chunk_position_restart,  // a later chunk's positions restart at 0 (transformers #43082)
   evict_keeps_index,       // an evicted or recycled block keeps its index entry (TRT-LLM #8813, llama.cpp #27148)

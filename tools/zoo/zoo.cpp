@@ -329,6 +329,12 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    "tt-metal's vLLM plugin indexing the sliding-window page table with cur_pos // block_size "
                    "(PR 45184)",
                    BugClass::paged_slot_mapping_wrong, {"paged_window_2b", "paged_gemma_hybrid_prefix"}),
+      paged_mutant("chunk_keys_to_append_end", zoo::PagedFault::chunk_keys_to_append_end,
+                   "in a chunked prefill, a chunk's kernel is given the whole append's key length, so its queries "
+                   "see keys of later chunks, whose slots are mapped but not yet written",
+                   "nano-vllm's chunked prefill setting seqlen_k to the full sequence length, reading KV slots "
+                   "\"that haven't been written yet\" (PR 213)",
+                   BugClass::chunk_sees_future_keys, {"paged_chunked_prefill"}),
       paged_mutant("chunk_keys_chunk_only", zoo::PagedFault::chunk_keys_chunk_only,
                    "in a chunked prefill, a chunk's queries see only the chunk's own keys",
                    "imp's chunked prefill attending within the chunk, never the cache (PR 114)",
