@@ -27,6 +27,7 @@ struct PagedLayout {
   std::int64_t block_size = 16;
   std::int64_t num_blocks = 0;  // per layer
   bool prefix_cache = false;    // full blocks stay reusable by rows with the same prefix
+  bool token_reuse = false;     // a hit may end inside a block, whose matching slots are copied
 };
 
 // SPEC 9's residual: the newest tokens of a row held unquantized beside the codes, and when

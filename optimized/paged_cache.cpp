@@ -34,6 +34,8 @@ PagedCache::PagedCache(const CacheConfig& config)
     pools_.back().reset(1, paging_.num_blocks * paging_.block_size);
     blocks_.emplace_back(paging_.num_blocks, paging_.prefix_cache);
     poisoned_.emplace_back(static_cast<std::size_t>(paging_.num_blocks), 0);
+    token_index_.emplace_back();
+    token_keys_.emplace_back(static_cast<std::size_t>(paging_.num_blocks));
     sink_logits_.push_back(config.sink_logits.empty()
                                ? std::vector<std::vector<float>>{}
                                : std::vector<std::vector<float>>{config.sink_logits[static_cast<std::size_t>(l)]});
@@ -89,9 +91,83 @@ void PagedCache::poison_block(int layer, std::int64_t block, PoisonKind kind) {
   for (std::int64_t s = 0; s < paging_.block_size; ++s) pool.poison_slot(0, block * paging_.block_size + s, bits);
 }
 
+// A block for new data: whatever it held leaves the token index.
+std::optional<std::int64_t> PagedCache::take_block(int layer) {
+  const std::optional<std::int64_t> block = blocks_[static_cast<std::size_t>(layer)].allocate(forget_evicted());
+  if (block) forget_tokens(layer, *block);
+  return block;
+}
+
 void PagedCache::release_block(int layer, std::int64_t block) {
-  if (blocks_[static_cast<std::size_t>(layer)].release(block) && config_.poison_blocks)
-    poison_block(layer, block, PoisonKind::freed);
+  if (!blocks_[static_cast<std::size_t>(layer)].release(block)) return;
+  forget_tokens(layer, block);
+  if (config_.poison_blocks) poison_block(layer, block, PoisonKind::freed);
+}
+
+void PagedCache::forget_tokens(int layer, std::int64_t block) {
+  auto& index = token_index_[static_cast<std::size_t>(layer)];
+  auto& keys = token_keys_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(block)];
+  for (std::uint64_t key : keys) {
+    const auto it = index.find(key);
+    if (it != index.end() && it->second == block) index.erase(it);
+  }
+  keys.clear();
+}
+
+// Reuse "token": tokens from..to-1 of row b were written; each is the end of a run of its
+// block's first tokens that a later row may copy.
+void PagedCache::register_tokens(int b, std::int64_t from, std::int64_t to) {
+  if (!paging_.prefix_cache || !paging_.token_reuse) return;
+  const std::int64_t B = paging_.block_size;
+  for (std::int64_t t = from; t < to; ++t) {
+    const std::int64_t logical = t / B;
+    const std::uint64_t previous = logical == 0 ? 0 : key_of_block(b, logical - 1);
+    const Row& row = rows_[static_cast<std::size_t>(b)];
+    const std::uint64_t key = block_key(previous, std::span(row.ids).subspan(static_cast<std::size_t>(logical * B),
+                                                                             static_cast<std::size_t>(t % B + 1)),
+                                        row.extras, logical == 0);
+    for (int l = 0; l < config_.layers; ++l) {
+      const auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+      const std::int64_t block = table[static_cast<std::size_t>(logical)];
+      if (block >= 0 && token_index_[static_cast<std::size_t>(l)].emplace(key, block).second)
+        token_keys_[static_cast<std::size_t>(l)][static_cast<std::size_t>(block)].push_back(key);
+    }
+  }
+}
+
+// Reuse "token": the longest run of the row's tokens from block `logical` on, at most `most`
+// (fewer than a block), that some block holds as its first tokens in every layer, copied
+// into a new block of the row: a partly matching block is copied, never shared (SPEC 8).
+std::int64_t PagedCache::take_partial_hit(int b, std::int64_t logical, std::int64_t most) {
+  const std::int64_t B = paging_.block_size;
+  const std::uint64_t previous = logical == 0 ? 0 : key_of_block(b, logical - 1);
+  const Row& row = rows_[static_cast<std::size_t>(b)];
+  std::vector<std::int64_t> from;
+  for (std::int64_t m = most; m > 0; --m) {
+    const std::uint64_t key = block_key(
+        previous, std::span(row.ids).subspan(static_cast<std::size_t>(logical * B), static_cast<std::size_t>(m)),
+        row.extras, logical == 0);
+    from.clear();
+    for (int l = 0; l < config_.layers; ++l) {
+      const auto& index = token_index_[static_cast<std::size_t>(l)];
+      const auto it = index.find(key);
+      if (it == index.end()) break;
+      from.push_back(it->second);
+    }
+    if (static_cast<int>(from.size()) < config_.layers) continue;
+    for (int l = 0; l < config_.layers; ++l) {
+      const std::optional<std::int64_t> block = take_block(l);
+      if (!block)
+        throw CacheRefusal("pool_exhausted", "layer " + std::to_string(l) + ": no block left to copy a partial hit into");
+      clear_block(l, *block);
+      SlotStore& pool = pools_[static_cast<std::size_t>(l)];
+      for (std::int64_t s = 0; s < m; ++s)
+        pool.copy_slot(pool, 0, from[static_cast<std::size_t>(l)] * B + s, 0, *block * B + s);
+      tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)].push_back(*block);
+    }
+    return m;
+  }
+  return 0;
 }
 
 void PagedCache::release_table(int layer, std::vector<std::int64_t>& table) {
@@ -105,7 +181,7 @@ void PagedCache::ensure_block(int layer, int b, std::int64_t logical) {
   if (static_cast<std::int64_t>(table.size()) <= logical) table.resize(static_cast<std::size_t>(logical) + 1, -1);
   std::int64_t& entry = table[static_cast<std::size_t>(logical)];
   if (entry >= 0) return make_writable(layer, b, logical);
-  const std::optional<std::int64_t> block = blocks_[static_cast<std::size_t>(layer)].allocate(forget_evicted());
+  const std::optional<std::int64_t> block = take_block(layer);
   if (!block)
     throw CacheRefusal("pool_exhausted", "layer " + std::to_string(layer) + ": every one of the " +
                                              std::to_string(paging_.num_blocks) + " blocks is referenced");
@@ -121,7 +197,7 @@ void PagedCache::make_writable(int layer, int b, std::int64_t logical) {
   BlockPool& pool = blocks_[static_cast<std::size_t>(layer)];
   std::int64_t& entry = tables_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(b)][static_cast<std::size_t>(logical)];
   if (!copy_before_write(pool.refcount(entry), pool.registered(entry))) return;
-  const std::optional<std::int64_t> copy = pool.allocate(forget_evicted());
+  const std::optional<std::int64_t> copy = take_block(layer);
   if (!copy)
     throw CacheRefusal("pool_exhausted", "layer " + std::to_string(layer) + ": no block left to copy block " +
                                              std::to_string(entry) + " before a write");
@@ -158,8 +234,10 @@ void PagedCache::take_prefix_hit(int b, const Chunk& chunk) {
       table.push_back(block);
     }
   }
-  hits_[static_cast<std::size_t>(b)] = blocks * B;
-  lengths_[static_cast<std::size_t>(b)] = blocks * B;
+  std::int64_t hit = blocks * B;
+  if (paging_.token_reuse && paging_.prefix_cache) hit += take_partial_hit(b, blocks, std::min(B - 1, n - 1 - hit));
+  hits_[static_cast<std::size_t>(b)] = hit;
+  lengths_[static_cast<std::size_t>(b)] = hit;
 }
 
 // Row by row, as a scheduler admits requests: a starting row takes its hit, then every row's
@@ -308,6 +386,7 @@ void PagedCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
       run_forward(chunk, out, log, b, first, count);
       lengths_[static_cast<std::size_t>(b)] = first + count;
       register_full_blocks(b, first, first + count);
+      register_tokens(b, first, first + count);
       free_behind_window(b);
     }
   }
@@ -354,8 +433,10 @@ void PagedCache::free_rows(const std::vector<int>& rows) {
 
 void PagedCache::evict(std::int64_t count) {
   for (int l = 0; l < config_.layers; ++l)
-    for (std::int64_t block : blocks_[static_cast<std::size_t>(l)].evict(count, forget_evicted()))
+    for (std::int64_t block : blocks_[static_cast<std::size_t>(l)].evict(count, forget_evicted())) {
+      forget_tokens(l, block);
       if (config_.poison_blocks) poison_block(l, block, PoisonKind::freed);
+    }
 }
 
 // The cropped row's last token needs the window that ends at it, in every sliding layer.
@@ -398,6 +479,7 @@ void PagedCache::cut_row(int b, std::int64_t length) {
       make_writable(l, b, static_cast<std::int64_t>(keep) - 1);
       SlotStore& store = pools_[static_cast<std::size_t>(l)];
       const std::int64_t block = table[keep - 1];
+      forget_tokens(l, block);  // its runs past the cut are gone (the others could stay: fewer hits, never wrong)
       const std::uint32_t bits = config_.poison_blocks
                                      ? poison_bits(PoisonKind::freed, block,
                                                    poisoned_[static_cast<std::size_t>(l)][static_cast<std::size_t>(block)]++)
@@ -462,7 +544,7 @@ void PagedCache::resume(const std::vector<int>& rows, const Chunk* history) {
       table.assign(in.present.size(), -1);
       for (std::size_t i = 0; i < in.present.size(); ++i) {
         if (!in.present[i]) continue;
-        const std::optional<std::int64_t> block = blocks_[static_cast<std::size_t>(l)].allocate(forget_evicted());
+        const std::optional<std::int64_t> block = take_block(l);
         if (!block) throw CacheRefusal("pool_exhausted", "no block left to swap row " + std::to_string(b) + " in");
         for (std::int64_t s = 0; s < B; ++s)
           pool.copy_slot(in.slots, 0, static_cast<std::int64_t>(i) * B + s, 0, *block * B + s);

@@ -2,7 +2,8 @@
 // table per row (token t lives in slot table[t / B] * B + t % B), refcounts, copy-on-write
 // when a row writes into a block another row references, a prefix index over full blocks
 // keyed by the chain of token ids and the row's extras (LRU eviction of blocks no row
-// references), window freeing on sliding layers, and chunked prefill. Keys are rotated
+// references), window freeing on sliding layers, and chunked prefill; under reuse "token" a
+// hit may end inside a block, whose matching slots are copied. Keys are rotated
 // once, at their token index (full and sliding layers).
 //
 // A step is scheduled, then run, as an engine batches it: first, row by row, a starting row
@@ -15,6 +16,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -138,7 +141,11 @@ class PagedCache : public KvCache {
   void release_table(int layer, std::vector<std::int64_t>& table);
   void cut_row(int b, std::int64_t length);
   void clear_block(int layer, std::int64_t block);
+  std::optional<std::int64_t> take_block(int layer);
   void release_block(int layer, std::int64_t block);
+  void forget_tokens(int layer, std::int64_t block);
+  void register_tokens(int b, std::int64_t from, std::int64_t to);
+  std::int64_t take_partial_hit(int b, std::int64_t logical, std::int64_t most);
   void poison_block(int layer, std::int64_t block, PoisonKind kind);
   void map_slots(const Chunk& chunk);
   std::int64_t forward_first(int b, std::int64_t t, std::int64_t forward) const;
@@ -157,6 +164,10 @@ class PagedCache : public KvCache {
   std::vector<Row> rows_;
   std::vector<std::int64_t> hits_;  // tokens of the last append each row took from the prefix index
   std::vector<std::vector<std::int64_t>> poisoned_;  // [layer][block]: times poisoned (the mark's epoch)
+  // Reuse "token" (SGLang's radix tree): the key of each run of a block's first tokens (a
+  // full block's key when the run is whole) -> a block holding it, and each block's keys there.
+  std::vector<std::map<std::uint64_t, std::int64_t>> token_index_;  // [layer]
+  std::vector<std::vector<std::vector<std::uint64_t>>> token_keys_;  // [layer][block]
   mutable PagedState state_;
   std::vector<float> scratch_;
 };

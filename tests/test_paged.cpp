@@ -102,7 +102,7 @@ TEST(Paged, PoolEvictsLeastRecentlyReleasedFirstAndForgetsItsKey) {
 }
 
 TEST(Paged, LargestHitIsWholeEarlierBlocksBelowTheLastToken) {
-  reference::PrefixBlocks blocks(4);
+  reference::PrefixBlocks blocks(4, false);
   const std::vector<std::uint64_t> row = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // context keys of 10 tokens
   blocks.written(row, 0);
   // Blocks written in this step are not hittable yet.
@@ -114,6 +114,19 @@ TEST(Paged, LargestHitIsWholeEarlierBlocksBelowTheLastToken) {
   EXPECT_EQ(blocks.largest_hit({0, 2, 3, 4, 5}), 4);  // a block is named by its last key alone
   blocks.keep_only({{1, 2, 3, 4}});
   EXPECT_EQ(blocks.largest_hit(row), 4);
+}
+
+TEST(Paged, UnderTokenReuseTheLargestHitIsEveryEarlierTokenBelowTheLast) {
+  reference::PrefixBlocks tokens(4, true);
+  const std::vector<std::uint64_t> row = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  tokens.written(row, 0);
+  EXPECT_EQ(tokens.largest_hit(row), 0);  // not before the step ends
+  tokens.end_step();
+  EXPECT_EQ(tokens.largest_hit(row), 9);  // capped at n - 1: the last token is computed
+  EXPECT_EQ(tokens.largest_hit({1, 2, 3, 4, 5, 6, 99, 8}), 6);  // up to the first other key, mid-block
+  EXPECT_EQ(tokens.largest_hit({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}), 10);  // all written ones
+  tokens.keep_only({{1, 2, 3}});
+  EXPECT_EQ(tokens.largest_hit(row), 3);
 }
 
 namespace {

@@ -55,6 +55,7 @@ optimized::PagedLayout paged_layout(const Scenario& s) {
     layout.block_size = s.paging->block_size;
     layout.num_blocks = s.paging->num_blocks;
     layout.prefix_cache = s.paging->prefix_cache;
+    layout.token_reuse = s.paging->token_reuse;
     return layout;
   }
   // A scenario without paging: vLLM's block size (4 for toy rows, so blocks still turn

@@ -141,8 +141,9 @@ void PagedChecks::check_slot_mapping(const StepRecord& rec, const CacheView& vie
   }
 }
 
-// 8.8.7: a hit is whole blocks, below the prompt's last token, no larger than the largest
-// legitimate hit, and the scenario's expect_hit when it gives one.
+// 8.8.7: a hit is whole blocks (any tokens, under reuse "token"), below the prompt's last
+// token, no larger than the largest legitimate hit, and the scenario's expect_hit when it
+// gives one.
 void PagedChecks::check_hits(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
   const PagedView& pv = *view.paged;
   if (pv.hit_tokens.empty()) return;
@@ -159,10 +160,15 @@ void PagedChecks::check_hits(const StepRecord& rec, const CacheView& view, StepE
     } else if (!started) {
       issue.detail = fmt::format("reports a prefix hit of {} tokens, but the row did not start in this step", hit);
       fail(evidence, issue);
-    } else if (hit % B != 0 || hit > (added - 1) / B * B) {
-      issue.detail = fmt::format("a prefix hit of {} tokens: hits are whole blocks of {} below the prompt's last "
-                                 "token (at most {} of these {})",
-                                 hit, B, (added - 1) / B * B, added);
+    } else if (s_.paging && s_.paging->token_reuse ? hit > added - 1 : hit % B != 0 || hit > (added - 1) / B * B) {
+      issue.detail =
+          s_.paging && s_.paging->token_reuse
+              ? fmt::format("a prefix hit of {} tokens: hits stop before the prompt's last token (at most {} of these "
+                            "{})",
+                            hit, added - 1, added)
+              : fmt::format("a prefix hit of {} tokens: hits are whole blocks of {} below the prompt's last token (at "
+                            "most {} of these {})",
+                            hit, B, (added - 1) / B * B, added);
       fail(evidence, issue);
     } else if (hit > legit) {
       issue.kind = hit <= same_step ? K::unwritten_hit : K::hit_stale;
@@ -255,7 +261,8 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
     std::set<std::int64_t> live, retained;
     for (const auto& key : sets.live) live.insert(key.index);
     for (const auto& key : sets.keys) retained.insert(key.index);
-    const std::int64_t hit_entries = rec.append && b < view.uncomputed.size() ? view.uncomputed[b] / B : 0;
+    // Tokens the hit filled (under reuse "token" it may end inside a block, copied, then written on).
+    const std::int64_t hit_end = rec.append && b < view.uncomputed.size() ? view.uncomputed[b] : 0;
     // The row's slots by (block, offset), every kv head.
     std::map<std::int64_t, std::vector<ViewSlot*>> at;
     for (auto& head : slots.slots[b])
@@ -285,7 +292,7 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
           continue;
         }
         if (!v) {
-          if (logical < hit_entries)
+          if (t < hit_end)
             fail(evidence, {K::unwritten_hit, l, row, logical, block, slot,
                             fmt::format("the row's hit took this block, but its slot {} (token {}) was never "
                                         "written",
@@ -313,7 +320,7 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
         const auto theirs = static_cast<std::uint64_t>(v->uid);
         if (context_key(s_, theirs) != context_key(s_, own)) {
           const bool same_ids = token_id(s_, theirs) == token_id(s_, own);
-          const K kind = logical < hit_entries ? (same_ids ? K::hit_across : K::hit_stale)
+          const K kind = t < hit_end ? (same_ids ? K::hit_across : K::hit_stale)
                          : shared              ? K::shared_write
                                                : K::stale_entry;
           fail(evidence, {kind, l, row, logical, block, slot,

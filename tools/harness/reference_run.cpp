@@ -113,7 +113,7 @@ ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, 
           reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}, {}}),
       attend_(std::move(attend)) {
   if (s.kv_quant) state_->model.store_as(*s.kv_quant, s.kv_dtype);
-  if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size);
+  if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size, s.paging->token_reuse);
 }
 
 ReferenceStepper::~ReferenceStepper() = default;

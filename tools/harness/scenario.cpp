@@ -451,8 +451,7 @@ Paging parse_paging(const Reader& r, const json& j, const Scenario& s) {
     if (!j["prefix_cache"].is_boolean()) r.fail(p + "/prefix_cache", "expected true or false, got " + describe(j["prefix_cache"]));
     paging.prefix_cache = j["prefix_cache"].get<bool>();
   }
-  if (j.contains("reuse") && r.choice(j["reuse"], p + "/reuse", {"full", "token"}) == "token")
-    r.fail(p + "/reuse", "\"token\" reuse (a radix tree) is in SPEC 8, but kvcheck's paged cache implements \"full\" only yet");
+  if (j.contains("reuse")) paging.token_reuse = r.choice(j["reuse"], p + "/reuse", {"full", "token"}) == "token";
   for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
     if (s.layer_policies[l].kind == PolicyKind::sink)
       r.fail(s.layer_policies.size() > 1 && s.hybrid() ? "/policy/" + std::to_string(l) + "/type" : "/policy/type",

@@ -73,6 +73,8 @@ struct Paging {
   std::int64_t block_size = 0;
   std::int64_t num_blocks = 0;  // per layer
   bool prefix_cache = false;    // blocks of rows that ended stay reusable until evicted
+  bool token_reuse = false;     // reuse "token" (SGLang's radix tree): any run of equal tokens, a partly
+                                // matching block copied; else "full" (vLLM): whole blocks shared
 };
 
 // Where a token's vectors come from (SPEC 8.1): its uid, or its context key (the chain of
