@@ -302,6 +302,41 @@ class PagedTraceTest(unittest.TestCase):
         self.assertIn("class: slot mapping wrong", done.stdout)
         self.assertIn("token 13 was written to slot", done.stdout)
 
+    def test_a_poisoned_pool_names_the_block_a_hit_never_wrote(self):
+        # The pools are poisoned as kvcheck's --poison-blocks does (optimized/poison.h: kind 2,
+        # allocated and never written, epoch 0), and the hit hands out new blocks instead of the
+        # indexed ones: the row reads NaNs that name the block, through NumPy's float64 attention
+        # and the trace's float32 outputs.
+        class HitIntoNewBlocks(BlockManagerCache):
+            def allocate_block(self, l):
+                block = super().allocate_block(l)
+                mark = np.array([0x7FC00000 | 2 << 20 | block], np.uint32).view(np.float32)[0]
+                self.k[l, block] = mark
+                self.v[l, block] = mark
+                return block
+
+            def start(self, b, ids, extra):
+                hit = super().start(b, ids, extra)
+                for l in range(self.L):
+                    table = self.row(b)["tables"][l]
+                    for i in range(hit // self.B):
+                        self.release(l, table[i])
+                        table[i] = self.allocate_block(l)
+                return hit
+
+        with tempfile.TemporaryDirectory() as work:
+            export = os.path.join(work, "export")
+            subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, "paged_fork_then_prefix_hit.json"), "--out",
+                            export], check=True, capture_output=True)
+            exp = kvtrace.Export(export)
+            trace = os.path.join(work, "trace")
+            result = kvtrace.drive_paged_cache(exp, lambda: HitIntoNewBlocks(exp), trace,
+                                               producer="tests/test_paged_trace.py")
+            self.assertIsNone(result.error, result)
+            done = verify("paged_fork_then_prefix_hit", trace)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertRegex(done.stdout, r"a poison NaN: block \d+ \(epoch 0\), never written")
+
     def test_sharing_a_forked_block_without_copy_is_named(self):
         with tempfile.TemporaryDirectory() as work:
             done = verify("paged_fork_then_prefix_hit", trace_of("paged_fork_then_prefix_hit", work,
