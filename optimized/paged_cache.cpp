@@ -156,13 +156,22 @@ std::int64_t PagedCache::take_partial_hit(int b, std::int64_t logical, std::int6
     }
     if (static_cast<int>(from.size()) < config_.layers) continue;
     for (int l = 0; l < config_.layers; ++l) {
+      const std::int64_t source = from[static_cast<std::size_t>(l)];
+      blocks_[static_cast<std::size_t>(l)].retain(source);  // a cached source is not the block taken for the copy
       const std::optional<std::int64_t> block = take_block(l);
-      if (!block)
-        throw CacheRefusal("pool_exhausted", "layer " + std::to_string(l) + ": no block left to copy a partial hit into");
+      if (!block) {  // no block to copy into: the tokens are computed instead (undo the layers done)
+        release_block(l, source);
+        for (int done = 0; done < l; ++done) {
+          auto& table = tables_[static_cast<std::size_t>(done)][static_cast<std::size_t>(b)];
+          release_block(done, table.back());
+          table.pop_back();
+        }
+        return 0;
+      }
       clear_block(l, *block);
       SlotStore& pool = pools_[static_cast<std::size_t>(l)];
-      for (std::int64_t s = 0; s < m; ++s)
-        pool.copy_slot(pool, 0, from[static_cast<std::size_t>(l)] * B + s, 0, *block * B + s);
+      for (std::int64_t s = 0; s < m; ++s) pool.copy_slot(pool, 0, source * B + s, 0, *block * B + s);
+      release_block(l, source);
       tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)].push_back(*block);
     }
     return m;

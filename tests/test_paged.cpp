@@ -185,7 +185,7 @@ TEST(Paged, ACorrectCacheServesTheCorners) {
       "kv_heads": 1, "head_dim": 4}, "policy": )" + policy + R"(, "paging": )" + paging + R"(, "steps": )" + steps + "}",
                           "p.json");
   };
-  const std::vector<Scenario> corners = {
+  std::vector<Scenario> corners = {
       // Block size 1, window 4: a crop the policy accepts needs a token no later query sees.
       scenario(R"({"type": "sliding", "window": 4})", R"({"block_size": 1, "num_blocks": 16})",
                R"([{"op": "append", "tokens": 4}, {"op": "crop", "length": 3}, {"op": "decode", "steps": 3}])"),
@@ -198,6 +198,19 @@ TEST(Paged, ACorrectCacheServesTheCorners) {
                    {"op": "preempt", "rows": [0, 1], "mode": "recompute"}, {"op": "resume", "rows": [0, 1]},
                    {"op": "decode", "steps": 2}])"),
   };
+  // Reuse "token" with every block of the pool cached: the partial hit's source (the second
+  // block, least recently used once the first is hit) must not be the block taken to copy it
+  // into; with no other block at all, the tokens are computed instead.
+  const auto token_reuse = [](int blocks, const std::string& first_prompt, const std::string& expect) {
+    return parse_scenario(R"({"name": "p", "seed": 5, "content": "prefix", "dimensions": {"layers": 2, "batch": 1,
+      "heads": 2, "kv_heads": 1, "head_dim": 4}, "policy": {"type": "full"}, "paging": {"block_size": 4,
+      "num_blocks": )" + std::to_string(blocks) + R"(, "prefix_cache": true, "reuse": "token"}, "steps": [
+      {"op": "append", "ids": [)" + first_prompt + R"(]}, {"op": "free", "rows": [0]},
+      {"op": "append", "ids": [[1, 2, 3, 4, 5, 6, 99]])" + expect + R"(}, {"op": "decode", "steps": 1}]})",
+                          "p.json");
+  };
+  corners.push_back(token_reuse(3, "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]", R"(, "expect_hit": [6])"));
+  corners.push_back(token_reuse(2, "[1, 2, 3, 4, 5, 6, 7, 8]", ""));
   const CacheEntry* paged = nullptr;
   for (const CacheEntry& c : real_caches())
     if (c.name == "paged") paged = &c;
