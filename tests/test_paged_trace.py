@@ -325,15 +325,8 @@ class PagedTraceTest(unittest.TestCase):
                 return hit
 
         with tempfile.TemporaryDirectory() as work:
-            export = os.path.join(work, "export")
-            subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, "paged_fork_then_prefix_hit.json"), "--out",
-                            export], check=True, capture_output=True)
-            exp = kvtrace.Export(export)
-            trace = os.path.join(work, "trace")
-            result = kvtrace.drive_paged_cache(exp, lambda: HitIntoNewBlocks(exp), trace,
-                                               producer="tests/test_paged_trace.py")
-            self.assertIsNone(result.error, result)
-            done = verify("paged_fork_then_prefix_hit", trace)
+            result, done = self.drive("paged_fork_then_prefix_hit", work, HitIntoNewBlocks)
+        self.assertIsNone(result.error, result)
         self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
         self.assertRegex(done.stdout, r"a poison NaN: block \d+ \(epoch 0\), never written")
 
