@@ -9,6 +9,11 @@ std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t 
   return over <= 0 ? 0 : evict * ((over + evict - 1) / evict);
 }
 
+LayerPolicy layer_policy(const CacheConfig& config, int layer) {
+  if (!config.layer_policies.empty()) return config.layer_policies[static_cast<std::size_t>(layer)];
+  return {config.kind, config.window, config.sinks, config.evict, config.shift_positions, config.dense_prefill};
+}
+
 void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
                  std::int64_t slot, const SlotMeta& meta) {
   const int hkv = store.kv_heads(), d = store.head_dim();

@@ -44,6 +44,7 @@ struct CacheConfig {
   int batch = 1;
   RopeSpec rope;
   float softmax_scale = 1.0f;
+  LayerPolicy::Kind kind = LayerPolicy::Kind::full;  // every layer's, unless layer_policies says (the paged cache reads it)
   std::int64_t window = 0;                      // sliding: keys visible; sink: capacity W
   std::int64_t sinks = 0;                       // sink: S
   std::int64_t evict = 1;                       // sink: tokens dropped at once when full
@@ -59,6 +60,9 @@ struct CacheConfig {
   std::optional<Residual> residual;             // quantized stores holding some tokens raw (SPEC 9)
   bool poison_blocks = false;                   // paged: new and freed blocks hold marked NaNs (poison.h)
 };
+
+// Layer l's policy: its entry in a hybrid stack, else the one every layer has.
+LayerPolicy layer_policy(const CacheConfig& config, int layer);
 
 // What a row carries besides its tokens (SPEC 8.1): a prefix may be reused only under the
 // same adapter and salt.

@@ -28,6 +28,7 @@ PagedCache::PagedCache(const CacheConfig& config)
       rope_(config.rope),
       kernel_(config.threads) {
   for (int l = 0; l < config.layers; ++l) {
+    policies_.push_back(layer_policy(config, l));
     // One row of every block's slots: a kv head's blocks lie end to end, as a contiguous
     // cache's slots do, so reading a row's blocks in order streams like reading one run.
     pools_.emplace_back(1, config.kv_heads, config.head_dim, key_format(config), value_format(config));
@@ -44,10 +45,22 @@ PagedCache::PagedCache(const CacheConfig& config)
   reset(config.batch);
 }
 
-std::int64_t PagedCache::window(int layer) const {
-  if (config_.layer_policies.empty()) return config_.window;
-  const LayerPolicy& p = config_.layer_policies[static_cast<std::size_t>(layer)];
-  return p.kind == LayerPolicy::Kind::sliding ? p.window : 0;
+// What the query at token t of layer `layer` sees, in a forward of tokens forward_first ..
+// forward_end - 1 of an append of append_first .. append_end - 1.
+QueryPlan PagedCache::plan(int layer, std::int64_t t, std::int64_t forward_first, std::int64_t forward_end,
+                           std::int64_t append_first, std::int64_t append_end) const {
+  const LayerPolicy& p = policy(layer);
+  const std::int64_t position = position_of(t, forward_first, append_first);
+  const std::int64_t ahead = keys_ahead(t, forward_end, append_end);
+  if (p.kind != LayerPolicy::Kind::sink) {
+    const std::int64_t w = p.kind == LayerPolicy::Kind::sliding ? p.window : 0;
+    return {t, 0, window_begin(t, w, forward_first, append_first), position, position, ahead};
+  }
+  // Keys sit at their token index, so the query is rotated at t against the window (t - j)
+  // and at t - E against the sinks (SPEC 3's Pq - Pk); a dense append is one forward over
+  // what the row held before it, so E stays E(append_first).
+  const std::int64_t e = sink_evicted(p.window, p.evict, p.dense_prefill ? append_first : t);
+  return {t, p.sinks, p.sinks + e, position, p.shift_positions ? position - e : position, ahead};
 }
 
 std::uint64_t PagedCache::block_key(std::uint64_t previous, std::span<const std::uint64_t> ids, const RowExtras& extras,
@@ -328,12 +341,8 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     }
     if (out.empty()) continue;
     plans_.clear();
-    const std::int64_t w = window(l);
-    for (std::int64_t t = first; t < first + count; ++t) {
-      const std::int64_t position = position_of(t, first, start);
-      plans_.push_back({pad + t - start, QueryPlan{t, 0, window_begin(t, w, first, start), position, position,
-                                                   keys_ahead(t, first + count, start + n)}});
-    }
+    for (std::int64_t t = first; t < first + count; ++t)
+      plans_.push_back({pad + t - start, plan(l, t, first, first + count, start, start + n)});
     std::vector<SlotSource> sources;
     for (std::int64_t block : table)
       if (block >= 0) sources.push_back({&pool, 0, block * B, B});
@@ -364,14 +373,23 @@ void PagedCache::register_full_blocks(int b, std::int64_t from, std::int64_t to)
   }
 }
 
-void PagedCache::free_behind_window(int b) {
+// Blocks no token the policy keeps lies in: before a sliding window; between the sinks and
+// a sink window (the sinks' blocks stay). A dense append frees only once it is done: its
+// later forwards still see the window its first token saw.
+void PagedCache::free_behind_window(int b, bool append_done) {
+  const std::int64_t n = lengths_[static_cast<std::size_t>(b)], B = paging_.block_size;
   for (int l = 0; l < config_.layers; ++l) {
-    const std::int64_t w = window(l);
-    if (w == 0) continue;
+    const LayerPolicy& p = policy(l);
+    std::int64_t from = 0, to = 0;  // blocks [from, to) are dead
+    if (p.kind == LayerPolicy::Kind::sliding) {
+      to = first_live_block(n, p.window);
+    } else if (p.kind == LayerPolicy::Kind::sink && n > 0 && (append_done || !p.dense_prefill)) {
+      from = (p.sinks + B - 1) / B;
+      to = (p.sinks + sink_evicted(p.window, p.evict, n - 1)) / B;  // tokens S .. S + E(n - 1) - 1 are evicted
+    }
     auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
-    const std::int64_t first = std::min<std::int64_t>(first_live_block(lengths_[static_cast<std::size_t>(b)], w),
-                                                      static_cast<std::int64_t>(table.size()));
-    for (std::int64_t i = 0; i < first; ++i)
+    to = std::min<std::int64_t>(to, static_cast<std::int64_t>(table.size()));
+    for (std::int64_t i = from; i < to; ++i)
       if (table[static_cast<std::size_t>(i)] >= 0) {
         release_block(l, table[static_cast<std::size_t>(i)]);
         table[static_cast<std::size_t>(i)] = -1;
@@ -396,7 +414,7 @@ void PagedCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
       lengths_[static_cast<std::size_t>(b)] = first + count;
       register_full_blocks(b, first, first + count);
       register_tokens(b, first, first + count);
-      free_behind_window(b);
+      free_behind_window(b, first + count == end);
     }
   }
 }
@@ -448,17 +466,23 @@ void PagedCache::evict(std::int64_t count) {
     }
 }
 
-// The cropped row's last token needs the window that ends at it, in every sliding layer.
-// Paging changes no refusal (SPEC 8): the rule is the policy's, though a block freed whole
-// may still hold an evicted token.
+// The cropped row's last token needs the window that ends at it, in every sliding or sink
+// layer. Paging changes no refusal (SPEC 8): the rule is the policy's, though a block freed
+// whole may still hold an evicted token.
 void PagedCache::check_crop(std::int64_t length) const {
   for (int l = 0; l < config_.layers; ++l) {
-    const std::int64_t w = window(l);
-    if (w == 0) continue;
+    const LayerPolicy& p = policy(l);
+    if (p.kind == LayerPolicy::Kind::full) continue;
     for (int b = 0; b < batch(); ++b) {
       const std::int64_t n = lengths_[static_cast<std::size_t>(b)];
       if (n <= length || length == 0) continue;
-      const std::int64_t needed = std::max<std::int64_t>(0, length - w), kept = std::max<std::int64_t>(0, n - w);
+      // The window tokens the cropped row's last token sees start at `needed`; those below
+      // `kept` were evicted (a sliding window is a sink window without sinks, evicting 1).
+      std::int64_t needed = std::max<std::int64_t>(0, length - p.window), kept = std::max<std::int64_t>(0, n - p.window);
+      if (p.kind == LayerPolicy::Kind::sink) {
+        needed = p.sinks + sink_evicted(p.window, p.evict, length - 1);
+        kept = std::min(length, p.sinks + sink_evicted(p.window, p.evict, n - 1));
+      }
       if (needed < kept)
         throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
                                                std::to_string(needed) + " of row " + std::to_string(b) +

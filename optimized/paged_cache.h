@@ -4,7 +4,10 @@
 // keyed by the chain of token ids and the row's extras (LRU eviction of blocks no row
 // references), window freeing on sliding layers, and chunked prefill; under reuse "token" a
 // hit may end inside a block, whose matching slots are copied. Keys are rotated
-// once, at their token index (full and sliding layers).
+// once, at their token index, under every policy: a sink layer rotates the query twice, as
+// sink_ring does (sink_ring_cache.h), so no key is re-rotated when its window moves, a
+// shared or hit block stays valid at any eviction count, and the blocks lying wholly
+// between the sinks and the window are freed.
 //
 // A step is scheduled, then run, as an engine batches it: first, row by row, a starting row
 // takes its prefix hit and every row gets the blocks its new tokens need; then each row's
@@ -129,7 +132,9 @@ class PagedCache : public KvCache {
     std::vector<std::uint64_t> keys;  // prefix-index key of each full block
   };
 
-  std::int64_t window(int layer) const;
+  const LayerPolicy& policy(int layer) const { return policies_[static_cast<std::size_t>(layer)]; }
+  QueryPlan plan(int layer, std::int64_t t, std::int64_t forward_first, std::int64_t forward_end,
+                 std::int64_t append_first, std::int64_t append_end) const;
   void schedule(const Chunk& chunk);
   void take_prefix_hit(int b, const Chunk& chunk);
   void make_writable(int layer, int b, std::int64_t logical);
@@ -137,7 +142,7 @@ class PagedCache : public KvCache {
   void run_forward(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log, int b, std::int64_t first,
                    std::int64_t count);
   void register_full_blocks(int b, std::int64_t from, std::int64_t to);
-  void free_behind_window(int b);
+  void free_behind_window(int b, bool append_done);
   void release_table(int layer, std::vector<std::int64_t>& table);
   void cut_row(int b, std::int64_t length);
   void clear_block(int layer, std::int64_t block);
@@ -152,6 +157,7 @@ class PagedCache : public KvCache {
   std::uint64_t key_of_block(int b, std::int64_t logical);
 
   CacheConfig config_;
+  std::vector<LayerPolicy> policies_;  // per layer
   PagedLayout paging_;
   RopeTable rope_;
   AttentionKernel kernel_;

@@ -42,6 +42,7 @@ std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log, 
   c.window = 12;
   c.sinks = 2;
   c.capacity = 64;
+  c.kind = LayerPolicy::Kind::sliding;  // the paged cache's (the others are what their type says)
   c.paging = PagedLayout{4, 64, true};  // the paged cache's pool (a sliding window of 12 there)
   c.threads = threads;
   c.storage = storage;

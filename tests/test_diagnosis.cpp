@@ -132,6 +132,22 @@ TEST(Diagnosis, AChunkedAppendsQueryThatSeesALaterKeySeesTheFuture) {
   EXPECT_NE(classify(s, e, {}), BugClass::chunk_sees_future_keys);
 }
 
+TEST(Diagnosis, SinkDistancesOffByTheEvictionCountInAChunkAreAQueryNotMovedBack) {
+  // S = 2, W = 6: query 9 of a chunked append has E = 4; its sinks 0 and 1 should sit at
+  // distances 9 - 4 - 0 = 5 and 4, and were used at 9 and 8: the query rotated once, at t.
+  Scenario s = sink_scenario();
+  Step append;
+  append.op = StepOp::append;
+  append.chunk = 4;
+  s.steps.push_back(append);
+  StepEvidence e;
+  e.pairs.push_back({0, 9, 0, 0, 5, 9, 9, 4});
+  e.pairs.push_back({0, 9, 1, 1, 4, 8, 9, 4});
+  EXPECT_EQ(classify(s, e, {}), BugClass::query_position_not_shifted);
+  e.pairs.push_back({0, 9, 7, 7, 2, 3, 9, 4});  // a window key off too: the chunk's positions
+  EXPECT_EQ(classify(s, e, {}), BugClass::chunk_positions_wrong);
+}
+
 TEST(Diagnosis, RotationDriftSaysWhetherTheErrorGrows) {
   Drift d;
   d.rotation_errors = {{0, 0.001}, {5, 0.01}, {10, 0.02}};

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "optimized/block_pool.h"
+#include "optimized/paged_cache.h"
 #include "reference/prefix_reuse.h"
 #include "tools/catalog/catalog.h"
 #include "tools/harness/cache_checks.h"
@@ -178,6 +179,60 @@ TEST(Paged, ThePoolCountsTheBlocksOfRowsThatDoNotAppend) {
   }
 }
 
+TEST(Paged, ASinkLayerNeedsItsSinkBlocksAndItsWindowsBlocks) {
+  // S = 3, W = 11, evict 2, blocks of 4. 18 tokens take blocks 0-4. Then 10 more: the
+  // 18-token row keeps its sinks (block 0) and the window of token 17, tokens 3 + E(17) =
+  // 11 on (block 2 on), and grows to 28 tokens (blocks up to 6): 1 + 5 = 6 blocks, where
+  // a full layer would hold 7.
+  const std::string text = R"({"name": "p", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "kv_heads": 1,
+    "head_dim": 2}, "policy": {"type": "sink", "sinks": 3, "window": 11, "evict": 2}, "paging": {"block_size": 4,
+    "num_blocks": 6}, "steps": [{"op": "append", "tokens": 18}, {"op": "append", "tokens": 10}]})";
+  const PoolNeed need = largest_pool_need(parse_scenario(text, "p.json"), 4);
+  EXPECT_EQ(need.blocks, 6);
+  EXPECT_EQ(need.source_index, 1);
+}
+
+TEST(Paged, ASinkLayerFreesTheBlocksBetweenItsSinksAndItsWindow) {
+  // S = 3, W = 11, evict 2, blocks of 4, as paged_sink_fork_prefix_hit's first row.
+  optimized::CacheConfig c;
+  c.head_dim = 4;
+  c.rope.head_dim = 4;
+  c.kind = optimized::LayerPolicy::Kind::sink;
+  c.window = 11;
+  c.sinks = 3;
+  c.evict = 2;
+  c.paging = optimized::PagedLayout{4, 16, false};
+  optimized::PagedCache cache(c);
+  std::int64_t uid = 0;
+  const auto append = [&](std::int64_t n) {
+    std::vector<float> q(static_cast<std::size_t>(n) * 4, 0.25f), k = q, v = q;
+    optimized::Chunk chunk;
+    chunk.length = n;
+    chunk.counts = {n};
+    for (std::int64_t i = 0; i < n; ++i) chunk.uids.push_back(uid++);
+    chunk.q = {q.data()};
+    chunk.k = {k.data()};
+    chunk.v = {v.data()};
+    cache.append(chunk, {}, nullptr);
+  };
+  const auto nulls = [&] {
+    std::vector<bool> out;
+    for (std::int64_t block : cache.paged()->layers[0].tables[0]) out.push_back(block < 0);
+    return out;
+  };
+  // 18 tokens: E(17) = 8 evicts tokens 3 to 10. Block 1 (tokens 4-7) holds only evicted
+  // ones; block 0 keeps the sinks (and evicted token 3), block 2 token 11 of the window.
+  append(18);
+  EXPECT_EQ(nulls(), (std::vector<bool>{false, true, false, false, false}));
+  // 23 tokens: E(22) = 12 evicts tokens 3 to 14: block 2 (8-11) goes, block 3 keeps 15.
+  for (int i = 0; i < 5; ++i) append(1);
+  EXPECT_EQ(nulls(), (std::vector<bool>{false, true, true, false, false, false}));
+  // A crop back to 22 tokens keeps the window of token 21 (E(21) = 12): accepted. A crop
+  // to 20 needs token 3 + E(19) = 13, evicted: refused.
+  EXPECT_NO_THROW(cache.check_crop(22));
+  EXPECT_THROW(cache.check_crop(20), optimized::CacheRefusal);
+}
+
 // Corners where a correct paged cache must pass (each once failed or could have).
 TEST(Paged, ACorrectCacheServesTheCorners) {
   const auto scenario = [](const std::string& policy, const std::string& paging, const std::string& steps) {
@@ -197,7 +252,24 @@ TEST(Paged, ACorrectCacheServesTheCorners) {
                R"([{"op": "append", "tokens": 8}, {"op": "decode", "steps": 12},
                    {"op": "preempt", "rows": [0, 1], "mode": "recompute"}, {"op": "resume", "rows": [0, 1]},
                    {"op": "decode", "steps": 2}])"),
+      // A recompute on a sink layer under dense prefill: the history is rebuilt as one dense
+      // append, and only then are the blocks between the sinks and the window freed again.
+      scenario(R"({"type": "sink", "sinks": 2, "window": 7, "evict": 2, "prefill": "dense"})",
+               R"({"block_size": 2, "num_blocks": 40})",
+               R"([{"op": "append", "tokens": [12, 3]}, {"op": "decode", "steps": 5},
+                   {"op": "preempt", "rows": [0], "mode": "recompute"}, {"op": "append", "tokens": [0, 1]},
+                   {"op": "resume", "rows": [0]}, {"op": "decode", "steps": 3}])"),
   };
+  // A sink layer beside a full one (blocks freed in one layer only), a fork, then a prefix
+  // hit of 8 on blocks the sink layer freed from its window but the prefix index kept.
+  corners.push_back(parse_scenario(R"({"name": "p", "seed": 5, "content": "prefix", "dimensions": {"layers": 2,
+    "batch": 2, "heads": 2, "kv_heads": 1, "head_dim": 4}, "policy": [{"type": "sink", "sinks": 1, "window": 5},
+    {"type": "full"}], "paging": {"block_size": 2, "num_blocks": 40, "prefix_cache": true}, "steps": [
+    {"op": "append", "ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]}, {"op": "decode", "steps": 2},
+    {"op": "reorder", "rows": [0, 0]}, {"op": "decode", "steps": 2}, {"op": "free", "rows": [1]},
+    {"op": "append", "ids": [[], [1, 2, 3, 4, 5, 6, 7, 8, 9]], "expect_hit": [null, 8]},
+    {"op": "decode", "steps": 2}]})",
+                                   "p.json"));
   // Reuse "token" with every block of the pool cached: the partial hit's source (the second
   // block, least recently used once the first is hit) must not be the block taken to copy it
   // into; with no other block at all, the tokens are computed instead.

@@ -306,13 +306,18 @@ class PagedTraceTest(unittest.TestCase):
         # The pools are poisoned as kvcheck's --poison-blocks does (optimized/poison.h: kind 2,
         # allocated and never written, epoch 0), and the hit hands out new blocks instead of the
         # indexed ones: the row reads NaNs that name the block, through NumPy's float64 attention
-        # and the trace's float32 outputs.
+        # and the trace's float32 outputs, from NumPy pools and from torch ones (the mark set
+        # through its bits, as an engine would with a uint32 view of its pool).
         class HitIntoNewBlocks(BlockManagerCache):
             def allocate_block(self, l):
                 block = super().allocate_block(l)
-                mark = np.array([0x7FC00000 | 2 << 20 | block], np.uint32).view(np.float32)[0]
-                self.k[l, block] = mark
-                self.v[l, block] = mark
+                bits = 0x7FC00000 | 2 << 20 | block
+                for pool in (self.k, self.v):
+                    if isinstance(pool, np.ndarray):
+                        pool[l, block].view(np.uint32)[...] = bits
+                    else:  # a torch tensor
+                        import torch
+                        pool[l, block].view(torch.int32).fill_(bits)
                 return block
 
             def start(self, b, ids, extra):
@@ -324,11 +329,13 @@ class PagedTraceTest(unittest.TestCase):
                         table[i] = self.allocate_block(l)
                 return hit
 
-        with tempfile.TemporaryDirectory() as work:
-            result, done = self.drive("paged_fork_then_prefix_hit", work, HitIntoNewBlocks)
-        self.assertIsNone(result.error, result)
-        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
-        self.assertRegex(done.stdout, r"a poison NaN: block \d+ \(epoch 0\), never written")
+        for tensor in ("numpy", "torch"):
+            with self.subTest(tensor=tensor), tempfile.TemporaryDirectory() as work:
+                result, done = self.drive("paged_fork_then_prefix_hit", work,
+                                          lambda exp: HitIntoNewBlocks(exp, "NHD", tensor))
+                self.assertIsNone(result.error, result)
+                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+                self.assertRegex(done.stdout, r"a poison NaN: block \d+ \(epoch 0\), never written")
 
     def test_sharing_a_forked_block_without_copy_is_named(self):
         with tempfile.TemporaryDirectory() as work:

@@ -150,8 +150,8 @@ FIELD_CASES = [
     ("/attention", {"sink_logits": []}, "/attention/sink_logits: expected a list"),
     ("/attention", {"sink_logits": [[1, 2], [1, 2]]}, "/attention/sink_logits: expected one list per layer"),
     # SPEC 8 fields and ops (the base is a sink policy, batch 2)
-    ("/paging", {"block_size": 4, "num_blocks": 8},
-     "/policy/type: a paged cache with a sink policy is in SPEC 8, but kvcheck's paged cache serves"),
+    ("/paging", {"block_size": 1, "num_blocks": 2},
+     "/paging/num_blocks: the pool holds 2 blocks, but /steps/[0-9]+ needs up to [0-9]+ \\(every row's blocks"),
     ("/paging", {"block_size": 0, "num_blocks": 8}, "/paging/block_size: expected an integer >= 1"),
     ("/paging", {"block_size": 4}, "/paging/num_blocks: missing required field"),
     ("/paging", {"block_size": 4, "num_blocks": 8, "reuse": "radix"},

@@ -183,6 +183,7 @@ void decode_quant(benchmark::State& state, const std::string& format, Shape shap
 void decode_paged(benchmark::State& state, bool sliding, Shape shape) {
   CacheConfig c = config(shape, 0);
   if (!sliding) c.window = 0;
+  c.kind = sliding ? LayerPolicy::Kind::sliding : LayerPolicy::Kind::full;
   c.paging = PagedLayout{16, shape.window / 16 + 8, false};
   PagedCache cache(c);
   Feed feed(shape.heads, kFillChunk);

@@ -43,12 +43,15 @@ const std::vector<CacheEntry>& real_caches() {
                 !(s.kv_quant && s.kv_quant->k && s.policy.positions == SinkPositions::cache);
        },
        [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
-      // SPEC 8: blocks, tables, refcounts, prefix reuse. It serves every full and sliding
-      // scenario, with the scenario's `paging` or a default pool; eviction is per block.
+      // SPEC 8: blocks, tables, refcounts, prefix reuse. It serves every scenario, with the
+      // scenario's `paging` or a default pool; eviction is per block. Its sink layers keep
+      // keys at their first rotation, as sink_ring does: not the requantize convention.
       {"paged", "block pool and tables (vLLM), copy-on-write, prefix index, window freeing, chunked prefill",
        [](const Scenario& s) {
-         return !(s.kv_quant && s.kv_quant->holds_raw()) && std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
-                                           [](const Policy& p) { return p.kind != PolicyKind::sink; });
+         const bool shifted_sink_layer = std::any_of(s.layer_policies.begin(), s.layer_policies.end(), [](const Policy& p) {
+           return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
+         });
+         return !(s.kv_quant && (s.kv_quant->holds_raw() || (s.kv_quant->k && shifted_sink_layer)));
        },
        [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
       // Layers of different policies (SPEC 7), each served by the cache above that fits it.

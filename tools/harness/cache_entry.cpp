@@ -91,6 +91,7 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   if (s.hybrid())
     for (const Policy& p : s.layer_policies) c.layer_policies.push_back(layer_policy(p));
   const optimized::LayerPolicy first = layer_policy(s.policy);
+  c.kind = first.kind;
   c.window = first.window;
   c.sinks = first.sinks;
   c.evict = first.evict;

@@ -235,8 +235,9 @@ const char* class_explanation(BugClass c) {
       return "A row's block table points at a block that holds none of the row's tokens there: an entry left "
              "from the row's previous occupant after a row move (vLLM tt-plugin's move_row, PR 103), or never reset.";
     case BugClass::paged_block_freed_while_visible:
-      return "A block was freed while a token in it was still in the window of the row's next query: the window "
-             "freeing counts one block too many (vLLM PR 17398; free blocks below floor((n - W + 1) / B) only).";
+      return "A block was freed while a token in it was still seen by the row's next query: the window freeing "
+             "counts one block too many (vLLM PR 17398; a sliding window frees blocks below floor((n - W + 1) / B) "
+             "only), or a sink cache freed the sinks' blocks with the window's.";
     case BugClass::paged_read_before_write:
       return "A query read a slot before its token was written: a row took a block from the prefix index before "
              "the forward that fills it had run (registered at allocation, not after its write: vLLM PR 37152, the "
@@ -393,12 +394,22 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // A chunked append whose queries missed keys, or used other positions, than the reference's.
   // A chunked append (SPEC 8.7): keys at other positions than the reference's, or queries
   // that missed keys of the append and nothing else.
+  const bool shifted_policy = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
+                              s.policy.prefill == Prefill::streaming;
+  // Distances off for sinks only, by E: the query was not moved back with the window, in a
+  // chunk or not.
+  const bool sinks_only_by_e =
+      shifted_policy && any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; }) &&
+      std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
+        return p.expected && p.actual && p.key_index < s.policy.sinks && *p.actual - *p.expected == p.evicted_before;
+      });
   const bool chunked = e.step < s.steps.size() && s.steps[e.step].chunk > 0;
   if (chunked) {
     if (any(e.pairs, [](const PairMismatch& p) { return !p.expected && p.actual && p.key_index > p.query_index; }))
       return BugClass::chunk_sees_future_keys;
     if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; }) ||
-        any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual && *p.expected != *p.actual; }))
+        (!sinks_only_by_e &&
+         any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual && *p.expected != *p.actual; })))
       return BugClass::chunk_positions_wrong;
     if (e.slots.empty() && !e.pairs.empty() &&
         std::all_of(e.pairs.begin(), e.pairs.end(), [](const PairMismatch& p) { return p.expected && !p.actual; }))
@@ -527,8 +538,6 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   }
   if (any(e.slots, [](const SlotIssue& i) { return i.kind == K::duplicated; })) return BugClass::mask_sees_evicted;
 
-  const bool shifted_policy = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
-                              s.policy.prefill == Prefill::streaming;
   // Cache positions never reach W; a query at W or beyond was rotated at its absolute position.
   if (shifted_policy &&
       any(e.pairs, [&](const PairMismatch& p) { return p.query_position && *p.query_position >= s.policy.window; }))
@@ -543,13 +552,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
                   }) &&
       any(e.pairs, [](const PairMismatch& p) { return p.key_index == p.query_index; });
   if (new_keys_behind) return BugClass::new_key_not_shifted;
-  if (shifted_policy && any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; })) {
-    // Distances off for sinks only, by E: the query was not moved back with the window.
-    const bool sinks_only_by_e = std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
-      return p.expected && p.actual && p.key_index < s.policy.sinks && *p.actual - *p.expected == p.evicted_before;
-    });
-    if (sinks_only_by_e) return BugClass::query_position_not_shifted;
-  }
+  if (sinks_only_by_e) return BugClass::query_position_not_shifted;
 
   const bool sink_missing = s.policy.kind == PolicyKind::sink && any(e.pairs, [&](const PairMismatch& p) {
                               return p.expected && !p.actual && p.key_index < s.policy.sinks;

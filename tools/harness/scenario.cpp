@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "reference/policy.h"
 #include "tools/harness/content_keys.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/safe_file.h"
@@ -452,11 +453,6 @@ Paging parse_paging(const Reader& r, const json& j, const Scenario& s) {
     paging.prefix_cache = j["prefix_cache"].get<bool>();
   }
   if (j.contains("reuse")) paging.token_reuse = r.choice(j["reuse"], p + "/reuse", {"full", "token"}) == "token";
-  for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
-    if (s.layer_policies[l].kind == PolicyKind::sink)
-      r.fail(s.layer_policies.size() > 1 && s.hybrid() ? "/policy/" + std::to_string(l) + "/type" : "/policy/type",
-             "a paged cache with a sink policy is in SPEC 8, but kvcheck's paged cache serves \"full\" and "
-             "\"sliding\" layers only yet");
   // Quantized blocks (vLLM's fp8 pools) are served; a residual of raw tokens beside them is not yet.
   if (s.kv_quant && s.kv_quant->holds_raw())
     r.fail(p, "a paged cache with a residual (kv_quant \"residual\", \"requantize_all\" or raw chunk reads) is in "
@@ -842,12 +838,16 @@ namespace {
 // every block from the first one holding a token that token `first` still sees.
 // A row of `first` tokens that appends up to n holds, without sharing, every block from
 // the first one holding a token of its retained set (the window of its last token, a
-// sliding layer's blocks being freed no earlier) to the last new token's.
+// sliding or sink layer's blocks being freed no earlier) to the last new token's, and a sink
+// layer's blocks of sinks.
 std::int64_t blocks_needed(const Policy& policy, std::int64_t block_size, std::int64_t first, std::int64_t n) {
   if (n == 0) return 0;
-  const std::int64_t from =
-      policy.kind == PolicyKind::sliding ? std::max<std::int64_t>(0, first - policy.window) / block_size : 0;
-  return (n + block_size - 1) / block_size - from;
+  const std::int64_t last = (n + block_size - 1) / block_size;  // blocks 0 .. last - 1 cover the row
+  if (policy.kind == PolicyKind::full) return last;
+  if (policy.kind == PolicyKind::sliding) return last - std::max<std::int64_t>(0, first - policy.window) / block_size;
+  const std::int64_t sink_blocks = (policy.sinks + block_size - 1) / block_size;
+  const std::int64_t from = first == 0 ? 0 : (policy.sinks + reference::evicted_count(policy, first - 1)) / block_size;
+  return last - from + std::min(sink_blocks, from);
 }
 
 }  // namespace
