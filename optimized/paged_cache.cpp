@@ -373,7 +373,7 @@ void PagedCache::register_full_blocks(int b, std::int64_t from, std::int64_t to)
   }
 }
 
-// Blocks no token the policy keeps lies in: before a sliding window; between the sinks and
+// The blocks holding no token the policy keeps: before a sliding window; between the sinks and
 // a sink window (the sinks' blocks stay). A dense append frees only once it is done: its
 // later forwards still see the window its first token saw.
 void PagedCache::free_behind_window(int b, bool append_done) {

@@ -10,13 +10,14 @@
 //                                                  stored quantized (SPEC 9): q8_0, fp8_e4m3
 //   ReadKVQuant/<format>/W<window>/t<threads>      its floor: the stored bytes read once
 //   DecodePaged/<policy>/H32/W<window>/t<threads>  the paged cache's decode step (blocks of 16,
-//                                                  SPEC 8), against Decode/dynamic or /sliding
+//                                                  SPEC 8), against Decode/dynamic, /sliding or /sink_ring
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "optimized/dense_cache.h"
@@ -179,21 +180,22 @@ void decode_quant(benchmark::State& state, const std::string& format, Shape shap
 }
 
 // The paged cache's decode step with `window` tokens cached: full attention (cropped back
-// outside the timed region, as the dense caches are) or a sliding window, evicting.
-void decode_paged(benchmark::State& state, bool sliding, Shape shape) {
+// outside the timed region, as the dense caches are), or a sliding or sink window, evicting.
+void decode_paged(benchmark::State& state, LayerPolicy::Kind kind, Shape shape) {
+  const bool full = kind == LayerPolicy::Kind::full;
   CacheConfig c = config(shape, 0);
-  if (!sliding) c.window = 0;
-  c.kind = sliding ? LayerPolicy::Kind::sliding : LayerPolicy::Kind::full;
+  if (full) c.window = 0;
+  c.kind = kind;
   c.paging = PagedLayout{16, shape.window / 16 + 8, false};
   PagedCache cache(c);
   Feed feed(shape.heads, kFillChunk);
-  const std::int64_t fill = sliding ? shape.window + 8 : shape.window - 1;
+  const std::int64_t fill = full ? shape.window - 1 : shape.window + 8;
   for (std::int64_t done = 0; done < fill; done += kFillChunk)
     feed.append(cache, std::min(kFillChunk, fill - done), /*fill_only=*/true);
   for (auto _ : state) {
     feed.append(cache, 1);
     benchmark::DoNotOptimize(feed.out.data());
-    if (!sliding) {
+    if (full) {
       state.PauseTiming();
       cache.crop(shape.window - 1);
       state.ResumeTiming();
@@ -263,11 +265,13 @@ int register_all() {
       }
   for (const std::int64_t window : {4096, 32768})
     for (const int threads : {1, 2})
-      for (const bool sliding : {false, true})
-        RegisterBenchmark(("DecodePaged/" + std::string(sliding ? "sliding" : "full") + "/H32/W" +
-                           std::to_string(window) + "/t" + std::to_string(threads))
+      for (const auto& [name, kind] : {std::pair{"full", LayerPolicy::Kind::full},
+                                       std::pair{"sliding", LayerPolicy::Kind::sliding},
+                                       std::pair{"sink", LayerPolicy::Kind::sink}})
+        RegisterBenchmark(("DecodePaged/" + std::string(name) + "/H32/W" + std::to_string(window) + "/t" +
+                           std::to_string(threads))
                               .c_str(),
-                          decode_paged, sliding, Shape{32, window, threads})
+                          decode_paged, kind, Shape{32, window, threads})
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
   // The sink cache's window holds the whole prompt, so each query sees the keys a

@@ -122,20 +122,21 @@ def main(path):
                 goal("%s decode / float32 decode, H 32, W 32768, 2t" % f, "%.2fx" % (x / f32), x / f32 <= 0.6, "<= 0.6")
             if x and own:
                 goal("%s decode / its byte floor, H 32, W 32768, 2t" % f, "%.2fx" % (x / own), x / own <= 2.0, "<= 2")
-    paged = [(p, w, t) for p in ("full", "sliding") for w in (4096, 32768) for t in THREADS
+    contiguous = {"full": "dynamic", "sliding": "sliding", "sink": "sink_ring"}  # the same policy, unpaged
+    paged = [(p, w, t) for p in contiguous for w in (4096, 32768) for t in THREADS
              if find(median, "DecodePaged/%s/H32/W%d/t%d" % (p, w, t))]
     if paged:
         print("\npaged decode (SPEC 8, blocks of 16), H 32, D 128, 8 kv heads: time / the contiguous cache of the policy")
         for p, w, t in paged:
             x = find(median, "DecodePaged/%s/H32/W%d/t%d" % (p, w, t))
-            base = find(median, "Decode/%s/H32/W%d/t%d" % ("dynamic" if p == "full" else "sliding", w, t))
+            base = find(median, "Decode/%s/H32/W%d/t%d" % (contiguous[p], w, t))
             print("  %-8s W %-6d %dt  %8.0f us  %5.2fx %s" % (p, w, t, x * 1e6, x / base if base else float("nan"),
-                                                           "dynamic" if p == "full" else "sliding"))
-        for p in ("full", "sliding"):
+                                                           contiguous[p]))
+        for p in contiguous:
             x = find(median, "DecodePaged/%s/H32/W32768/t2" % p)
-            base = find(median, "Decode/%s/H32/W32768/t2" % ("dynamic" if p == "full" else "sliding"))
+            base = find(median, "Decode/%s/H32/W32768/t2" % contiguous[p])
             if x and base:
-                goal("paged %s decode / %s decode, H 32, W 32768, B 16, 2t" % (p, "dynamic" if p == "full" else "sliding"),
+                goal("paged %s decode / %s decode, H 32, W 32768, B 16, 2t" % (p, contiguous[p]),
                      "%.2fx" % (x / base), x / base <= 1.15, "<= 1.15")
     for t in THREADS:
         ring = find(median, "Prefill/sink_ring/H32/t%d" % t)
