@@ -391,9 +391,6 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // Codes that fit the token only without the transform: every key read back is garbage
   // through it (rotations, outputs), and this is why.
   if (e.codes_fit_without_transform) return BugClass::quant_transform_missing;
-  // A chunked append whose queries missed keys, or used other positions, than the reference's.
-  // A chunked append (SPEC 8.7): keys at other positions than the reference's, or queries
-  // that missed keys of the append and nothing else.
   const bool shifted_policy = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
                               s.policy.prefill == Prefill::streaming;
   // Distances off for sinks only, by E: the query was not moved back with the window, in a
@@ -403,6 +400,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
       std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
         return p.expected && p.actual && p.key_index < s.policy.sinks && *p.actual - *p.expected == p.evicted_before;
       });
+  // A chunked append (SPEC 8.7): a query that saw a later key, keys at other positions than
+  // the reference's, or queries that missed keys of the append and nothing else.
   const bool chunked = e.step < s.steps.size() && s.steps[e.step].chunk > 0;
   if (chunked) {
     if (any(e.pairs, [](const PairMismatch& p) { return !p.expected && p.actual && p.key_index > p.query_index; }))
