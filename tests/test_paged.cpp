@@ -193,7 +193,7 @@ TEST(Paged, ASinkLayerNeedsItsSinkBlocksAndItsWindowsBlocks) {
 }
 
 TEST(Paged, ASinkLayerFreesTheBlocksBetweenItsSinksAndItsWindow) {
-  // S = 3, W = 11, evict 2, blocks of 4, as paged_sink_fork_prefix_hit's first row.
+  // S = 3, W = 11, evict 2, blocks of 4: paged_sink_fork_prefix_hit's policy and pool.
   optimized::CacheConfig c;
   c.head_dim = 4;
   c.rope.head_dim = 4;
