@@ -25,6 +25,8 @@ constexpr int kHeadsAtOnce = 4;
 // Query heads whose accumulators stay in registers while whole value rows stream past.
 constexpr int kValueHeadsAtOnce = 2;
 constexpr int kValueChunksAtOnce = 8;
+// Vectors of value codes read in place per pass, for kHeadsAtOnce heads.
+constexpr int kDirectValueChunks = 2;
 // Value rows per pass of the register-held accumulators (they stay in L1 for the next pass).
 constexpr std::size_t kValueTile = 32;
 
@@ -151,38 +153,75 @@ const std::uint8_t* codes_of(const DirectRow& r, int group_index, int group) {
   return r.codes[group_index];
 }
 
-// dots<N> over a key row read in place: each group's codes against the queries, times its scale.
-template <int N, Codes K, Layout L>
-void dots_direct(const float* q, int d, int group, const DirectRow& row, float* out) {
-  Batch acc[N];
-  for (int r = 0; r < N; ++r) acc[r] = Batch(0.0f);
-  for (int b = 0; b * group < d; ++b) {
-    const std::uint8_t* codes = codes_of<L>(row, b, group);
-    Batch part[N];
-    for (int r = 0; r < N; ++r) part[r] = Batch(0.0f);
-    for (int e = 0; e < group; e += kLanes) {
-      const Batch cb = code_batch<K>(codes + e);
-      for (int r = 0; r < N; ++r) part[r] = xsimd::fma(Batch::load_unaligned(q + r * d + b * group + e), cb, part[r]);
-    }
-    const Batch sb(scale_of<L>(row, b));
-    for (int r = 0; r < N; ++r) acc[r] = xsimd::fma(sb, part[r], acc[r]);
+// out[r] = the horizontal sum of acc[r], r < N: for four heads, one transposing tree of
+// horizontal adds (five instructions) instead of four separate reductions.
+template <int N>
+void sums(const Batch* acc, float* out) {
+#if defined(__AVX2__)
+  if constexpr (N == 4 && kLanes == 8) {
+    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h = _mm256_hadd_ps(h01, h23);  // per 128-bit half: the partial sums of heads 0..3
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    return;
   }
+#endif
   for (int r = 0; r < N; ++r) out[r] = xsimd::hadd(acc[r]);
 }
 
-// accumulate<N, C> over value rows read in place (rows[i] for key i of the tile).
+// Vectors of codes times their group's scale; under one fixed scale for the whole row the
+// codes alone, the scale applied once to the sums.
+template <Codes K, Layout L>
+Batch scaled_codes(const std::uint8_t* codes, const Batch& scale) {
+  if constexpr (L == Layout::fixed)
+    return code_batch<K>(codes);
+  else
+    return code_batch<K>(codes) * scale;
+}
+
+// dots<N> over a key row read in place: each group's codes against the queries, times its
+// scale. Two accumulators per head, for alternate vectors of codes: N = 4 heads then keep
+// eight independent multiply-add chains in flight, enough to hide the FMA latency.
+template <int N, Codes K, Layout L>
+void dots_direct(const float* q, int d, int group, const DirectRow& row, float* out) {
+  Batch even[N], odd[N];
+  for (int r = 0; r < N; ++r) even[r] = odd[r] = Batch(0.0f);
+  for (int b = 0; b * group < d; ++b) {
+    const std::uint8_t* codes = codes_of<L>(row, b, group);
+    const Batch sb(L == Layout::fixed ? 1.0f : scale_of<L>(row, b));
+    const float* qb = q + b * group;
+    int e = 0;
+    for (; e + 2 * kLanes <= group; e += 2 * kLanes) {
+      const Batch c0 = scaled_codes<K, L>(codes + e, sb), c1 = scaled_codes<K, L>(codes + e + kLanes, sb);
+      for (int r = 0; r < N; ++r) {
+        even[r] = xsimd::fma(Batch::load_unaligned(qb + r * d + e), c0, even[r]);
+        odd[r] = xsimd::fma(Batch::load_unaligned(qb + r * d + e + kLanes), c1, odd[r]);
+      }
+    }
+    if (e < group) {
+      const Batch c0 = scaled_codes<K, L>(codes + e, sb);
+      for (int r = 0; r < N; ++r) even[r] = xsimd::fma(Batch::load_unaligned(qb + r * d + e), c0, even[r]);
+    }
+  }
+  for (int r = 0; r < N; ++r) even[r] += odd[r];
+  sums<N>(even, out);
+  if constexpr (L == Layout::fixed)
+    for (int r = 0; r < N; ++r) out[r] *= row.fixed;
+}
+
+// accumulate<N, C> over value rows read in place (rows[i] for key i of the tile, scales[i *
+// groups + b] its group scales): each vector of codes is converted and scaled once for the
+// N heads. Under one fixed scale the caller applies it to the finished sums.
 template <int N, int C, Codes K, Layout L>
-void accumulate_direct(float* acc, int d, int group, const float* weights, std::size_t stride, std::size_t count,
-                       const DirectRow* rows, int offset) {
+void accumulate_direct(float* acc, int d, int group, const float* weights, std::size_t stride, const float* scales,
+                       int groups, std::size_t count, const DirectRow* rows, int offset) {
   Batch a[N][C];
   for (int r = 0; r < N; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = Batch::load_unaligned(acc + r * d + offset + c * kLanes);
   for (std::size_t i = 0; i < count; ++i)
     for (int c = 0; c < C; ++c) {
       const int e = offset + c * kLanes, b = e / group;
-      const Batch vb = code_batch<K>(codes_of<L>(rows[i], b, group) + e % group);
-      const float s = scale_of<L>(rows[i], b);
-      for (int r = 0; r < N; ++r) a[r][c] = xsimd::fma(Batch(weights[r * stride + i] * s), vb, a[r][c]);
+      const Batch vb = scaled_codes<K, L>(codes_of<L>(rows[i], b, group) + e % group, Batch(scales[i * groups + b]));
+      for (int r = 0; r < N; ++r) a[r][c] = xsimd::fma(Batch(weights[r * stride + i]), vb, a[r][c]);
     }
   for (int r = 0; r < N; ++r)
     for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc + r * d + offset + c * kLanes);
@@ -499,6 +538,11 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
             direct_ref(x.store->value_format(), g,
                        static_cast<const std::byte*>(x.store->value(layer, x.row, g, x.slot)), D,
                        w.v_scales.data() + r * v_groups, w.v_codes.data() + r * v_groups, w.v_direct[r]);
+            // Every layout's scales listed, read once per row and group, not per head.
+            by_layout(x.store->value_format(), [&]<Layout L>() {
+              for (std::size_t b = 0; b < v_groups; ++b)
+                w.v_scales[r * v_groups + b] = scale_of<L>(w.v_direct[r], static_cast<int>(b));
+            });
           }
         else if (converted)
           for (std::size_t r = 0; r < len; ++r) {
@@ -509,9 +553,10 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
         const float* const* v = w.v.data() + i0;
         const RowFormat& value_format = block.slots[0].store->value_format();
         // Codes read in place are converted once per row and chunk for up to four heads,
-        // four chunks at a time (16 accumulators); float rows for two heads, eight chunks.
+        // two chunks at a time (8 accumulators, the rest of the registers for the weights);
+        // float rows for two heads, eight chunks.
         const int heads_at_once = v_group ? kHeadsAtOnce : kValueHeadsAtOnce;
-        const int chunks_at_once = v_group ? 4 : kValueChunksAtOnce;
+        const int chunks_at_once = v_group ? kDirectValueChunks : kValueChunksAtOnce;
         for (std::size_t j = 0; j < block.count; ++j)
           for (int h0 = 0; h0 < G; h0 += heads_at_once) {
             float* acc = w.acc.data() + (j * G + h0) * D;
@@ -522,8 +567,8 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
                   if (v_group)
                     by_codes(value_format.codec, [&]<Codes K>() {
                       by_layout(value_format, [&]<Layout L>() {
-                        accumulate_direct<N, C, K, L>(acc, D, v_group, weights, n, len, w.v_direct.data(),
-                                                      c0 * kLanes);
+                        accumulate_direct<N, C, K, L>(acc, D, v_group, weights, n, w.v_scales.data(),
+                                                      static_cast<int>(v_groups), len, w.v_direct.data(), c0 * kLanes);
                       });
                     });
                   else
@@ -542,11 +587,17 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
           }
       }
 
+      // Value rows under one fixed scale were accumulated unscaled (accumulate_direct).
+      float v_fixed = 1.0f;
+      if (v_group)
+        by_layout(block.slots[0].store->value_format(), [&]<Layout L>() {
+          if constexpr (L == Layout::fixed) v_fixed = block.slots[0].store->value_format().static_scales[0];
+        });
       for (std::size_t j = 0; j < block.count; ++j)
         for (int hh = 0; hh < G; ++hh) {
           const std::size_t m = j * G + hh;
           float* o = out[layer] + row_offset + (queries[block.first + j].chunk_pos * H + g * G + hh) * D;
-          for (int d = 0; d < D; ++d) o[d] = w.acc[m * D + d] / total[m];
+          for (int d = 0; d < D; ++d) o[d] = w.acc[m * D + d] * v_fixed / total[m];
         }
     };
     pool_->run(static_cast<int>(block_count) * shape.kv_heads, task);
