@@ -91,6 +91,12 @@ void walsh_hadamard(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] *= norm;
 }
 
+// walsh_hadamard on each `block`-wide block of x (0: one block of n).
+void walsh_hadamard_blocks(float* x, int n, int block) {
+  const int width = block > 0 ? block : n;
+  for (int at = 0; at + width <= n; at += width) walsh_hadamard(x + at, width);
+}
+
 float as_stored(bool half, float s) { return half ? from_float16(to_float16(s)) : s; }
 
 void put_scale(const RowFormat& f, float s, std::byte*& p) {
@@ -198,7 +204,7 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
   }
   if (f.hadamard) {
     std::copy_n(x, d, scratch);
-    walsh_hadamard(scratch, d);
+    walsh_hadamard_blocks(scratch, d, f.hadamard_block);
     x = scratch;
   }
   const int g = group_of(f, d);
@@ -311,7 +317,7 @@ void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, flo
       for (int i = 0; i < g; ++i) out[i] = static_cast<float>(get_code(f, p, i, g) - z) * s;
     }
   }
-  if (f.hadamard) walsh_hadamard(x, d);
+  if (f.hadamard) walsh_hadamard_blocks(x, d, f.hadamard_block);
 }
 
 UnpackedRow unpack_row(const RowFormat& f, int kv_head, const std::byte* in, int d) {

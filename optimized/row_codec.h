@@ -20,6 +20,7 @@ struct RowFormat {
   bool scale_half = false;           // scales stored in float16 (else float32)
   std::vector<float> static_scales;  // fixed scales: one, or one per kv head; empty: from the values
   bool hadamard = false;             // the row is multiplied by the normalized Hadamard matrix first
+  int hadamard_block = 0;            // in blocks of this width along the row; 0: one block
   bool operator==(const RowFormat&) const = default;
 };
 

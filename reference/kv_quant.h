@@ -29,6 +29,10 @@ struct QuantScale {
 struct TensorQuant {
   QuantFormat format = QuantFormat::q8_0;
   QuantScale scale;
+  // kvcheck's extension of SPEC 9's transform: the Hadamard matrix is block-diagonal, one
+  // normalized Hadamard matrix of this width per block along head_dim (llama.cpp rotates V
+  // in blocks of 64 at head_dim 128); 0: one block, the whole head.
+  int transform_block = 0;
   bool operator==(const TensorQuant&) const = default;
 };
 

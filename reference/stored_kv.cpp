@@ -29,13 +29,20 @@ double round_to(KvDtype dtype, double x) {
   }
 }
 
+// x (d doubles) times the block-diagonal Hadamard matrix of `block`-wide blocks (0: one
+// block of d); its own inverse.
+void hadamard_blocks(double* x, int d, int block) {
+  const int width = block > 0 ? block : d;
+  for (int at = 0; at + width <= d; at += width) hadamard(x + at, width);
+}
+
 // The row held as float32, transformed, quantized; x becomes what the codes stand for.
 QuantizedRow quantize_held(const TensorQuant& format, QuantTransform transform, int kv_head, std::vector<double>& x,
                            std::int64_t position) {
   const int d = static_cast<int>(x.size());
   std::vector<float> held(x.size());
   for (double& e : x) e = static_cast<float>(e);
-  if (transform == QuantTransform::hadamard) hadamard(x.data(), d);
+  if (transform == QuantTransform::hadamard) hadamard_blocks(x.data(), d, format.transform_block);
   for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(x[static_cast<std::size_t>(i)]);
   QuantizedRow codes = quantize(format, held.data(), d, kv_head, boundary_window(position));
   dequantize_stored(format, transform, codes, x.data());
@@ -46,16 +53,17 @@ QuantizedRow quantize_held(const TensorQuant& format, QuantTransform transform, 
 
 void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out) {
   dequantize(format, codes, out);
-  if (transform == QuantTransform::hadamard) hadamard(out, static_cast<int>(codes.codes.size()));  // its own inverse
+  if (transform == QuantTransform::hadamard)  // its own inverse
+    hadamard_blocks(out, static_cast<int>(codes.codes.size()), format.transform_block);
 }
 
-double quantize_query_q8_0(QuantTransform transform, double* q, int d, std::int64_t position) {
+double quantize_query_q8_0(QuantTransform transform, int block, double* q, int d, std::int64_t position) {
   std::vector<float> held(static_cast<std::size_t>(d));
   for (int i = 0; i < d; ++i) q[i] = static_cast<float>(q[i]);
-  if (transform == QuantTransform::hadamard) hadamard(q, d);
+  if (transform == QuantTransform::hadamard) hadamard_blocks(q, d, block);
   for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(q[i]);
   const double slack = quantize_activation_q8_0(held.data(), d, q, boundary_window(position));
-  if (transform == QuantTransform::hadamard) hadamard(q, d);
+  if (transform == QuantTransform::hadamard) hadamard_blocks(q, d, block);
   return slack;
 }
 
@@ -133,7 +141,9 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
 }
 
 double StoredKv::quantize_query(double* q, std::int64_t position) const {
-  return quant_.query ? quantize_query_q8_0(quant_.transform, q, dims_.head_dim, position) : 0.0;
+  return quant_.query ? quantize_query_q8_0(quant_.transform, quant_.k ? quant_.k->transform_block : 0, q,
+                                            dims_.head_dim, position)
+                      : 0.0;
 }
 
 const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {

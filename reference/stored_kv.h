@@ -45,9 +45,10 @@ QuantizedRow quantize_key_at(const TensorQuant& format, QuantTransform transform
 void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out);
 
 // A query (d doubles, rotated) as an attention that quantizes it to q8_0 uses it (kv_quant
-// "query"): rounded to float32, transformed, quantized, dequantized, transformed back.
+// "query"): rounded to float32, transformed (K's transform, blocks of `block`; 0: the whole
+// head), quantized, dequantized, transformed back.
 // Returns how far (2-norm) a backend's may be from it: codes on a tie may round either way.
-double quantize_query_q8_0(QuantTransform transform, double* q, int d, std::int64_t position);
+double quantize_query_q8_0(QuantTransform transform, int block, double* q, int d, std::int64_t position);
 
 class StoredKv {
  public:

@@ -76,11 +76,18 @@ class QuantExportTest(unittest.TestCase):
         quant, rope = m["kv_quant"], m["rope"]
         L, Hkv, H, D = (m["dimensions"][k] for k in ("layers", "kv_heads", "heads", "head_dim"))
         k_in, v_in, q_in = (np.load(os.path.join(out, n + ".npy")) for n in ("k", "v", "q"))
-        hmat = spec_quant.hadamard(D) if quant["transform"] == "hadamard" else None
+        def transform(fmt):
+            """The tensor's Hadamard matrix: block-diagonal when it declares transform_block."""
+            if quant["transform"] != "hadamard":
+                return None
+            width = fmt.get("transform_block", D)
+            return np.kron(np.eye(D // width), spec_quant.hadamard(width))
+
         state = [dict() for _ in range(m["dimensions"]["batch"])]  # row -> uid -> (position, [L][Hkv] key)
 
         def store(fmt, x, g):
             x = np.asarray(x, dtype=np.float32)
+            hmat = transform(fmt)
             if hmat is not None:
                 x = (hmat @ x.astype(np.float64)).astype(np.float32)
             codes, scales, zeros, near = spec_quant.quantize(fmt, x, g)
@@ -147,6 +154,7 @@ class QuantExportTest(unittest.TestCase):
                                 x = spec_quant.dequantize(quant[name], arrays[name + "_codes"][l, b, i, g].astype(np.int64),
                                                           arrays[name + "_scales"][l, b, i, g],
                                                           zero[l, b, i, g] if zero is not None else None)
+                                hmat = transform(quant[name])
                                 return hmat @ x if hmat is not None else x
                             ks.append(deq("k", state[b][key["uid"]][1][l * Hkv + g]))
                             vs.append(deq("v", v_in[l, key["uid"], g].astype(np.float64)))

@@ -9,6 +9,7 @@
 
 #include "optimized/row_codec.h"
 #include "reference/quantize.h"
+#include "reference/stored_kv.h"
 
 using namespace kvcheck;
 using reference::QuantizedRow;
@@ -259,4 +260,40 @@ TEST(QuantCodec, HadamardRowsRoundTrip) {
   const optimized::UnpackedRow got = optimized::unpack_row(f, 0, bytes.data(), D);
   for (int i = 0; i < D; ++i)
     EXPECT_TRUE(got.codes[i] == want.codes[i] || (want.near_boundary[i] && std::abs(got.codes[i] - want.codes[i]) == 1));
+}
+
+// A block-diagonal Hadamard transform ("transform_block", llama.cpp's 64-wide V rotation at
+// head_dim 128), worked by hand at head_dim 4 in blocks of 2: x = (1, 2, 3, -2) becomes
+// (3, -1, 1, 5) / sqrt(2); int8 with a token scale then stores s = (5 / sqrt(2)) / 127 and
+// codes round(127 (3, -1, 1, 5) / 5) = (76, -25, 25, 127). The whole-head matrix would give
+// (2, 2, 1, -3), codes (85, 85, 42, -127): another row.
+TEST(QuantCodec, HadamardBlocksWorkedByHand) {
+  const std::vector<float> x = {1.0f, 2.0f, 3.0f, -2.0f};
+  const std::vector<int> want = {76, -25, 25, 127};
+  const double scale = 5.0 / std::sqrt(2.0) / 127.0;
+
+  optimized::RowFormat f;
+  f.codec = optimized::Codec::int8;
+  f.hadamard = true;
+  f.hadamard_block = 2;
+  std::vector<float> scratch(4), back(4);
+  std::vector<std::byte> bytes(optimized::row_bytes(f, 4));
+  optimized::encode_row(f, 0, x.data(), 4, bytes.data(), scratch.data());
+  const optimized::UnpackedRow got = optimized::unpack_row(f, 0, bytes.data(), 4);
+  EXPECT_EQ(got.codes, want);
+  ASSERT_EQ(got.scales.size(), 1u);
+  EXPECT_NEAR(got.scales[0], scale, 1e-7);
+  optimized::decode_row(f, 0, bytes.data(), 4, back.data());  // the transform undone
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(back[i], x[static_cast<std::size_t>(i)], scale);
+
+  TensorQuant ref = format(QuantFormat::int8);
+  ref.transform_block = 2;
+  const QuantizedRow stored =
+      reference::quantize_key_at(ref, QuantTransform::hadamard, Rope{}, x.data(), 4, 0, 0);  // position 0
+  EXPECT_EQ(stored.codes, want);
+  ASSERT_EQ(stored.scales.size(), 1u);
+  EXPECT_NEAR(stored.scales[0], scale, 1e-7);
+  std::vector<double> values(4);
+  reference::dequantize_stored(ref, QuantTransform::hadamard, stored, values.data());
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(values[static_cast<std::size_t>(i)], x[static_cast<std::size_t>(i)], scale);
 }

@@ -90,7 +90,9 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
       scale["value"] = t.scale.values;
     else
       scale["value"] = "amax";
-    return json{{"format", to_string(t.format)}, {"scale", scale}};
+    json j = {{"format", to_string(t.format)}, {"scale", scale}};
+    if (t.transform_block > 0) j["transform_block"] = t.transform_block;
+    return j;
   };
   json j = {{"transform", to_string(q.transform)}, {"shift", "requantize"}, {"residual", q.residual},
             {"flush", to_string(q.flush)},           {"prefill", to_string(q.prefill)},

@@ -315,7 +315,7 @@ Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
 }
 
 TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string& p, const Dims& dims) {
-  r.object(j, p, {"format", "scale"});
+  r.object(j, p, {"format", "scale", "transform_block"});
   static const std::vector<std::string> formats = {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"};
   const std::string name = r.choice(r.field(j, p, "format"), p + "/format", formats);
   TensorQuant q;
@@ -323,6 +323,15 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
   const bool ggml = q.format == QuantFormat::q8_0 || q.format == QuantFormat::q4_0;
   const bool affine = q.format == QuantFormat::int4 || q.format == QuantFormat::int2;
   const bool fp8 = q.format == QuantFormat::fp8_e4m3 || q.format == QuantFormat::fp8_e5m2;
+  // kvcheck's extension: a block-diagonal Hadamard transform (checked against "transform"
+  // by parse_kv_quant).
+  if (j.contains("transform_block")) {
+    const std::string bp = p + "/transform_block";
+    q.transform_block = static_cast<int>(r.integer(j["transform_block"], bp, 2, dims.head_dim));
+    if ((q.transform_block & (q.transform_block - 1)) != 0 || dims.head_dim % q.transform_block != 0)
+      r.fail(bp, fmt::format("expected a power of two that divides head_dim ({}), got {}", dims.head_dim,
+                             q.transform_block));
+  }
   if (ggml) {
     if (dims.head_dim % 32 != 0)
       r.fail(p + "/format", fmt::format("{} quantizes blocks of 32 along head_dim; head_dim {} is not a multiple of 32",
@@ -425,10 +434,17 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
     q.chunk_reads = r.choice(j["chunk_reads"], p + "/chunk_reads", {"stored", "raw"}) == "stored" ? ChunkReads::stored
                                                                                                   : ChunkReads::raw;
   if (j.contains("transform") && r.choice(j["transform"], p + "/transform", {"none", "hadamard"}) == "hadamard") {
-    if ((dims.head_dim & (dims.head_dim - 1)) != 0)
-      r.fail(p + "/transform", fmt::format("a Hadamard transform needs a power-of-two head_dim, got {}", dims.head_dim));
+    // One block of head_dim needs a power of two; narrower blocks were checked above.
+    for (const auto& [name, t] : {std::pair{"k", &q.k}, std::pair{"v", &q.v}})
+      if (*t && (*t)->transform_block == 0 && (dims.head_dim & (dims.head_dim - 1)) != 0)
+        r.fail(p + "/transform", fmt::format("a Hadamard transform needs a power-of-two head_dim, got {} (or a "
+                                             "power-of-two \"transform_block\" in \"{}\")",
+                                             dims.head_dim, name));
     q.transform = QuantTransform::hadamard;
   }
+  for (const auto& [name, t] : {std::pair{"k", &q.k}, std::pair{"v", &q.v}})
+    if (*t && (*t)->transform_block > 0 && q.transform != QuantTransform::hadamard)
+      r.fail(p + "/" + name + "/transform_block", "a transform block needs \"transform\": \"hadamard\"");
   if (j.contains("shift")) r.choice(j["shift"], p + "/shift", {"requantize"});
   // kvcheck's extension: the attention quantizes the query too (ggml's CPU matmul does, to
   // the q8_0 K's dot-product type).

@@ -268,7 +268,8 @@ bool exact_q8_0(const Options& o) {
 }
 
 // Each D-vector of `x` multiplied by the normalized Sylvester Hadamard matrix (its own
-// inverse): H_ij = (-1)^popcount(i & j) / sqrt(D), D a power of two.
+// inverse): H_ij = (-1)^popcount(i & j) / sqrt(D), D a power of two. llama.cpp may rotate a
+// head in narrower blocks (V at head_dim 128: 64 wide): then D is the block's width.
 void unrotate_hadamard(std::vector<float>& x, std::size_t D) {
   std::vector<double> row(D);
   const double norm = 1.0 / std::sqrt(static_cast<double>(D));
@@ -428,17 +429,19 @@ int run(const Options& o) {
               keys[dst] = held[b].layers[static_cast<std::size_t>(l)].k[src];
               values[dst] = held[b].layers[static_cast<std::size_t>(l)].v[src];
             }
-      // SPEC 9's transform is the head's own D x D matrix; llama.cpp may rotate in narrower
-      // blocks (V at head_dim 128: 64 wide), which the scenario cannot declare yet.
-      for (const bool value : {false, true})
+      // The scenario declares a Hadamard matrix narrower than the head as "transform_block"
+      // (blocks along head_dim); it must be a power of two that divides head_dim.
+      for (const bool value : {false, true}) {
+        const std::int64_t width = capture.rotation_size[value ? 1 : 0];
         if ((value ? capture.values_hadamard : capture.keys_hadamard) &&
-            (capture.rotation_size[value ? 1 : 0] != D || (Ds & (Ds - 1)) != 0))
-          throw Unsupported(fmt::format("llama.cpp rotates {} by a Hadamard matrix {} wide at head_dim {}: SPEC 9's "
-                                        "transform is the head's own {} x {} matrix, so this cache cannot be declared "
-                                        "(not driven yet)",
-                                        value ? "V" : "K", capture.rotation_size[value ? 1 : 0], D, D, D));
-      if (capture.keys_hadamard) unrotate_hadamard(keys, Ds);  // H R(p) k back to R(p) k
-      if (capture.values_hadamard) unrotate_hadamard(values, Ds);
+            (width < 2 || width > D || (width & (width - 1)) != 0 || D % width != 0))
+          throw Unsupported(fmt::format("llama.cpp rotates {} by a Hadamard matrix {} wide at head_dim {}: not a "
+                                        "power of two that divides head_dim, so this cache cannot be declared",
+                                        value ? "V" : "K", width, D));
+      }
+      // H R(p) k back to R(p) k, block by block
+      if (capture.keys_hadamard) unrotate_hadamard(keys, static_cast<std::size_t>(capture.rotation_size[0]));
+      if (capture.values_hadamard) unrotate_hadamard(values, static_cast<std::size_t>(capture.rotation_size[1]));
       const std::string stem = fmt::format("step{:03d}_l{}_", i, l);
       const fs::path dir = fs::path(o.out) / "trace";
       write_npy((dir / (stem + "keys.npy")).string(), {B, Hkvs, slots, Ds}, keys);
@@ -613,7 +616,7 @@ int run(const Options& o) {
         std::vector<float> kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"}, q_size);
         // With V stored as H v, the attention output is H out until llama.cpp multiplies it
         // back after kqv_out: undone here, per head.
-        if (capture.values_hadamard) unrotate_hadamard(kqv, static_cast<std::size_t>(D));
+        if (capture.values_hadamard) unrotate_hadamard(kqv, static_cast<std::size_t>(capture.rotation_size[1]));
         for (std::int32_t j = 0; j < count; ++j) {
           const Entry& e = entries[static_cast<std::size_t>(j)];
           const auto ls = static_cast<std::size_t>(l), place = static_cast<std::size_t>(e.place);
@@ -667,6 +670,12 @@ int run(const Options& o) {
     json q = {{"transform", capture.keys_hadamard || capture.values_hadamard ? "hadamard" : "none"}};
     if (o.type_k == GgmlType::q8_0) q["k"] = {{"format", "q8_0"}}, q["query"] = "q8_0";
     if (o.type_v == GgmlType::q8_0) q["v"] = {{"format", "q8_0"}};
+    for (const bool value : {false, true}) {  // a rotation narrower than the head (kvcheck's extension)
+      const std::int64_t width = capture.rotation_size[value ? 1 : 0];
+      const char* name = value ? "v" : "k";
+      if ((value ? capture.values_hadamard : capture.keys_hadamard) && width != D && q.contains(name))
+        q[name]["transform_block"] = width;
+    }
     scenario["kv_quant"] = q;
   }
   const bool bf16 = o.type_k == GgmlType::bf16 || o.type_v == GgmlType::bf16 ||
