@@ -756,7 +756,7 @@ CLI_CASES = [
     ("--shard 1/99999999999999999999999", 2, "--shard: expected I/N", lambda d: ["run", "--shard", "1/99999999999999999999999"]),
     ("run of a missing path", 2, "no such scenario file or folder", lambda d: ["run", os.path.join(d, "none.json")]),
     ("run of an empty folder", 2, "the folder holds no \\*.json scenario", lambda d: ["run", d]),
-    ("llamacpp with an unknown cache type", 2, "--type-k: q9 not in \\{f32,f16,q8_0,bf16\\}",
+    ("llamacpp with an unknown cache type", 2, "--type-k: q9 not in \\{f32,f16,q8_0,q4_0,bf16\\}",
      lambda d: ["llamacpp", good_scenario(d), "--type-k", "q9"]),
     ("llamacpp of a missing scenario", 2, "nope.json: cannot open the scenario: No such file",
      lambda d: ["llamacpp", os.path.join(d, "nope.json")]),

@@ -425,7 +425,7 @@ int main(int argc, char** argv) {
       "llamacpp", "run a scenario through llama.cpp's own KV cache (context shift as llama-server) and check it");
   llamacpp->add_option("scenario", llamacpp_options.scenario, "scenario file (policy sink or full, one row)")
       ->required();
-  const std::vector<std::string> cache_types = {"f32", "f16", "q8_0", "bf16"};
+  const std::vector<std::string> cache_types = {"f32", "f16", "q8_0", "q4_0", "bf16"};
   llamacpp->add_option("--type-k", llamacpp_options.type_k, "K cache type (default f32)")
       ->check(CLI::IsMember(cache_types));
   llamacpp->add_option("--type-v", llamacpp_options.type_v, "V cache type (default f32)")

@@ -63,8 +63,9 @@ GgmlType parse_type(const std::string& option, const std::string& text) {
   if (text == "f32") return GgmlType::f32;
   if (text == "f16") return GgmlType::f16;
   if (text == "q8_0") return GgmlType::q8_0;
+  if (text == "q4_0") return GgmlType::q4_0;
   if (text == "bf16") return GgmlType::bf16;
-  throw Unsupported(fmt::format("{}: expected f32, f16, q8_0 or bf16, got \"{}\"", option, text));
+  throw Unsupported(fmt::format("{}: expected f32, f16, q8_0, q4_0 or bf16, got \"{}\"", option, text));
 }
 
 // What the driver can run, checked before anything is loaded.
@@ -257,14 +258,18 @@ const std::vector<float>& captured(const Capture& c, const std::string& name, co
   throw std::runtime_error(fmt::format("the graph had no {} ({}): another llama.cpp graph", name, ops.front()));
 }
 
-// Whether the scenario declares the q8_0 cells as SPEC 9 describes them (codes checked
-// exactly, outputs against R_stored): without flash attention; with it, when V is q8_0 too
-// (the kernel then reads both through q8_0's dot product and dequantized rows). q8_0 K under
-// flash attention with a float V is judged at bfloat16's tolerance instead (the kernel
-// rounds to float16): its error, d / 2 = amax / 254 per element of a block, is bfloat16's
-// unit roundoff 2^-8 of the block's largest element.
-bool exact_q8_0(const Options& o) {
-  return (o.type_k == GgmlType::q8_0 && !o.flash_attn) || o.type_v == GgmlType::q8_0;
+bool is_quantized(GgmlType t) { return t == GgmlType::q8_0 || t == GgmlType::q4_0; }
+const char* format_name(GgmlType t) { return t == GgmlType::q8_0 ? "q8_0" : "q4_0"; }
+
+// Whether the scenario declares the q8_0 or q4_0 cells as SPEC 9 describes them (codes
+// checked exactly, outputs against R_stored): without flash attention; with it, when V is
+// quantized too (the kernel then reads both through the codes' dot product and dequantized
+// rows). q8_0 K under flash attention with a float V is judged at bfloat16's tolerance
+// instead (the kernel rounds to float16): its error, d / 2 = amax / 254 per element of a
+// block, is bfloat16's unit roundoff 2^-8 of the block's largest element. q4_0's is 16
+// times that: refused there (see run).
+bool exact_quant(const Options& o) {
+  return (is_quantized(o.type_k) && !o.flash_attn) || is_quantized(o.type_v);
 }
 
 // Each D-vector of `x` multiplied by the normalized Sylvester Hadamard matrix (its own
@@ -297,10 +302,13 @@ void write_atomically(const fs::path& path, const std::string& text) {
 int run(const Options& o) {
   const Scenario s = load_scenario(o.scenario);
   require_supported(s);
-  if (o.type_v == GgmlType::q8_0 && !o.flash_attn)
-    throw Unsupported("--type-v q8_0: llama.cpp quantizes V only under flash attention: add --flash-attn on");
-  if (o.type_k == GgmlType::q4_0 || o.type_v == GgmlType::q4_0)
-    throw Unsupported("--type-k/--type-v q4_0: not read yet (SPEC 9)");
+  if (is_quantized(o.type_v) && !o.flash_attn)
+    throw Unsupported(fmt::format("--type-v {}: llama.cpp quantizes V only under flash attention: add --flash-attn on",
+                                  format_name(o.type_v)));
+  if (o.type_k == GgmlType::q4_0 && o.flash_attn && !is_quantized(o.type_v))
+    throw Unsupported("--type-k q4_0 under flash attention with a float V: the kernel rounds to float16 there, and "
+                      "q4_0's error is too large for bfloat16's tolerance: use --type-v q4_0 or q8_0, or flash "
+                      "attention off");
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
   const Policy& policy = s.policy;
   // Rows are sequences of one unified cache: each holds at most a window (or its longest
@@ -447,10 +455,10 @@ int run(const Options& o) {
       write_npy((dir / (stem + "keys.npy")).string(), {B, Hkvs, slots, Ds}, keys);
       write_npy((dir / (stem + "values.npy")).string(), {B, Hkvs, slots, Ds}, values);
       json files = {{"keys", stem + "keys.npy"}, {"values", stem + "values.npy"}};
-      // q8_0 cells as stored (SPEC 9.3): the codes and scales the checker compares exactly.
+      // q8_0 and q4_0 cells as stored (SPEC 9.3): the codes and scales the checker compares exactly.
       for (const bool value : {false, true}) {
         // Only where the scenario declares kv_quant (see below).
-        if ((value ? o.type_v : o.type_k) != GgmlType::q8_0 || !exact_q8_0(o)) continue;
+        if (!is_quantized(value ? o.type_v : o.type_k) || !exact_quant(o)) continue;
         const std::size_t G = Ds / 32;
         std::vector<std::int8_t> codes(B * Hkvs * slots * Ds, 0);
         std::vector<float> scales(B * Hkvs * slots * G, 0.0f);
@@ -662,14 +670,14 @@ int run(const Options& o) {
   scenario.erase("seed");
   scenario["inputs"] = {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}};
   scenario["rope"]["layout"] = "interleaved";
-  // A q8_0 cache is declared as SPEC 9 describes it (blocks of 32, float16 scales, the
-  // Hadamard transform when llama.cpp applied one); see exact_q8_0.
-  // ggml's CPU matmul converts Q to q8_0, the dot-product type of q8_0 K, before K Q:
-  // declared, so R_stored quantizes the query the same way (kvcheck's `query` extension).
-  if (exact_q8_0(o)) {
+  // A q8_0 or q4_0 cache is declared as SPEC 9 describes it (blocks of 32, float16 scales,
+  // the Hadamard transform when llama.cpp applied one); see exact_quant.
+  // ggml's CPU matmul converts Q to q8_0, the dot-product type of q8_0 and q4_0 K, before
+  // K Q: declared, so R_stored quantizes the query the same way (kvcheck's `query` extension).
+  if (exact_quant(o)) {
     json q = {{"transform", capture.keys_hadamard || capture.values_hadamard ? "hadamard" : "none"}};
-    if (o.type_k == GgmlType::q8_0) q["k"] = {{"format", "q8_0"}}, q["query"] = "q8_0";
-    if (o.type_v == GgmlType::q8_0) q["v"] = {{"format", "q8_0"}};
+    if (is_quantized(o.type_k)) q["k"] = {{"format", format_name(o.type_k)}}, q["query"] = "q8_0";
+    if (is_quantized(o.type_v)) q["v"] = {{"format", format_name(o.type_v)}};
     for (const bool value : {false, true}) {  // a rotation narrower than the head (kvcheck's extension)
       const std::int64_t width = capture.rotation_size[value ? 1 : 0];
       const char* name = value ? "v" : "k";
@@ -679,11 +687,11 @@ int run(const Options& o) {
     scenario["kv_quant"] = q;
   }
   const bool bf16 = o.type_k == GgmlType::bf16 || o.type_v == GgmlType::bf16 ||
-                    (o.type_k == GgmlType::q8_0 && !exact_q8_0(o));
+                    (o.type_k == GgmlType::q8_0 && !exact_quant(o));
   // Flash attention works in float16 over float cells; over q8_0 K and V it dots q8_0 codes
   // and accumulates dequantized rows in float32 (measured: within float32's tolerance).
-  const bool q8_0_both = o.type_k == GgmlType::q8_0 && o.type_v == GgmlType::q8_0;
-  const bool half = o.type_k == GgmlType::f16 || o.type_v == GgmlType::f16 || (o.flash_attn && !q8_0_both);
+  const bool quantized_both = is_quantized(o.type_k) && is_quantized(o.type_v);
+  const bool half = o.type_k == GgmlType::f16 || o.type_v == GgmlType::f16 || (o.flash_attn && !quantized_both);
   scenario["kv_dtype"] = bf16 ? "bfloat16" : half ? "float16" : "float32";
   write_atomically(fs::path(o.out) / "scenario.json", scenario.dump(2) + "\n");
   const json manifest = {{"format", "kvcheck-trace-1"},

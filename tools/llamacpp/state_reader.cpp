@@ -38,8 +38,19 @@ class Reader {
   std::size_t at_ = 0;
 };
 
-constexpr std::int32_t kF32 = 0, kF16 = 1, kQ8_0 = 8, kBF16 = 30;
+constexpr std::int32_t kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ8_0 = 8, kBF16 = 30;
 constexpr std::size_t kQ8Block = 32, kQ8BlockBytes = 34;  // ggml's q8_0: f16 scale d, then 32 int8 codes
+// ggml's q4_0: f16 scale d, then 16 bytes; byte j holds element j (low nibble) and j + 16 (high).
+constexpr std::size_t kQ4BlockBytes = 18;
+
+bool quantized(std::int32_t type) { return type == kQ8_0 || type == kQ4_0; }
+
+// Code i of a quantized block (q8_0: signed; q4_0: the nibble, 0 to 15) and its scale d.
+int code_at(const std::uint8_t* block, std::int32_t type, std::size_t i) {
+  if (type == kQ8_0) return static_cast<std::int8_t>(block[2 + i]);
+  const std::uint8_t byte = block[2 + i % 16];
+  return i < 16 ? byte & 0x0F : byte >> 4;
+}
 
 // Bytes of a row of `width` elements of `type`.
 std::size_t row_bytes(std::int32_t type, std::size_t width, const char* what) {
@@ -50,15 +61,16 @@ std::size_t row_bytes(std::int32_t type, std::size_t width, const char* what) {
     case kBF16:
       return 2 * width;
     case kQ8_0:
-      if (width % kQ8Block == 0) return width / kQ8Block * kQ8BlockBytes;
+    case kQ4_0:
+      if (width % kQ8Block == 0) return width / kQ8Block * (type == kQ8_0 ? kQ8BlockBytes : kQ4BlockBytes);
       break;
   }
-  throw std::runtime_error(fmt::format("sequence state: {} stored as ggml type {}; kvcheck reads f32, f16, bf16 and q8_0 "
-                                       "cells",
+  throw std::runtime_error(fmt::format("sequence state: {} stored as ggml type {}; kvcheck reads f32, f16, bf16, q8_0 "
+                                       "and q4_0 cells",
                                        what, type));
 }
 
-// Element i of a row of `type` as float (q8_0 dequantized: d * code).
+// Element i of a row of `type` as float (q8_0 dequantized: d * code; q4_0: d * (code - 8)).
 float element(const std::uint8_t* row, std::int32_t type, std::size_t i, const std::function<float(std::uint16_t)>& fp16) {
   if (type == kF32) {
     float f;
@@ -66,10 +78,11 @@ float element(const std::uint8_t* row, std::int32_t type, std::size_t i, const s
     return f;
   }
   std::uint16_t h;
-  if (type == kQ8_0) {
-    const std::uint8_t* block = row + i / kQ8Block * kQ8BlockBytes;
+  if (quantized(type)) {
+    const std::uint8_t* block = row + i / kQ8Block * (type == kQ8_0 ? kQ8BlockBytes : kQ4BlockBytes);
     std::memcpy(&h, block, 2);
-    return fp16(h) * static_cast<float>(static_cast<std::int8_t>(block[2 + i % kQ8Block]));
+    const int code = code_at(block, type, i % kQ8Block);
+    return fp16(h) * static_cast<float>(type == kQ8_0 ? code : code - 8);
   }
   std::memcpy(&h, row + 2 * i, 2);
   if (type == kBF16) {  // the upper half of a float32
@@ -81,15 +94,16 @@ float element(const std::uint8_t* row, std::int32_t type, std::size_t i, const s
   return fp16(h);
 }
 
-// A q8_0 row's codes and scales, appended to `codes` and `scales`.
-void keep_q8_0(const std::uint8_t* row, std::size_t width, const std::function<float(std::uint16_t)>& fp16,
-               std::vector<std::int8_t>& codes, std::vector<float>& scales) {
+// A q8_0 or q4_0 row's codes and scales, appended to `codes` and `scales`.
+void keep_codes(const std::uint8_t* row, std::int32_t type, std::size_t width,
+                const std::function<float(std::uint16_t)>& fp16, std::vector<std::int8_t>& codes,
+                std::vector<float>& scales) {
   for (std::size_t block = 0; block < width / kQ8Block; ++block) {
-    const std::uint8_t* at = row + block * kQ8BlockBytes;
+    const std::uint8_t* at = row + block * (type == kQ8_0 ? kQ8BlockBytes : kQ4BlockBytes);
     std::uint16_t h;
     std::memcpy(&h, at, 2);
     scales.push_back(fp16(h));
-    for (std::size_t i = 0; i < kQ8Block; ++i) codes.push_back(static_cast<std::int8_t>(at[2 + i]));
+    for (std::size_t i = 0; i < kQ8Block; ++i) codes.push_back(static_cast<std::int8_t>(code_at(at, type, i)));
   }
 }
 
@@ -124,7 +138,7 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
     const std::uint8_t* rows = r.take(row * count, "the K rows");
     for (std::uint32_t cell = 0; cell < count; ++cell) {
       for (std::size_t i = 0; i < width; ++i) layer.k.push_back(element(rows + cell * row, type, i, fp16));
-      if (type == kQ8_0) keep_q8_0(rows + cell * row, width, fp16, layer.k_codes, layer.k_scales);
+      if (quantized(type)) keep_codes(rows + cell * row, type, width, fp16, layer.k_codes, layer.k_scales);
     }
   }
   for (CellLayer& layer : c.layers) {
@@ -136,12 +150,12 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
       const std::uint8_t* rows = r.take(row * count, "the V rows");
       for (std::uint32_t cell = 0; cell < count; ++cell) {
         for (std::size_t i = 0; i < width; ++i) layer.v[cell * width + i] = element(rows + cell * row, type, i, fp16);
-        if (type == kQ8_0) keep_q8_0(rows + cell * row, width, fp16, layer.v_codes, layer.v_scales);
+        if (quantized(type)) keep_codes(rows + cell * row, type, width, fp16, layer.v_codes, layer.v_scales);
       }
     } else {
       const auto size = r.get<std::uint32_t>("a V element size");
       const auto dims = r.get<std::uint32_t>("a V width");
-      if (type == kQ8_0 || size * width != row_bytes(type, width, "V") || dims != width)
+      if (quantized(type) || size * width != row_bytes(type, width, "V") || dims != width)
         throw std::runtime_error("sequence state: transposed V of another element size or width");
       const std::uint8_t* data = r.take(static_cast<std::size_t>(size) * dims * count, "the V columns");
       for (std::uint32_t d = 0; d < dims; ++d)

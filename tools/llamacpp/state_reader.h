@@ -1,7 +1,7 @@
 // A sequence's KV cells as llama_state_seq_get_data() serializes them in the checked build:
 // an 8-byte prefix, then u32 n_stream, u32 cell_count; per cell i32 pos, u32 n_seq and the
 // seq ids; then u32 v_trans, u32 n_layer; per layer K as i32 type, u64 row size and the
-// rows (f32, f16, bf16 or q8_0 blocks); V likewise, or transposed (i32 type, u32 element size, u32 row width, then one
+// rows (f32, f16, bf16, q8_0 or q4_0 blocks); V likewise, or transposed (i32 type, u32 element size, u32 row width, then one
 // column per dim). Every length is checked against the buffer.
 #pragma once
 
@@ -14,8 +14,8 @@ namespace kvcheck::llamacpp {
 
 struct CellLayer {
   std::vector<float> k, v;  // [cell][width] as float
-  // q8_0 rows as stored (SPEC 9.3): codes [cell][width], scales [cell][width / 32]; empty
-  // for other types.
+  // q8_0 and q4_0 rows as stored (SPEC 9.3): codes [cell][width] (q4_0: 0 to 15), scales
+  // [cell][width / 32]; empty for other types.
   std::vector<std::int8_t> k_codes, v_codes;
   std::vector<float> k_scales, v_scales;
 };
