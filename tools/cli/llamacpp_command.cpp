@@ -10,10 +10,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/diagnose_report.h"
+#include "tools/harness/divergence_report.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
 #include "tools/harness/scenario.h"
@@ -25,6 +27,7 @@ namespace kvcheck {
 namespace {
 
 namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 // Where llama.cpp's libraries are: LLAMACPP_DIR, else the folder tools/setup/llamacpp.sh
 // unpacks the npm package into.
@@ -48,6 +51,43 @@ bool crash_signal(int sig) {
 }
 
 constexpr const char* kMarker = "kvcheck-llamacpp-capture";  // names a folder this command wrote
+
+// Runs the engine with `args` (argv[0] its path) and waits; returns its wait status.
+int run_engine(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  // ggml prints a backtrace through gdb when it aborts: the step and signal are what counts.
+  std::vector<std::string> env_strings = {"GGML_NO_BACKTRACE=1"};
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t pid = 0;
+  if (const int err = ::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()); err != 0)
+    throw std::runtime_error(fmt::format("cannot start {}: {}", args[0], std::strerror(err)));
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) throw std::runtime_error("waitpid failed");
+  return status;
+}
+
+// The scenario cut to its first `steps` steps (a decode op keeps the decodes before the
+// cut), written to `file`; false when it reads its inputs from files beside it.
+bool write_prefix(const Scenario& s, std::size_t steps, const fs::path& file) {
+  json j = json::parse(s.source_json);
+  if (j.contains("inputs") || steps == 0) return false;
+  json kept = json::array();
+  for (std::size_t i = 0; i < steps; ++i) {
+    const Step& step = s.steps[i];
+    const bool same_op = i > 0 && s.steps[i - 1].source_index == step.source_index;
+    if (!same_op) kept.push_back(j["steps"][static_cast<std::size_t>(step.source_index)]);
+    if (step.source_op == "decode") kept.back()["steps"] = same_op ? kept.back()["steps"].get<int>() + 1 : 1;
+  }
+  j["steps"] = kept;
+  write_file_atomically(file.string(), j.dump(2) + "\n");
+  return true;
+}
 
 }  // namespace
 
@@ -97,21 +137,7 @@ int run_llamacpp(const LlamacppOptions& o) {
     args.push_back("--plant-fault");
     args.push_back(o.plant);
   }
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  // ggml prints a backtrace through gdb when it aborts: the step and signal are what counts.
-  std::vector<std::string> env_strings = {"GGML_NO_BACKTRACE=1"};
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-  std::vector<char*> envp;
-  for (std::string& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  pid_t pid = 0;
-  if (const int err = ::posix_spawn(&pid, engine.c_str(), nullptr, nullptr, argv.data(), envp.data()); err != 0)
-    throw std::runtime_error(fmt::format("cannot start {}: {}", engine, std::strerror(err)));
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) throw std::runtime_error("waitpid failed");
+  const int status = run_engine(args);
   const long step = last_step(out);
   if (WIFSIGNALED(status) &&
       (!crash_signal(WTERMSIG(status)) || step < 0 || static_cast<std::size_t>(step) >= scenario.steps.size()))
@@ -129,6 +155,40 @@ int run_llamacpp(const LlamacppOptions& o) {
     crashed.file = scenario.file;
     crashed.target = "llama.cpp";
     crashed.checks.push_back({"engine", false, what});
+    // Which state the crash met: the steps before it, run again on their own (the engine
+    // is deterministic), checked, with the slot table of the last one.
+    const fs::path before = out / "before_crash";
+    fs::create_directories(before);
+    const auto prefix = static_cast<std::size_t>(step);
+    if (write_prefix(scenario, prefix, before / "scenario_before.json")) {
+      std::vector<std::string> again = args;
+      for (std::size_t i = 0; i + 1 < again.size(); ++i) {
+        if (again[i] == "--scenario") again[i + 1] = (before / "scenario_before.json").string();
+        if (again[i] == "--out") again[i + 1] = before.string();
+      }
+      const int again_status = run_engine(again);
+      if (WIFEXITED(again_status) && WEXITSTATUS(again_status) == 0) {
+        const Scenario captured = load_scenario((before / "scenario.json").string());
+        VerifyOptions verify;
+        verify.focus_step = prefix - 1;
+        const CacheTrace trace = verify_trace(captured, (before / "trace").string(), verify);
+        fmt::print("\n");
+        print_diagnosis(stdout, fmt::format("the {} step{} before it, run again without it:", prefix,
+                                            prefix == 1 ? "" : "s"),
+                        captured, trace);
+        crashed.checks.push_back({"before the crash", trace.outcome.passed(),
+                                  trace.outcome.passed()
+                                      ? fmt::format("the {} steps before it pass every check", prefix)
+                                      : fmt::format("the steps before it fail too: {}",
+                                                    trace.first ? first_divergence(captured, *trace.first).where
+                                                                : std::string("see the report"))});
+      } else {
+        fmt::print("the steps before it could not be run again on their own (the engine {})\n",
+                   WIFSIGNALED(again_status) ? fmt::format("crashed again: signal {}", WTERMSIG(again_status))
+                                             : fmt::format("exited with status {}", WEXITSTATUS(again_status)));
+      }
+    }
+    if (keep) fmt::print("captured scenario and trace in {}\n", out.string());
     if (!o.junit.empty()) write_junit(o.junit, {crashed});
     if (!o.json.empty()) write_json_report(o.json, {crashed});
     return 1;
