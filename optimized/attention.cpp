@@ -90,7 +90,7 @@ Batch code_batch(const std::uint8_t* c) {
     }
   }
 #endif
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)  // AVX-512 took the branch above
   if constexpr (kLanes == 8) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
     if constexpr (K == Codes::signed8) {
@@ -157,7 +157,7 @@ const std::uint8_t* codes_of(const DirectRow& r, int group_index, int group) {
 // horizontal adds (five instructions) instead of four separate reductions.
 template <int N>
 void sums(const Batch* acc, float* out) {
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)  // AVX-512's batches are not __m256
   if constexpr (N == 4 && kLanes == 8) {
     const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
     const __m256 h = _mm256_hadd_ps(h01, h23);  // per 128-bit half: the partial sums of heads 0..3

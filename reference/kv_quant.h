@@ -69,6 +69,11 @@ struct KvQuant {
   bool operator==(const KvQuant&) const = default;
 };
 
+// What the query meets in its dot products with the keys: K's transform and block; none
+// when K is stored unquantized (nothing of K is transformed then).
+inline QuantTransform query_transform(const KvQuant& q) { return q.k ? q.transform : QuantTransform::none; }
+inline int query_transform_block(const KvQuant& q) { return q.k ? q.k->transform_block : 0; }
+
 inline const char* to_string(QuantFormat f) {
   switch (f) {
     case QuantFormat::fp8_e4m3:

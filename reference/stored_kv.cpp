@@ -141,7 +141,7 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
 }
 
 double StoredKv::quantize_query(double* q, std::int64_t position) const {
-  return quant_.query ? quantize_query_q8_0(quant_.transform, quant_.k ? quant_.k->transform_block : 0, q,
+  return quant_.query ? quantize_query_q8_0(query_transform(quant_), query_transform_block(quant_), q,
                                             dims_.head_dim, position)
                       : 0.0;
 }

@@ -156,25 +156,31 @@ int run_llamacpp(const LlamacppOptions& o) {
     crashed.target = "llama.cpp";
     crashed.checks.push_back({"engine", false, what});
     // Which state the crash met: the steps before it, run again on their own (the engine
-    // is deterministic), checked, with the slot table of the last one.
-    const fs::path before = out / "before_crash";
-    fs::create_directories(before);
+    // is deterministic), checked, with the slot table of the last one. Whatever goes wrong
+    // here, the crash stays the finding (exit 1) and the reports are written.
     const auto prefix = static_cast<std::size_t>(step);
-    if (write_prefix(scenario, prefix, before / "scenario_before.json")) {
-      std::vector<std::string> again = args;
-      for (std::size_t i = 0; i + 1 < again.size(); ++i) {
-        if (again[i] == "--scenario") again[i + 1] = (before / "scenario_before.json").string();
-        if (again[i] == "--out") again[i + 1] = before.string();
-      }
-      const int again_status = run_engine(again);
-      if (WIFEXITED(again_status) && WEXITSTATUS(again_status) == 0) {
+    try {
+      const fs::path before = out / "before_crash";
+      fs::create_directories(before);
+      if (write_prefix(scenario, prefix, before / "scenario_before.json")) {
+        std::vector<std::string> again = args;
+        for (std::size_t i = 0; i + 1 < again.size(); ++i) {
+          if (again[i] == "--scenario") again[i + 1] = (before / "scenario_before.json").string();
+          if (again[i] == "--out") again[i + 1] = before.string();
+        }
+        again.insert(again.end(), {"--context-of", scenario.file});  // the same cache as the crashed run
+        const int again_status = run_engine(again);
+        if (!WIFEXITED(again_status) || WEXITSTATUS(again_status) != 0)
+          throw std::runtime_error(
+              WIFSIGNALED(again_status) ? fmt::format("the engine crashed again: signal {}", WTERMSIG(again_status))
+                                        : fmt::format("the engine exited with status {}", WEXITSTATUS(again_status)));
         const Scenario captured = load_scenario((before / "scenario.json").string());
         VerifyOptions verify;
         verify.focus_step = prefix - 1;
         const CacheTrace trace = verify_trace(captured, (before / "trace").string(), verify);
         fmt::print("\n");
-        print_diagnosis(stdout, fmt::format("the {} step{} before it, run again without it:", prefix,
-                                            prefix == 1 ? "" : "s"),
+        print_diagnosis(stdout,
+                        fmt::format("the {} step{} before it, run again without it:", prefix, prefix == 1 ? "" : "s"),
                         captured, trace);
         crashed.checks.push_back({"before the crash", trace.outcome.passed(),
                                   trace.outcome.passed()
@@ -182,11 +188,9 @@ int run_llamacpp(const LlamacppOptions& o) {
                                       : fmt::format("the steps before it fail too: {}",
                                                     trace.first ? first_divergence(captured, *trace.first).where
                                                                 : std::string("see the report"))});
-      } else {
-        fmt::print("the steps before it could not be run again on their own (the engine {})\n",
-                   WIFSIGNALED(again_status) ? fmt::format("crashed again: signal {}", WTERMSIG(again_status))
-                                             : fmt::format("exited with status {}", WEXITSTATUS(again_status)));
       }
+    } catch (const std::exception& e) {
+      fmt::print("the steps before it could not be run again on their own: {}\n", e.what());
     }
     if (keep) fmt::print("captured scenario and trace in {}\n", out.string());
     if (!o.junit.empty()) write_junit(o.junit, {crashed});

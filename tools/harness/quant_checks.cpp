@@ -509,7 +509,7 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
       // position 0: neither query here carries a float32 rope's error).
       if (q.query)
         slack[static_cast<std::size_t>(l) * B * ref.chunk * H + token_at] =
-            reference::quantize_query_q8_0(q.transform, q.k ? q.k->transform_block : 0, query.data(), D, 0);
+            reference::quantize_query_q8_0(query_transform(q), query_transform_block(q), query.data(), D, 0);
       const double* sink =
           s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];
       reference::attend(query.data(), keys.data(), values.data(), n, static_cast<std::size_t>(D), s_.softmax_scale(),
@@ -584,7 +584,7 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
   // The query quantized as declared (kv_quant "query"), or as the hypothesis says.
   if (variant == Variant::quantized_query || q.query) {
     if (D % 32 != 0) return false;
-    reference::quantize_query_q8_0(q.transform, q.k ? q.k->transform_block : 0, query.data(), D, view.query_position);
+    reference::quantize_query_q8_0(query_transform(q), query_transform_block(q), query.data(), D, view.query_position);
   }
   const double* sink =
       s_.attention.sink_logits.empty() ? nullptr : &s_.attention.sink_logits[static_cast<std::size_t>(l)][head];

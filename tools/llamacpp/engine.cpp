@@ -57,6 +57,8 @@ struct Options {
   // Save the sequence right after the first shift's seq_add and restore it into a fresh
   // context before the next decode, as a server that swaps a slot out between the two.
   bool restore_after_shift = false;
+  // A scenario whose whole run sizes the context (a replay of the steps before a crash).
+  std::string context_of;
 };
 
 GgmlType parse_type(const std::string& option, const std::string& text) {
@@ -312,16 +314,20 @@ int run(const Options& o) {
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
   const Policy& policy = s.policy;
   // Rows are sequences of one unified cache: each holds at most a window (or its longest
-  // row), and a reorder needs as many temporary sequence ids again.
-  std::int64_t max_rows = s.dims.batch;
-  for (const Step& step : s.steps)
+  // row), and a reorder needs as many temporary sequence ids again. Sized from the whole
+  // scenario when this run replays only its first steps (--context-of), so the replay's
+  // cache is the one the whole run had.
+  const Scenario sized = o.context_of.empty() ? s : load_scenario(o.context_of);
+  std::int64_t max_rows = sized.dims.batch;
+  for (const Step& step : sized.steps)
     max_rows = std::max<std::int64_t>(max_rows, step.op == StepOp::reset     ? *step.batch
                                                 : step.op == StepOp::reorder ? static_cast<std::int64_t>(step.rows.size())
                                                                              : 0);
   if (2 * max_rows > 256) throw Unsupported(fmt::format("{}: {} rows: llama.cpp holds at most 128 here", s.file, max_rows));
   if (o.restore_after_shift && max_rows > 1)
     throw Unsupported("--restore-after-shift restores one sequence into a fresh context: batch 1 only");
-  const std::int64_t per_row = policy.kind == PolicyKind::sink ? policy.window : std::max<std::int64_t>(longest_row(s), 1);
+  const std::int64_t per_row =
+      policy.kind == PolicyKind::sink ? policy.window : std::max<std::int64_t>(longest_row(sized), 1);
   const std::int64_t n_ctx = per_row * max_rows;
   const std::int64_t uids = count_uids(s);
 
@@ -729,6 +735,8 @@ int main(int argc, char** argv) {
         o.plant = value;
       else if (arg == "--restore-after-shift")
         o.restore_after_shift = value == "on";
+      else if (arg == "--context-of")
+        o.context_of = value;
       else
         throw Unsupported("unknown option " + arg);
     }
