@@ -433,18 +433,20 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
   if (j.contains("chunk_reads"))
     q.chunk_reads = r.choice(j["chunk_reads"], p + "/chunk_reads", {"stored", "raw"}) == "stored" ? ChunkReads::stored
                                                                                                   : ChunkReads::raw;
-  if (j.contains("transform") && r.choice(j["transform"], p + "/transform", {"none", "hadamard"}) == "hadamard") {
-    // One block of head_dim needs a power of two; narrower blocks were checked above.
-    for (const auto& [name, t] : {std::pair{"k", &q.k}, std::pair{"v", &q.v}})
-      if (*t && (*t)->transform_block == 0 && (dims.head_dim & (dims.head_dim - 1)) != 0)
-        r.fail(p + "/transform", fmt::format("a Hadamard transform needs a power-of-two head_dim, got {} (or a "
-                                             "power-of-two \"transform_block\" in \"{}\")",
-                                             dims.head_dim, name));
+  if (j.contains("transform") && r.choice(j["transform"], p + "/transform", {"none", "hadamard"}) == "hadamard")
     q.transform = QuantTransform::hadamard;
-  }
-  for (const auto& [name, t] : {std::pair{"k", &q.k}, std::pair{"v", &q.v}})
-    if (*t && (*t)->transform_block > 0 && q.transform != QuantTransform::hadamard)
+  // Each quantized tensor's blocks (checked for width above): one block of head_dim needs a
+  // power of two; a block needs the transform.
+  for (const auto& [name, t] : {std::pair{"k", &q.k}, std::pair{"v", &q.v}}) {
+    if (!*t) continue;
+    const bool hadamard = q.transform == QuantTransform::hadamard, whole = (*t)->transform_block == 0;
+    if (hadamard && whole && (dims.head_dim & (dims.head_dim - 1)) != 0)
+      r.fail(p + "/transform", fmt::format("a Hadamard transform needs a power-of-two head_dim, got {} (or a "
+                                           "power-of-two \"transform_block\" in \"{}\")",
+                                           dims.head_dim, name));
+    if (!hadamard && !whole)
       r.fail(p + "/" + name + "/transform_block", "a transform block needs \"transform\": \"hadamard\"");
+  }
   if (j.contains("shift")) r.choice(j["shift"], p + "/shift", {"requantize"});
   // kvcheck's extension: the attention quantizes the query too (ggml's CPU matmul does, to
   // the q8_0 K's dot-product type).
