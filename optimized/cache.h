@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -82,6 +83,10 @@ struct Chunk {
   std::vector<std::uint64_t> ids;
   std::vector<RowExtras> extras;
   std::int64_t forward = 0;
+  // Called between two forwards of a chunked prefill, once every row has run the same
+  // number of them: the cache's view then shows the state the next forward starts from, so
+  // a checker can take each forward as a step (SPEC 8.7). Empty: nobody looks.
+  std::function<void()> between_forwards;
 };
 
 // A step the cache must refuse; `code` is what a scenario names in `expect_error`.

@@ -381,7 +381,7 @@ void PagedCache::free_behind_window(int b, bool append_done) {
   for (int l = 0; l < config_.layers; ++l) {
     const LayerPolicy& p = policy(l);
     std::int64_t from = 0, to = 0;  // blocks [from, to) are dead
-    if (p.kind == LayerPolicy::Kind::sliding) {
+    if (p.kind == LayerPolicy::Kind::sliding && (append_done || frees_between_forwards())) {
       to = first_live_block(n, p.window);
     } else if (p.kind == LayerPolicy::Kind::sink && n > 0 && (append_done || !p.dense_prefill)) {
       from = (p.sinks + B - 1) / B;
@@ -404,18 +404,23 @@ void PagedCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
   cover_chunk(rope_, longest, chunk);
   schedule(chunk);
   map_slots(chunk);
-  for (int b = 0; b < batch(); ++b) {
-    Row& row = rows_[static_cast<std::size_t>(b)];
-    const auto end = static_cast<std::int64_t>(row.ids.size());
-    const std::int64_t step = chunk.forward > 0 ? chunk.forward : end;
-    for (std::int64_t first = lengths_[static_cast<std::size_t>(b)]; first < end; first += step) {
-      const std::int64_t count = std::min(step, end - first);
+  // Forward j of every row, then forward j + 1: rows are independent, and the state
+  // between two forwards is one an engine's scheduler would see.
+  for (bool more = true; more;) {
+    more = false;
+    for (int b = 0; b < batch(); ++b) {
+      const std::int64_t first = lengths_[static_cast<std::size_t>(b)];
+      const auto end = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size());
+      if (first == end) continue;
+      const std::int64_t count = chunk.forward > 0 ? std::min(chunk.forward, end - first) : end - first;
       run_forward(chunk, out, log, b, first, count);
       lengths_[static_cast<std::size_t>(b)] = first + count;
       register_full_blocks(b, first, first + count);
       register_tokens(b, first, first + count);
       free_behind_window(b, first + count == end);
+      more |= first + count < end;
     }
+    if (more && chunk.between_forwards) chunk.between_forwards();
   }
 }
 

@@ -84,6 +84,9 @@ class PagedCache : public KvCache {
   virtual void move_table(std::vector<std::int64_t>& to, const std::vector<std::int64_t>& from) const { to = from; }
   // Blocks below this index hold no token the window of a row of length n still sees.
   virtual std::int64_t first_live_block(std::int64_t n, std::int64_t window) const;
+  // A sliding layer frees what left its window between the forwards of a chunked prefill
+  // (true), or only once the append is done.
+  virtual bool frees_between_forwards() const { return true; }
   // The first token index a query at t sees in a forward that starts at `forward_first` of
   // an append that starts at `append_first`.
   virtual std::int64_t window_begin(std::int64_t t, std::int64_t window, std::int64_t forward_first,

@@ -299,17 +299,20 @@ void ReferenceModel::crop(std::int64_t length) {
   if (stored_) stored_->crop(length);
 }
 
-RowRetained ReferenceModel::retained(int row, int layer) const {
-  const std::vector<std::uint64_t>& history = histories_.at(row);
-  const Policy& policy = layer_policies_.at(static_cast<std::size_t>(layer));
-  const QueryView view = retained_view(policy, static_cast<std::int64_t>(history.size()));
+RowRetained retained_of(const Policy& policy, std::span<const std::uint64_t> history) {
+  const auto length = static_cast<std::int64_t>(history.size());
+  const QueryView view = retained_view(policy, length);
   RowRetained out;
   out.query_position = view.query_position;
   for (const VisibleKey& key : view.keys) out.keys.push_back({history[key.index], key.index, key.position});
-  const QueryView next = live_view(policy, static_cast<std::int64_t>(history.size()));
+  const QueryView next = live_view(policy, length);
   out.next_query_position = next.query_position;
   for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index], key.index, key.position});
   return out;
+}
+
+RowRetained ReferenceModel::retained(int row, int layer) const {
+  return retained_of(layer_policies_.at(static_cast<std::size_t>(layer)), histories_.at(row));
 }
 
 }  // namespace kvcheck::reference

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -54,6 +55,11 @@ struct RowRetained {
   std::vector<RetainedKey> live;
   std::int64_t next_query_position = 0;
 };
+
+// What a row with this history keeps under `policy`, and what its next token sees. A pure
+// function of the history, so the state between two forwards of a chunked append (SPEC
+// 8.7) is the retained set of the history up to there.
+RowRetained retained_of(const Policy& policy, std::span<const std::uint64_t> history);
 
 class ReferenceModel {
  public:

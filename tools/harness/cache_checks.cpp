@@ -10,6 +10,7 @@
 #include "optimized/paged_cache.h"
 #include "tools/harness/cache_entry.h"
 #include "tools/harness/content_keys.h"
+#include "tools/harness/forward_record.h"
 #include "tools/harness/quant_checks.h"
 
 namespace kvcheck {
@@ -168,37 +169,88 @@ InProcessCache::InProcessCache(const Scenario& s, const InputTable& inputs, cons
 
 InProcessCache::~InProcessCache() = default;
 
-CacheView InProcessCache::operator()(std::size_t, const StepRecord& rec) {
+CacheView InProcessCache::operator()(std::size_t index, const StepRecord& rec) {
   CacheView view;
-  view.slots_shared = !s_.hybrid();
   log_ = {};  // a long prompt's log and outputs are large: none kept past their step
   out_ = {};
+  std::optional<std::string> error;
+  std::string refusal_code;
   try {
-    apply(rec);
+    apply(index, rec);
   } catch (const CacheRefusal& e) {
-    view.error = e.what();
-    view.refusal_code = e.code;
+    error = e.what();
+    refusal_code = e.code;
   } catch (const std::exception& e) {
-    view.error = e.what();  // the cache under test failed: a finding, not bad input
+    error = e.what();  // the cache under test failed: a finding, not bad input
   }
-  if (view.error && rec.refused.empty()) return view;
-  view.batch = cache_->batch();
-  if (const optimized::PagedState* paged = cache_->paged()) {
-    view.layers = paged_layers(*paged, out_, view.storage);
-    view.paged = paged_view(*paged);
-  } else {
-    view.layers = slot_layers(*cache_, s_.dims.layers, out_, view.storage);
-  }
-  view.roundoff = key_roundoff(s_);
-  if (rec.append) view.pairs = std::move(log_);
+  if (checker_error_) std::rethrow_exception(std::exchange(checker_error_, nullptr));
+  const bool shows = !error || !rec.refused.empty();
+  if (shows) view = view_now(out_);
+  view.slots_shared = !s_.hybrid();
+  view.error = std::move(error);
+  view.refusal_code = std::move(refusal_code);
+  if (rec.append && shows) view.pairs = std::move(log_);
   return view;
 }
 
-void InProcessCache::apply(const StepRecord& rec) {
+CacheView InProcessCache::view_now(const std::vector<std::vector<float>>& out) {
+  CacheView view;
+  view.slots_shared = !s_.hybrid();
+  view.batch = cache_->batch();
+  if (const optimized::PagedState* paged = cache_->paged()) {
+    view.layers = paged_layers(*paged, out, view.storage);
+    view.paged = paged_view(*paged);
+  } else {
+    view.layers = slot_layers(*cache_, s_.dims.layers, out, view.storage);
+  }
+  view.roundoff = key_roundoff(s_);
+  return view;
+}
+
+void InProcessCache::between_forwards(std::size_t index, const StepRecord& rec, std::int64_t forward,
+                                      std::vector<std::int64_t>& begin, std::size_t& logged) {
+  try {
+    const reference::AppendResult& all = *rec.append;
+    std::vector<std::int64_t> end(begin.size());
+    for (std::size_t b = 0; b < begin.size(); ++b) {
+      const auto held = static_cast<std::int64_t>(rec.histories[b].size());  // after the whole append
+      end[b] = all.rows[b].empty() ? held : std::clamp(cache_->row_length(static_cast<int>(b)), begin[b], held);
+    }
+    const StepRecord part = forward_record(s_, rec, begin, end, forward);
+    // The forward's outputs, cut out of the whole append's [B, n, H, D] per layer.
+    const std::size_t n = static_cast<std::size_t>(all.chunk), m = static_cast<std::size_t>(part.append->chunk);
+    const std::size_t HD = static_cast<std::size_t>(s_.dims.heads) * static_cast<std::size_t>(s_.dims.head_dim);
+    forward_out_.assign(out_.size(), std::vector<float>(begin.size() * m * HD, std::numeric_limits<float>::quiet_NaN()));
+    for (std::size_t l = 0; l < out_.size(); ++l)
+      for (std::size_t b = 0; b < begin.size(); ++b) {
+        const std::size_t count = part.append->rows[b].size();
+        if (count == 0) continue;
+        const std::size_t first = static_cast<std::size_t>(part.append->rows[b].front().index - all.rows[b].front().index);
+        std::copy_n(out_[l].begin() + static_cast<std::ptrdiff_t>((b * n + n - all.rows[b].size() + first) * HD),
+                    count * HD, forward_out_[l].begin() + static_cast<std::ptrdiff_t>((b * m + m - count) * HD));
+      }
+    CacheView view = view_now(forward_out_);
+    view.pairs.emplace(log_.begin() + static_cast<std::ptrdiff_t>(logged), log_.end());
+    logged = log_.size();
+    forwards_to_->forward(index, part, std::move(view));
+    begin = std::move(end);
+  } catch (...) {
+    if (!checker_error_) checker_error_ = std::current_exception();
+  }
+}
+
+void InProcessCache::apply(std::size_t index, const StepRecord& rec) {
   switch (rec.step.op) {
     case StepOp::append: {
       const reference::AppendResult& ref = *rec.append;
-      const ChunkBuffers buffers = make_chunk(s_, inputs_, ref, rec.step);
+      ChunkBuffers buffers = make_chunk(s_, inputs_, ref, rec.step);
+      std::int64_t forward = 0;
+      std::vector<std::int64_t> begin;  // per row: the first token of the next forward's record
+      std::size_t logged = 0;           // log entries already handed over
+      for (std::size_t b = 0; b < ref.rows.size(); ++b)
+        begin.push_back(ref.rows[b].empty() ? 0 : ref.rows[b].front().index);
+      if (forwards_to_ && rec.step.chunk > 0)
+        buffers.chunk.between_forwards = [&] { between_forwards(index, rec, ++forward, begin, logged); };
       const std::size_t size = ref.rows.size() * static_cast<std::size_t>(ref.chunk) * s_.dims.heads * s_.dims.head_dim;
       out_.assign(static_cast<std::size_t>(s_.dims.layers),
                   std::vector<float>(size, std::numeric_limits<float>::quiet_NaN()));
@@ -259,8 +311,10 @@ CacheTrace trace_cache(const Scenario& s, const InputTable& inputs, const Refere
   options.eviction = cache.eviction;
   options.picture = with_picture;
   options.focus_step = focus_step;
+  StepChecker checker(s, inputs, options);
   InProcessCache in_process(s, inputs, cache);
-  return check_steps(s, inputs, run, options, std::ref(in_process));
+  in_process.check_forwards_with(checker);
+  return check_steps(checker, s, run, options.target, std::ref(in_process));
 }
 
 Outcome check_cache(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const CacheEntry& cache) {

@@ -3,6 +3,8 @@
 // one checker (step_checker.h).
 #pragma once
 
+#include <exception>
+
 #include "tools/harness/cache_entry.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/scenario.h"
@@ -18,15 +20,26 @@ class InProcessCache {
   InProcessCache(const Scenario& scenario, const InputTable& inputs, const CacheEntry& entry);
   ~InProcessCache();
   CacheView operator()(std::size_t index, const StepRecord& record);
+  // SPEC 8.7: the state between two forwards of a chunked append goes to `checker` as a
+  // step of its own (StepChecker::forward), while the cache waits.
+  void check_forwards_with(StepChecker& checker) { forwards_to_ = &checker; }
 
  private:
-  void apply(const StepRecord& record);
+  void apply(std::size_t index, const StepRecord& record);
+  // What the cache shows now, with `out` ([layer][B, n, H, D]) as the outputs.
+  CacheView view_now(const std::vector<std::vector<float>>& out);
+  // The chunked append `record` (step `index`) has just run forward number `forward`.
+  void between_forwards(std::size_t index, const StepRecord& record, std::int64_t forward,
+                        std::vector<std::int64_t>& begin, std::size_t& logged);
   const Scenario& s_;
   const InputTable& inputs_;
   std::unique_ptr<optimized::KvCache> cache_;
   optimized::AttentionLog log_;
   std::vector<std::vector<float>> out_;
   std::vector<bool> recomputed_;  // per row: its preemption was a recompute
+  StepChecker* forwards_to_ = nullptr;
+  std::vector<std::vector<float>> forward_out_;  // a forward's outputs, cut out of out_
+  std::exception_ptr checker_error_;             // the checker's own failure, raised after the cache returns
 };
 
 CacheTrace trace_cache(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,

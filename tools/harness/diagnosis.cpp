@@ -120,6 +120,8 @@ const char* class_name(BugClass c) {
       return "chunk misses past keys";
     case BugClass::chunk_positions_wrong:
       return "chunk positions wrong";
+    case BugClass::window_kept_in_prefill:
+      return "window held through a chunked prefill";
     case BugClass::path_inconsistency:
       return "decode and chunk paths disagree";
   }
@@ -272,6 +274,10 @@ const char* class_explanation(BugClass c) {
     case BugClass::chunk_positions_wrong:
       return "In a chunked prefill a later chunk's tokens are rotated at positions that restart or skip: the "
              "position ids were taken per chunk (transformers issue 43082, vLLM PR 10388).";
+    case BugClass::window_kept_in_prefill:
+      return "Between two forwards of a chunked prefill the row still holds tokens that left its sliding window, "
+             "and reads nothing wrong: the layer frees what leaves the window only once the prefill is done, so a "
+             "long prompt holds more blocks than the window and the pool runs out (vLLM issue 7470).";
     case BugClass::quant_transform_missing:
       return "Stored rows that should hold the Hadamard-transformed key or value hold the plain one: read without "
              "the transform they stand for their token within the format's rounding. One path forgot the transform "
@@ -388,6 +394,10 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
       any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; }))
     return BugClass::tokens_lost_after_preemption;
   if (!e.paged.empty()) return paged_class(e.paged);
+  // Between forwards, only tokens behind the window held, and every read right.
+  if (e.between_forwards && e.pairs.empty() && e.outputs.empty() && !e.slots.empty() &&
+      std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) { return i.kind == K::extra && i.window_gap > 0; }))
+    return BugClass::window_kept_in_prefill;
   // Codes that fit the token only without the transform: every key read back is garbage
   // through it (rotations, outputs), and this is why.
   if (e.codes_fit_without_transform) return BugClass::quant_transform_missing;

@@ -69,6 +69,7 @@ enum class BugClass {
   chunk_misses_past_keys,
   tokens_lost_after_preemption,
   chunk_positions_wrong,
+  window_kept_in_prefill,  // SPEC 8.7: between forwards, blocks behind a sliding window still held
   path_inconsistency,  // SPEC 9.2.6: decode and chunk paths disagree
 };
 
@@ -186,6 +187,7 @@ struct OutputMismatch {
 struct StepEvidence {
   std::size_t step = 0;
   std::string label;
+  bool between_forwards = false;  // the state between two forwards of a chunked append (SPEC 8.7)
   std::string refusal;  // non-empty: the cache and the policy disagree on a refusal
   bool raised = false;  // the cache raised where the policy accepts the step
   std::vector<OutputMismatch> outputs;

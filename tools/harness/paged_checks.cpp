@@ -65,11 +65,12 @@ void PagedChecks::check(const StepRecord& rec, CacheView& view, StepEvidence& ev
   const auto L = view.paged->layers.size();
   shared_.resize(L);
   view.uncomputed.assign(rec.retained.size(), 0);
-  if (rec.append) {
-    check_hits(rec, view, evidence);
+  // An append's hits are checked once, on the whole step; the hit tokens open its first
+  // forward's record (SPEC 8.7) and no later one.
+  if (rec.append && rec.forward == 0) check_hits(rec, view, evidence);
+  if (rec.append && rec.forward <= 1)
     for (std::size_t b = 0; b < view.uncomputed.size() && b < view.paged->hit_tokens.size(); ++b)
       view.uncomputed[b] = view.paged->hit_tokens[b];
-  }
   // The kernel's log names keys by the uid in their slot: a key another row wrote (a shared
   // or hit block, freed or not since) is the row's own token when the context keys agree.
   if (view.pairs) {
@@ -257,6 +258,8 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
     const auto& table = layer.tables[b];
     const RowHistory& history = rec.histories[b];
     const auto n = static_cast<std::int64_t>(history.size());
+    // Between two forwards, blocks may be there for the append's later tokens already.
+    const auto mapped = b < rec.after_append.size() ? static_cast<std::int64_t>(rec.after_append[b].size()) : n;
     const reference::RowRetained& sets = rec.retained_in(l, static_cast<int>(b));
     std::set<std::int64_t> live, retained;
     for (const auto& key : sets.live) live.insert(key.index);
@@ -271,7 +274,7 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
     for (std::size_t i = 0; i < table.size(); ++i) {
       const std::int64_t block = table[i], logical = static_cast<std::int64_t>(i);
       if (block < 0) continue;
-      if (logical * B >= n) {
+      if (logical * B >= mapped) {
         fail(evidence, {K::stale_entry, l, row, logical, block, -1,
                         fmt::format("points at a block, but the row has only {} tokens (entries from {} on must "
                                     "be null)",

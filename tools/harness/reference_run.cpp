@@ -14,6 +14,11 @@ std::string step_label(const Step& step, std::size_t index) {
   return fmt::format("step {} ({}, /steps/{})", index, step.source_op, step.source_index);
 }
 
+std::string step_label(const StepRecord& record, std::size_t index) {
+  const std::string step = step_label(record.step, index);
+  return record.forward > 0 ? fmt::format("{} after forward {}", step, record.forward) : step;
+}
+
 namespace {
 
 // The rows' shared histories: a row's vector is extended in place while no other row
@@ -124,7 +129,9 @@ StepRecord ReferenceStepper::next() {
   const std::size_t i = next_++;
   const Step& step = scenario_.steps.at(i);
   reference::ReferenceModel& model = state_->model;
-  StepRecord record{step, model.batch(), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  StepRecord record;
+  record.step = step;
+  record.batch_before = model.batch();
   try {
     switch (step.op) {
       case StepOp::append: {

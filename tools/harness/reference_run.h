@@ -2,6 +2,7 @@
 // every check need: appended uids, outputs, the retained set, an expected refusal.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -26,6 +27,8 @@ class RowHistory {
   std::uint64_t operator[](std::size_t i) const { return (*uids_)[i]; }
   const std::uint64_t* begin() const { return uids_ ? uids_->data() : nullptr; }
   const std::uint64_t* end() const { return begin() + size_; }
+  // The first n tokens (the history at an earlier point of the same step).
+  RowHistory prefix(std::size_t n) const { return {uids_, std::min(n, size_)}; }
 
  private:
   std::shared_ptr<const std::vector<std::uint64_t>> uids_;
@@ -34,6 +37,13 @@ class RowHistory {
 
 struct StepRecord {
   Step step;
+  // A chunked append's state after its forward number `forward` (from 1; SPEC 8.7), made
+  // by forward_record(); 0: the state after the whole step.
+  std::int64_t forward = 0;
+  // A forward's record: each row's history once the whole append is done. An engine may map
+  // slots and blocks for the append's later tokens before their forward runs (vLLM's v0
+  // block manager allocated a whole prompt at once).
+  std::vector<RowHistory> after_append;
   int batch_before = 0;
   std::optional<reference::AppendResult> append;                    // append steps
   std::vector<reference::RowRetained> retained;                     // per row, after the step (layer 0)
@@ -97,5 +107,7 @@ ReferenceRun run_reference(const Scenario& scenario, const InputTable& inputs);
 
 // "step 3 (crop, steps[2])": how messages name a step.
 std::string step_label(const Step& step, std::size_t index);
+// The same, with "after forward 2" for a record of a chunked append's forward.
+std::string step_label(const StepRecord& record, std::size_t index);
 
 }  // namespace kvcheck

@@ -22,7 +22,9 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 // One cache under test beside the reference: fed each step as the reference makes it.
 struct Target {
   Target(const Scenario& s, const InputTable& inputs, const CacheEntry& entry, const CheckOptions& options)
-      : cache(s, inputs, entry), checker(s, inputs, options) {}
+      : cache(s, inputs, entry), checker(s, inputs, options) {
+    cache.check_forwards_with(checker);
+  }
   InProcessCache cache;
   StepChecker checker;
   bool going = true;

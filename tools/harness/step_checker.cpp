@@ -271,6 +271,33 @@ class StepChecker::Impl {
     return go_on || options_.trace;
   }
 
+  // A chunked append between two forwards (SPEC 8.7): the same checks as a step, and the
+  // first divergence when it is the first; no picture column or drift point of its own
+  // (the whole step gives those).
+  void forward(std::size_t i, const StepRecord& rec, CacheView& view) {
+    StepContext context = context_;
+    advance(context, rec);
+    StepEvidence evidence;
+    evidence.step = i;
+    evidence.label = step_label(rec, i);
+    evidence.between_forwards = true;
+    // Slots mapped for the append's later tokens, not written yet, are not held: the log
+    // shows whether a query read one.
+    for (ViewLayer& layer : view.layers)
+      for (std::size_t b = 0; b < layer.slots.size() && b < rec.after_append.size(); ++b)
+        for (auto& head : layer.slots[b])
+          std::erase_if(head, [&](const ViewSlot& v) {
+            return v.uid >= 0 && index_of(rec.after_append[b], v.uid) >= static_cast<std::int64_t>(rec.histories[b].size());
+          });
+    std::vector<std::vector<RowState>> rows;
+    check(rec, view, evidence, rows);
+    step_rotation_error_ = 0.0;  // the whole step measures its own
+    if (evidence.empty() || trace_.first) return;
+    StepDiagnosis d = diagnose(rec, view, evidence, context, rows);
+    if (view.paged) d.block_size = view.paged->block_size;
+    trace_.first = std::move(d);
+  }
+
   CacheTrace finish() {
     if (options_.focus_step && !trace_.focus)
       throw InputError(
@@ -713,7 +740,8 @@ class StepChecker::Impl {
     // SPEC 9.2.6: a token of a decode step, or inside a longer chunk, kept to compare with
     // the other path's computation of it.
     const bool decode = n == 1;
-    const bool on_a_path = paths_.enabled() && (decode || ref.rows[b].size() > 1);
+    // A forward's record is part of its chunk, which the whole step records.
+    const bool on_a_path = rec.forward == 0 && paths_.enabled() && (decode || ref.rows[b].size() > 1);
     std::vector<double> path_want, path_allowed;
     for (std::size_t i = skipped; i < ref.rows[b].size(); ++i) {
       path_want.clear();
@@ -1117,14 +1145,22 @@ StepChecker::~StepChecker() = default;
 bool StepChecker::step(std::size_t index, const StepRecord& record, CacheView view) {
   return impl_->step(index, record, view);
 }
+void StepChecker::forward(std::size_t index, const StepRecord& record, CacheView view) {
+  impl_->forward(index, record, view);
+}
 CacheTrace StepChecker::finish() { return impl_->finish(); }
 
 CacheTrace check_steps(const Scenario& s, const InputTable& inputs, const ReferenceRun& run,
                        const CheckOptions& options, const Observe& observe) {
   StepChecker checker(s, inputs, options);
+  return check_steps(checker, s, run, options.target, observe);
+}
+
+CacheTrace check_steps(StepChecker& checker, const Scenario& s, const ReferenceRun& run, const std::string& target,
+                       const Observe& observe) {
   Progress& progress = Progress::line();
   std::int64_t tokens = 0;
-  progress.begin(s.name + ": " + options.target, run.steps.size(), count_uids(s));
+  progress.begin(s.name + ": " + target, run.steps.size(), count_uids(s));
   for (std::size_t i = 0; i < run.steps.size(); ++i) {
     const StepRecord& rec = run.steps[i];
     const bool go_on = checker.step(i, rec, observe(i, rec));

@@ -64,6 +64,9 @@ class StepChecker {
   // Checks step `index` against what the cache shows; false when the run cannot go on for
   // this cache (it raised, or holds other rows than the reference).
   bool step(std::size_t index, const StepRecord& record, CacheView view);
+  // SPEC 8.7: the state between two forwards of chunked append `index` (a forward_record),
+  // checked like a step; the whole step still comes to step() once it is done.
+  void forward(std::size_t index, const StepRecord& record, CacheView view);
   CacheTrace finish();
 
  private:
@@ -78,6 +81,10 @@ using Observe = std::function<CacheView(std::size_t index, const StepRecord& rec
 // A whole run at once (diagnose, verify, tests), with progress.
 CacheTrace check_steps(const Scenario& scenario, const InputTable& inputs, const ReferenceRun& run,
                        const CheckOptions& options, const Observe& observe);
+// The same with a checker the caller made (one that also takes forwards); `target` names
+// it in the progress line.
+CacheTrace check_steps(StepChecker& checker, const Scenario& scenario, const ReferenceRun& run,
+                       const std::string& target, const Observe& observe);
 
 // A bound for position recovery: twice the longest row the scenario reaches, plus room.
 std::int64_t largest_position(const Scenario& scenario);

@@ -62,6 +62,7 @@ class FaultyPagedCache : public optimized::PagedCache {
     const std::int64_t block = i < table.size() && table[i] >= 0 ? table[i] : 0;
     return block * block_size() + t % block_size();
   }
+  bool frees_between_forwards() const override { return fault_ != PagedFault::window_kept_in_prefill; }
   bool forget_evicted() const override { return fault_ != PagedFault::evict_keeps_index; }
   std::int64_t recomputed_tokens(std::int64_t history, std::int64_t prompt) const override {
     return fault_ == PagedFault::recompute_prompt_only ? prompt : history;

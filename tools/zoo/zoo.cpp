@@ -354,6 +354,12 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    "vLLM's \"preempted output is incomplete\" under PreemptionMode.RECOMPUTE (issue 16832); "
                    "nano-vllm's stale num_cached_tokens (PR 211)",
                    BugClass::tokens_lost_after_preemption, {"paged_preempt_swap_and_recompute"}),
+      paged_mutant("window_kept_in_prefill", zoo::PagedFault::window_kept_in_prefill,
+                   "a sliding layer frees the blocks that left its window only once a chunked prefill is done: "
+                   "between its forwards it holds the whole prompt",
+                   "vLLM's block manager v2 letting a sliding-window prefill allocate more blocks than the window "
+                   "(issue 7470)",
+                   BugClass::window_kept_in_prefill, {"paged_sliding_chunked_prefill"}),
   };
   return mutants;
 }
