@@ -610,9 +610,6 @@ const PagedState* PagedCache::paged() const {
     layer.pool = &pools_[static_cast<std::size_t>(l)];
     layer.tables = tables_[static_cast<std::size_t>(l)];
     layer.refcounts = blocks_[static_cast<std::size_t>(l)].refcounts();
-    layer.cached.resize(static_cast<std::size_t>(paging_.num_blocks));
-    for (std::int64_t blk = 0; blk < paging_.num_blocks; ++blk)
-      layer.cached[static_cast<std::size_t>(blk)] = blocks_[static_cast<std::size_t>(l)].registered(blk);
   }
   state_.hit_tokens = hits_;
   return &state_;

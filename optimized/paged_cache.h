@@ -31,17 +31,17 @@
 namespace kvcheck::optimized {
 
 // What a checker reads of a paged cache (SPEC 8.8): per layer the pool, the block tables
-// and the refcounts; per row the prefix hit of the last append.
+// and the refcounts; per row the prefix hit of the last append. Views of the cache's own
+// state, valid until it next changes: nothing is copied at each step.
 struct PagedState {
   std::int64_t block_size = 0;
   struct Layer {
-    const SlotStore* pool = nullptr;                // one row: block b's slots are b * B .. b * B + B - 1
-    std::vector<std::vector<std::int64_t>> tables;  // [row][logical block]: block id, -1 for null
-    std::vector<std::int32_t> refcounts;            // [block]
-    std::vector<bool> cached;                       // [block]: in the prefix index
+    const SlotStore* pool = nullptr;                      // one row: block b's slots are b * B .. b * B + B - 1
+    std::span<const std::vector<std::int64_t>> tables;  // [row][logical block]: block id, -1 for null
+    std::span<const std::int32_t> refcounts;            // [block]
   };
   std::vector<Layer> layers;
-  std::vector<std::int64_t> hit_tokens;  // [row], the last append's
+  std::span<const std::int64_t> hit_tokens;  // [row], the last append's
 };
 
 class PagedCache : public KvCache {

@@ -155,10 +155,10 @@ PagedView paged_view(const optimized::PagedState& paged) {
   v.block_size = paged.block_size;
   for (const auto& layer : paged.layers) {
     PagedView::Layer& out = v.layers.emplace_back();
-    out.tables = layer.tables;
-    out.refcounts = layer.refcounts;
+    out.tables.assign(layer.tables.begin(), layer.tables.end());
+    out.refcounts.assign(layer.refcounts.begin(), layer.refcounts.end());
   }
-  v.hit_tokens = paged.hit_tokens;
+  v.hit_tokens.assign(paged.hit_tokens.begin(), paged.hit_tokens.end());
   return v;
 }
 
@@ -209,14 +209,17 @@ CacheView InProcessCache::view_now(const std::vector<std::vector<float>>& out) {
 
 void InProcessCache::between_forwards(std::size_t index, const StepRecord& rec, std::int64_t forward,
                                       std::vector<std::int64_t>& begin, std::size_t& logged) {
+  if (checker_error_) return;  // the run ends at the checker's failure
+  // What the cache says of itself may raise: that is the cache's (through its append).
+  const reference::AppendResult& all = *rec.append;
+  std::vector<std::int64_t> end(begin.size());
+  for (std::size_t b = 0; b < begin.size(); ++b) {
+    const auto held = static_cast<std::int64_t>(rec.histories[b].size());  // after the whole append
+    end[b] = all.rows[b].empty() ? held : std::clamp(cache_->row_length(static_cast<int>(b)), begin[b], held);
+  }
+  StepRecord part;
   try {
-    const reference::AppendResult& all = *rec.append;
-    std::vector<std::int64_t> end(begin.size());
-    for (std::size_t b = 0; b < begin.size(); ++b) {
-      const auto held = static_cast<std::int64_t>(rec.histories[b].size());  // after the whole append
-      end[b] = all.rows[b].empty() ? held : std::clamp(cache_->row_length(static_cast<int>(b)), begin[b], held);
-    }
-    const StepRecord part = forward_record(s_, rec, begin, end, forward);
+    part = forward_record(s_, rec, begin, end, forward);
     // The forward's outputs, cut out of the whole append's [B, n, H, D] per layer.
     const std::size_t n = static_cast<std::size_t>(all.chunk), m = static_cast<std::size_t>(part.append->chunk);
     const std::size_t HD = static_cast<std::size_t>(s_.dims.heads) * static_cast<std::size_t>(s_.dims.head_dim);
@@ -229,13 +232,18 @@ void InProcessCache::between_forwards(std::size_t index, const StepRecord& rec, 
         std::copy_n(out_[l].begin() + static_cast<std::ptrdiff_t>((b * n + n - all.rows[b].size() + first) * HD),
                     count * HD, forward_out_[l].begin() + static_cast<std::ptrdiff_t>((b * m + m - count) * HD));
       }
-    CacheView view = view_now(forward_out_);
+  } catch (...) {
+    checker_error_ = std::current_exception();
+    return;
+  }
+  CacheView view = view_now(forward_out_);
+  try {
     view.pairs.emplace(log_.begin() + static_cast<std::ptrdiff_t>(logged), log_.end());
     logged = log_.size();
     forwards_to_->forward(index, part, std::move(view));
     begin = std::move(end);
   } catch (...) {
-    if (!checker_error_) checker_error_ = std::current_exception();
+    checker_error_ = std::current_exception();
   }
 }
 

@@ -276,8 +276,8 @@ const char* class_explanation(BugClass c) {
              "position ids were taken per chunk (transformers issue 43082, vLLM PR 10388).";
     case BugClass::window_kept_in_prefill:
       return "Between two forwards of a chunked prefill the row still holds tokens that left its sliding window, "
-             "and reads nothing wrong: the layer frees what leaves the window only once the prefill is done, so a "
-             "long prompt holds more blocks than the window and the pool runs out (vLLM issue 7470).";
+             "and reads nothing wrong: the layer frees what leaves the window late (once the prefill is done, or "
+             "never), so blocks no query reads again stay out of the pool while the prompt runs.";
     case BugClass::quant_transform_missing:
       return "Stored rows that should hold the Hadamard-transformed key or value hold the plain one: read without "
              "the transform they stand for their token within the format's rounding. One path forgot the transform "

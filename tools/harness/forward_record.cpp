@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <map>
 #include <span>
 
 namespace kvcheck {
@@ -83,9 +82,11 @@ StepRecord forward_record(const Scenario& s, const StepRecord& whole, const std:
   };
   const bool per_layer = !whole.layer_retained.empty();
   if (per_layer) r.layer_retained.resize(static_cast<std::size_t>(s.dims.layers));
+  std::vector<bool> row_cut(whole.histories.size(), false);
   for (std::size_t b = 0; b < whole.histories.size(); ++b) {
     // Rows that take no token, or whose forwards are all done, are as after the append.
     const bool cut_here = b < B && !all.rows[b].empty() && end[b] < all.rows[b].back().index + 1;
+    row_cut[b] = cut_here;
     r.histories.push_back(cut_here ? whole.histories[b].prefix(static_cast<std::size_t>(end[b])) : whole.histories[b]);
     for (int l = 0; l < (per_layer ? s.dims.layers : 1); ++l) {
       reference::RowRetained row =
@@ -96,23 +97,19 @@ StepRecord forward_record(const Scenario& s, const StepRecord& whole, const std:
   }
 
   // A stored key does not change between two forwards (no shift or flush moves it inside
-  // an append of a paged cache), so the whole step's store serves the keys it still keeps.
-  if (!whole.stored.empty()) {
-    r.stored.resize(whole.stored.size());
-    for (std::size_t l = 0; l < whole.stored.size() && !r.stored.empty(); ++l)
-      for (std::size_t b = 0; b < whole.histories.size() && !r.stored.empty(); ++b) {
-        std::map<std::int64_t, std::size_t> at;  // token index -> position in the whole step's store
-        const auto& kept_after = whole.retained_in(static_cast<int>(l), static_cast<int>(b)).keys;
-        for (std::size_t i = 0; i < kept_after.size(); ++i) at[kept_after[i].index] = i;
-        auto& keys = r.stored[l].emplace_back();
-        for (const reference::RetainedKey& key : r.retained_in(static_cast<int>(l), static_cast<int>(b)).keys) {
-          const auto found = at.find(key.index);
-          if (found == at.end()) {
-            r.stored.clear();
-            break;
-          }
-          keys.push_back(whole.stored[l][b][found->second]);
+  // an append of a paged cache): the reference kept every key a forward's state may hold.
+  if (!whole.stored_window.empty()) {
+    r.stored.resize(whole.stored_window.size());
+    for (std::size_t l = 0; l < whole.stored_window.size(); ++l)
+      for (std::size_t b = 0; b < whole.histories.size(); ++b) {
+        if (!row_cut[b]) {
+          r.stored[l].push_back(whole.stored[l][b]);
+          continue;
         }
+        auto& keys = r.stored[l].emplace_back();
+        const std::int64_t from = whole.stored_from[l][b];
+        for (const reference::RetainedKey& key : r.retained_in(static_cast<int>(l), static_cast<int>(b)).keys)
+          keys.push_back(whole.stored_window[l][b].at(static_cast<std::size_t>(key.index - from)));
       }
   }
   return r;

@@ -15,8 +15,7 @@ namespace kvcheck {
 // the tokens with index in [begin[b], end[b]) are the forward's (for the first forward,
 // from the append's first token, a prefix hit included), and the row holds end[b] tokens.
 // The retained sets and histories are those of the rows at end[b]; the outputs, those of
-// the forward's tokens. Quantized stores are carried over from the whole step when every
-// key kept between the forwards is still kept after it (else left out: checked at the end).
+// the forward's tokens; the stored values (quantized scenarios), the reference's.
 StepRecord forward_record(const Scenario& scenario, const StepRecord& whole, const std::vector<std::int64_t>& begin,
                           const std::vector<std::int64_t>& end, std::int64_t forward);
 

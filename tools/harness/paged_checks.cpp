@@ -61,13 +61,16 @@ void PagedChecks::fail(StepEvidence& evidence, PagedIssue issue) {
 
 void PagedChecks::check(const StepRecord& rec, CacheView& view, StepEvidence& evidence) {
   if (!view.paged) return;
-  ++steps_checked_;
+  if (rec.forward == 0) ++steps_checked_;
   const auto L = view.paged->layers.size();
   shared_.resize(L);
   view.uncomputed.assign(rec.retained.size(), 0);
-  // An append's hits are checked once, on the whole step; the hit tokens open its first
-  // forward's record (SPEC 8.7) and no later one.
-  if (rec.append && rec.forward == 0) check_hits(rec, view, evidence);
+  // An append's hits are known before its first forward: checked there when its forwards are
+  // checked (SPEC 8.7), else on the whole step. The hit tokens open the first forward's record.
+  if (rec.append && rec.forward <= 1) {
+    if (rec.forward == 1 || !hits_checked_) check_hits(rec, view, evidence);
+    hits_checked_ = rec.forward == 1;
+  }
   if (rec.append && rec.forward <= 1)
     for (std::size_t b = 0; b < view.uncomputed.size() && b < view.paged->hit_tokens.size(); ++b)
       view.uncomputed[b] = view.paged->hit_tokens[b];
@@ -151,8 +154,11 @@ void PagedChecks::check_hits(const StepRecord& rec, const CacheView& view, StepE
   const std::int64_t B = pv.block_size;
   for (std::size_t b = 0; b < rec.append->rows.size() && b < pv.hit_tokens.size(); ++b) {
     const std::int64_t hit = std::max<std::int64_t>(0, pv.hit_tokens[b]);  // traces are refused below 0
-    const auto added = static_cast<std::int64_t>(rec.append->rows[b].size());
-    const bool started = added > 0 && static_cast<std::int64_t>(rec.histories[b].size()) == added;
+    // The whole append's tokens, also in a forward's record (whose rows hold the forward's).
+    const auto first = static_cast<std::int64_t>(rec.histories[b].size() - rec.append->rows[b].size());
+    const auto added = b < rec.after_append.size() ? static_cast<std::int64_t>(rec.after_append[b].size()) - first
+                                                    : static_cast<std::int64_t>(rec.append->rows[b].size());
+    const bool started = added > 0 && first == 0;
     const std::int64_t legit = b < rec.largest_hit.size() ? rec.largest_hit[b] : 0;
     const std::int64_t same_step = b < rec.largest_hit_same_step.size() ? rec.largest_hit_same_step[b] : 0;
     PagedIssue issue{K::hit_unaligned, 0, static_cast<int>(b), -1, -1, -1, ""};

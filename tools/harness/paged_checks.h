@@ -48,6 +48,7 @@ class PagedChecks {
   std::vector<std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>>> shared_;
   Tally tally_;
   std::int64_t steps_checked_ = 0, hits_seen_ = 0;
+  bool hits_checked_ = false;  // the current append's hits, at its first forward
 };
 
 }  // namespace kvcheck

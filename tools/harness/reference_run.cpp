@@ -197,6 +197,21 @@ StepRecord ReferenceStepper::next() {
         auto& keys = record.stored[static_cast<std::size_t>(l)].emplace_back();
         for (const reference::RetainedKey& key : record.retained_in(l, b).keys) keys.push_back(stored->at(b, l, key.index));
       }
+    // Between two forwards a row holds what one of its appended tokens saw.
+    if (step.op == StepOp::append && step.chunk > 0 && record.append) {
+      record.stored_window.resize(static_cast<std::size_t>(scenario_.dims.layers));
+      record.stored_from.resize(static_cast<std::size_t>(scenario_.dims.layers));
+      for (int l = 0; l < scenario_.dims.layers; ++l)
+        for (int b = 0; b < model.batch(); ++b) {
+          const auto end = static_cast<std::int64_t>(model.history(b).size());
+          std::int64_t from = end;
+          for (const reference::AppendedToken& token : record.append->rows[static_cast<std::size_t>(b)])
+            for (const reference::VisibleKey& key : token.view_in(l).keys) from = std::min(from, key.index);
+          auto& window = record.stored_window[static_cast<std::size_t>(l)].emplace_back();
+          for (std::int64_t t = from; t < end; ++t) window.push_back(stored->at(b, l, t));
+          record.stored_from[static_cast<std::size_t>(l)].push_back(from);
+        }
+    }
   }
   return record;
 }

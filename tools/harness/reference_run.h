@@ -56,6 +56,10 @@ struct StepRecord {
   // SPEC 9: what a quantized cache must hold after the step, [layer][row][i] for the i-th
   // key of retained_in(layer, row); empty unless the scenario quantizes.
   std::vector<std::vector<std::vector<reference::StoredLayer>>> stored;
+  // A chunked append's (SPEC 8.7): [layer][row] the stored value of every token from
+  // `stored_from[layer][row]` to the row's end, the keys any forward's state may hold.
+  std::vector<std::vector<std::vector<reference::StoredLayer>>> stored_window;
+  std::vector<std::vector<std::int64_t>> stored_from;
   // SPEC 8.4, paged scenarios' appends: per row, the largest prefix hit a correct cache may
   // report (0 for rows that do not start).
   std::vector<std::int64_t> largest_hit;

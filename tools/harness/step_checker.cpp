@@ -289,8 +289,15 @@ class StepChecker::Impl {
           std::erase_if(head, [&](const ViewSlot& v) {
             return v.uid >= 0 && index_of(rec.after_append[b], v.uid) >= static_cast<std::int64_t>(rec.histories[b].size());
           });
+    // Outputs and pairs are compared again on the whole step, which counts them; a
+    // forward's own failures are its state's (slots, tables, codes).
+    const Tally outputs = outputs_, positions = positions_;
+    const double err = sum_sq_err_, ref = sum_sq_ref_;
+    const std::int64_t lazy = lazy_rows_, eager = eager_rows_;
     std::vector<std::vector<RowState>> rows;
     check(rec, view, evidence, rows);
+    outputs_ = outputs, positions_ = positions, sum_sq_err_ = err, sum_sq_ref_ = ref;
+    lazy_rows_ = lazy, eager_rows_ = eager;
     step_rotation_error_ = 0.0;  // the whole step measures its own
     if (evidence.empty() || trace_.first) return;
     StepDiagnosis d = diagnose(rec, view, evidence, context, rows);
@@ -735,7 +742,8 @@ class StepChecker::Impl {
     const std::vector<double>& expected = !held.empty() ? held : ref.out_stored.empty() ? ref.out : ref.out_stored;
     const double row_allowance = !held.empty() ? 0.0 : quant_ ? quant_->row_allowance(l, b) : 0.0;
     const std::size_t skipped = uncomputed(b);  // a prefix hit spared their outputs
-    if (quant_ && !ref.out_stored.empty()) quant_->check_bound(rec, l, b, out, skipped, evidence.label);
+    if (quant_ && !ref.out_stored.empty() && rec.forward == 0)  // a forward's outputs: on the whole step
+      quant_->check_bound(rec, l, b, out, skipped, evidence.label);
     std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     // SPEC 9.2.6: a token of a decode step, or inside a longer chunk, kept to compare with
     // the other path's computation of it.
@@ -825,7 +833,9 @@ class StepChecker::Impl {
     std::vector<std::pair<std::int64_t, std::int64_t>> want;  // (uid, distance), sorted by uid
     auto at = log.begin();
     for (int b = 0; b < static_cast<int>(rec.append->rows.size()); ++b) {
-      const auto& history = rec.histories[b];
+      // A forward's keys are named by the whole append's history: a read of a later token
+      // is that token, not a stale slot.
+      const auto& history = rec.after_append.empty() ? rec.histories[b] : rec.after_append[b];
       const std::size_t skipped = uncomputed(b);  // a prefix hit spared their attention
       for (const auto& token : rec.append->rows[b]) {
         if (static_cast<std::size_t>(&token - rec.append->rows[b].data()) < skipped) continue;

@@ -23,7 +23,7 @@ enum class PagedFault {
   chunk_position_restart,  // a later chunk's positions restart at 0 (transformers #43082)
   evict_keeps_index,       // an evicted or recycled block keeps its index entry (TRT-LLM #8813, llama.cpp #27148)
   recompute_prompt_only,   // a recompute preemption rebuilds the prompt only (vLLM #16832, nano-vllm PR 211)
-  window_kept_in_prefill,  // a sliding layer frees nothing between a chunked prefill's forwards (vLLM #7470)
+  window_kept_in_prefill,  // a sliding layer frees nothing between a chunked prefill's forwards (kvcheck's own)
 };
 
 std::unique_ptr<optimized::KvCache> make_paged_faulty_cache(const optimized::CacheConfig& config, PagedFault fault);

@@ -356,9 +356,9 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    BugClass::tokens_lost_after_preemption, {"paged_preempt_swap_and_recompute"}),
       paged_mutant("window_kept_in_prefill", zoo::PagedFault::window_kept_in_prefill,
                    "a sliding layer frees the blocks that left its window only once a chunked prefill is done: "
-                   "between its forwards it holds the whole prompt",
-                   "vLLM's block manager v2 letting a sliding-window prefill allocate more blocks than the window "
-                   "(issue 7470)",
+                   "between its forwards it holds blocks no query reads again",
+                   "kvcheck's own, for SPEC 8.7's per-forward checks; vLLM issue 7470 reports the same memory taken "
+                   "from the allocation side (a sliding-window prefill allocating more blocks than the window)",
                    BugClass::window_kept_in_prefill, {"paged_sliding_chunked_prefill"}),
   };
   return mutants;
