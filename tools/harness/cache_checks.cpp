@@ -221,17 +221,14 @@ void InProcessCache::between_forwards(std::size_t index, const StepRecord& rec, 
   try {
     part = forward_record(s_, rec, begin, end, forward);
     // The forward's outputs, cut out of the whole append's [B, n, H, D] per layer.
-    const std::size_t n = static_cast<std::size_t>(all.chunk), m = static_cast<std::size_t>(part.append->chunk);
+    std::vector<std::size_t> skipped(begin.size(), 0);
+    for (std::size_t b = 0; b < begin.size(); ++b)
+      if (!part.append->rows[b].empty())
+        skipped[b] = static_cast<std::size_t>(part.append->rows[b].front().index - all.rows[b].front().index);
     const std::size_t HD = static_cast<std::size_t>(s_.dims.heads) * static_cast<std::size_t>(s_.dims.head_dim);
-    forward_out_.assign(out_.size(), std::vector<float>(begin.size() * m * HD, std::numeric_limits<float>::quiet_NaN()));
-    for (std::size_t l = 0; l < out_.size(); ++l)
-      for (std::size_t b = 0; b < begin.size(); ++b) {
-        const std::size_t count = part.append->rows[b].size();
-        if (count == 0) continue;
-        const std::size_t first = static_cast<std::size_t>(part.append->rows[b].front().index - all.rows[b].front().index);
-        std::copy_n(out_[l].begin() + static_cast<std::ptrdiff_t>((b * n + n - all.rows[b].size() + first) * HD),
-                    count * HD, forward_out_[l].begin() + static_cast<std::ptrdiff_t>((b * m + m - count) * HD));
-      }
+    forward_out_.clear();
+    for (const std::vector<float>& layer : out_)
+      forward_out_.push_back(cut_tokens<float>(layer, all, *part.append, skipped, 1, HD));
   } catch (...) {
     checker_error_ = std::current_exception();
     return;

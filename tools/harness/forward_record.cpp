@@ -1,34 +1,9 @@
 #include "tools/harness/forward_record.h"
 
 #include <algorithm>
-#include <limits>
 #include <span>
 
 namespace kvcheck {
-
-namespace {
-
-// The [L, B, n, width] block of `whole` (left-padded) cut to the tokens of `part`, each row
-// left-padded to part.chunk.
-std::vector<double> cut(const std::vector<double>& whole, const reference::AppendResult& from,
-                        const reference::AppendResult& part, const std::vector<std::size_t>& skipped, int layers,
-                        std::size_t width) {
-  if (whole.empty()) return {};
-  const std::size_t B = from.rows.size(), n = static_cast<std::size_t>(from.chunk),
-                    m = static_cast<std::size_t>(part.chunk);
-  std::vector<double> out(static_cast<std::size_t>(layers) * B * m * width, std::numeric_limits<double>::quiet_NaN());
-  for (std::size_t l = 0; l < static_cast<std::size_t>(layers); ++l)
-    for (std::size_t b = 0; b < B; ++b) {
-      const std::size_t count = part.rows[b].size();
-      const std::size_t source = (l * B + b) * n + (n - from.rows[b].size()) + skipped[b];
-      const std::size_t target = (l * B + b) * m + (m - count);
-      std::copy_n(whole.begin() + static_cast<std::ptrdiff_t>(source * width), count * width,
-                  out.begin() + static_cast<std::ptrdiff_t>(target * width));
-    }
-  return out;
-}
-
-}  // namespace
 
 StepRecord forward_record(const Scenario& s, const StepRecord& whole, const std::vector<std::int64_t>& begin,
                           const std::vector<std::int64_t>& end, std::int64_t forward) {
@@ -53,9 +28,10 @@ StepRecord forward_record(const Scenario& s, const StepRecord& whole, const std:
     }
   for (const auto& row : part.rows) part.chunk = std::max(part.chunk, static_cast<std::int64_t>(row.size()));
   const auto H = static_cast<std::size_t>(s.dims.heads), D = static_cast<std::size_t>(s.dims.head_dim);
-  part.out = cut(all.out, all, part, skipped, s.dims.layers, H * D);
-  part.out_stored = cut(all.out_stored, all, part, skipped, s.dims.layers, H * D);
-  part.query_slack = cut(all.query_slack, all, part, skipped, s.dims.layers, H);
+  const auto L = static_cast<std::size_t>(s.dims.layers);
+  part.out = cut_tokens<double>(all.out, all, part, skipped, L, H * D);
+  part.out_stored = cut_tokens<double>(all.out_stored, all, part, skipped, L, H * D);
+  part.query_slack = cut_tokens<double>(all.query_slack, all, part, skipped, L, H);
   r.append = std::move(part);
 
   // Each row as it stands at end[b]: it keeps what its token end[b] - 1 saw, and its token
