@@ -20,6 +20,7 @@
 #include "tools/harness/report.h"
 #include "tools/harness/scenario.h"
 #include "tools/harness/trace_verify.h"
+#include "tools/llamacpp/llama_api.h"
 
 extern char** environ;
 
@@ -34,6 +35,38 @@ using json = nlohmann::json;
 std::string library_folder() {
   if (const char* dir = std::getenv("LLAMACPP_DIR"); dir != nullptr && *dir != '\0') return dir;
   return KVCHECK_LLAMACPP_DIR;
+}
+
+// Which engine drives the library: the one compiled against a llama.h (built by the set-up
+// for one library folder only), or the one with kvcheck's declarations of the checked build.
+struct EngineChoice {
+  std::string path;
+  std::string structures;  // for the report: where the structures' layout comes from
+};
+
+EngineChoice choose_engine(const std::string& lib, const std::string& abi) {
+  const fs::path here = fs::read_symlink("/proc/self/exe").parent_path();
+  const EngineChoice declared{(here / "kvcheck_llamacpp_engine").string(),
+                              fmt::format("kvcheck's declarations of llama.cpp {}", llamacpp::kKnownVersion)};
+  if (abi == "declared") return declared;
+#ifdef KVCHECK_LLAMA_HEADER_LIBRARY
+  std::error_code ec;
+  if (fs::equivalent(lib, KVCHECK_LLAMA_HEADER_LIBRARY, ec))
+    return {(here / "kvcheck_llamacpp_engine_h").string(), std::string("llama.h of ") + KVCHECK_LLAMA_HEADER_DIR};
+  if (abi == "header")
+    throw InputError("--abi", "",
+                     fmt::format("header: kvcheck was compiled against the llama.h of {}, for the libraries in {}, not "
+                                 "{}; tools/kvcheck llamacpp rebuilds it for LLAMACPP_DIR (headers from "
+                                 "LLAMACPP_INCLUDE or found beside the libraries)",
+                                 KVCHECK_LLAMA_HEADER_DIR, KVCHECK_LLAMA_HEADER_LIBRARY, lib));
+#else
+  if (abi == "header")
+    throw InputError("--abi", "",
+                     fmt::format("header: kvcheck was built without a llama.h for {}; tools/kvcheck llamacpp finds "
+                                 "one (LLAMACPP_INCLUDE, or beside LLAMACPP_DIR's libraries) and builds for it",
+                                 lib));
+#endif
+  return declared;
 }
 
 // The step the engine was driving, from its progress file (-1: none: before the first
@@ -52,14 +85,19 @@ bool crash_signal(int sig) {
 
 constexpr const char* kMarker = "kvcheck-llamacpp-capture";  // names a folder this command wrote
 
-// Runs the engine with `args` (argv[0] its path) and waits; returns its wait status.
-int run_engine(std::vector<std::string> args) {
+// Runs the engine with `args` (argv[0] its path) and waits; returns its wait status. The
+// library folder leads LD_LIBRARY_PATH: an installed llama.cpp's libraries find each other
+// there without a runpath (libggml needs libggml-cpu).
+int run_engine(std::vector<std::string> args, const std::string& lib) {
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   // ggml prints a backtrace through gdb when it aborts: the step and signal are what counts.
-  std::vector<std::string> env_strings = {"GGML_NO_BACKTRACE=1"};
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  const char* path = std::getenv("LD_LIBRARY_PATH");
+  std::vector<std::string> env_strings = {"GGML_NO_BACKTRACE=1",
+                                          "LD_LIBRARY_PATH=" + lib + (path && *path ? ":" + std::string(path) : "")};
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::strncmp(*e, "LD_LIBRARY_PATH=", 16) != 0) env_strings.emplace_back(*e);
   std::vector<char*> envp;
   for (std::string& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
@@ -101,6 +139,9 @@ int run_llamacpp(const LlamacppOptions& o) {
                                  "@node-llama-cpp/linux-x64 there, or set LLAMACPP_DIR to a folder holding "
                                  "libllama.so and libggml*.so",
                                  lib));
+  const EngineChoice engine = choose_engine(lib, o.abi);
+  fmt::print("llama.cpp: {} (structures: {})\n", lib, engine.structures);
+  std::fflush(stdout);  // before the engine's own output
   const bool keep = !o.keep.empty();
   fs::path out;
   if (keep) {
@@ -125,8 +166,7 @@ int run_llamacpp(const LlamacppOptions& o) {
     }
   } cleanup{out, keep};
 
-  const std::string engine = (fs::read_symlink("/proc/self/exe").parent_path() / "kvcheck_llamacpp_engine").string();
-  std::vector<std::string> args = {engine,    "--lib",        lib,      "--scenario", scenario.file,
+  std::vector<std::string> args = {engine.path,    "--lib",        lib,      "--scenario", scenario.file,
                                    "--out",   out.string(),   "--type-k", o.type_k,   "--type-v",
                                    o.type_v,  "--flash-attn", o.flash_attn ? "on" : "off"};
   if (o.restore_after_shift) {
@@ -137,7 +177,7 @@ int run_llamacpp(const LlamacppOptions& o) {
     args.push_back("--plant-fault");
     args.push_back(o.plant);
   }
-  const int status = run_engine(args);
+  const int status = run_engine(args, lib);
   const long step = last_step(out);
   if (WIFSIGNALED(status) &&
       (!crash_signal(WTERMSIG(status)) || step < 0 || static_cast<std::size_t>(step) >= scenario.steps.size()))
@@ -169,7 +209,7 @@ int run_llamacpp(const LlamacppOptions& o) {
           if (again[i] == "--out") again[i + 1] = before.string();
         }
         again.insert(again.end(), {"--context-of", scenario.file});  // the same cache as the crashed run
-        const int again_status = run_engine(again);
+        const int again_status = run_engine(again, lib);
         if (!WIFEXITED(again_status) || WEXITSTATUS(again_status) != 0)
           throw std::runtime_error(
               WIFSIGNALED(again_status) ? fmt::format("the engine crashed again: signal {}", WTERMSIG(again_status))

@@ -10,6 +10,7 @@ struct LlamacppOptions {
   std::string scenario;
   std::string type_k = "f32", type_v = "f32";
   bool flash_attn = false;
+  std::string abi = "auto";  // auto, header (compiled against llama.h) or declared (kvcheck's own)
   std::string keep;  // --trace DIR: keep the captured scenario and trace there
   std::string plant;
   bool restore_after_shift = false;  // save after the first seq_add, restore into a fresh context  // --plant-fault: a fault in the driver's own shift (kvcheck's self-test)

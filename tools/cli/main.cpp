@@ -433,6 +433,12 @@ int main(int argc, char** argv) {
   std::string flash = "off";
   llamacpp->add_option("--flash-attn", flash, "flash attention on or off (default off)")
       ->check(CLI::IsMember({"on", "off"}));
+  llamacpp->add_option("--abi", llamacpp_options.abi,
+                       "where the layout of llama.cpp's structures comes from: header (the llama.h the set-up "
+                       "built the engine against, for these libraries), declared (kvcheck's own declarations of "
+                       "the build it knows; other versions are refused) or auto (header when there is one; "
+                       "default)")
+      ->check(CLI::IsMember({"auto", "header", "declared"}));
   llamacpp->add_option("--trace", llamacpp_options.keep, "keep the captured scenario and trace in DIR");
   llamacpp->add_option("--plant-fault", llamacpp_options.plant,
                        "kvcheck's self-test: break the driver's own shift (remove-without-add: seq_rm without "

@@ -190,21 +190,26 @@ bool wanted(const std::string& name, int layers) {
   return false;
 }
 
+// The sizes on_tensor reads the ggml_tensor fields with.
+static_assert(tensor_field::type.size == 4 && tensor_field::op.size == 4 && tensor_field::ne.size == 32 &&
+                  tensor_field::nb.size == 32 && tensor_field::src.size == sizeof(void*),
+              "ggml_tensor's fields changed size");
+
 bool on_tensor(void* t, bool ask, void* user) {
   auto& c = *static_cast<Capture*>(user);
   const std::string name = c.api->ggml_get_name(t);
-  if (name != reinterpret_cast<const char*>(t) + tensor_offset::name) return false;  // another layout: stop
+  if (name != reinterpret_cast<const char*>(t) + tensor_field::name.offset) return false;  // another layout: stop
   if (ask) {
     std::int32_t op;
-    std::memcpy(&op, static_cast<const char*>(t) + tensor_offset::op, 4);
+    std::memcpy(&op, static_cast<const char*>(t) + tensor_field::op.offset, 4);
     const void* src0;
-    std::memcpy(&src0, static_cast<const char*>(t) + tensor_offset::src, sizeof src0);
+    std::memcpy(&src0, static_cast<const char*>(t) + tensor_field::src.offset, sizeof src0);
     if (src0 != nullptr && std::strcmp(c.api->ggml_op_name(op), "MUL_MAT") == 0) {
       const std::string factor = c.api->ggml_get_name(src0);
       if (factor == "attn_inp_k_rot" || factor == "attn_inp_v_rot") {
         const bool value = factor == "attn_inp_v_rot";
         (value ? c.values_hadamard : c.keys_hadamard) = true;
-        std::memcpy(&c.rotation_size[value ? 1 : 0], static_cast<const char*>(src0) + tensor_offset::ne,
+        std::memcpy(&c.rotation_size[value ? 1 : 0], static_cast<const char*>(src0) + tensor_field::ne.offset,
                     sizeof c.rotation_size[0]);
       }
     }
@@ -215,10 +220,10 @@ bool on_tensor(void* t, bool ask, void* user) {
   std::int64_t ne[4];
   std::uint64_t nb[4];
   std::int32_t op;
-  std::memcpy(&type, static_cast<const char*>(t) + tensor_offset::type, 4);
-  std::memcpy(ne, static_cast<const char*>(t) + tensor_offset::ne, sizeof ne);
-  std::memcpy(nb, static_cast<const char*>(t) + tensor_offset::nb, sizeof nb);
-  std::memcpy(&op, static_cast<const char*>(t) + tensor_offset::op, 4);
+  std::memcpy(&type, static_cast<const char*>(t) + tensor_field::type.offset, 4);
+  std::memcpy(ne, static_cast<const char*>(t) + tensor_field::ne.offset, sizeof ne);
+  std::memcpy(nb, static_cast<const char*>(t) + tensor_field::nb.offset, sizeof nb);
+  std::memcpy(&op, static_cast<const char*>(t) + tensor_field::op.offset, 4);
   std::vector<std::uint8_t> bytes(c.api->ggml_nbytes(t));
   c.api->ggml_backend_tensor_get(t, bytes.data(), 0, bytes.size());
   std::vector<float> values;
@@ -290,9 +295,14 @@ void unrotate_hadamard(std::vector<float>& x, std::size_t D) {
   }
 }
 
+// Writes `value` into one of llama_context_params' fields; a type of another size than the
+// field's (a header whose field changed type) is refused, not written past.
 template <typename T>
-void set_at(ContextParams& p, std::size_t offset, T value) {
-  std::memcpy(p.bytes + offset, &value, sizeof(T));
+void set_at(ContextParams& p, Field field, T value) {
+  if (sizeof(T) != field.size)
+    throw ApiRefused(fmt::format("llama_context_params has a field of {} bytes where kvcheck writes {}", field.size,
+                                 sizeof(T)));
+  std::memcpy(reinterpret_cast<unsigned char*>(&p) + field.offset, &value, sizeof(T));
 }
 
 void write_atomically(const fs::path& path, const std::string& text) {
@@ -348,18 +358,18 @@ int run(const Options& o) {
   capture.layers = L;
   ContextParams cp = api.llama_context_default_params();
   const auto cells = static_cast<std::uint32_t>(n_ctx);
-  set_at(cp, context_offset::n_ctx, cells);
-  set_at(cp, context_offset::n_batch, cells);
-  set_at(cp, context_offset::n_ubatch, cells);
-  set_at(cp, context_offset::n_seq_max, static_cast<std::uint32_t>(2 * max_rows));
-  set_at(cp, context_offset::kv_unified, true);  // one cache for every sequence, cells shared by forks
-  set_at(cp, context_offset::flash_attn_type, static_cast<std::int32_t>(o.flash_attn ? 1 : 0));
-  set_at(cp, context_offset::type_k, static_cast<std::int32_t>(o.type_k));
-  set_at(cp, context_offset::type_v, static_cast<std::int32_t>(o.type_v));
-  set_at(cp, context_offset::n_threads, static_cast<std::int32_t>(1));  // tiny graphs: a second thread only spins
-  set_at(cp, context_offset::n_threads_batch, static_cast<std::int32_t>(1));
-  set_at(cp, context_offset::cb_eval, reinterpret_cast<void*>(&on_tensor));
-  set_at(cp, context_offset::cb_eval_user_data, static_cast<void*>(&capture));
+  set_at(cp, context_field::n_ctx, cells);
+  set_at(cp, context_field::n_batch, cells);
+  set_at(cp, context_field::n_ubatch, cells);
+  set_at(cp, context_field::n_seq_max, static_cast<std::uint32_t>(2 * max_rows));
+  set_at(cp, context_field::kv_unified, true);  // one cache for every sequence, cells shared by forks
+  set_at(cp, context_field::flash_attn_type, static_cast<std::int32_t>(o.flash_attn ? 1 : 0));
+  set_at(cp, context_field::type_k, static_cast<std::int32_t>(o.type_k));
+  set_at(cp, context_field::type_v, static_cast<std::int32_t>(o.type_v));
+  set_at(cp, context_field::n_threads, static_cast<std::int32_t>(1));  // tiny graphs: a second thread only spins
+  set_at(cp, context_field::n_threads_batch, static_cast<std::int32_t>(1));
+  set_at(cp, context_field::cb_eval, reinterpret_cast<void*>(&on_tensor));
+  set_at(cp, context_field::cb_eval_user_data, static_cast<void*>(&capture));
   void* ctx = api.llama_init_from_model(model, cp);
   if (ctx == nullptr) throw std::runtime_error("llama.cpp refused the context parameters");
   if (api.llama_n_threads(ctx) != 1)
@@ -623,8 +633,10 @@ int run(const Options& o) {
         const std::string tag = std::to_string(l);
         const auto tokens = static_cast<std::size_t>(count);
         const std::size_t q_size = tokens * static_cast<std::size_t>(H * D), kv_size = tokens * static_cast<std::size_t>(Hkv * D);
-        const auto& qp = captured(capture, "Qcur-" + tag, {"RESHAPE"}, q_size);
-        const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE"}, kv_size);
+        // Pre-rope q and k: the reshaped projection, or (builds before build_qkv, early 2026)
+        // the projection itself, the same values in the same order (the model has no biases).
+        const auto& qp = captured(capture, "Qcur-" + tag, {"RESHAPE", "MUL_MAT"}, q_size);
+        const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE", "MUL_MAT"}, kv_size);
         const auto& vp = captured(capture, "Vcur-" + tag, {"RESHAPE", "VIEW", "MUL_MAT"}, kv_size);
         const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"}, q_size);
         std::vector<float> kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"}, q_size);
@@ -702,7 +714,8 @@ int run(const Options& o) {
   write_atomically(fs::path(o.out) / "scenario.json", scenario.dump(2) + "\n");
   const json manifest = {{"format", "kvcheck-trace-1"},
                          {"scenario", s.name},
-                         {"producer", fmt::format("kvcheck_llamacpp_engine, llama.cpp {}", api.llama_version())},
+                         {"producer", fmt::format("kvcheck_llamacpp_engine, llama.cpp {} (structures from {})", version_of(api),
+                                                  abi_source())},
                          {"key_positions", "cache-relative"},
                          {"eviction", "lazy"},
                          {"steps", steps}};

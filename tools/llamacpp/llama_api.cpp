@@ -43,9 +43,10 @@ void resolve(void* handle, const char* name, F& out) {
 }
 
 template <typename T>
-T read_at(const ContextParams& p, std::size_t offset) {
+T read_at(const ContextParams& p, Field field) {
+  if (sizeof(T) != field.size) throw std::logic_error("read_at: a field read with a type of another size");
   T value;
-  std::memcpy(&value, p.bytes + offset, sizeof(T));
+  std::memcpy(&value, reinterpret_cast<const unsigned char*>(&p) + field.offset, sizeof(T));
   return value;
 }
 
@@ -56,14 +57,34 @@ Api load_api(const std::string& folder) {
   void* ggml = open(library(folder, "libggml"));
   void* llama = open(library(folder, "libllama"));
   Api a{};
+#ifdef KVCHECK_LLAMA_H
+  // Compiled against llama.h: each declaration here must be callable as the header's.
+#define KVCHECK_RESOLVE(handle, name)                                                         \
+  static_assert(same_signature<decltype(a.name), decltype(&::name)>::value,                   \
+                #name ": kvcheck's declaration (tools/llamacpp/llama_api.h) differs from llama.h's"); \
+  resolve(handle, #name, a.name)
+  // (&::llama_version would name an overload set; a discarded branch is still checked here)
+  static_assert(!kHeaderHasVersion || std::is_same_v<decltype(::llama_version()), const char*>,
+                "llama_version: another signature");
+  if constexpr (kHeaderHasVersion) resolve(llama, "llama_version", a.llama_version);
+#else
 #define KVCHECK_RESOLVE(handle, name) resolve(handle, #name, a.name)
+  constexpr const char* kCompileAgainstIt =
+      "To check this build, compile kvcheck against its llama.h: set LLAMACPP_INCLUDE to the folders holding llama.h "
+      "and ggml.h (found by itself beside an install prefix's lib/ or from a build tree's CMakeCache.txt) and run "
+      "tools/kvcheck again";
+  if (::dlsym(llama, "llama_version") == nullptr)
+    throw ApiRefused(fmt::format("the library has no llama_version(): an older llama.cpp than the one kvcheck's own "
+                                 "declarations know (\"{}\"). {}",
+                                 kKnownVersion, kCompileAgainstIt));
   KVCHECK_RESOLVE(llama, llama_version);
   const std::string version = a.llama_version();
   if (version != kKnownVersion)
     throw ApiRefused(fmt::format(
-        "llama_version() is \"{}\"; kvcheck knows the structures of \"{}\" only (their layouts changed three times "
-        "in recent months, and a wrong guess would corrupt memory silently)",
-        version, kKnownVersion));
+        "llama_version() is \"{}\"; kvcheck's own declarations know the structures of \"{}\" only (their layouts "
+        "changed three times in recent months, and a wrong guess would corrupt memory silently). {}",
+        version, kKnownVersion, kCompileAgainstIt));
+#endif
   KVCHECK_RESOLVE(llama, llama_backend_init);
   KVCHECK_RESOLVE(llama, llama_log_set);
   KVCHECK_RESOLVE(llama, llama_model_default_params);
@@ -96,24 +117,42 @@ Api load_api(const std::string& folder) {
   KVCHECK_RESOLVE(base, ggml_tensor_overhead);
   KVCHECK_RESOLVE(base, ggml_fp16_to_fp32);
 #undef KVCHECK_RESOLVE
-  // The layouts this file assumes, checked against what the library says of itself.
-  if (a.ggml_tensor_overhead() != 368)
-    throw ApiRefused(fmt::format("ggml_tensor_overhead() is {}, expected 368: another ggml_tensor layout",
-                                         a.ggml_tensor_overhead()));
+  // The layouts assumed, checked against what the library says of itself: with the header,
+  // a header of another build than the library's shows in its default parameters.
+  if (kCompiledAgainstHeader ? a.ggml_tensor_overhead() < tensor_size
+                             : a.ggml_tensor_overhead() != declared::tensor_overhead)
+    throw ApiRefused(fmt::format("ggml_tensor_overhead() is {}, expected {}: another ggml_tensor layout",
+                                 a.ggml_tensor_overhead(),
+                                 kCompiledAgainstHeader ? fmt::format("at least {}", tensor_size)
+                                                        : std::to_string(declared::tensor_overhead)));
   const ContextParams d = a.llama_context_default_params();
-  const bool defaults = read_at<std::uint32_t>(d, context_offset::n_ctx) == 512 &&
-                        read_at<std::uint32_t>(d, context_offset::n_batch) == 2048 &&
-                        read_at<std::uint32_t>(d, context_offset::n_ubatch) == 512 &&
-                        read_at<std::int32_t>(d, context_offset::type_k) == static_cast<int>(GgmlType::f16) &&
-                        read_at<std::int32_t>(d, context_offset::type_v) == static_cast<int>(GgmlType::f16) &&
-                        read_at<std::int32_t>(d, context_offset::flash_attn_type) == -1 &&
-                        read_at<float>(d, context_offset::yarn_ext_factor) == -1.0f &&
-                        read_at<void*>(d, context_offset::cb_eval) == nullptr;
-  if (!defaults)
-    throw ApiRefused(
-        "llama_context_default_params() does not read back as expected (n_ctx 512, n_batch 2048, n_ubatch 512, "
-        "type_k and type_v f16, flash attention auto, yarn_ext_factor -1, no eval callback): another layout");
+  const bool sane = read_at<std::int32_t>(d, context_field::type_k) == static_cast<int>(GgmlType::f16) &&
+                    read_at<std::int32_t>(d, context_field::type_v) == static_cast<int>(GgmlType::f16) &&
+                    read_at<void*>(d, context_field::cb_eval) == nullptr;
+  const bool defaults = read_at<std::uint32_t>(d, context_field::n_ctx) == 512 &&
+                        read_at<std::uint32_t>(d, context_field::n_batch) == 2048 &&
+                        read_at<std::uint32_t>(d, context_field::n_ubatch) == 512 &&
+                        read_at<std::int32_t>(d, context_field::flash_attn_type) == -1 &&
+                        read_at<float>(d, context_field::yarn_ext_factor) == -1.0f;
+  if (!sane || (!kCompiledAgainstHeader && !defaults))
+    throw ApiRefused(fmt::format(
+        "llama_context_default_params() does not read back as expected ({}): {}",
+        kCompiledAgainstHeader ? "type_k and type_v f16, no eval callback"
+                               : "n_ctx 512, n_batch 2048, n_ubatch 512, type_k and type_v f16, flash attention auto, "
+                                 "yarn_ext_factor -1, no eval callback",
+        kCompiledAgainstHeader ? fmt::format("the library is not of the build whose llama.h kvcheck was compiled "
+                                             "against ({}); LLAMACPP_INCLUDE names that build's headers",
+                                             abi_source())
+                               : std::string("another layout")));
   return a;
+}
+
+const char* abi_source() {
+#ifdef KVCHECK_LLAMA_H
+  return "llama.h of " KVCHECK_LLAMA_H_DIR;
+#else
+  return "kvcheck's declarations";
+#endif
 }
 
 }  // namespace kvcheck::llamacpp

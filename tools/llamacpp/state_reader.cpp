@@ -19,6 +19,13 @@ class Reader {
     at_ += sizeof(T);
     return value;
   }
+  template <typename T>
+  T peek() {
+    const std::size_t at = at_;
+    const T value = get<T>("a value");
+    at_ = at;
+    return value;
+  }
   const std::uint8_t* take(std::size_t n, const char* what) {
     need(n, what);
     const std::uint8_t* p = bytes_.data() + at_;
@@ -112,7 +119,10 @@ void keep_codes(const std::uint8_t* row, std::int32_t type, std::size_t width,
 Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
                  const std::function<float(std::uint16_t)>& fp16) {
   Reader r(state);
-  r.take(8, "the prefix");
+  // Builds since spring 2026 open a sequence's state with a magic number and its seq id;
+  // older ones start at n_stream (a small count, never the magic).
+  constexpr std::uint32_t kStateMagic = 0xaf143cd8;
+  if (state.size() >= 4 && r.peek<std::uint32_t>() == kStateMagic) r.take(8, "the prefix (magic and seq id)");
   const auto streams = r.get<std::uint32_t>("n_stream");
   if (streams != 1) throw std::runtime_error(fmt::format("sequence state: {} streams, expected 1", streams));
   const auto count = r.get<std::uint32_t>("cell_count");

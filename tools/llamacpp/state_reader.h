@@ -1,5 +1,5 @@
-// A sequence's KV cells as llama_state_seq_get_data() serializes them in the checked build:
-// an 8-byte prefix, then u32 n_stream, u32 cell_count; per cell i32 pos, u32 n_seq and the
+// A sequence's KV cells as llama_state_seq_get_data() serializes them: an 8-byte prefix
+// (u32 magic 0xaf143cd8, i32 seq id; builds since spring 2026 only), then u32 n_stream, u32 cell_count; per cell i32 pos, u32 n_seq and the
 // seq ids; then u32 v_trans, u32 n_layer; per layer K as i32 type, u64 row size and the
 // rows (f32, f16, bf16, q8_0 or q4_0 blocks); V likewise, or transposed (i32 type, u32 element size, u32 row width, then one
 // column per dim). Every length is checked against the buffer.

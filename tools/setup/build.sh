@@ -31,20 +31,40 @@ kvcheck_install_packages() {
   rm -f "$log"
 }
 
+# Cache settings (-DNAME=VALUE) the next kvcheck_build applies, configuring again when the
+# build folder holds others (tools/setup/llamacpp.sh sets llama.h's folders here).
+KVCHECK_CONFIGURE_ARGS=()
+
+# kvcheck_build_dir [PRESET]: the build folder of PRESET.
+kvcheck_build_dir() {
+  case "${1:-release}" in
+    release) echo "$KVCHECK_ROOT/build" ;;
+    *) echo "$KVCHECK_ROOT/build-$1" ;;
+  esac
+}
+
 # kvcheck_build [PRESET]: release (build/, the default), sanitize (build-sanitize/) or
 # fuzz (build-fuzz/). CI (CI=true) treats warnings as errors.
 kvcheck_build() {
   local preset="${1:-release}" build
-  case "$preset" in
-    release) build="$KVCHECK_ROOT/build" ;;
-    *) build="$KVCHECK_ROOT/build-$preset" ;;
-  esac
+  build="$(kvcheck_build_dir "$preset")"
   local log="$build/build.log"
   if [ ! -f "$build/build.ninja" ]; then
     mkdir -p "$build"
     local werror=OFF
     [ "${CI:-}" = true ] && werror=ON
-    if ! (cd "$KVCHECK_ROOT" && cmake --preset "$preset" -DKVCHECK_WERROR=$werror) >"$log" 2>&1; then
+    if ! (cd "$KVCHECK_ROOT" && cmake --preset "$preset" -DKVCHECK_WERROR=$werror "${KVCHECK_CONFIGURE_ARGS[@]}") >"$log" 2>&1; then
+      cat "$log" >&2
+      echo "kvcheck: cmake configure failed (log: $log)" >&2
+      exit 2
+    fi
+  else
+    local arg name value stale=no
+    for arg in "${KVCHECK_CONFIGURE_ARGS[@]}"; do
+      name="${arg#-D}"; name="${name%%=*}"; value="${arg#*=}"
+      [ "$(sed -n "s/^$name:[A-Z]*=//p" "$build/CMakeCache.txt")" = "$value" ] || stale=yes
+    done
+    if [ $stale = yes ] && ! cmake -S "$KVCHECK_ROOT" -B "$build" "${KVCHECK_CONFIGURE_ARGS[@]}" >"$log" 2>&1; then
       cat "$log" >&2
       echo "kvcheck: cmake configure failed (log: $log)" >&2
       exit 2
@@ -57,6 +77,11 @@ kvcheck_build() {
   fi
   if ! cmake --build "$build" -j2 >"$log" 2>&1; then
     grep -E "error|Error|FAILED" -A3 "$log" | head -60 >&2
+    if grep -q "FAILED: CMakeFiles/kvcheck_llamacpp_engine_h" "$log"; then
+      echo "kvcheck: the llama.cpp driver does not compile against the llama.h of" \
+        "$(sed -n 's/^KVCHECK_LLAMA_INCLUDE:[A-Z]*=//p' "$build/CMakeCache.txt") (see above);" \
+        "tools/kvcheck llamacpp without LLAMACPP_DIR goes back to the shipped build's" >&2
+    fi
     echo "kvcheck: build failed (full log: $log)" >&2
     exit 2
   fi

@@ -1,35 +1,122 @@
-# Sourced after build.sh by tools/kvcheck (for `kvcheck llamacpp`) and tools/test: fetches
-# llama.cpp's prebuilt CPU libraries, the npm package @node-llama-cpp/linux-x64 (MIT), into
-# BUILD/llamacpp, checked against its published sha512, unless LLAMACPP_DIR names a build
-# of one's own. Nothing is committed or vendored; npm comes from Debian when missing.
+# Sourced after build.sh by tools/kvcheck (for `kvcheck llamacpp`) and tools/test, before
+# the build: finds llama.cpp's libraries and the llama.h they were built from, and sets
+# KVCHECK_CONFIGURE_ARGS so that kvcheck_build compiles an engine against that header.
+# - By default: the prebuilt CPU libraries of the npm package @node-llama-cpp/linux-x64
+#   (MIT) and, for their headers, the llama.cpp source that the package node-llama-cpp
+#   ships of the same build (a git bundle; only include/llama.h and ggml/include are kept),
+#   both into BUILD/llamacpp and checked against their published sha512.
+# - With LLAMACPP_DIR (a folder holding libllama.so and libggml*.so of one's own build): its
+#   headers from LLAMACPP_INCLUDE (folders, colon-separated), else found beside it (an
+#   install prefix's include/, or the source a build tree was configured from); without them
+#   kvcheck uses its own declarations, which know one llama.cpp version only.
+# Nothing is committed or vendored; npm and git come from Debian when missing.
 KVCHECK_LLAMACPP_PACKAGE="@node-llama-cpp/linux-x64@3.22.1"
 KVCHECK_LLAMACPP_SHA512="5uCCDNqWCNfaAm8aR/Uzxbo4HBpKgNF91kCHPepKhgMgV2OAmatoefbOlMihsqCiH2Od35E/eUHQCFbfRBJuOg=="
+KVCHECK_LLAMACPP_SOURCE_PACKAGE="node-llama-cpp@3.22.1"
+KVCHECK_LLAMACPP_SOURCE_SHA512="bltIipuWmc123H7tMIgDGKSsSrhmhlQYeVUC48XTjVW7XGJJiJJyCdlTMzQ/LiWoPkGDpcL4FviDpgw7qfTiDw=="
 
-# kvcheck_fetch_llamacpp BUILD_DIR
-kvcheck_fetch_llamacpp() {
-  [ -n "${LLAMACPP_DIR:-}" ] && return 0
-  local dir="$1/llamacpp"
-  [ -f "$dir/package/bins/linux-x64/libllama.v0.5.0.so" ] && return 0
+# kvcheck_npm_unpack PACKAGE SHA512 DEST MEMBER: `npm pack`s PACKAGE, checks its sha512 and
+# extracts MEMBER (a path under package/) into the new folder DEST; exits 2 on failure.
+kvcheck_npm_unpack() {
+  local package="$1" sha512="$2" dest="$3" member="$4"
   command -v npm >/dev/null 2>&1 || kvcheck_install_packages npm
-  echo "kvcheck: fetching llama.cpp ($KVCHECK_LLAMACPP_PACKAGE, about 11 MB) into $dir" >&2
-  mkdir -p "$dir"
-  local tmp; tmp="$(mktemp -d "$dir/.fetch-XXXXXX")"
-  if ! (cd "$tmp" && npm pack --silent "$KVCHECK_LLAMACPP_PACKAGE" >npm.log 2>&1); then
+  local tmp; tmp="$(mktemp -d "$(dirname "$dest")/.fetch-XXXXXX")"
+  if ! (cd "$tmp" && npm pack --silent "$package" >npm.log 2>&1); then
     cat "$tmp/npm.log" >&2
     rm -rf "$tmp"
-    echo "kvcheck: npm pack $KVCHECK_LLAMACPP_PACKAGE failed (see above); or set LLAMACPP_DIR to your own build" >&2
+    echo "kvcheck: npm pack $package failed (see above); or set LLAMACPP_DIR to your own build" >&2
     exit 2
   fi
   local tgz sum
   tgz="$(ls "$tmp"/*.tgz)"
   sum="$(python3 -c 'import base64, hashlib, sys; print(base64.b64encode(hashlib.sha512(open(sys.argv[1], "rb").read()).digest()).decode())' "$tgz")"
-  if [ "$sum" != "$KVCHECK_LLAMACPP_SHA512" ]; then
+  if [ "$sum" != "$sha512" ]; then
     rm -rf "$tmp"
-    echo "kvcheck: $KVCHECK_LLAMACPP_PACKAGE does not have the published sha512 (got $sum); refusing it" >&2
+    echo "kvcheck: $package does not have the published sha512 (got $sum); refusing it" >&2
     exit 2
   fi
-  tar xzf "$tgz" -C "$tmp" package/bins/linux-x64
-  rm -rf "$dir/package"
-  mv "$tmp/package" "$dir/package"
-  rm -rf "$tmp"
+  tar xzf "$tgz" -C "$tmp" "package/$member"
+  rm -f "$tgz"
+  rm -rf "$dest"
+  mv "$tmp" "$dest"
+}
+
+# kvcheck_headers_beside LIBDIR: the header folders (;-separated) of the llama.cpp whose
+# libraries are in LIBDIR, or nothing.
+kvcheck_headers_beside() {
+  local lib="$1"
+  if [ -n "${LLAMACPP_INCLUDE:-}" ]; then
+    local d out=""
+    IFS=: read -ra dirs <<<"$LLAMACPP_INCLUDE"
+    for d in "${dirs[@]}"; do
+      if [ ! -d "$d" ]; then
+        echo "kvcheck: LLAMACPP_INCLUDE: $d is not a folder (expected the folders holding llama.h and ggml.h, colon-separated)" >&2
+        exit 2
+      fi
+      out="${out:+$out;}$(cd "$d" && pwd)"
+    done
+    local found=no
+    for d in "${dirs[@]}"; do [ -f "$d/llama.h" ] && found=yes; done
+    if [ $found = no ]; then
+      echo "kvcheck: LLAMACPP_INCLUDE: no llama.h in $LLAMACPP_INCLUDE" >&2
+      exit 2
+    fi
+    echo "$out"
+  elif [ -f "$lib/../include/llama.h" ] && [ -f "$lib/../include/ggml.h" ]; then  # an install prefix
+    (cd "$lib/../include" && pwd)
+  else  # a build tree's bin/: the source it was configured from, as its CMakeCache.txt says
+    local src
+    src="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$lib/../CMakeCache.txt" 2>/dev/null || true)"
+    if [ -n "$src" ] && [ -f "$src/include/llama.h" ] && [ -f "$src/ggml/include/ggml.h" ]; then
+      echo "$src/include;$src/ggml/include"
+    fi
+  fi
+}
+
+# kvcheck_fetch_llamacpp BUILD_DIR
+kvcheck_fetch_llamacpp() {
+  local lib include
+  if [ -n "${LLAMACPP_DIR:-}" ]; then
+    if [ ! -d "$LLAMACPP_DIR" ]; then
+      KVCHECK_CONFIGURE_ARGS=(-DKVCHECK_LLAMA_INCLUDE= -DKVCHECK_LLAMA_LIBRARY=)
+      return 0  # kvcheck says what is missing, with its own exit status
+    fi
+    lib="$(cd "$LLAMACPP_DIR" && pwd)"
+    include="$(kvcheck_headers_beside "$lib")" || exit 2
+    if [ -z "$include" ]; then
+      echo "kvcheck: no llama.h found beside $lib: using kvcheck's own declarations (they know one llama.cpp" \
+        "version; set LLAMACPP_INCLUDE to the folders holding llama.h and ggml.h to check another)" >&2
+    fi
+  else
+    local dir="$1/llamacpp"
+    mkdir -p "$dir"
+    lib="$dir/package/bins/linux-x64"
+    if [ ! -f "$lib/libllama.v0.5.0.so" ]; then
+      echo "kvcheck: fetching llama.cpp ($KVCHECK_LLAMACPP_PACKAGE, about 11 MB) into $dir" >&2
+      kvcheck_npm_unpack "$KVCHECK_LLAMACPP_PACKAGE" "$KVCHECK_LLAMACPP_SHA512" "$dir/.package" bins/linux-x64
+      rm -rf "$dir/package"
+      mv "$dir/.package/package" "$dir/package"
+      rm -rf "$dir/.package"
+    fi
+    if [ ! -f "$dir/source/include/llama.h" ]; then
+      echo "kvcheck: fetching its llama.h ($KVCHECK_LLAMACPP_SOURCE_PACKAGE, about 36 MB) into $dir/source" >&2
+      command -v git >/dev/null 2>&1 || kvcheck_install_packages git
+      kvcheck_npm_unpack "$KVCHECK_LLAMACPP_SOURCE_PACKAGE" "$KVCHECK_LLAMACPP_SOURCE_SHA512" "$dir/.source" \
+        llama/gitRelease.bundle
+      local src="$dir/.source"
+      if ! { git clone -q --bare "$src/package/llama/gitRelease.bundle" "$src/git" &&
+        mkdir "$src/tree" && git --git-dir="$src/git" archive HEAD include/llama.h ggml/include | tar x -C "$src/tree"; } \
+        >"$src/git.log" 2>&1; then
+        cat "$src/git.log" >&2
+        rm -rf "$src"
+        echo "kvcheck: could not unpack llama.cpp's source from $KVCHECK_LLAMACPP_SOURCE_PACKAGE (see above)" >&2
+        exit 2
+      fi
+      rm -rf "$dir/source"
+      mv "$src/tree" "$dir/source"
+      rm -rf "$src"
+    fi
+    include="$dir/source/include;$dir/source/ggml/include"
+  fi
+  KVCHECK_CONFIGURE_ARGS=("-DKVCHECK_LLAMA_INCLUDE=$include" "-DKVCHECK_LLAMA_LIBRARY=${include:+$lib}")
 }
