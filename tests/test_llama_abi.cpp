@@ -74,6 +74,15 @@ TEST(LlamaAbi, SameSignatureAcceptsHandlesAsVoidPointersAndRefusesOtherShapes) {
   EXPECT_FALSE((same_signature<std::int64_t (*)(void*, std::int32_t), decltype(&::llama_memory_seq_pos_max)>::value));
   EXPECT_FALSE((same_signature<std::int32_t (*)(void*, void*), decltype(&::llama_decode)>::value));
   EXPECT_FALSE((same_signature<float (*)(std::uint32_t), decltype(&::ggml_fp16_to_fp32)>::value));
+  // A float where an integer of its size is taken, a byte where a bool is, a signedness flip.
+  EXPECT_FALSE((same_signature<float (*)(float), decltype(&::ggml_fp16_to_fp32)>::value));
+  EXPECT_FALSE((same_signature<void (*)(void*, std::int8_t), decltype(&::llama_memory_clear)>::value));
+  EXPECT_FALSE((same_signature<std::int32_t (*)(void*, std::uint32_t), decltype(&::llama_memory_seq_pos_max)>::value));
+  // Callbacks are compared as signatures, not as any pointer.
+  EXPECT_TRUE((same_signature<EvalCallback, decltype(llama_context_params::cb_eval)>::value));
+  EXPECT_TRUE((same_signature<void (*)(LogCallback, void*), decltype(&::llama_log_set)>::value));
+  EXPECT_FALSE((same_signature<void (*)(void (*)(const char*, void*), void*), decltype(&::llama_log_set)>::value));
+  EXPECT_FALSE((same_signature<void (*)(void*, void*), decltype(&::llama_log_set)>::value));
 }
 
 }  // namespace

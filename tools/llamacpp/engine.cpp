@@ -190,11 +190,6 @@ bool wanted(const std::string& name, int layers) {
   return false;
 }
 
-// The sizes on_tensor reads the ggml_tensor fields with.
-static_assert(tensor_field::type.size == 4 && tensor_field::op.size == 4 && tensor_field::ne.size == 32 &&
-                  tensor_field::nb.size == 32 && tensor_field::src.size == sizeof(void*),
-              "ggml_tensor's fields changed size");
-
 bool on_tensor(void* t, bool ask, void* user) {
   auto& c = *static_cast<Capture*>(user);
   const std::string name = c.api->ggml_get_name(t);
@@ -295,13 +290,12 @@ void unrotate_hadamard(std::vector<float>& x, std::size_t D) {
   }
 }
 
-// Writes `value` into one of llama_context_params' fields; a type of another size than the
-// field's (a header whose field changed type) is refused, not written past.
+// Writes `value` into one of llama_context_params' fields (their sizes are held to the
+// types written by llama_api.h's static_asserts; this check guards the engine's own calls).
 template <typename T>
 void set_at(ContextParams& p, Field field, T value) {
   if (sizeof(T) != field.size)
-    throw ApiRefused(fmt::format("llama_context_params has a field of {} bytes where kvcheck writes {}", field.size,
-                                 sizeof(T)));
+    throw std::logic_error(fmt::format("set_at: {} bytes written into a field of {}", sizeof(T), field.size));
   std::memcpy(reinterpret_cast<unsigned char*>(&p) + field.offset, &value, sizeof(T));
 }
 

@@ -116,6 +116,20 @@ namespace context_field = declared::context_field;
 namespace tensor_field = declared::tensor_field;
 #endif
 
+// The sizes the engine writes and reads these fields with: a header whose field changed type
+// stops the build here rather than being written past.
+static_assert(context_field::n_ctx.size == 4 && context_field::n_batch.size == 4 && context_field::n_ubatch.size == 4 &&
+                  context_field::n_seq_max.size == 4 && context_field::n_threads.size == 4 &&
+                  context_field::n_threads_batch.size == 4 && context_field::flash_attn_type.size == 4 &&
+                  context_field::yarn_ext_factor.size == 4 && context_field::cb_eval.size == sizeof(void*) &&
+                  context_field::cb_eval_user_data.size == sizeof(void*) && context_field::type_k.size == 4 &&
+                  context_field::type_v.size == 4 && context_field::offload_kqv.size == 1 &&
+                  context_field::kv_unified.size == 1,
+              "llama_context_params: a field kvcheck writes changed size");
+static_assert(tensor_field::type.size == 4 && tensor_field::op.size == 4 && tensor_field::ne.size == 32 &&
+                  tensor_field::nb.size == 32 && tensor_field::src.size == sizeof(void*) && tensor_field::name.size == 64,
+              "ggml_tensor: a field kvcheck reads changed size");
+
 // Where the structures' layout came from, for reports: the header's folder, or "declared".
 const char* abi_source();
 
@@ -159,15 +173,32 @@ struct Api {
 };
 
 // Whether kvcheck's declaration `Ours` of a function can call the header's `Theirs`: the
-// same number of parameters, and each type (and the result) the same, or both pointers
-// (kvcheck passes handles as void*), or both integers or enums of one size.
+// same number of parameters, and each type (and the result) the same, or both object
+// pointers (kvcheck passes handles as void*), or both function pointers of such signatures,
+// or both integers or enums of one size and signedness (bool only as bool).
+template <typename Ours, typename Theirs>
+struct same_signature;
 template <typename A, typename B>
 constexpr bool same_abi_type() {
-  if constexpr (std::is_same_v<A, B>) return true;
-  else if constexpr (std::is_pointer_v<A> && std::is_pointer_v<B>) return true;
-  else if constexpr ((std::is_integral_v<A> || std::is_enum_v<A>) && (std::is_integral_v<B> || std::is_enum_v<B>))
-    return sizeof(A) == sizeof(B);
-  else return false;
+  using PA = std::conditional_t<std::is_pointer_v<A>, std::remove_pointer_t<A>, void>;
+  using PB = std::conditional_t<std::is_pointer_v<B>, std::remove_pointer_t<B>, void>;
+  if constexpr (std::is_same_v<A, B>) {
+    return true;
+  } else if constexpr (std::is_pointer_v<A> && std::is_pointer_v<B> && std::is_function_v<PA> &&
+                       std::is_function_v<PB>) {
+    return same_signature<A, B>::value;
+  } else if constexpr (std::is_pointer_v<A> && std::is_pointer_v<B>) {
+    return !std::is_function_v<PA> && !std::is_function_v<PB>;
+  } else if constexpr (std::is_same_v<A, bool> || std::is_same_v<B, bool>) {
+    return false;
+  } else if constexpr ((std::is_integral_v<A> || std::is_enum_v<A>) && (std::is_integral_v<B> || std::is_enum_v<B>)) {
+    // A C enum of small values may be signed or not, at the compiler's choice: an enum
+    // matches an integer of its size either way; two integers must agree in signedness.
+    if constexpr (std::is_enum_v<A> || std::is_enum_v<B>) return sizeof(A) == sizeof(B);
+    else return sizeof(A) == sizeof(B) && std::is_signed_v<A> == std::is_signed_v<B>;
+  } else {
+    return false;
+  }
 }
 template <typename Ours, typename Theirs>
 struct same_signature : std::false_type {};

@@ -119,10 +119,15 @@ void keep_codes(const std::uint8_t* row, std::int32_t type, std::size_t width,
 Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
                  const std::function<float(std::uint16_t)>& fp16) {
   Reader r(state);
-  // Builds since spring 2026 open a sequence's state with a magic number and its seq id;
-  // older ones start at n_stream (a small count, never the magic).
+  // Builds since spring 2026 open a sequence's state with a magic number and its seq id
+  // (io_magic in llama.cpp v0.5.0's src/llama-context.cpp; b8390 has none); older ones
+  // start at n_stream (a small count, never the magic).
   constexpr std::uint32_t kStateMagic = 0xaf143cd8;
   if (state.size() >= 4 && r.peek<std::uint32_t>() == kStateMagic) r.take(8, "the prefix (magic and seq id)");
+  else if (state.size() >= 4 && r.peek<std::uint32_t>() > 1024)
+    throw std::runtime_error(fmt::format("sequence state: begins with {:#010x}, neither the magic {:#010x} of recent "
+                                         "builds nor a stream count: another state format",
+                                         r.peek<std::uint32_t>(), kStateMagic));
   const auto streams = r.get<std::uint32_t>("n_stream");
   if (streams != 1) throw std::runtime_error(fmt::format("sequence state: {} streams, expected 1", streams));
   const auto count = r.get<std::uint32_t>("cell_count");

