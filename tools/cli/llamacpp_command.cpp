@@ -51,8 +51,15 @@ EngineChoice choose_engine(const std::string& lib, const std::string& abi) {
   if (abi == "declared") return declared;
 #ifdef KVCHECK_LLAMA_HEADER_LIBRARY
   std::error_code ec;
-  if (fs::equivalent(lib, KVCHECK_LLAMA_HEADER_LIBRARY, ec))
-    return {(here / "kvcheck_llamacpp_engine_h").string(), std::string("llama.h of ") + KVCHECK_LLAMA_HEADER_DIR};
+  if (fs::equivalent(lib, KVCHECK_LLAMA_HEADER_LIBRARY, ec)) {
+    const fs::path engine = here / "kvcheck_llamacpp_engine_h";
+    if (!fs::is_regular_file(engine, ec))  // not part of the default build
+      throw InputError("--abi", "",
+                       fmt::format("{}: the driver compiled against the llama.h of {} is not built: tools/kvcheck "
+                                   "llamacpp builds it (or --abi declared uses kvcheck's own declarations)",
+                                   abi, KVCHECK_LLAMA_HEADER_DIR));
+    return {engine.string(), std::string("llama.h of ") + KVCHECK_LLAMA_HEADER_DIR};
+  }
   if (abi == "header")
     throw InputError("--abi", "",
                      fmt::format("header: kvcheck was compiled against the llama.h of {}, for the libraries in {}, not "
