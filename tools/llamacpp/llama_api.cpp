@@ -52,8 +52,8 @@ void resolve(void* handle, const char* name, F& out) {
   out = reinterpret_cast<F>(symbol);
 }
 
-// Field sizes are constants of the declarations or of the header: the engine's static_asserts
-// (engine.cpp) hold them to the types written and read, so this check cannot fire at run time.
+// Field sizes are constants of the declarations or of the header: llama_api.h's static_asserts
+// hold them to the types written and read, so this check cannot fire at run time.
 template <typename T>
 T read_at(const ContextParams& p, Field field) {
   if (sizeof(T) != field.size) throw std::logic_error("read_at: a field read with a type of another size");

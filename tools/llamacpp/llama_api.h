@@ -130,7 +130,8 @@ static_assert(tensor_field::type.size == 4 && tensor_field::op.size == 4 && tens
                   tensor_field::nb.size == 32 && tensor_field::src.size == sizeof(void*) && tensor_field::name.size == 64,
               "ggml_tensor: a field kvcheck reads changed size");
 
-// Where the structures' layout came from, for reports: the header's folder, or "declared".
+// Where the structures' layout came from, for reports: "llama.h of <folder>", or kvcheck's
+// declarations.
 const char* abi_source();
 
 using EvalCallback = bool (*)(void* tensor, bool ask, void* user_data);
