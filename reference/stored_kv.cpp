@@ -125,6 +125,7 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
     }
     here.raw = quant_.holds_raw();
   } else {  // a shift: what is stored, turned by the difference, stored again
+    ++here.shifts;
     for (int g = 0; g < dims_.kv_heads; ++g) {
       StoredHead& h = here.heads[static_cast<std::size_t>(g)];
       if (quant_.k && !here.raw) {

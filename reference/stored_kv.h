@@ -26,6 +26,7 @@ struct StoredLayer {
   std::int64_t position = -1;  // where the key is rotated; -1: not written yet
   bool raw = false;            // held in kv_dtype, not yet quantized (the residual; SPEC 9.2.4)
   int flushes = 0;             // times quantized again from its own codes (flush "requantize_all")
+  int shifts = 0;              // times re-rotated and stored again (a shift): each rounds once more
   std::vector<StoredHead> heads;
 };
 

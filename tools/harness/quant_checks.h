@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <set>
 #include <optional>
@@ -38,6 +39,18 @@ std::optional<reference::QuantizedRow> codes_through_write_boundary(const Tensor
                                                                     const Rope& rope, const float* raw, int head_dim,
                                                                     int kv_head, const std::vector<std::int64_t>& path,
                                                                     const reference::QuantizedRow& stored);
+
+// SPEC 9.2.3's error of a row stored `times` over (its write, each shift through the
+// format, each flush), each store adding the format's error for the row as it then is.
+// Keys: a bound on the error vector's 2-norm (sqrt(sum_d e(k_d)^2)); values: on one
+// element's error. `element` bounds the row's largest element, `norm` its 2-norm (a
+// rotation keeps both); `transformed`: stored under the Hadamard transform. Without a
+// format the row is rounded to kv_dtype. Infinite when a static scale saturates, with
+// `saturation` saying why.
+double stored_key_error(const std::optional<TensorQuant>& format, bool transformed, KvDtype kv_dtype, int head_dim,
+                        double element, double norm, int times, std::string& saturation);
+double stored_value_error(const std::optional<TensorQuant>& format, bool transformed, KvDtype kv_dtype, int head_dim,
+                          double element, double norm, int times, std::string& saturation);
 
 class QuantChecks {
  public:
@@ -119,8 +132,28 @@ class QuantChecks {
   std::map<HeldId, std::pair<bool, int>> precision_seen_;
   std::set<std::pair<int, int>> flushed_after_reads_;
   std::map<std::pair<int, int>, double> diverged_;  // (layer, row) whose codes are not the reference's this step
-  double bound_ = 0.0;        // 9.2.3, before the float tolerance; infinite when values saturate
-  std::string saturation_;    // why the bound does not apply
+  // 9.2.3 per query: each token's key and value magnitudes, which a rotation keeps (the key's
+  // largest pair norm and its norm, times the rope's magnitude), from the inputs.
+  struct Magnitude {
+    double key_element = 0.0, key_norm = 0.0, value_element = 0.0, value_norm = 0.0;
+  };
+  std::vector<Magnitude> magnitudes_;  // [layer][uid][kv head]
+  const Magnitude& magnitude(int layer, std::uint64_t uid, int kv_head) const;
+  // How often each kept key and value has been quantized or rounded (its write, each shift,
+  // each flush), as last seen; (layer, row, uid, 0). Each time adds the format's error again.
+  struct TimesStored {
+    int key = 1, value = 1;
+    std::int64_t position = 0;  // where the key was kept
+  };
+  std::map<HeldId, TimesStored> times_stored_;
+  // The bound on the 2-norm of a stored key's error (quantized `times` over), and on one
+  // element of a stored value's; infinite when a static scale saturates (saturation_ says).
+  double key_error(const Magnitude& m, int times);
+  double value_error(const Magnitude& m, int times);
+  double largest_bound_ = 0.0, smallest_bound_ = std::numeric_limits<double>::infinity();
+  std::int64_t bounded_rows_ = 0, saturated_rows_ = 0;  // (step, layer, row)s judged, and not (saturation)
+  std::string saturation_;    // why the bound did not apply, the first time
+  // Global maxima, for the allowances of codes taken at a boundary.
   double q_norm_ = 0.0, k_norm_ = 0.0, v_range_ = 0.0;
   Tally codes_, bound_tally_;
   std::int64_t codes_checked_ = 0, codes_on_boundary_ = 0;
