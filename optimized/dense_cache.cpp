@@ -13,7 +13,8 @@ DenseCache::DenseCache(const CacheConfig& config, Growth growth)
       growth_(growth),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
+      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   if (config.residual) store_.hold_raw(config.storage);
   reset(config.batch);
 }
@@ -32,9 +33,10 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
     plans_.clear();
+    if (lengths_[b] == 0 && chunk.counts[b] > 0) frozen_.freeze(b, chunk, rope_);
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = lengths_[b] + i;
-      store_token(store_, rope_, chunk, b, pad + i, t, {chunk.uids[b * chunk.length + pad + i], t, t});
+      store_token(store_, rope_, chunk, b, pad + i, t, {chunk.uids[b * chunk.length + pad + i], t, t}, &frozen_);
       plans_.push_back({pad + i, QueryPlan{t, 0, 0, t, t}});
     }
     const bool first_append = lengths_[b] == 0;
@@ -51,12 +53,14 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
 void DenseCache::reorder(const std::vector<int>& rows) {
   store_.gather_rows(rows);
   lengths_ = gather(lengths_, rows);
+  frozen_.gather(rows);
 }
 
 void DenseCache::reset(int batch) {
   const std::int64_t capacity = growth_ == Growth::fixed ? config_.capacity : kInitialDynamicSlots;
   store_.make_empty(batch, capacity);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
+  frozen_.reset(batch);
 }
 
 void DenseCache::free_rows(const std::vector<int>& rows) {

@@ -28,6 +28,7 @@ class DenseCache : public KvCache {
   std::vector<PlannedQuery> plans_;  // reused from step to step
   SlotStore store_;
   std::vector<std::int64_t> lengths_;  // tokens per row; token t sits in slot t
+  FrozenScales frozen_;  // SPEC 9's "first_append": each row's scales
 };
 
 }  // namespace kvcheck::optimized

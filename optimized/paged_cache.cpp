@@ -26,7 +26,8 @@ PagedCache::PagedCache(const CacheConfig& config)
     : config_(config),
       paging_(config.paging ? *config.paging : throw std::invalid_argument("the paged cache needs config.paging")),
       rope_(config.rope),
-      kernel_(config.threads) {
+      kernel_(config.threads),
+      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   for (int l = 0; l < config.layers; ++l) {
     policies_.push_back(layer_policy(config, l));
     // One row of every block's slots: a kv head's blocks lie end to end, as a contiguous
@@ -277,7 +278,9 @@ void PagedCache::schedule(const Chunk& chunk) {
     if (lengths_[static_cast<std::size_t>(b)] == 0 && row.ids.size() == static_cast<std::size_t>(n)) {
       if (!chunk.extras.empty()) row.extras = chunk.extras[static_cast<std::size_t>(b)];
       if (row.prompt == 0) row.prompt = n;  // a recompute keeps the prompt it had
+      if (!resuming_) frozen_.freeze(b, chunk, rope_);
       take_prefix_hit(b, chunk);
+      after_prefix_hit(b, hits_[static_cast<std::size_t>(b)]);
     }
     const auto end = static_cast<std::int64_t>(rows_[static_cast<std::size_t>(b)].ids.size());
     const std::int64_t first = lengths_[static_cast<std::size_t>(b)];
@@ -334,8 +337,8 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
       for (int g = 0; g < Hkv; ++g) {
         std::copy_n(chunk.k[l] + (token + g) * D, D, scratch_.data());
         rope_.rotate(scratch_.data(), position);
-        pool.write_key(0, 0, g, slot, scratch_.data());
-        pool.write_value(0, 0, g, slot, chunk.v[l] + (token + g) * D);
+        pool.write_key(0, 0, g, slot, scratch_.data(), frozen_.key(l, b, g));
+        pool.write_value(0, 0, g, slot, chunk.v[l] + (token + g) * D, frozen_.value(l, b, g));
       }
       pool.meta(0, slot) = {chunk.uids[b * chunk.length + chunk_pos], t, position};
     }
@@ -440,6 +443,7 @@ void PagedCache::reorder(const std::vector<int>& rows) {
   }
   lengths_ = gather(lengths_, rows);
   rows_ = gather(rows_, rows);
+  frozen_.gather(rows);
   hits_.assign(rows.size(), 0);
 }
 
@@ -451,6 +455,7 @@ void PagedCache::reset(int batch) {
   lengths_.assign(static_cast<std::size_t>(batch), 0);
   rows_.assign(static_cast<std::size_t>(batch), Row{});
   hits_.assign(static_cast<std::size_t>(batch), 0);
+  frozen_.reset(batch);
 }
 
 void PagedCache::free_rows(const std::vector<int>& rows) {
@@ -593,7 +598,14 @@ void PagedCache::resume(const std::vector<int>& rows, const Chunk* history) {
   }
   if (prompts.empty()) return;
   if (history == nullptr) throw std::logic_error("resume after a recompute needs the rows' history");
-  append(*history, {}, nullptr);
+  resuming_ = true;
+  try {
+    append(*history, {}, nullptr);
+  } catch (...) {
+    resuming_ = false;
+    throw;
+  }
+  resuming_ = false;
   for (const auto& [b, prompt] : prompts) {
     Row& row = rows_[static_cast<std::size_t>(b)];
     row.prompt = prompt;

@@ -121,6 +121,18 @@ class PagedCache : public KvCache {
     (void)prompt;
     return history;
   }
+  // A starting row has just taken `hit` tokens from the prefix index, before any forward:
+  // their blocks keep what their writer stored (codes and, under frozen scales, its scale).
+  virtual void after_prefix_hit(int b, std::int64_t hit) {
+    (void)b;
+    (void)hit;
+  }
+  // For the hooks above: a layer's pool, a row's table there, each row's frozen scales.
+  SlotStore& pool(int layer) { return pools_[static_cast<std::size_t>(layer)]; }
+  const std::vector<std::int64_t>& table(int layer, int b) const {
+    return tables_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(b)];
+  }
+  const FrozenScales& frozen_scales() const { return frozen_; }
 
  private:
   struct Swapped {  // one layer of a row swapped out: per table entry its slots, or none for null
@@ -179,6 +191,8 @@ class PagedCache : public KvCache {
   std::vector<std::vector<std::vector<std::uint64_t>>> token_keys_;  // [layer][block]
   mutable PagedState state_;
   std::vector<float> scratch_;
+  FrozenScales frozen_;   // SPEC 9's "first_append": each row's scales
+  bool resuming_ = false;  // a recompute's rebuild: its rows keep the scales they froze
 };
 
 }  // namespace kvcheck::optimized

@@ -191,7 +191,23 @@ std::size_t row_bytes(const RowFormat& f, int d) {
   }
 }
 
-void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byte* out, float* scratch) {
+float frozen_scale(const RowFormat& f, float amax) {
+  return as_stored(f.scale_half, static_cast<float>(static_cast<double>(amax) / code_range(f.codec)));
+}
+
+float quantized_amax(const RowFormat& f, const float* x, int d, float* scratch) {
+  if (f.hadamard) {
+    std::copy_n(x, d, scratch);
+    walsh_hadamard_blocks(scratch, d, f.hadamard_block);
+    x = scratch;
+  }
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) amax = std::max(amax, std::abs(x[i]));
+  return amax;
+}
+
+void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byte* out, float* scratch,
+                float given_scale) {
   switch (f.codec) {
     case Codec::float32:
       return encode(Storage::float32, x, d, out);
@@ -242,6 +258,8 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
       float s = 0.0f;
       if (!stores_scale(f))
         s = f.static_scales.size() == 1 ? f.static_scales[0] : f.static_scales[static_cast<std::size_t>(kv_head)];
+      else if (f.frozen != RowFormat::Frozen::no)
+        s = given_scale;
       else
         s = as_stored(f.scale_half, static_cast<float>(static_cast<double>(amax) / code_range(f.codec)));
       put_scale(f, s, p);

@@ -21,6 +21,9 @@ struct RowFormat {
   std::vector<float> static_scales;  // fixed scales: one, or one per kv head; empty: from the values
   bool hadamard = false;             // the row is multiplied by the normalized Hadamard matrix first
   int hadamard_block = 0;            // in blocks of this width along the row; 0: one block
+  // int8 and fp8: each row stores its scale, given by the writer (SPEC 9's "first_append":
+  // the row's scale frozen at its first append, per kv head or one for the tensor).
+  enum class Frozen { no, per_head, per_tensor } frozen = Frozen::no;
   bool operator==(const RowFormat&) const = default;
 };
 
@@ -31,7 +34,13 @@ bool is_quantized(Codec codec);
 std::size_t row_bytes(const RowFormat& format, int d);
 
 // Writes x[0..d) of kv head `kv_head` into `out` (row_bytes long). `scratch` holds d floats.
-void encode_row(const RowFormat& format, int kv_head, const float* x, int d, std::byte* out, float* scratch);
+// `given_scale`: the scale of a Frozen format (the writer's row's).
+void encode_row(const RowFormat& format, int kv_head, const float* x, int d, std::byte* out, float* scratch,
+                float given_scale = 0.0f);
+// A Frozen format's scale for values whose largest magnitude is `amax` (as stored), and the
+// largest magnitude of what encode_row would quantize of x (after the transform).
+float frozen_scale(const RowFormat& format, float amax);
+float quantized_amax(const RowFormat& format, const float* x, int d, float* scratch);
 // Fills a stored row with the NaN `nan_bits` (poison.h): float32 rows keep the bits, half
 // rows a NaN of theirs, quantized rows a NaN scale. False when the format has no room for
 // a NaN (a static scale): the row is left as it was.

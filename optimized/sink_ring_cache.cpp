@@ -9,7 +9,8 @@ SinkRingCache::SinkRingCache(const CacheConfig& config)
       rope_(config.rope),
       kernel_(config.threads),
       store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
-      chunk_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      chunk_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
+      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   reset(config.batch);
 }
 
@@ -26,9 +27,10 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b], first = lengths_[b];
     plans_.clear();
+    if (first == 0 && chunk.counts[b] > 0) frozen_.freeze(b, chunk, rope_);
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = first + i;
-      store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t});
+      store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t}, &frozen_);
       // A dense chunk is one forward over what the cache held before it: E stays E(first).
       const std::int64_t e = sink_evicted(W, k, config_.dense_prefill ? first : t);
       plans_.push_back({pad + i, QueryPlan{t, S, S + e, t, config_.shift_positions ? t - e : t}});
@@ -47,11 +49,13 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
 void SinkRingCache::reorder(const std::vector<int>& rows) {
   store_.gather_rows(rows);
   lengths_ = gather(lengths_, rows);
+  frozen_.gather(rows);
 }
 
 void SinkRingCache::reset(int batch) {
   store_.make_empty(batch, config_.window);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
+  frozen_.reset(batch);
 }
 
 void SinkRingCache::free_rows(const std::vector<int>& rows) {

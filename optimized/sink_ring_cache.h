@@ -37,6 +37,7 @@ class SinkRingCache : public KvCache {
   SlotStore store_;                  // slots 0..S-1 sinks, S..W-1 the ring
   SlotStore chunk_;
   std::vector<std::int64_t> lengths_;
+  FrozenScales frozen_;  // SPEC 9's "first_append": each row's scales
 };
 
 }  // namespace kvcheck::optimized

@@ -8,7 +8,8 @@ SinkShiftCache::SinkShiftCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
+      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   turned_.resize(static_cast<std::size_t>(config.head_dim));
   reset(config.batch);
 }
@@ -51,6 +52,7 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
     RowState& row = rows_[b];
     const std::int64_t pad = chunk.length - chunk.counts[b], first = row.length;
     const std::int64_t end = first + chunk.counts[b];
+    if (first == 0 && chunk.counts[b] > 0) frozen_.freeze(b, chunk, rope_);
     std::int64_t t = first;
     while (t < end) {
       // The group: tokens that see the same E (one dense chunk is a single group).
@@ -66,7 +68,8 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
       for (std::int64_t j = t; j < group_end; ++j) {
         const std::int64_t pos = config_.shift_positions ? j - e : j;
         const std::int64_t chunk_pos = pad + (j - first);
-        store_token(store_, rope_, chunk, b, chunk_pos, row.used++, {chunk.uids[b * chunk.length + chunk_pos], j, pos});
+        store_token(store_, rope_, chunk, b, chunk_pos, row.used++, {chunk.uids[b * chunk.length + chunk_pos], j, pos},
+                    &frozen_);
         plans_.push_back({chunk_pos, QueryPlan{j, S, S + e, pos, pos}});
       }
       row.length = group_end;
@@ -82,11 +85,13 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
 void SinkShiftCache::reorder(const std::vector<int>& rows) {
   store_.gather_rows(rows);
   rows_ = gather(rows_, rows);
+  frozen_.gather(rows);
 }
 
 void SinkShiftCache::reset(int batch) {
   store_.make_empty(batch, config_.window);
   rows_.assign(static_cast<std::size_t>(batch), RowState{});
+  frozen_.reset(batch);
 }
 
 void SinkShiftCache::free_rows(const std::vector<int>& rows) {

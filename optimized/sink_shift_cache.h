@@ -40,6 +40,7 @@ class SinkShiftCache : public KvCache {
   std::vector<float> turned_;        // one key being re-rotated
   SlotStore store_;
   std::vector<RowState> rows_;
+  FrozenScales frozen_;  // SPEC 9's "first_append": each row's scales
 };
 
 }  // namespace kvcheck::optimized

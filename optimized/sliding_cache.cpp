@@ -9,7 +9,8 @@ SlidingCache::SlidingCache(const CacheConfig& config)
       rope_(config.rope),
       kernel_(config.threads),
       ring_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
-      chunk_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      chunk_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
+      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
   reset(config.batch);
 }
 
@@ -21,9 +22,10 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
   for (int b = 0; b < B; ++b) {
     const std::int64_t pad = chunk.length - chunk.counts[b];
     plans_.clear();
+    if (lengths_[b] == 0 && chunk.counts[b] > 0) frozen_.freeze(b, chunk, rope_);
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = lengths_[b] + i;
-      store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t});
+      store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t}, &frozen_);
       plans_.push_back({pad + i, QueryPlan{t, 0, t - W + 1, t, t}});
     }
     const SlotSource sources[] = {{&ring_, b}, {&chunk_, b}};
@@ -38,11 +40,13 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
 void SlidingCache::reorder(const std::vector<int>& rows) {
   ring_.gather_rows(rows);
   lengths_ = gather(lengths_, rows);
+  frozen_.gather(rows);
 }
 
 void SlidingCache::reset(int batch) {
   ring_.make_empty(batch, config_.window);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
+  frozen_.reset(batch);
 }
 
 // The cropped row's last token needs the window that ends at it.

@@ -29,6 +29,7 @@ class SlidingCache : public KvCache {
   SlotStore ring_;                   // W slots per row
   SlotStore chunk_;                  // the chunk being appended, before it enters the ring
   std::vector<std::int64_t> lengths_;
+  FrozenScales frozen_;  // SPEC 9's "first_append": each row's scales
 };
 
 }  // namespace kvcheck::optimized

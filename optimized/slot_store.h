@@ -66,13 +66,14 @@ class SlotStore {
   }
   // Writes head_dim floats, rounded or quantized to the format; reads them back as floats.
   // A raw slot (meta(row, slot).raw, set before the write) keeps them in its float row.
-  void write_key(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
+  // `given_scale`: a frozen format's scale (the writing row's, row_codec.h).
+  void write_key(int layer, int row, int kv_head, std::int64_t slot, const float* x, float given_scale = 0.0f) {
     if (raw_slot(row, slot)) return write_raw(raw_k_, layer, row, kv_head, slot, x);
-    encode_row(key_format_, kv_head, x, head_dim_, at(k_, layer, row, kv_head, slot), scratch_.data());
+    encode_row(key_format_, kv_head, x, head_dim_, at(k_, layer, row, kv_head, slot), scratch_.data(), given_scale);
   }
-  void write_value(int layer, int row, int kv_head, std::int64_t slot, const float* x) {
+  void write_value(int layer, int row, int kv_head, std::int64_t slot, const float* x, float given_scale = 0.0f) {
     if (raw_slot(row, slot)) return write_raw(raw_v_, layer, row, kv_head, slot, x);
-    encode_row(value_format_, kv_head, x, head_dim_, at(v_, layer, row, kv_head, slot), scratch_.data());
+    encode_row(value_format_, kv_head, x, head_dim_, at(v_, layer, row, kv_head, slot), scratch_.data(), given_scale);
   }
   void read_key(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
     if (raw_slot(row, slot)) return read_raw(raw_k_, layer, row, kv_head, slot, x);

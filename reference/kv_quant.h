@@ -14,8 +14,11 @@ enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
 // head), or `group` consecutive elements of that row.
 enum class ScaleGranularity { tensor, head, token, group };
 enum class ScaleDtype { float32, float16 };
-// A static scale (a checkpoint's k_scale) or one computed from the values quantized together.
-enum class ScaleRule { fixed, amax };
+// A static scale (a checkpoint's k_scale), one computed from the values quantized together,
+// or (SPEC 9's "first_append") one computed per row from the row's first append (every
+// token of it, keys as first stored), then kept for the row's later tokens: each token
+// carries the scale it was written with, and a prefix hit's tokens keep their writer's.
+enum class ScaleRule { fixed, amax, first_append };
 
 struct QuantScale {
   ScaleGranularity granularity = ScaleGranularity::token;
@@ -105,6 +108,10 @@ inline const char* to_string(ScaleGranularity g) {
       return "group";
   }
   return "?";
+}
+// Some tensor's scale is frozen per row at its first append.
+inline bool frozen_scales(const KvQuant& q) {
+  return (q.k && q.k->scale.rule == ScaleRule::first_append) || (q.v && q.v->scale.rule == ScaleRule::first_append);
 }
 inline const char* to_string(ScaleDtype d) { return d == ScaleDtype::float32 ? "float32" : "float16"; }
 inline const char* to_string(QuantTransform t) { return t == QuantTransform::none ? "none" : "hadamard"; }

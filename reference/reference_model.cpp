@@ -193,6 +193,7 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
       const std::int64_t pad = n - counts[b];
       const auto length = static_cast<std::int64_t>(histories_[b].size());
       const bool first_append = length == counts[b];
+      if (first_append && counts[b] > 0 && frozen_scales(quant)) stored_->freeze_scales(b, histories_[b]);
       // A residual's flush: before the queries read under chunk_reads "stored", after under "raw".
       if (quant.holds_raw() && counts[b] > 0) {
         // Every new token written first (raw), at its index: a residual needs full attention.

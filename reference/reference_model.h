@@ -92,6 +92,11 @@ class ReferenceModel {
   void store_as(const KvQuant& quant, KvDtype kv_dtype);
   // The simulated store after the last step (null unless store_as was called).
   const StoredKv* stored() const { return stored_.get(); }
+  // A prefix hit under frozen scales, before the append that takes it: token `index` of
+  // `row` holds another row's stored codes and scale (StoredKv::adopt).
+  void adopt_stored(int row, std::int64_t index, const std::vector<StoredLayer>& layers) {
+    stored_->adopt(row, index, layers);
+  }
 
   int batch() const { return static_cast<int>(histories_.size()); }
   std::uint64_t next_uid() const { return next_uid_; }

@@ -49,6 +49,13 @@ QuantizedRow quantize_held(const TensorQuant& format, QuantTransform transform, 
   return codes;
 }
 
+// A frozen scale was computed from float32 values: another amax a few ulps away gives the
+// neighbouring one (as for any computed float32 scale).
+void mark_computed_scale(const std::optional<TensorQuant>& declared, QuantizedRow& codes) {
+  if (declared && declared->scale.rule == ScaleRule::first_append)
+    codes.scale_near_boundary.assign(codes.scales.size(), true);
+}
+
 }  // namespace
 
 void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out) {
@@ -120,8 +127,11 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
       h.key = rotate(std::vector<double>(k, k + d), static_cast<double>(position), rope_);
       h.value.assign(v, v + d);
       // Held raw: in kv_dtype until the flush rule quantizes it.
-      encode(quant_.holds_raw() ? std::nullopt : quant_.k, g, h.key, h.key_codes, position);
-      encode(quant_.holds_raw() ? std::nullopt : quant_.v, g, h.value, h.value_codes, 0);
+      encode(quant_.holds_raw() ? std::nullopt : format_of(quant_.k, row, layer, false), g, h.key, h.key_codes,
+             position);
+      encode(quant_.holds_raw() ? std::nullopt : format_of(quant_.v, row, layer, true), g, h.value, h.value_codes, 0);
+      mark_computed_scale(quant_.k, h.key_codes);
+      mark_computed_scale(quant_.v, h.value_codes);
     }
     here.raw = quant_.holds_raw();
   } else {  // a shift: what is stored, turned by the difference, stored again
@@ -184,13 +194,72 @@ void StoredKv::flush(int row, std::int64_t length, bool first_append) {
   }
 }
 
-void StoredKv::reorder(const std::vector<int>& rows) {
-  std::vector<std::vector<std::vector<StoredLayer>>> next;
-  for (int r : rows) next.push_back(rows_.at(static_cast<std::size_t>(r)));
-  rows_ = std::move(next);
+std::optional<TensorQuant> StoredKv::format_of(const std::optional<TensorQuant>& declared, int row, int layer,
+                                               bool value) const {
+  if (!declared || declared->scale.rule != ScaleRule::first_append) return declared;
+  const auto& scales = frozen_.at(static_cast<std::size_t>(row));
+  if (scales.empty()) throw std::logic_error("stored_kv: a token stored before its row's first append froze its scale");
+  TensorQuant frozen = *declared;
+  frozen.scale.rule = ScaleRule::fixed;  // given, already in its dtype
+  frozen.scale.values = value ? scales.at(static_cast<std::size_t>(layer)).v : scales.at(static_cast<std::size_t>(layer)).k;
+  return frozen;
 }
 
-void StoredKv::reset(int batch) { rows_.assign(static_cast<std::size_t>(batch), {}); }
+void StoredKv::freeze_scales(int row, const std::vector<std::uint64_t>& uids) {
+  const int d = dims_.head_dim;
+  // The largest magnitude of what is quantized: the key rotated to its index and the value,
+  // each held as float32 and transformed.
+  const auto largest = [&](const TensorQuant& format, std::vector<double> x) {
+    for (double& e : x) e = static_cast<float>(e);
+    if (quant_.transform == QuantTransform::hadamard) hadamard_blocks(x.data(), d, format.transform_block);
+    double amax = 0.0;
+    for (double e : x) amax = std::max(amax, std::abs(static_cast<double>(static_cast<float>(e))));
+    return amax;
+  };
+  const auto scales = [&](const std::optional<TensorQuant>& format, int layer, bool value) {
+    std::vector<double> out;
+    if (!format || format->scale.rule != ScaleRule::first_append) return out;
+    std::vector<double> amax(static_cast<std::size_t>(dims_.kv_heads), 0.0);
+    for (std::size_t i = 0; i < uids.size(); ++i)
+      for (int g = 0; g < dims_.kv_heads; ++g) {
+        const float* x = value ? inputs_.v_at(layer, uids[i], g) : inputs_.k_at(layer, uids[i], g);
+        std::vector<double> row_values(x, x + d);
+        if (!value) row_values = rotate(row_values, static_cast<double>(i), rope_);
+        amax[static_cast<std::size_t>(g)] = std::max(amax[static_cast<std::size_t>(g)], largest(*format, row_values));
+      }
+    if (format->scale.granularity == ScaleGranularity::tensor) amax = {*std::max_element(amax.begin(), amax.end())};
+    for (double a : amax) {
+      const double s = a / code_range(format->format);
+      out.push_back(format->scale.dtype == ScaleDtype::float16 ? round_to_float16(static_cast<float>(s))
+                                                                 : static_cast<double>(static_cast<float>(s)));
+    }
+    return out;
+  };
+  auto& mine = frozen_.at(static_cast<std::size_t>(row));
+  mine.assign(static_cast<std::size_t>(dims_.layers), {});
+  for (int l = 0; l < dims_.layers; ++l)
+    mine[static_cast<std::size_t>(l)] = {scales(quant_.k, l, false), scales(quant_.v, l, true)};
+}
+
+void StoredKv::adopt(int row, std::int64_t index, const std::vector<StoredLayer>& layers) {
+  auto& tokens = rows_.at(static_cast<std::size_t>(row));
+  if (static_cast<std::int64_t>(tokens.size()) <= index)
+    tokens.resize(static_cast<std::size_t>(index) + 1, std::vector<StoredLayer>(static_cast<std::size_t>(dims_.layers)));
+  tokens[static_cast<std::size_t>(index)] = layers;
+}
+
+void StoredKv::reorder(const std::vector<int>& rows) {
+  std::vector<std::vector<std::vector<StoredLayer>>> next;
+  std::vector<std::vector<FrozenScales>> scales;
+  for (int r : rows) next.push_back(rows_.at(static_cast<std::size_t>(r))), scales.push_back(frozen_.at(static_cast<std::size_t>(r)));
+  rows_ = std::move(next);
+  frozen_ = std::move(scales);
+}
+
+void StoredKv::reset(int batch) {
+  rows_.assign(static_cast<std::size_t>(batch), {});
+  frozen_.assign(static_cast<std::size_t>(batch), {});
+}
 
 void StoredKv::crop(std::int64_t length) {
   for (auto& tokens : rows_)

@@ -73,10 +73,20 @@ class StoredKv {
   // (2-norm) a backend's query may be from it: codes on a tie may round either way.
   double quantize_query(double* q, std::int64_t position) const;
 
+  // SPEC 9's "first_append": the scales of `row`, computed from the tokens `uids` of its first
+  // append (token i stored at index and position i), kept for the row's later tokens.
+  void freeze_scales(int row, const std::vector<std::uint64_t>& uids);
+  // A prefix hit under frozen scales (SPEC 8.4): token `index` of `row` holds what another
+  // row stored for it, one StoredLayer per layer: its codes with its writer's scale.
+  void adopt(int row, std::int64_t index, const std::vector<StoredLayer>& layers);
+
   void reorder(const std::vector<int>& rows);
   void reset(int batch);
   void crop(std::int64_t length);
-  void free_row(int row) { rows_.at(static_cast<std::size_t>(row)).clear(); }
+  void free_row(int row) {
+    rows_.at(static_cast<std::size_t>(row)).clear();
+    frozen_.at(static_cast<std::size_t>(row)).clear();
+  }
   const KvQuant& quant() const { return quant_; }
 
  private:
@@ -87,12 +97,21 @@ class StoredKv {
   // A raw token quantized, or a quantized one quantized again from what its codes stand for.
   void quantize_token(StoredLayer& token) const;
 
+  // The format a token of `row` is stored in: the declared one, its frozen scale (if any)
+  // given as the row's.
+  std::optional<TensorQuant> format_of(const std::optional<TensorQuant>& declared, int row, int layer,
+                                       bool value) const;
+
   Dims dims_;
   Rope rope_, turn_;  // turn_: a pure rotation (a shift does not apply yarn's factor again)
   KvQuant quant_;
   KvDtype kv_dtype_;
   const InputTable& inputs_;
   std::vector<std::vector<std::vector<StoredLayer>>> rows_;  // [row][token index][layer]
+  struct FrozenScales {
+    std::vector<double> k, v;  // one per kv head ("head") or one ("tensor"), in the scale's dtype
+  };
+  std::vector<std::vector<FrozenScales>> frozen_;  // [row][layer]; empty until the row's first append
 };
 
 }  // namespace kvcheck::reference

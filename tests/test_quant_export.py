@@ -67,6 +67,31 @@ class QuantExportTest(unittest.TestCase):
         # q is zero, so both keys weigh 1/2: the output is the mean of the two stored values.
         self.assertEqual(np.load(os.path.join(out, "step001_out_stored.npy"))[0, 0, 0, 0, 0], -127 * d / 2)
 
+    def test_a_scale_frozen_at_the_first_append_worked_out_by_hand(self):
+        # V int8 with one scale per tensor frozen at the row's first append: the prompt's
+        # values have amax 127, so the scale is 1 and codes are round(x), half away from zero.
+        # A later value of 300 saturates at 127 under that scale, as an engine that calibrated
+        # on the prompt stores it.
+        v = [[2.5, 0.0], [-127.0, 0.5], [300.0, -1.5]]
+        scenario = {
+            "name": "hand_first_append", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "head_dim": 2},
+            "kv_quant": {"v": {"format": "int8", "scale": {"granularity": "tensor", "value": "first_append"}}},
+            "policy": {"type": "full"},
+            "inputs": {"q": [[[[0.0, 0.0]] for _ in v]], "k": [[[[0.0, 0.0]] for _ in v]], "v": [[[x] for x in v]]},
+            "steps": [{"op": "append", "tokens": 2}, {"op": "decode", "steps": 1}]}
+        path = os.path.join(self.work, "hand_first_append.json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        out = self.export(path)
+        codes = np.load(os.path.join(out, "step001_v_codes.npy"))[0, 0, :, 0]
+        self.assertEqual(codes.tolist(), [[3, 0], [-127, 1], [127, -2]])
+        self.assertEqual(np.load(os.path.join(out, "step001_v_scales.npy"))[0, 0, :, 0, 0].tolist(), [1.0, 1.0, 1.0])
+        # q is zero: the decode token weighs the three values alike.
+        stored = np.load(os.path.join(out, "step001_out_stored.npy"))[0, 0, 0, 0]
+        ideal = np.load(os.path.join(out, "step001_out.npy"))[0, 0, 0, 0]
+        np.testing.assert_allclose(stored, [(3 - 127 + 127) / 3, (0 + 1 - 2) / 3], rtol=1e-15)
+        np.testing.assert_allclose(ideal, [(2.5 - 127 + 300) / 3, (0 + 0.5 - 1.5) / 3], rtol=1e-15)
+
     def check_export(self, out):
         """Every step's codes and scales against NumPy's SPEC 9 (a code may differ by one on a
         rounding boundary), shifts re-quantized as a chain; every decode step's R_stored
@@ -84,6 +109,47 @@ class QuantExportTest(unittest.TestCase):
             return np.kron(np.eye(D // width), spec_quant.hadamard(width))
 
         state = [dict() for _ in range(m["dimensions"]["batch"])]  # row -> uid -> (position, [L][Hkv] key)
+        # SPEC 9's "first_append": each row's scale per (tensor, layer, kv head), from every
+        # token of its first append as stored; a hit's tokens keep their writer's, found by
+        # their content (content "prefix": equal prefixes, equal vectors) and position.
+        frozen = [dict() for _ in state]
+        hits = [0 for _ in state]
+        writers = {}
+
+        def first_append_scales(step_row):
+            scales = {}
+            for name, raw in (("k", k_in), ("v", v_in)):
+                fmt = quant.get(name)
+                if fmt is None or fmt["scale"]["value"] != "first_append":
+                    continue
+                for l in range(L):
+                    amax = np.zeros(Hkv)
+                    for i, uid in enumerate(step_row["uids"]):
+                        for g in range(Hkv):
+                            x = raw[l, uid, g]
+                            if name == "k":
+                                x = kvtrace.rotate(x[None], [i], rope)[0]
+                            x = np.asarray(x, dtype=np.float32)
+                            hmat = transform(fmt)
+                            if hmat is not None:
+                                x = (hmat @ x.astype(np.float64)).astype(np.float32)
+                            amax[g] = max(amax[g], float(np.max(np.abs(x))))
+                    if fmt["scale"]["granularity"] == "tensor":
+                        amax[:] = amax.max()
+                    for g in range(Hkv):
+                        scales[name, l, g] = float(spec_quant.scale_dtype(fmt)(np.float32(amax[g] / spec_quant.RANGE[fmt["format"]])))
+            return scales
+
+        def frozen_fmt(name, fmt, b, l, g, uid, p):
+            if fmt["scale"]["value"] != "first_append":
+                return fmt
+            content = (name, l, g, p, (k_in if name == "k" else v_in)[l, uid, g].tobytes())
+            if p < hits[b]:
+                s = writers[content]
+            else:
+                s = frozen[b][name, l, g]
+                writers.setdefault(content, s)
+            return dict(fmt, scale=dict(fmt["scale"], value=[s]))
 
         def store(fmt, x, g):
             x = np.asarray(x, dtype=np.float32)
@@ -98,12 +164,21 @@ class QuantExportTest(unittest.TestCase):
         for step in m["steps"]:
             if step["op"] == "reorder":
                 state = [dict(state[r]) for r in step["rows_from"]]
+                frozen = [frozen[r] for r in step["rows_from"]]
+                hits = [hits[r] for r in step["rows_from"]]
             elif step["op"] == "reset":
                 state = [dict() for _ in range(step["batch"])]
             with open(os.path.join(out, step["cache"])) as f:
                 rows = json.load(f)["rows"]
             if len(state) < len(rows):
                 state += [dict() for _ in range(len(rows) - len(state))]
+            frozen += [dict() for _ in range(len(state) - len(frozen))]
+            hits += [0 for _ in range(len(state) - len(hits))]
+            if step["op"] == "append":
+                for b, step_row in enumerate(step["rows"]):
+                    if step_row["uids"] and step_row["indices"][0] == 0:  # the row's first append
+                        frozen[b] = first_append_scales(step_row)
+                        hits[b] = step_row.get("expect_hit", {}).get("min", 0)
             arrays = {n: np.load(os.path.join(out, step[n])) for n in
                       ("k_codes", "k_scales", "v_codes", "v_scales", "k_zero", "v_zero") if n in step}
             for b, row in enumerate(rows):
@@ -120,7 +195,8 @@ class QuantExportTest(unittest.TestCase):
                             else:
                                 x = None
                             if "k" in quant and x is not None:
-                                held, (codes, scales, zeros, near) = store(quant["k"], x, g)
+                                held, (codes, scales, zeros, near) = store(frozen_fmt("k", quant["k"], b, l, g, uid, p),
+                                                                           x, g)
                                 got = arrays["k_codes"][l, b, i, g].astype(np.int64)
                                 bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
                                 self.assertFalse(bad.any(), "%s step %d row %d uid %d: key codes %s, NumPy %s" % (
@@ -131,7 +207,8 @@ class QuantExportTest(unittest.TestCase):
                             else:
                                 keys.append(before[1][l * Hkv + g] if x is None else x)
                             if "v" in quant and before is None:
-                                _, (codes, scales, zeros, near) = store(quant["v"], v_in[l, uid, g], g)
+                                _, (codes, scales, zeros, near) = store(frozen_fmt("v", quant["v"], b, l, g, uid, p),
+                                                                        v_in[l, uid, g], g)
                                 got = arrays["v_codes"][l, b, i, g].astype(np.int64)
                                 bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
                                 self.assertFalse(bad.any(), "%s: value codes differ" % m["name"])

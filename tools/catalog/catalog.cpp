@@ -65,9 +65,14 @@ const std::vector<CacheEntry>& real_caches() {
        },
        [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
     };
-    // None of them quantizes the query (kv_quant "query", ggml's CPU convention).
+    // None of them quantizes the query (kv_quant "query", ggml's CPU convention). Under scales
+    // frozen per row with a prefix cache, a hit's tokens keep their writer's scale: only a
+    // cache that takes the hit holds what the reference expects.
     for (CacheEntry& e : list)
-      e.serves = [inner = e.serves](const Scenario& s) { return !(s.kv_quant && s.kv_quant->query) && inner(s); };
+      e.serves = [inner = e.serves, paged = e.name == "paged"](const Scenario& s) {
+        const bool shared_scales = s.kv_quant && frozen_scales(*s.kv_quant) && s.paging && s.paging->prefix_cache;
+        return !(s.kv_quant && s.kv_quant->query) && (paged || !shared_scales) && inner(s);
+      };
     return list;
   }();
   return caches;

@@ -94,6 +94,8 @@ const char* class_name(BugClass c) {
       return "quantized store not reordered or cropped";
     case BugClass::quant_transform_missing:
       return "transform missing on a path";
+    case BugClass::quant_shared_scale:
+      return "scale of a shared block not its own";
     case BugClass::paged_slot_mapping_wrong:
       return "slot mapping wrong";
     case BugClass::paged_stale_table_entry:
@@ -283,6 +285,12 @@ const char* class_explanation(BugClass c) {
              "the transform they stand for their token within the format's rounding. One path forgot the transform "
              "the others apply, typically one that restores, copies or re-quantizes rows (llama.cpp PR 24367: \"f16 to "
              "q8_0 is broken with attention rotation on\"; unslothai/llama.cpp PR 129).";
+    case BugClass::quant_shared_scale:
+      return "A row that took a prefix hit reads the shared blocks with its own frozen scale: their codes were "
+             "written with their writer's scale (SPEC 9, \"first_append\"), and each stored token must keep the "
+             "scale it was written with. A cache that keeps one scale per request, not per block, reads every "
+             "reused block wrongly (kvcheck's hypothesis for TensorRT-LLM issue 2699: wrong outputs with an FP8 "
+             "KV cache and block reuse).";
     case BugClass::path_inconsistency:
       return "Every slot, code and position is right, but a token computed in a decode step and the same token "
              "computed inside a chunk, over the same stored cache, have outputs further apart than twice the "
@@ -518,6 +526,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // at another position are named above: their scales differ as a consequence).
   // A token held at the wrong precision explains its codes and the outputs over it.
   if (!e.precision.empty()) return BugClass::quant_precision_map;
+  if (any(e.codes, [](const CodeMismatch& c) { return c.readers_scale; })) return BugClass::quant_shared_scale;
   if (any(e.codes, [](const CodeMismatch& c) { return c.element < 0; })) return BugClass::quant_scale_wrong;
   // Every bad key is nearest its claim: right positions, too much rounding.
   const bool rotations = any(e.slots, [](const SlotIssue& i) { return i.kind == K::rotation; });

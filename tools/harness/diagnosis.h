@@ -55,6 +55,7 @@ enum class BugClass {
   quant_precision_map,
   quant_store_not_moved,
   quant_transform_missing,
+  quant_shared_scale,
   // Paged caches (SPEC 8.10).
   paged_slot_mapping_wrong,
   paged_stale_table_entry,
@@ -125,6 +126,9 @@ struct CodeMismatch {
   int element;           // -1: the scale of group `group`
   int group;
   double expected, actual;  // the code, or the scale
+  // A prefix hit's token (SPEC 8.4) whose stored scale is the reading row's own frozen one,
+  // not the one its writer stored it with.
+  bool readers_scale = false;
 };
 
 // SPEC 8.8: a paged cache's bookkeeping that is not what its rows hold. `block` and `slot`

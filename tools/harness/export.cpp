@@ -89,7 +89,7 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
     if (t.scale.rule == ScaleRule::fixed)
       scale["value"] = t.scale.values;
     else
-      scale["value"] = "amax";
+      scale["value"] = t.scale.rule == ScaleRule::first_append ? "first_append" : "amax";
     json j = {{"format", to_string(t.format)}, {"scale", scale}};
     if (t.transform_block > 0) j["transform_block"] = t.transform_block;
     return j;

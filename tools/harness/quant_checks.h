@@ -45,12 +45,13 @@ std::optional<reference::QuantizedRow> codes_through_write_boundary(const Tensor
 // Keys: a bound on the error vector's 2-norm (sqrt(sum_d e(k_d)^2)); values: on one
 // element's error. `element` bounds the row's largest element, `norm` its 2-norm (a
 // rotation keeps both); `transformed`: stored under the Hadamard transform. Without a
-// format the row is rounded to kv_dtype. Infinite when a static scale saturates, with
-// `saturation` saying why.
+// format the row is rounded to kv_dtype. `scale`: the scale a frozen ("first_append") row
+// was stored with (0: the format's rule gives it). Infinite when a static or frozen scale
+// saturates, with `saturation` saying why.
 double stored_key_error(const std::optional<TensorQuant>& format, bool transformed, KvDtype kv_dtype, int head_dim,
-                        double element, double norm, int times, std::string& saturation);
+                        double element, double norm, int times, std::string& saturation, double scale = 0.0);
 double stored_value_error(const std::optional<TensorQuant>& format, bool transformed, KvDtype kv_dtype, int head_dim,
-                          double element, double norm, int times, std::string& saturation);
+                          double element, double norm, int times, std::string& saturation, double scale = 0.0);
 
 class QuantChecks {
  public:
@@ -140,18 +141,20 @@ class QuantChecks {
   std::vector<Magnitude> magnitudes_;  // [layer][uid][kv head]
   const Magnitude& magnitude(int layer, std::uint64_t uid, int kv_head) const;
   // How often each kept key and value has been quantized or rounded (its write, each shift,
-  // each flush), as last seen; (layer, row, uid, 0). Each time adds the format's error again.
+  // each flush), as last seen; (layer, row, uid, kv head). Each time adds the format's error again.
   struct TimesStored {
     int key = 1, value = 1;
-    std::int64_t position = 0;  // where the key was kept
+    std::int64_t position = 0;             // where the key was kept
+    double key_scale = 0, value_scale = 0;  // a frozen scale it was stored with (0: none)
   };
   std::map<HeldId, TimesStored> times_stored_;
   // The bound on the 2-norm of a stored key's error (quantized `times` over), and on one
   // element of a stored value's; infinite when a static scale saturates (saturation_ says).
-  double key_error(const Magnitude& m, int times);
-  double value_error(const Magnitude& m, int times);
+  double key_error(const Magnitude& m, int times, double scale);
+  double value_error(const Magnitude& m, int times, double scale);
   double largest_bound_ = 0.0, smallest_bound_ = std::numeric_limits<double>::infinity();
   std::int64_t bounded_rows_ = 0, saturated_rows_ = 0;  // (step, layer, row)s judged, and not (saturation)
+  std::int64_t bounded_outputs_ = 0;                   // output elements judged
   std::string saturation_;    // why the bound did not apply, the first time
   // Global maxima, for the allowances of codes taken at a boundary.
   double q_norm_ = 0.0, k_norm_ = 0.0, v_range_ = 0.0;

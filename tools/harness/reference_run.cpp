@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <map>
 #include <set>
 
 #include "reference/prefix_reuse.h"
@@ -61,6 +62,13 @@ struct ReferenceStepper::State {
   reference::ReferenceModel model;
   SharedHistories histories;
   std::optional<reference::PrefixBlocks> prefix_blocks;  // paged scenarios with a prefix cache
+  // Under scales frozen per row with a prefix cache: what each token (by context key) was
+  // stored as by the first row that wrote it; ambiguous when another row stored it otherwise.
+  struct Written {
+    std::vector<reference::StoredLayer> layers;
+    bool ambiguous = false;
+  };
+  std::map<std::uint64_t, Written> written;
 };
 
 namespace {
@@ -112,10 +120,75 @@ void ReferenceStepper::account_prefix_hits(StepRecord& record, const std::vector
   }
 }
 
+// SPEC 8.4 with 9's "first_append": a starting row's hit tokens hold what their writer
+// stored, its codes and its frozen scale, not the row's own. The reference must know the
+// hit, so the scenario gives each starting row's exact expect_hit. Returns each row's hit.
+std::vector<std::int64_t> ReferenceStepper::adopt_prefix_hits(const Step& step) {
+  reference::ReferenceModel& model = state_->model;
+  const auto B = static_cast<std::size_t>(model.batch());
+  std::vector<std::int64_t> hits(B, 0);
+  std::uint64_t uid = model.next_uid();  // uids: row order, then order inside the chunk
+  for (std::size_t b = 0; b < B; ++b) {
+    const std::int64_t count = step.tokens.size() == 1 ? step.tokens[0] : step.tokens.at(b);
+    const std::uint64_t first = uid;
+    uid += static_cast<std::uint64_t>(std::max<std::int64_t>(count, 0));
+    if (count <= 0 || !model.history(static_cast<int>(b)).empty()) continue;
+    const auto& expect = step.expect_hit;
+    if (b >= expect.size() || !expect[b]) {
+      problems_.push_back(fmt::format(
+          "{}: row {} starts under a scale frozen at its first append with a prefix cache: give its exact expect_hit "
+          "(0 for none), so the reference knows which tokens keep their writer's scale",
+          step_label(step, next_ - 1), b));
+      continue;
+    }
+    for (std::int64_t i = 0; i < expect[b]->min; ++i) {
+      const auto found = state_->written.find(context_key(scenario_, first + static_cast<std::uint64_t>(i)));
+      if (found == state_->written.end() || found->second.ambiguous) {
+        problems_.push_back(fmt::format(
+            "{}: row {} expects a prefix hit of {} tokens, but its token {} {}", step_label(step, next_ - 1), b,
+            expect[b]->min, i,
+            found == state_->written.end()
+                ? "was never written before"
+                : "was written by two rows with different frozen scales: which copy a cache keeps is not defined"));
+        break;
+      }
+      model.adopt_stored(static_cast<int>(b), i, found->second.layers);
+      hits[b] = i + 1;
+    }
+  }
+  return hits;
+}
+
+// What each row stored itself in the append (not its hit), under the first writer's name.
+void ReferenceStepper::record_writes(const std::vector<std::int64_t>& lengths_before,
+                                     const std::vector<std::int64_t>& hits) {
+  const reference::ReferenceModel& model = state_->model;
+  const reference::StoredKv& stored = *model.stored();
+  for (int b = 0; b < model.batch(); ++b) {
+    const std::vector<std::uint64_t>& uids = model.history(b);
+    for (std::size_t t = static_cast<std::size_t>(std::max(lengths_before[static_cast<std::size_t>(b)],
+                                                           hits[static_cast<std::size_t>(b)]));
+         t < uids.size(); ++t) {
+      std::vector<reference::StoredLayer> layers;
+      for (int l = 0; l < scenario_.dims.layers; ++l) layers.push_back(stored.at(b, l, static_cast<std::int64_t>(t)));
+      const auto [at, fresh] = state_->written.try_emplace(context_key(scenario_, uids[t]), State::Written{layers, false});
+      if (fresh) continue;
+      for (int l = 0; l < scenario_.dims.layers; ++l)
+        for (std::size_t g = 0; g < layers[static_cast<std::size_t>(l)].heads.size(); ++g) {
+          const auto& mine = layers[static_cast<std::size_t>(l)].heads[g];
+          const auto& first = at->second.layers[static_cast<std::size_t>(l)].heads[g];
+          if (mine.key_codes.codes != first.key_codes.codes || mine.key_codes.scales != first.key_codes.scales ||
+              mine.value_codes.codes != first.value_codes.codes || mine.value_codes.scales != first.value_codes.scales)
+            at->second.ambiguous = true;
+        }
+    }
+  }
+}
+
 ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, std::vector<bool> attend)
     : scenario_(s),
       state_(new State{
-          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}, {}}),
+          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}, {}, {}}),
       attend_(std::move(attend)) {
   if (s.kv_quant) state_->model.store_as(*s.kv_quant, s.kv_dtype);
   if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size, s.paging->token_reuse);
@@ -137,7 +210,11 @@ StepRecord ReferenceStepper::next() {
       case StepOp::append: {
         std::vector<std::int64_t> before;
         for (int b = 0; b < model.batch(); ++b) before.push_back(static_cast<std::int64_t>(model.history(b).size()));
+        const bool adopts = scenario_.kv_quant && frozen_scales(*scenario_.kv_quant) && scenario_.paging &&
+                            scenario_.paging->prefix_cache;
+        const std::vector<std::int64_t> hits = adopts ? adopt_prefix_hits(step) : std::vector<std::int64_t>{};
         record.append = model.append(step.tokens, attend_.empty() || attend_.at(i));
+        if (adopts) record_writes(before, hits);
         if (scenario_.paging) account_prefix_hits(record, before);
         break;
       }

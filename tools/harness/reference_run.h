@@ -98,6 +98,8 @@ class ReferenceStepper {
  private:
   struct State;
   void account_prefix_hits(StepRecord& record, const std::vector<std::int64_t>& lengths_before);
+  std::vector<std::int64_t> adopt_prefix_hits(const Step& step);
+  void record_writes(const std::vector<std::int64_t>& lengths_before, const std::vector<std::int64_t>& hits);
   const Scenario& scenario_;
   std::unique_ptr<State> state_;
   std::vector<bool> attend_;

@@ -382,9 +382,16 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
     const std::string vp = sp + "/value";
     if (v.is_string()) {
       const std::string rule = r.choice(v, vp, {"amax", "first_append"});
-      if (rule == "first_append") not_yet(r, vp, "a scale computed once, then frozen (\"first_append\")");
-      if (!per_token)
+      if (rule == "first_append") {
+        if (per_token)
+          r.fail(vp, "a scale frozen at a row's first append covers a tensor or a kv head: expected \"granularity\": "
+                     "\"tensor\" or \"head\"");
+        if (affine) r.fail(vp, "an affine format computes its scale and zero point from each group: expected \"amax\"");
+        q.scale.rule = ScaleRule::first_append;
+        q.scale.values.clear();
+      } else if (!per_token) {
         not_yet(r, vp, "a tensor or head scale computed from the values (\"amax\" needs \"token\" or \"group\")");
+      }
     } else {
       if (per_token) r.fail(vp, "a token or group scale comes from the values it covers: expected \"amax\"");
       if (affine) r.fail(vp, "an affine format computes its scale and zero point from each group: expected \"amax\"");
@@ -654,6 +661,9 @@ void parse_append_paging(const Reader& r, const json& s, const std::string& p, c
         r.object(j[b], pb, {"min", "max"});
         const std::int64_t lo = r.integer(r.field(j[b], pb, "min"), pb + "/min", 0);
         const std::int64_t hi = r.integer(r.field(j[b], pb, "max"), pb + "/max", lo);
+        if (hi != lo && scenario.kv_quant && frozen_scales(*scenario.kv_quant))
+          r.fail(pb, "under a scale frozen at the first append (\"first_append\") a hit's tokens keep their writer's "
+                     "scale, so the reference must know the hit: expected an exact count");
         hit = HitRange{lo, hi};
       } else {
         const std::int64_t n = r.integer(j[b], pb, 0);
@@ -1044,6 +1054,18 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
                             "\"raw\") with a {} policy{} (only \"full\" so far)",
                             to_string(s.layer_policies[l].kind),
                             s.layer_policies.size() > 1 && policy.is_array() ? fmt::format(" in layer {}", l) : ""));
+  // A frozen scale is computed from the keys as first stored, at their token index: a policy
+  // that moves stored keys (cache positions) would re-quantize them under it.
+  if (s.kv_quant && frozen_scales(*s.kv_quant)) {
+    if (s.kv_quant->holds_raw())
+      not_yet(r, "/kv_quant", "a scale frozen at the first append (\"first_append\") with unquantized tokens "
+                              "(\"residual\", \"flush\": \"requantize_all\" or \"chunk_reads\": \"raw\")");
+    for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
+      if (s.layer_policies[l].kind == PolicyKind::sink && s.layer_policies[l].positions == SinkPositions::cache)
+        not_yet(r, policy.is_array() ? "/policy/" + std::to_string(l) + "/positions" : std::string("/policy/positions"),
+                "a scale frozen at the first append (\"first_append\") with keys at cache positions (each shift "
+                "re-quantizes them)");
+  }
   if (j.contains("scale")) s.scale = r.number(j["scale"], "/scale", false);
   if (j.contains("tolerance")) {
     s.tolerance = parse_tolerance(r, j["tolerance"]);
@@ -1053,6 +1075,14 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   if (j.contains("content"))
     s.content = r.choice(j["content"], "/content", {"uid", "prefix"}) == "prefix" ? Content::prefix : Content::uid;
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch, s);
+  // A recompute rebuilds a row from its tokens: under a prefix cache it may take its prefix
+  // from blocks other than the ones it read before, written with another frozen scale.
+  if (s.kv_quant && frozen_scales(*s.kv_quant) && s.paging && s.paging->prefix_cache)
+    for (const Step& step : s.steps)
+      if (step.op == StepOp::preempt && step.recompute)
+        not_yet(r, fmt::format("/steps/{}/mode", step.source_index),
+                "a recompute preemption under scales frozen at the first append (\"first_append\") with a prefix "
+                "cache");
   if (s.paging) require_pool_fits(r, s);
   // The reference keeps every input and output: refuse what would not fit in memory,
   // before any of it is spent.

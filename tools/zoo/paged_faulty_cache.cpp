@@ -1,7 +1,9 @@
 #include "tools/zoo/paged_faulty_cache.h"
 
 #include <algorithm>
+#include <cstring>
 
+#include "optimized/half.h"
 #include "optimized/paged_cache.h"
 
 namespace kvcheck::zoo {
@@ -12,7 +14,8 @@ using optimized::RowExtras;
 
 class FaultyPagedCache : public optimized::PagedCache {
  public:
-  FaultyPagedCache(const optimized::CacheConfig& config, PagedFault fault) : PagedCache(config), fault_(fault) {}
+  FaultyPagedCache(const optimized::CacheConfig& config, PagedFault fault)
+      : PagedCache(config), fault_(fault), layers_(config.layers) {}
 
  protected:
   std::uint64_t block_key(std::uint64_t previous, std::span<const std::uint64_t> ids, const RowExtras& extras,
@@ -67,9 +70,37 @@ class FaultyPagedCache : public optimized::PagedCache {
   std::int64_t recomputed_tokens(std::int64_t history, std::int64_t prompt) const override {
     return fault_ == PagedFault::recompute_prompt_only ? prompt : history;
   }
+  // The hit's rows keep their codes, but their scale becomes the reader's frozen one: one
+  // scale per request, looked up for every block the request reads.
+  void after_prefix_hit(int b, std::int64_t hit) override {
+    if (fault_ != PagedFault::hit_reads_own_scale) return;
+    const optimized::FrozenScales& scales = frozen_scales();
+    for (int l = 0; l < layers_; ++l) {
+      optimized::SlotStore& p = pool(l);
+      const auto& entries = table(l, b);
+      for (std::int64_t t = 0; t < hit; ++t) {
+        const std::int64_t slot = entries[static_cast<std::size_t>(t / block_size())] * block_size() + t % block_size();
+        for (int g = 0; g < p.kv_heads(); ++g) {
+          stamp(p.key_format(), const_cast<void*>(p.key(0, 0, g, slot)), scales.key(l, b, g));
+          stamp(p.value_format(), const_cast<void*>(p.value(0, 0, g, slot)), scales.value(l, b, g));
+        }
+      }
+    }
+  }
 
  private:
+  // A frozen row's scale is its first bytes (row_codec.h: one group, [scale][codes]).
+  static void stamp(const optimized::RowFormat& format, void* row, float scale) {
+    if (format.frozen == optimized::RowFormat::Frozen::no) return;
+    if (format.scale_half) {
+      const std::uint16_t h = optimized::to_float16(scale);
+      std::memcpy(row, &h, sizeof h);
+    } else {
+      std::memcpy(row, &scale, sizeof scale);
+    }
+  }
   PagedFault fault_;
+  int layers_;
 };
 
 }  // namespace

@@ -24,6 +24,8 @@ enum class PagedFault {
   evict_keeps_index,       // an evicted or recycled block keeps its index entry (TRT-LLM #8813, llama.cpp #27148)
   recompute_prompt_only,   // a recompute preemption rebuilds the prompt only (vLLM #16832, nano-vllm PR 211)
   window_kept_in_prefill,  // a sliding layer frees nothing between a chunked prefill's forwards (kvcheck's own)
+  hit_reads_own_scale,     // a prefix hit's blocks read with the reading row's frozen scale, not their writer's
+                           // (TRT-LLM #2699, FP8 KV with block reuse; kvcheck's hypothesis)
 };
 
 std::unique_ptr<optimized::KvCache> make_paged_faulty_cache(const optimized::CacheConfig& config, PagedFault fault);

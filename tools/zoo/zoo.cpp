@@ -289,6 +289,20 @@ const std::vector<ZooMutant>& zoo_mutants() {
         m.cache.eviction = Eviction::any;
         return m;
       }(),
+      // A paged decision under frozen scales: planted in kvcheck's paged cache.
+      [] {
+        ZooMutant m = paged_mutant(
+            "hit_reads_own_scale", zoo::PagedFault::hit_reads_own_scale,
+            "a row that takes a prefix hit reads the shared blocks with its own frozen scale, not the scale their "
+            "writer stored them with",
+            "TensorRT-LLM issue 2699: wrong outputs with an FP8 KV cache and block reuse (cause unpublished; the "
+            "hypothesis is kvcheck's: one scale per request where each block needs its writer's)",
+            BugClass::quant_shared_scale, {"quant_paged_frozen_scale_hit"});
+        m.cache.serves = [](const Scenario& s) {
+          return s.paging && s.paging->prefix_cache && s.kv_quant && frozen_scales(*s.kv_quant);
+        };
+        return m;
+      }(),
       // Paged caches (SPEC 8): planted in kvcheck's paged cache.
       paged_mutant("key_without_extras", zoo::PagedFault::key_without_extras,
                    "keys its prefix index by token ids alone, without the row's adapter and salt",
