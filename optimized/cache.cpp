@@ -15,8 +15,7 @@ LayerPolicy layer_policy(const CacheConfig& config, int layer) {
 }
 
 void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
-                 std::int64_t slot, const SlotMeta& meta, const FrozenScales* frozen, int scale_row) {
-  if (scale_row < 0) scale_row = row;
+                 std::int64_t slot, const SlotMeta& meta, const FrozenScales* frozen) {
   const int hkv = store.kv_heads(), d = store.head_dim();
   const std::size_t token = (static_cast<std::size_t>(row) * chunk.length + chunk_pos) * hkv;
   thread_local std::vector<float> k;  // rotated in float32, rounded once when stored
@@ -27,8 +26,8 @@ void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, in
     for (int g = 0; g < hkv; ++g) {
       std::copy_n(chunk.k[l] + (token + g) * d, d, k.data());
       rope.rotate(k.data(), meta.position);
-      store.write_key(l, row, g, slot, k.data(), frozen ? frozen->key(l, scale_row, g) : 0.0f);
-      store.write_value(l, row, g, slot, chunk.v[l] + (token + g) * d, frozen ? frozen->value(l, scale_row, g) : 0.0f);
+      store.write_key(l, row, g, slot, k.data(), frozen ? frozen->key(l, row, g) : 0.0f);
+      store.write_value(l, row, g, slot, chunk.v[l] + (token + g) * d, frozen ? frozen->value(l, row, g) : 0.0f);
     }
 }
 

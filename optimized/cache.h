@@ -152,10 +152,10 @@ inline RowFormat value_format(const CacheConfig& c) { return c.value_quant ? *c.
 std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t t);
 
 // Stores chunk token (row, chunk_pos) in `slot` of `store` with its key rotated to
-// meta.position (every layer, every kv head), quantized with `frozen`'s scales of row
-// `scale_row` when it has them (the row the token belongs to; `row` is the store's).
+// meta.position (every layer, every kv head), quantized with row `row`'s frozen scales when
+// `frozen` has them.
 void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
-                 std::int64_t slot, const SlotMeta& meta, const FrozenScales* frozen = nullptr, int scale_row = -1);
+                 std::int64_t slot, const SlotMeta& meta, const FrozenScales* frozen = nullptr);
 
 // The residual's rule for `row` once its chunk is written (see Residual): the oldest raw
 // tokens beyond R quantized, or, once R are raw, every token quantized (again).

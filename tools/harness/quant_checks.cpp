@@ -707,7 +707,6 @@ void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* 
     ++saturated_rows_;  // saturation_ says why
     return;
   }
-  ++bounded_rows_;
   const double scale = s_.softmax_scale(), m = reference::rope_magnitude(s_.rope);
   const double root_d = std::sqrt(static_cast<double>(D));
   for (std::size_t i = skipped; i < tokens.size(); ++i)

@@ -153,7 +153,7 @@ class QuantChecks {
   double key_error(const Magnitude& m, int times, double scale);
   double value_error(const Magnitude& m, int times, double scale);
   double largest_bound_ = 0.0, smallest_bound_ = std::numeric_limits<double>::infinity();
-  std::int64_t bounded_rows_ = 0, saturated_rows_ = 0;  // (step, layer, row)s judged, and not (saturation)
+  std::int64_t saturated_rows_ = 0;  // (step, layer, row)s not judged: a scale may saturate
   std::int64_t bounded_outputs_ = 0;                   // output elements judged
   std::string saturation_;    // why the bound did not apply, the first time
   // Global maxima, for the allowances of codes taken at a boundary.
