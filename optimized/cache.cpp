@@ -32,25 +32,27 @@ void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, in
 }
 
 void flush_residual(SlotStore& store, int row, const Residual& rule, bool first_append) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> raw;  // (token index, slot), sorted to oldest first
-  std::vector<std::int64_t> stored;
+  std::vector<std::pair<std::int64_t, std::int64_t>> raw, written;  // (token index, slot), sorted to oldest first
   for (std::int64_t s = 0; s < store.capacity(); ++s) {
     const SlotMeta& m = store.meta(row, s);
     if (m.uid < 0) continue;
-    if (m.raw)
-      raw.emplace_back(m.index, s);
-    else
-      stored.push_back(s);
+    written.emplace_back(m.index, s);
+    if (m.raw) raw.emplace_back(m.index, s);
   }
   std::sort(raw.begin(), raw.end());
+  std::sort(written.begin(), written.end());
+  const auto slots = [](auto begin, auto end) {
+    std::vector<std::int64_t> out;
+    for (auto it = begin; it != end; ++it) out.push_back(it->second);
+    return out;
+  };
   const auto residual = static_cast<std::size_t>(rule.tokens);
   if (first_append && rule.prefill_store) {
-    for (const auto& [index, s] : raw) store.quantize_slot(row, s);
+    store.quantize_slots(row, slots(raw.begin(), raw.end()));
   } else if (!rule.requantize_all) {
-    for (std::size_t i = 0; i + residual < raw.size(); ++i) store.quantize_slot(row, raw[i].second);
+    store.quantize_slots(row, slots(raw.begin(), raw.end() - static_cast<std::ptrdiff_t>(std::min(residual, raw.size()))));
   } else if (raw.size() >= residual) {
-    for (std::int64_t s : stored) store.quantize_slot(row, s);
-    for (const auto& [index, s] : raw) store.quantize_slot(row, s);
+    store.quantize_slots(row, slots(written.begin(), written.end()));
   }
 }
 

@@ -28,6 +28,7 @@ int code_bits(Codec c) {
 
 int group_of(const RowFormat& f, int d) {
   if (f.codec == Codec::q8_0 || f.codec == Codec::q4_0) return 32;
+  if (f.along_tokens) return 1;
   return f.group > 0 ? f.group : d;
 }
 
@@ -273,6 +274,59 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
   }
 }
 
+void encode_rows_along_tokens(const RowFormat& f, const float* const* x, int n, int d, std::byte* const* out,
+                              std::vector<float>& scratch) {
+  std::vector<const float*> rows(x, x + n);
+  if (f.hadamard) {
+    scratch.resize(static_cast<std::size_t>(n) * d);
+    for (int t = 0; t < n; ++t) {
+      float* y = scratch.data() + static_cast<std::size_t>(t) * d;
+      std::copy_n(x[t], d, y);
+      walsh_hadamard_blocks(y, d, f.hadamard_block);
+      rows[static_cast<std::size_t>(t)] = y;
+    }
+  }
+  for (int t = 0; t < n; ++t) std::memset(out[t], 0, row_bytes(f, d));
+  const std::size_t element_bytes = group_bytes(f, 1);
+  const int run = f.token_run > 0 ? f.token_run : std::max(n, 1);
+  for (int t0 = 0; t0 < n; t0 += run) {
+    const int t1 = std::min(n, t0 + run);
+    for (int c = 0; c < d; ++c) {
+      float lo = rows[t0][c], hi = lo, amax = 0.0f;
+      for (int t = t0; t < t1; ++t) {
+        const float e = rows[static_cast<std::size_t>(t)][c];
+        lo = std::min(lo, e), hi = std::max(hi, e), amax = std::max(amax, std::abs(e));
+      }
+      float s = 0.0f;
+      int z = 0;
+      if (affine(f.codec)) {  // as a row's group, over the channel's run
+        if (lo == hi) lo = std::min(lo, 0.0f), hi = std::max(hi, 0.0f);
+        s = as_stored(f.scale_half, static_cast<float>((static_cast<double>(hi) - lo) / ((1 << code_bits(f.codec)) - 1)));
+        z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
+      } else {
+        s = as_stored(f.scale_half, static_cast<float>(static_cast<double>(amax) / code_range(f.codec)));
+      }
+      for (int t = t0; t < t1; ++t) {
+        std::byte* p = out[t] + static_cast<std::size_t>(c) * element_bytes;
+        put_scale(f, s, p);
+        const float e = rows[static_cast<std::size_t>(t)][c];
+        int code = 0;
+        if (affine(f.codec)) {
+          const auto z32 = static_cast<std::int32_t>(z);
+          std::memcpy(p, &z32, 4);
+          p += 4;
+          code = std::clamp(static_cast<int>(s != 0.0f ? std::round(e / s) : 0.0f) + z, 0, (1 << code_bits(f.codec)) - 1);
+        } else if (f.codec == Codec::int8) {
+          code = std::clamp(static_cast<int>(std::round(s != 0.0f ? e / s : 0.0f)), -127, 127);
+        } else {
+          code = fp8_encode(fp8_of(f.codec), s != 0.0f ? e / s : 0.0f);
+        }
+        put_code(f, p, 0, 1, code);
+      }
+    }
+  }
+}
+
 bool poison_row(const RowFormat& f, int d, std::byte* out, std::uint32_t nan_bits) {
   const float nan = std::bit_cast<float>(nan_bits);
   if (!is_quantized(f.codec)) {
@@ -353,7 +407,7 @@ UnpackedRow unpack_row(const RowFormat& f, int kv_head, const std::byte* in, int
 
 int direct_group(const RowFormat& f, int d) {
   const bool direct = f.codec == Codec::q8_0 || f.codec == Codec::int8 || fp8(f.codec);
-  return direct && !f.hadamard ? group_of(f, d) : 0;
+  return direct && !f.hadamard && !f.along_tokens ? group_of(f, d) : 0;
 }
 
 void direct_row(const RowFormat& f, int kv_head, const std::byte* row, int d, float* scales,

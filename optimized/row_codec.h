@@ -24,6 +24,11 @@ struct RowFormat {
   // int8 and fp8: each row stores its scale, given by the writer (SPEC 9's "first_append":
   // the row's scale frozen at its first append, per kv head or one for the tensor).
   enum class Frozen { no, per_head, per_tensor } frozen = Frozen::no;
+  // Scales along the token axis (KIVI's per-channel keys): one scale (and zero point) per
+  // channel per run of `token_run` tokens quantized together (0: all of them), written by
+  // encode_rows_along_tokens; each row stores its run's scale for each element (a group of 1).
+  bool along_tokens = false;
+  int token_run = 0;
   bool operator==(const RowFormat&) const = default;
 };
 
@@ -37,6 +42,10 @@ std::size_t row_bytes(const RowFormat& format, int d);
 // `given_scale`: the scale of a Frozen format (the writer's row's).
 void encode_row(const RowFormat& format, int kv_head, const float* x, int d, std::byte* out, float* scratch,
                 float given_scale = 0.0f);
+// An along_tokens format: the n rows x[0..n) (d floats each, in token order) quantized
+// together into out[0..n) (row_bytes each). `scratch` grows to n * d floats under a transform.
+void encode_rows_along_tokens(const RowFormat& format, const float* const* x, int n, int d, std::byte* const* out,
+                              std::vector<float>& scratch);
 // A Frozen format's scale for values whose largest magnitude is `amax` (as stored), and the
 // largest magnitude of what encode_row would quantize of x (after the transform).
 float frozen_scale(const RowFormat& format, float amax);

@@ -60,6 +60,34 @@ void SlotStore::quantize_slot(int row, std::int64_t slot) {
   meta(row, slot).raw = false;
 }
 
+void SlotStore::quantize_slots(int row, const std::vector<std::int64_t>& slots) {
+  if (!key_format_.along_tokens && !value_format_.along_tokens) {
+    for (std::int64_t s : slots) quantize_slot(row, s);
+    return;
+  }
+  const std::size_t n = slots.size(), d = static_cast<std::size_t>(head_dim_);
+  flush_rows_.resize(n * d);
+  std::vector<const float*> rows(n);
+  std::vector<std::byte*> out(n);
+  for (std::size_t t = 0; t < n; ++t) rows[t] = flush_rows_.data() + t * d;
+  for (int l = 0; l < layers_; ++l)
+    for (int g = 0; g < kv_heads_; ++g)
+      for (const bool value : {false, true}) {
+        const RowFormat& format = value ? value_format_ : key_format_;
+        auto& data = value ? v_ : k_;
+        // From the values each is held as: its float row while raw, what its codes stand for after.
+        for (std::size_t t = 0; t < n; ++t) {
+          float* x = flush_rows_.data() + t * d;
+          value ? read_value(l, row, g, slots[t], x) : read_key(l, row, g, slots[t], x);
+          out[t] = at(data, l, row, g, slots[t]);
+          if (!format.along_tokens) encode_row(format, g, x, head_dim_, out[t], scratch_.data());
+        }
+        if (format.along_tokens)
+          encode_rows_along_tokens(format, rows.data(), static_cast<int>(n), head_dim_, out.data(), flush_scratch_);
+      }
+  for (std::int64_t s : slots) meta(row, s).raw = false;
+}
+
 void SlotStore::reset(int batch, std::int64_t capacity) {
   batch_ = batch;
   capacity_ = capacity;

@@ -36,6 +36,9 @@ class SlotStore {
   // A raw slot's tokens quantized, or a quantized slot quantized again from what its codes
   // stand for (a flush); every layer and kv head.
   void quantize_slot(int row, std::int64_t slot);
+  // Several slots quantized together (given in token order): a format with scales along the
+  // token axis spans them; the others quantize each slot alone.
+  void quantize_slots(int row, const std::vector<std::int64_t>& slots);
 
   // Drops everything and makes `batch` rows of `capacity` empty slots.
   void reset(int batch, std::int64_t capacity);
@@ -133,6 +136,7 @@ class SlotStore {
   std::size_t key_bytes_ = 0, value_bytes_ = 0;  // one row of each
   std::vector<float> scratch_;                   // head_dim floats for a transform
   std::vector<float> flush_row_;                 // head_dim floats: a row quantized at a flush
+  std::vector<float> flush_rows_, flush_scratch_;  // rows quantized together (scales along the token axis)
   std::int64_t capacity_ = 0;
   std::vector<std::vector<std::byte>> k_, v_;  // per layer
   std::vector<SlotMeta> meta_;             // [row][slot]

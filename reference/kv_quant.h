@@ -11,8 +11,10 @@ namespace kvcheck {
 enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
 
 // What one scale covers: the whole tensor, one kv head, one token's row of head_dim (per kv
-// head), or `group` consecutive elements of that row.
-enum class ScaleGranularity { tensor, head, token, group };
+// head), `group` consecutive elements of that row, or (channel) one channel of head_dim over
+// a run of `group` tokens quantized together (0: all of them), as KIVI and Hugging Face's
+// QuantizedCache quantize keys per channel.
+enum class ScaleGranularity { tensor, head, token, group, channel };
 enum class ScaleDtype { float32, float16 };
 // A static scale (a checkpoint's k_scale), one computed from the values quantized together,
 // or (SPEC 9's "first_append") one computed per row from the row's first append (every
@@ -22,7 +24,7 @@ enum class ScaleRule { fixed, amax, first_append };
 
 struct QuantScale {
   ScaleGranularity granularity = ScaleGranularity::token;
-  int group = 0;  // elements per scale (group, q8_0, q4_0); head_dim for token
+  int group = 0;  // elements per scale (group, q8_0, q4_0); head_dim for token; tokens per run (channel)
   ScaleDtype dtype = ScaleDtype::float32;
   ScaleRule rule = ScaleRule::amax;
   std::vector<double> values;  // fixed: one (tensor) or one per kv head (head)
@@ -65,9 +67,16 @@ struct KvQuant {
   Flush flush = Flush::append;
   PrefillRule prefill = PrefillRule::store;
   ChunkReads chunk_reads = ChunkReads::stored;
-  // Some token is ever held unquantized: a residual, or a flush or read rule that needs one.
+  // Scales along the token axis: tokens are written raw, then quantized together by the flush
+  // rule (an append's tokens, or every token at a "requantize_all" flush).
+  bool along_tokens() const {
+    return (k && k->scale.granularity == ScaleGranularity::channel) ||
+           (v && v->scale.granularity == ScaleGranularity::channel);
+  }
+  // Some token is ever held unquantized: a residual, a flush or read rule that needs one, or
+  // scales along the token axis (a token waits, raw, for the others it is quantized with).
   bool holds_raw() const {
-    return residual > 0 || flush == Flush::requantize_all || chunk_reads == ChunkReads::raw;
+    return residual > 0 || flush == Flush::requantize_all || chunk_reads == ChunkReads::raw || along_tokens();
   }
   bool operator==(const KvQuant&) const = default;
 };
@@ -106,6 +115,8 @@ inline const char* to_string(ScaleGranularity g) {
       return "token";
     case ScaleGranularity::group:
       return "group";
+    case ScaleGranularity::channel:
+      return "channel";
   }
   return "?";
 }

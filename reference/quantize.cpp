@@ -62,6 +62,8 @@ int scale_group(const TensorQuant& quant, int head_dim) {
   switch (quant.scale.granularity) {
     case ScaleGranularity::group:
       return quant.scale.group;
+    case ScaleGranularity::channel:
+      return 1;  // a row carries its run's scale for each channel
     default:
       return head_dim;  // tensor, head and token scales cover the whole row
   }
@@ -224,6 +226,42 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
     }
   }
   return row;
+}
+
+std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const std::vector<const float*>& rows, int d,
+                                                double window) {
+  const int n = static_cast<int>(rows.size());
+  const int run = quant.scale.group > 0 ? quant.scale.group : std::max(n, 1);
+  TensorQuant column_format = quant;  // one channel of a run, quantized as a row
+  column_format.scale.granularity = ScaleGranularity::token;
+  column_format.scale.group = 0;
+  std::vector<QuantizedRow> out(static_cast<std::size_t>(n));
+  for (QuantizedRow& row : out) {
+    row.codes.resize(static_cast<std::size_t>(d));
+    row.scales.resize(static_cast<std::size_t>(d));
+    row.near_boundary.resize(static_cast<std::size_t>(d));
+    row.scale_near_boundary.resize(static_cast<std::size_t>(d));
+    if (quant.format == QuantFormat::int4 || quant.format == QuantFormat::int2) row.zeros.resize(static_cast<std::size_t>(d));
+  }
+  std::vector<float> column;
+  for (int t0 = 0; t0 < n; t0 += run) {
+    const int length = std::min(run, n - t0);
+    column.resize(static_cast<std::size_t>(length));
+    for (int c = 0; c < d; ++c) {
+      for (int t = 0; t < length; ++t) column[static_cast<std::size_t>(t)] = rows[static_cast<std::size_t>(t0 + t)][c];
+      const QuantizedRow q = quantize(column_format, column.data(), length, 0, window);
+      for (int t = 0; t < length; ++t) {
+        QuantizedRow& row = out[static_cast<std::size_t>(t0 + t)];
+        const auto at = static_cast<std::size_t>(c);
+        row.codes[at] = q.codes[static_cast<std::size_t>(t)];
+        row.near_boundary[at] = q.near_boundary[static_cast<std::size_t>(t)];
+        row.scales[at] = q.scales[0];
+        row.scale_near_boundary[at] = q.scale_near_boundary[0];
+        if (!q.zeros.empty()) row.zeros[at] = q.zeros[0];
+      }
+    }
+  }
+  return out;
 }
 
 void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out) {

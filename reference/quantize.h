@@ -46,6 +46,13 @@ double boundary_window(std::int64_t position);
 // Quantizes the float32 values x[0..n) of kv head `kv_head` (static scales may differ per
 // head), marking the elements within `window` (boundary_window) of a rounding boundary.
 QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head, double window = 0x1p-20);
+// Scales along the token axis (granularity "channel"): rows[0..n) (d float32 values each, in
+// token order) quantized together. Each channel of each run of quant.scale.group tokens (0:
+// all n) is quantized as one "token" row of the format would be: one scale (and zero point)
+// per channel per run. Each returned row carries its run's scales, one per element
+// (scale_group is 1 for it), so it dequantizes like any row.
+std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const std::vector<const float*>& rows, int d,
+                                                double window = 0x1p-20);
 // The values the codes stand for.
 void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out);
 

@@ -161,15 +161,55 @@ const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {
   return rows_.at(static_cast<std::size_t>(row)).at(static_cast<std::size_t>(index)).at(static_cast<std::size_t>(layer));
 }
 
-void StoredKv::quantize_token(StoredLayer& token) const {
-  // From the values it is held as: kv_dtype while raw, what its codes stand for after.
-  if (!token.raw) ++token.flushes;
-  for (int g = 0; g < dims_.kv_heads; ++g) {
-    StoredHead& h = token.heads[static_cast<std::size_t>(g)];
-    if (quant_.k) encode(quant_.k, g, h.key, h.key_codes, token.position);
-    if (quant_.v) encode(quant_.v, g, h.value, h.value_codes, 0);
+std::vector<QuantizedRow> quantize_rows_together(const TensorQuant& format, QuantTransform transform,
+                                                 std::vector<std::vector<double>>& rows, std::int64_t furthest) {
+  std::vector<std::vector<float>> held;  // each row as float32, transformed
+  std::vector<const float*> pointers;
+  for (std::vector<double>& x : rows) {
+    for (double& e : x) e = static_cast<float>(e);
+    if (transform == QuantTransform::hadamard) hadamard_blocks(x.data(), static_cast<int>(x.size()), format.transform_block);
+    held.emplace_back(x.begin(), x.end());
   }
-  token.raw = false;
+  for (const auto& row : held) pointers.push_back(row.data());
+  const int d = rows.empty() ? 0 : static_cast<int>(rows[0].size());
+  std::vector<QuantizedRow> codes = quantize_along_tokens(format, pointers, d, boundary_window(furthest));
+  for (std::size_t t = 0; t < rows.size(); ++t) dequantize_stored(format, transform, codes[t], rows[t].data());
+  return codes;
+}
+
+void StoredKv::quantize_tokens(const std::vector<StoredLayer*>& tokens) {
+  // From the values each is held as: kv_dtype while raw, what its codes stand for after.
+  const bool along = quant_.along_tokens();
+  if (along && !tokens.empty()) ++quantizations_;
+  for (StoredLayer* token : tokens) {
+    if (!token->raw) ++token->flushes;
+    token->raw = false;
+    if (along) token->quantized_with = quantizations_, token->quantized_from = token->heads;
+  }
+  for (int g = 0; g < dims_.kv_heads; ++g)
+    for (const auto& [format, value] : {std::pair{&quant_.k, false}, std::pair{&quant_.v, true}}) {
+      if (!*format) continue;
+      if ((*format)->scale.granularity == ScaleGranularity::channel) {
+        std::vector<std::vector<double>> rows;
+        std::int64_t furthest = 0;
+        for (StoredLayer* token : tokens) {
+          const StoredHead& h = token->heads[static_cast<std::size_t>(g)];
+          rows.push_back(value ? h.value : h.key);
+          if (!value) furthest = std::max(furthest, token->position);
+        }
+        const std::vector<QuantizedRow> codes = quantize_rows_together(**format, quant_.transform, rows, furthest);
+        for (std::size_t t = 0; t < tokens.size(); ++t) {
+          StoredHead& h = tokens[t]->heads[static_cast<std::size_t>(g)];
+          (value ? h.value_codes : h.key_codes) = codes[t];
+          (value ? h.value : h.key) = std::move(rows[t]);
+        }
+        continue;
+      }
+      for (StoredLayer* token : tokens) {
+        StoredHead& h = token->heads[static_cast<std::size_t>(g)];
+        encode(*format, g, value ? h.value : h.key, value ? h.value_codes : h.key_codes, value ? 0 : token->position);
+      }
+    }
 }
 
 void StoredKv::flush(int row, std::int64_t length, bool first_append) {
@@ -177,19 +217,20 @@ void StoredKv::flush(int row, std::int64_t length, bool first_append) {
   auto& tokens = rows_.at(static_cast<std::size_t>(row));
   const std::size_t n = std::min(tokens.size(), static_cast<std::size_t>(std::max<std::int64_t>(length, 0)));
   for (int l = 0; l < dims_.layers; ++l) {
-    std::vector<StoredLayer*> raw, stored;  // oldest first
+    std::vector<StoredLayer*> raw, written;  // oldest first
     for (std::size_t i = 0; i < n; ++i) {
       StoredLayer& token = tokens[i][static_cast<std::size_t>(l)];
-      if (token.position >= 0) (token.raw ? raw : stored).push_back(&token);
+      if (token.position < 0) continue;
+      written.push_back(&token);
+      if (token.raw) raw.push_back(&token);
     }
     const auto residual = static_cast<std::size_t>(quant_.residual);
     if (first_append && quant_.prefill == PrefillRule::store) {
-      for (StoredLayer* token : raw) quantize_token(*token);
+      quantize_tokens(raw);
     } else if (quant_.flush == Flush::append) {
-      for (std::size_t i = 0; i + residual < raw.size(); ++i) quantize_token(*raw[i]);
+      quantize_tokens({raw.begin(), raw.end() - static_cast<std::ptrdiff_t>(std::min(residual, raw.size()))});
     } else if (raw.size() >= residual) {
-      for (StoredLayer* token : stored) quantize_token(*token);
-      for (StoredLayer* token : raw) quantize_token(*token);
+      quantize_tokens(written);
     }
   }
 }

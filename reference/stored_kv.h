@@ -28,7 +28,18 @@ struct StoredLayer {
   int flushes = 0;             // times quantized again from its own codes (flush "requantize_all")
   int shifts = 0;              // times re-rotated and stored again (a shift): each rounds once more
   std::vector<StoredHead> heads;
+  // Scales along the token axis: which quantization last stored it (tokens quantized together
+  // share it, counting up), and what it was quantized from (each kv head's key and value as
+  // held before), so a checker can redo the run from the codes a cache held instead.
+  std::int64_t quantized_with = -1;
+  std::vector<StoredHead> quantized_from;
 };
+
+// Scales along the token axis: rows (what tokens stand for, transform undone; oldest first)
+// held as float32, transformed and quantized together; each row becomes what its codes stand
+// for. `furthest`: the furthest position a key among them is rotated to (0 for values).
+std::vector<QuantizedRow> quantize_rows_together(const TensorQuant& format, QuantTransform transform,
+                                                 std::vector<std::vector<double>>& rows, std::int64_t furthest);
 
 // A quantized key moved by a shift (SPEC 9, shift "requantize"): its codes dequantized, the
 // transform undone, turned by to - from (a pure rotation), rounded to float32, transformed
@@ -94,8 +105,9 @@ class StoredKv {
   // `position`: where the key is rotated (its boundary window grows with it); 0 for values.
   void encode(const std::optional<TensorQuant>& format, int kv_head, std::vector<double>& x, QuantizedRow& codes,
               std::int64_t position) const;
-  // A raw token quantized, or a quantized one quantized again from what its codes stand for.
-  void quantize_token(StoredLayer& token) const;
+  // Raw tokens quantized, or quantized ones quantized again from what their codes stand for,
+  // together (in token order: scales along the token axis span them; other scales do not).
+  void quantize_tokens(const std::vector<StoredLayer*>& tokens);
 
   // The format a token of `row` is stored in: the declared one, its frozen scale (if any)
   // given as the row's.
@@ -108,6 +120,7 @@ class StoredKv {
   KvDtype kv_dtype_;
   const InputTable& inputs_;
   std::vector<std::vector<std::vector<StoredLayer>>> rows_;  // [row][token index][layer]
+  std::int64_t quantizations_ = 0;                            // quantize_tokens calls along the token axis
   struct FrozenScales {
     std::vector<double> k, v;  // one per kv head ("head") or one ("tensor"), in the scale's dtype
   };

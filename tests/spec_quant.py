@@ -102,6 +102,28 @@ def quantize(fmt, x, kv_head=0):
             np.concatenate(near))
 
 
+def quantize_together(fmt, rows, kv_head=0):
+    """[(codes, scales, zeros, near)] for rows [n, head_dim] of float32 quantized together: each
+    alone, or, with scales along the token axis ("axis": "token"), each channel of each run of
+    "group" tokens (0: all n) quantized as one row of a per-token scale; a row then holds its
+    run's scale (and zero point) for each of its elements."""
+    rows = np.asarray(rows, dtype=F32)
+    if fmt["scale"].get("axis") != "token":
+        return [quantize(fmt, x, kv_head) for x in rows]
+    n, d = rows.shape
+    run = fmt["scale"]["group"] or max(n, 1)
+    out = [(np.zeros(d, np.int64), np.zeros(d), np.zeros(d, np.int64), np.zeros(d, bool)) for _ in range(n)]
+    for t0 in range(0, n, run):
+        column_fmt = dict(fmt, scale=dict(fmt["scale"], elements=min(run, n - t0)))
+        for c in range(d):
+            codes, scales, zeros, near = quantize(column_fmt, rows[t0:t0 + run, c], kv_head)
+            for t in range(len(codes)):
+                out[t0 + t][0][c], out[t0 + t][1][c], out[t0 + t][3][c] = codes[t], scales[0], near[t]
+                if len(zeros):
+                    out[t0 + t][2][c] = zeros[0]
+    return out
+
+
 def dequantize(fmt, codes, scales, zeros):
     name, group = fmt["format"], fmt["scale"]["elements"]
     s = np.repeat(np.asarray(scales, dtype=F64), group)

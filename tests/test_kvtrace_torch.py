@@ -287,15 +287,22 @@ class QuantizedCache:
     affine codes per group along head_dim, with a residual of `residual` float tokens. The
     first update quantizes the whole prompt and returns it raw; later ones return
     cat(dequantize(codes), residual, new), and once the residual is full, quantize that whole
-    concatenation again and empty the residual. Codes are SPEC 9's (spec_quant), per row.
+    concatenation again and empty the residual. Codes are SPEC 9's (spec_quant), each row's
+    groups along head_dim, or, for a format along the token axis (quanto's axis -1, KIVI's
+    keys: one scale and zero point per channel per run of tokens), per channel over each
+    (row, kv head)'s tokens. (quanto groups the flattened [B, Hkv, S] tokens, so a run can
+    straddle two kv heads when S is not a multiple of the group; SPEC 9 runs within one.)
+    fmt: one format for keys and values, or a (keys, values) pair.
 
     full_when: "after" (the residual with the new tokens holds `residual` or more: kvcheck's
     rule, SPEC 9) or "one_token" (transformers' own test, residual_len + 1 >= residual, which
     assumes a one-token update). bug "reorder_residual_only": reorder_cache and crop touch the
-    residual only, as QuantizedLayer inherits them (transformers PRs 45510 and 48700)."""
+    residual only, as QuantizedLayer inherits them (transformers PRs 45510 and 48700); bug
+    "flat_token_groups": runs along the token axis over the flattened [B, Hkv, S] tokens."""
 
     def __init__(self, fmt, residual, full_when="after", bug=None):
-        self.fmt, self.residual, self.full_when, self.bug = fmt, residual, full_when, bug
+        self.fmts = tuple(fmt) if isinstance(fmt, (tuple, list)) else (fmt, fmt)
+        self.residual, self.full_when, self.bug = residual, full_when, bug
         self.stored = []  # per layer: [k, v] float64 arrays [B, Hkv, S, D], what the codes stand for
         self.codes = []  # per layer: [k, v] (codes, scales, zeros) arrays
         self.raw = []  # per layer: [k, v] float32 tensors [B, Hkv, r, D]
@@ -305,21 +312,23 @@ class QuantizedCache:
             return 0
         return self.stored[layer_idx][0].shape[-2] + self.raw[layer_idx][0].shape[-2]
 
-    def quantize(self, x):
+    def quantize(self, x, fmt):
         """[B, Hkv, S, D] floats: (codes, scales, zeros), dequantized."""
         x = np.asarray(x, dtype=np.float32)
-        rows = [spec_quant.quantize(self.fmt, row)[:3] for row in x.reshape(-1, x.shape[-1])]
+        # bug "flat_token_groups": runs over the flattened [B, Hkv, S] tokens, as quanto groups them.
+        runs = x.reshape(1, -1, x.shape[-1]) if self.bug == "flat_token_groups" else x.reshape((-1,) + x.shape[-2:])
+        rows = [r[:3] for tokens in runs for r in spec_quant.quantize_together(fmt, tokens)]
         shape = x.shape[:-1]
         codes = np.array([r[0] for r in rows]).reshape(x.shape)
         scales = np.array([r[1] for r in rows]).reshape(shape + (-1,))
         zeros = np.array([r[2] for r in rows]).reshape(shape + (-1,))
-        back = np.array([spec_quant.dequantize(self.fmt, *r) for r in rows]).reshape(x.shape)
+        back = np.array([spec_quant.dequantize(fmt, *r) for r in rows]).reshape(x.shape)
         return (codes, scales, zeros), back
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         new = [key_states, value_states]
         if layer_idx == len(self.stored):  # the prefill: quantized at once, returned raw
-            quantized = [self.quantize(x.numpy()) for x in new]
+            quantized = [self.quantize(x.numpy(), fmt) for x, fmt in zip(new, self.fmts)]
             self.codes.append([q[0] for q in quantized])
             self.stored.append([q[1] for q in quantized])
             self.raw.append([x[..., :0, :] for x in new])
@@ -329,7 +338,7 @@ class QuantizedCache:
                for st, r, x in zip(self.stored[layer_idx], self.raw[layer_idx], new)]
         held = before + key_states.shape[-2] if self.full_when == "after" else before + 1
         if held >= self.residual:  # everything stored, quantized again with the residual
-            quantized = [self.quantize(x.numpy()) for x in out]
+            quantized = [self.quantize(x.numpy(), fmt) for x, fmt in zip(out, self.fmts)]
             self.codes[layer_idx] = [q[0] for q in quantized]
             self.stored[layer_idx] = [q[1] for q in quantized]
             self.raw[layer_idx] = [x[..., :0, :] for x in new]
@@ -374,6 +383,9 @@ class QuantizedCache:
 
 
 INT4_GROUP_16 = {"format": "int4", "scale": {"granularity": "group", "group": 16, "dtype": "float16", "elements": 16}}
+# quant_channel_hf's keys: one scale and zero point per channel per run of 8 tokens.
+INT4_CHANNEL_8 = {"format": "int4", "scale": {"granularity": "channel", "axis": "token", "group": 8, "dtype": "float16",
+                                              "elements": 1}}
 
 
 class KvtraceTorchTest(unittest.TestCase):
@@ -450,6 +462,34 @@ class KvtraceTorchTest(unittest.TestCase):
             checks = {c["name"]: c for c in json.load(f)["results"][0]["checks"]}
         self.assertRegex(checks["codes"]["detail"], r"^[1-9][0-9]* codes and their scales")
         self.assertRegex(checks["precision map"]["detail"], r"\(([1-9][0-9]*) of them raw\)")
+
+    def test_a_quantized_cache_with_keys_per_channel_passes_code_for_code(self):
+        # quant_channel_hf: keys per channel along runs of 8 tokens (KIVI, quanto's axis -1),
+        # values per group of 16 along head_dim; each flush quantizes every token together.
+        result, verify = self.drive("quant_channel_hf", lambda: QuantizedCache((INT4_CHANNEL_8, INT4_GROUP_16), 4),
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("codes and their scales as the format's rules give", verify.stdout)
+
+    def test_keys_quantized_per_token_where_the_scenario_says_per_channel_are_refused_by_shape(self):
+        # The cache's keys on the wrong axis (groups of 16 along head_dim, quanto's axis 0):
+        # their scales are not the scenario's shape, named as bad input.
+        _, verify = self.drive("quant_channel_hf", lambda: QuantizedCache(INT4_GROUP_16, 4), positions="absolute")
+        self.assertEqual(verify.returncode, 2, verify.stdout + verify.stderr)
+        self.assertIn("step000_l0_k_scales.npy: expected scales of shape [2, 2, 6, 32] (groups of 1), got [2, 2, 6, 2]",
+                      verify.stderr)
+
+    def test_runs_across_the_flattened_batch_and_heads_fail_the_codes(self):
+        # quanto groups the flattened [B, Hkv, S] tokens: with a 6-token prompt a run of 8 spans
+        # two kv heads, so a channel's scale mixes heads and the codes differ from step 0.
+        _, verify = self.drive("quant_channel_hf",
+                               lambda: QuantizedCache((INT4_CHANNEL_8, INT4_GROUP_16), 4, bug="flat_token_groups"),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("layer 0 row 0 uid 0 kv head 0: key scale of channel 0:", verify.stdout)
+        self.assertIn("class: quantization scale wrong", verify.stdout)
 
     def test_transformers_flush_test_assumes_one_token_updates(self):
         # transformers flushes when residual_len + 1 >= residual_length: a 3-token append after

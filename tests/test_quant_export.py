@@ -261,26 +261,27 @@ class QuantExportTest(unittest.TestCase):
         k_in, v_in, q_in = (np.load(os.path.join(out, n + ".npy")) for n in ("k", "v", "q"))
         rows = [[] for _ in range(m["dimensions"]["batch"])]  # per row, oldest first: token dicts
 
-        def quantize(token):
+        def quantize(tokens):
+            """Quantized together (scales along the token axis span them), oldest first."""
             for name in ("k", "v"):
-                if name in quant:
-                    for at, x in enumerate(token[name]):
-                        codes, scales, zeros, near = spec_quant.quantize(quant[name], np.float32(x), at % Hkv)
-                        token[name][at] = spec_quant.dequantize(quant[name], codes, scales, zeros)
-                        token[name + "_codes"][at] = (codes, scales, near)
-            token["raw"] = False
+                if name in quant and tokens:
+                    for at in range(L * Hkv):
+                        held = np.float32([t[name][at] for t in tokens])
+                        for t, (codes, scales, zeros, near) in zip(
+                                tokens, spec_quant.quantize_together(quant[name], held, at % Hkv)):
+                            t[name][at] = spec_quant.dequantize(quant[name], codes, scales, zeros)
+                            t[name + "_codes"][at] = (codes, scales, near)
+            for t in tokens:
+                t["raw"] = False
 
         def flush(row, first):
             raw = [t for t in row if t["raw"]]
             if first and prefill_store:
-                for t in raw:
-                    quantize(t)
+                quantize(raw)
             elif not requantize_all:
-                for t in raw[:max(0, len(raw) - R)]:
-                    quantize(t)
+                quantize(raw[:max(0, len(raw) - R)])
             elif len(raw) >= R:
-                for t in row:
-                    quantize(t)
+                quantize(row)
 
         def attend(row, l, h, q):
             g = h // (H // Hkv)

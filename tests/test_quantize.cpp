@@ -145,6 +145,65 @@ TEST(ReferenceQuantize, AffineInt4AndAllEqualGroups) {
   EXPECT_EQ(reference::quantize(q2, ramp.data(), 4, 0).codes, (std::vector<int>{0, 1, 2, 3}));
 }
 
+// Three tokens of two channels: t0 (0, -3), t1 (15, 12), t2 (15, 0); int4 affine along the token axis.
+const std::vector<std::vector<float>> kThreeTokens = {{0.0f, -3.0f}, {15.0f, 12.0f}, {15.0f, 0.0f}};
+
+TEST(ReferenceQuantize, ChannelScalesAlongTokensByHand) {
+  std::vector<const float*> rows;
+  for (const auto& t : kThreeTokens) rows.push_back(t.data());
+  // Runs of 2 tokens: channel 0 of (t0, t1) spans [0, 15]: S 1, Z 0; channel 1 spans [-3, 12]:
+  // S 1, Z 3. t2 alone: channel 0 is all-equal 15, its range [0, 15] (S 1, Z 0); channel 1 is
+  // all-equal 0, its range [0, 0] (S 0, Z 0, code 0).
+  const TensorQuant runs = format(QuantFormat::int4, ScaleGranularity::channel, 2);
+  const std::vector<QuantizedRow> r = reference::quantize_along_tokens(runs, rows, 2);
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0].codes, (std::vector<int>{0, 0}));
+  EXPECT_EQ(r[1].codes, (std::vector<int>{15, 15}));
+  EXPECT_EQ(r[2].codes, (std::vector<int>{15, 0}));
+  EXPECT_EQ(r[0].scales, (std::vector<double>{1.0, 1.0}));
+  EXPECT_EQ(r[2].scales, (std::vector<double>{1.0, 0.0}));
+  EXPECT_EQ(r[1].zeros, (std::vector<int>{0, 3}));
+  EXPECT_EQ(r[2].zeros, (std::vector<int>{0, 0}));
+  EXPECT_EQ(decoded(runs, r[0]), (std::vector<double>{0.0, -3.0}));
+  // One run of all three ("channel"): channel 1 spans [-3, 12], so t2's 0 is code 3.
+  const TensorQuant all = format(QuantFormat::int4, ScaleGranularity::channel, 0);
+  const std::vector<QuantizedRow> a = reference::quantize_along_tokens(all, rows, 2);
+  EXPECT_EQ(a[2].codes, (std::vector<int>{15, 3}));
+  EXPECT_EQ(a[2].zeros, (std::vector<int>{0, 3}));
+  EXPECT_EQ(decoded(all, a[1]), (std::vector<double>{15.0, 12.0}));
+  // int8 per channel: s = amax / 127 over the run; channel 1's amax is 12, so -3 is -31.75 -> -32.
+  const TensorQuant int8 = format(QuantFormat::int8, ScaleGranularity::channel, 0);
+  const std::vector<QuantizedRow> i = reference::quantize_along_tokens(int8, rows, 2);
+  EXPECT_EQ(i[0].codes, (std::vector<int>{0, -32}));
+  EXPECT_EQ(i[0].scales[1], static_cast<double>(static_cast<float>(12.0 / 127.0)));
+}
+
+TEST(QuantCodec, AlongTokensStoresTheHandWorkedCodes) {
+  // The same three tokens through the optimized codec: each row keeps its run's scale and
+  // zero point per channel, and reads back what the codes stand for.
+  optimized::RowFormat f;
+  f.codec = optimized::Codec::int4;
+  f.along_tokens = true;
+  f.token_run = 2;
+  std::vector<std::vector<std::byte>> stored(3, std::vector<std::byte>(optimized::row_bytes(f, 2)));
+  std::vector<const float*> rows;
+  std::vector<std::byte*> out;
+  for (std::size_t t = 0; t < 3; ++t) rows.push_back(kThreeTokens[t].data()), out.push_back(stored[t].data());
+  std::vector<float> scratch;
+  optimized::encode_rows_along_tokens(f, rows.data(), 3, 2, out.data(), scratch);
+  const std::vector<std::vector<int>> codes = {{0, 0}, {15, 15}, {15, 0}}, zeros = {{0, 3}, {0, 3}, {0, 0}};
+  const std::vector<std::vector<float>> scales = {{1.0f, 1.0f}, {1.0f, 1.0f}, {1.0f, 0.0f}};
+  for (std::size_t t = 0; t < 3; ++t) {
+    const optimized::UnpackedRow u = optimized::unpack_row(f, 0, stored[t].data(), 2);
+    EXPECT_EQ(u.codes, codes[t]) << "token " << t;
+    EXPECT_EQ(u.zeros, zeros[t]) << "token " << t;
+    EXPECT_EQ(u.scales, scales[t]) << "token " << t;
+    std::vector<float> back(2);
+    optimized::decode_row(f, 0, stored[t].data(), 2, back.data());
+    EXPECT_EQ(back, (std::vector<float>{kThreeTokens[t][0], t == 2 ? 0.0f : kThreeTokens[t][1]})) << "token " << t;
+  }
+}
+
 TEST(ReferenceQuantize, HadamardByHandAndItsOwnInverse) {
   std::vector<double> a = {1.0, 0.0};
   reference::hadamard(a.data(), 2);

@@ -332,8 +332,8 @@ int main(int argc, char** argv) {
   RunOptions options;
   CLI::App* run = app.add_subcommand("run", "run scenarios (files or folders; default: the built-in suite)");
   run->add_option("paths", run_paths, "scenario files or folders");
-  run->add_option("--junit", junit, "write a JUnit XML report to FILE");
-  run->add_option("--json", json, "write a JSON report to FILE");
+  run->add_option("--junit", junit, "write a JUnit XML report to FILE (- for standard output)");
+  run->add_option("--json", json, "write a JSON report to FILE (- for standard output)");
   // One value per --cache, so scenario paths after it stay paths.
   run->add_option("--cache", run_caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
       ->allow_extra_args(false);
@@ -391,7 +391,7 @@ int main(int argc, char** argv) {
   diagnose->add_option("--html", html, "also write a self-contained HTML page with a picture of the slots");
   std::string diagnose_json;
   diagnose->add_option("--json", diagnose_json,
-                       "write a JSON report to FILE (per cache: the checks and the first divergence as fields)");
+                       "write a JSON report to FILE (- for standard output; per cache: the checks and the first divergence as fields)");
   std::optional<std::size_t> diagnose_step, verify_step;
   diagnose->add_option("--step", diagnose_step, "also show step N's evidence and slot table (as numbered in reports)");
   diagnose->add_flag("--poison-blocks", poison_blocks, "as run's: paged caches poison new and freed blocks");
@@ -416,8 +416,8 @@ int main(int argc, char** argv) {
   verify->add_option("--trace", trace_dir, "trace folder (manifest.json with format kvcheck-trace-1)")->required();
   std::string verify_html, verify_junit, verify_json;
   verify->add_option("--html", verify_html, "also write a self-contained HTML page with a picture of the slots");
-  verify->add_option("--junit", verify_junit, "write a JUnit XML report to FILE");
-  verify->add_option("--json", verify_json, "write a JSON report to FILE");
+  verify->add_option("--junit", verify_junit, "write a JUnit XML report to FILE (- for standard output)");
+  verify->add_option("--json", verify_json, "write a JSON report to FILE (- for standard output)");
   verify->add_option("--step", verify_step, "also show step N's evidence and slot table (as numbered in reports)");
 
   LlamacppOptions llamacpp_options;
@@ -448,8 +448,8 @@ int main(int argc, char** argv) {
                      "save the sequence right after the first shift's seq_add and restore it into a fresh context "
                      "before the next decode (a server swapping a slot out between the two)");
   llamacpp->add_option("--html", llamacpp_options.html, "also write a self-contained HTML page");
-  llamacpp->add_option("--junit", llamacpp_options.junit, "write a JUnit XML report to FILE");
-  llamacpp->add_option("--json", llamacpp_options.json, "write a JSON report to FILE");
+  llamacpp->add_option("--junit", llamacpp_options.junit, "write a JUnit XML report to FILE (- for standard output)");
+  llamacpp->add_option("--json", llamacpp_options.json, "write a JSON report to FILE (- for standard output)");
 
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <algorithm>
 #include <fstream>
+#include <iostream>
 #include <stdexcept>
 #include <vector>
 
@@ -125,7 +126,19 @@ void AtomicDir::commit() {
 
 void write_file_atomically(const fs::path& path, const std::string& text) {
   std::error_code ec;
+  if (path == "-") {
+    std::cout << text << std::flush;
+    return;
+  }
   if (fs::is_directory(path, ec)) throw InputError(path.string(), "", "is a folder; expected a file name to write");
+  const fs::file_status target = fs::status(path, ec);  // through a symbolic link (/dev/stdout is one)
+  if (!ec && fs::exists(target) && !fs::is_regular_file(target)) {
+    std::ofstream out(path, std::ios::binary);
+    out << text;
+    if (!out.flush())
+      throw InputError(path.string(), "", "cannot write to it (" + std::string(std::strerror(errno)) + ")");
+    return;
+  }
   if (!path.parent_path().empty() && !fs::is_directory(path.parent_path(), ec))
     throw InputError(path.string(), "", "no such folder to write into: " + path.parent_path().string());
   const fs::path temp = sibling(path, ".tmp-");

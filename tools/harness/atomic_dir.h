@@ -33,7 +33,9 @@ void recover_interrupted(const std::filesystem::path& target);
 // not: the link would be replaced, not followed). `option` names the argument (--out).
 void check_output_folder(const std::filesystem::path& target, const std::string& option);
 
-// Writes `text` to `path` through a temporary file and a rename.
+// Writes `text` to `path` through a temporary file and a rename. "-" is standard output; a
+// path that is already a stream (/dev/stdout, a FIFO, a terminal) is written straight
+// through, never replaced by a renamed file.
 void write_file_atomically(const std::filesystem::path& path, const std::string& text);
 
 }  // namespace kvcheck

@@ -86,6 +86,8 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
                   {"dtype", to_string(t.scale.dtype)},
                   {"elements", reference::scale_group(t, head_dim)}};  // per scale, along head_dim
     if (t.scale.granularity == ScaleGranularity::group) scale["group"] = t.scale.group;
+    if (t.scale.granularity == ScaleGranularity::channel)  // tokens per run quantized together; 0: all of them
+      scale["group"] = t.scale.group, scale["axis"] = "token";
     if (t.scale.rule == ScaleRule::fixed)
       scale["value"] = t.scale.values;
     else

@@ -83,6 +83,8 @@ optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) 
   optimized::RowFormat f;
   f.codec = codecs[static_cast<int>(q.format)];
   f.group = q.scale.granularity == ScaleGranularity::group ? q.scale.group : 0;
+  f.along_tokens = q.scale.granularity == ScaleGranularity::channel;
+  f.token_run = f.along_tokens ? q.scale.group : 0;
   f.scale_half = q.scale.dtype == ScaleDtype::float16;
   // A static scale as the cache holds it: in its dtype (the reference rounds it the same way).
   if (q.scale.rule == ScaleRule::fixed)
@@ -122,6 +124,8 @@ QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), i
       v_hi = std::max(v_hi, static_cast<double>(v[i]));
     }
     k_norm_ = std::max(k_norm_, here.key_norm);
+    widest_.key_element = std::max(widest_.key_element, here.key_element);
+    widest_.value_element = std::max(widest_.value_element, here.value_element);
   }
   v_range_ = v_hi - v_lo;
 }
@@ -201,16 +205,22 @@ double stored_value_error(const std::optional<TensorQuant>& declared, bool trans
   return total;
 }
 
+namespace {
+bool along_tokens(const std::optional<TensorQuant>& q) { return q && q->scale.granularity == ScaleGranularity::channel; }
+}  // namespace
+
 double QuantChecks::key_error(const Magnitude& m, int times, double scale) {
   const KvQuant& q = *s_.kv_quant;
   return stored_key_error(q.k, q.k && q.transform == QuantTransform::hadamard, s_.kv_dtype, s_.dims.head_dim,
-                          m.key_element, m.key_norm, times, saturation_, scale);
+                          along_tokens(q.k) ? widest_.key_element : m.key_element, m.key_norm, times, saturation_,
+                          scale);
 }
 
 double QuantChecks::value_error(const Magnitude& m, int times, double scale) {
   const KvQuant& q = *s_.kv_quant;
   return stored_value_error(q.v, q.v && q.transform == QuantTransform::hadamard, s_.kv_dtype, s_.dims.head_dim,
-                            m.value_element, m.value_norm, times, saturation_, scale);
+                            along_tokens(q.v) ? widest_.value_element : m.value_element, m.value_norm, times,
+                            saturation_, scale);
 }
 
 void QuantChecks::follow_rows(const Step& step) {
@@ -282,6 +292,54 @@ reference::QuantizedRow QuantChecks::requantized(const TensorQuant& format, refe
   return codes;
 }
 
+std::map<std::uint64_t, reference::QuantizedRow> QuantChecks::requantized_together(const TensorQuant& format,
+                                                                                   bool value, const StepRecord& rec,
+                                                                                   int l, int b, int g) const {
+  std::map<std::uint64_t, reference::QuantizedRow> out;
+  if (format.scale.granularity != ScaleGranularity::channel) return out;
+  const auto& tokens = rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
+  const auto& retained = rec.retained_in(l, b).keys;
+  // The codes this cache held for a token before it was quantized again, when not the reference's.
+  const auto held_off = [&](std::uint64_t uid, int flushes) -> const reference::QuantizedRow* {
+    const HeldId id{l, b, static_cast<std::int64_t>(uid), g};
+    if (value) {
+      const auto found = held_values_.find(id);
+      return found != held_values_.end() && found->second.flushes != flushes ? &found->second.codes : nullptr;
+    }
+    const auto found = held_.find(id);
+    return found != held_.end() && !found->second.as_reference && found->second.flushes != flushes
+               ? &found->second.codes
+               : nullptr;
+  };
+  std::map<std::int64_t, std::vector<std::size_t>> members;  // quantized_with -> token indices, oldest first
+  std::set<std::int64_t> redo;
+  for (std::size_t i = 0; i < retained.size() && i < tokens.size(); ++i) {
+    const reference::StoredLayer& t = tokens[i];
+    if (t.raw || t.quantized_with < 0) continue;
+    members[t.quantized_with].push_back(i);
+    if (held_off(retained[i].uid, t.flushes)) redo.insert(t.quantized_with);
+  }
+  for (const std::int64_t batch : redo) {
+    std::vector<std::vector<double>> rows;
+    std::int64_t furthest = 0;
+    for (const std::size_t i : members[batch]) {
+      const reference::StoredLayer& t = tokens[i];
+      if (const reference::QuantizedRow* held = held_off(retained[i].uid, t.flushes)) {
+        rows.emplace_back(held->codes.size());
+        reference::dequantize_stored(format, s_.kv_quant->transform, *held, rows.back().data());
+      } else {
+        const reference::StoredHead& from = t.quantized_from.at(static_cast<std::size_t>(g));
+        rows.push_back(value ? from.value : from.key);
+      }
+      if (!value) furthest = std::max(furthest, t.position);
+    }
+    const std::vector<reference::QuantizedRow> codes =
+        reference::quantize_rows_together(format, s_.kv_quant->transform, rows, furthest);
+    for (std::size_t k = 0; k < codes.size(); ++k) out[retained[members[batch][k]].uid] = codes[k];
+  }
+  return out;
+}
+
 void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
   follow_rows(rec.step);
   diverged_.clear();
@@ -343,7 +401,10 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       if (codes_.failures++ == 0)
         codes_.first = fmt::format(
             "{}: layer {} row {} uid {} kv head {}: {} {} {}: expected {}, stored {}", evidence.label, where.layer,
-            where.row, where.uid, where.kv_head, value ? "value" : "key", element < 0 ? "scale of group" : "element",
+            where.row, where.uid, where.kv_head, value ? "value" : "key",
+            element >= 0                                              ? "element"
+            : format.scale.granularity == ScaleGranularity::channel ? "scale of channel"
+                                                                      : "scale of group",
             element < 0 ? group : element, e, a);
       if (evidence.codes.size() < 64) evidence.codes.push_back(where);
     };
@@ -437,6 +498,10 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           readers_key_scale = frozen_scale_of(newest.key_codes, q.k);
           readers_value_scale = frozen_scale_of(newest.value_codes, q.v);
         }
+        const auto key_together = q.k ? requantized_together(*q.k, false, rec, static_cast<int>(l), static_cast<int>(b), g)
+                                      : std::map<std::uint64_t, reference::QuantizedRow>{};
+        const auto value_together = q.v ? requantized_together(*q.v, true, rec, static_cast<int>(l), static_cast<int>(b), g)
+                                        : std::map<std::uint64_t, reference::QuantizedRow>{};
         for (std::size_t i = 0; i < retained.size() && i < rec.stored[l][b].size(); ++i) {
           const auto found = by_uid.find(static_cast<std::int64_t>(retained[i].uid));
           if (found == by_uid.end()) continue;  // the retained-set check reports it
@@ -474,10 +539,12 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             // held (followed, not held against it at every later shift; one shift per step).
             auto held = held_.find(id);
             std::optional<reference::QuantizedRow> flushed_from_held;
+            if (const auto together = key_together.find(retained[i].uid); together != key_together.end())
+              flushed_from_held = together->second;  // its run, redone from the rows the cache held
             if (held != held_.end() && held->second.flushes != token.flushes) {
               // Quantized again at a flush: from the codes it held, followed like a shift's
               // when they were not the reference's; else expected anew.
-              if (!held->second.as_reference)
+              if (!held->second.as_reference && !flushed_from_held)
                 flushed_from_held = requantized(*q.k, held->second.codes, g, retained[i].position,
                                                 token.flushes - held->second.flushes);
               held_.erase(held);
@@ -519,8 +586,10 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           }
           // A value held off the reference's codes and quantized again since: from those.
           const auto value_held = held_values_.find(id);
+          const auto value_run = value_together.find(retained[i].uid);
           const reference::QuantizedRow expected_value =
-              q.v && value_held != held_values_.end() && value_held->second.flushes != token.flushes
+              value_run != value_together.end() ? value_run->second
+              : q.v && value_held != held_values_.end() && value_held->second.flushes != token.flushes
                   ? requantized(*q.v, value_held->second.codes, g, 0, token.flushes - value_held->second.flushes)
                   : h.value_codes;
           const bool value_right = q.v && slot.value_codes && compare(*q.v, expected_value, *slot.value_codes, where, true);

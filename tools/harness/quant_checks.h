@@ -125,6 +125,12 @@ class QuantChecks {
     int flushes = 0;  // the reference's count when accepted
   };
   std::map<HeldId, HeldValue> held_values_;
+  // Scales along the token axis: where a quantization of this step read a row the cache held
+  // off the reference's codes, every row of it as the cache's held rows make it (uid -> codes),
+  // for one tensor of (layer, row, kv head); empty elsewhere (the reference's codes stand).
+  std::map<std::uint64_t, reference::QuantizedRow> requantized_together(const TensorQuant& format, bool value,
+                                                                        const StepRecord& record, int layer, int row,
+                                                                        int kv_head) const;
   // `codes` quantized again `times` over at a residual's flush (flush "requantize_all").
   reference::QuantizedRow requantized(const TensorQuant& format, reference::QuantizedRow codes, int kv_head,
                                       std::int64_t position, int times) const;
@@ -139,6 +145,10 @@ class QuantChecks {
     double key_element = 0.0, key_norm = 0.0, value_element = 0.0, value_norm = 0.0;
   };
   std::vector<Magnitude> magnitudes_;  // [layer][uid][kv head]
+  // The largest key and value elements of any token: under scales along the token axis a
+  // channel's scale comes from the other tokens of its run, so a row's own magnitude does not
+  // bound its error.
+  Magnitude widest_;
   const Magnitude& magnitude(int layer, std::uint64_t uid, int kv_head) const;
   // How often each kept key and value has been quantized or rounded (its write, each shift,
   // each flush), as last seen; (layer, row, uid, kv head). Each time adds the format's error again.

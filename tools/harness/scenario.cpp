@@ -351,29 +351,33 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
   if (sj.contains("granularity")) {
     const std::string g =
         r.choice(sj["granularity"], sp + "/granularity", {"tensor", "head", "token", "channel", "group"});
-    if (g == "channel") not_yet(r, sp + "/granularity", "a per-channel scale (grouped over tokens)");
-    q.scale.granularity = g == "tensor" ? ScaleGranularity::tensor
-                          : g == "head" ? ScaleGranularity::head
-                          : g == "token" ? ScaleGranularity::token
-                                         : ScaleGranularity::group;
+    q.scale.granularity = g == "tensor"    ? ScaleGranularity::tensor
+                          : g == "head"    ? ScaleGranularity::head
+                          : g == "token"   ? ScaleGranularity::token
+                          : g == "channel" ? ScaleGranularity::channel
+                                           : ScaleGranularity::group;
   }
   const bool grouped = q.scale.granularity == ScaleGranularity::group;
-  if (grouped) {
+  const bool token_axis = grouped && sj.contains("axis") &&
+                          r.choice(sj["axis"], sp + "/axis", {"dim", "token"}) == "token";
+  if (sj.contains("axis") && !grouped) r.fail(sp + "/axis", "only a \"group\" granularity takes an axis");
+  if (token_axis) {
+    // A group along the token axis: one scale per channel per run of `group` tokens
+    // quantized together (KIVI's keys; Hugging Face's QuantizedCache with a per-channel axis).
+    q.scale.granularity = ScaleGranularity::channel;
+    q.scale.group = static_cast<int>(r.integer(r.field(sj, sp, "group"), sp + "/group", 1, 1 << 20));
+  } else if (grouped) {
     q.scale.group = static_cast<int>(r.integer(r.field(sj, sp, "group"), sp + "/group", 1, dims.head_dim));
     if (dims.head_dim % q.scale.group != 0)
       r.fail(sp + "/group", fmt::format("expected a divisor of head_dim ({}), got {}", dims.head_dim, q.scale.group));
   } else if (sj.contains("group")) {
-    r.fail(sp + "/group", "only a \"group\" granularity takes a group size");
-  }
-  if (sj.contains("axis")) {
-    const std::string axis = r.choice(sj["axis"], sp + "/axis", {"dim", "token"});
-    if (axis == "token") not_yet(r, sp + "/axis", "a group along the token axis");
-    if (!grouped) r.fail(sp + "/axis", "only a \"group\" granularity takes an axis");
+    r.fail(sp + "/group", "only a \"group\" granularity takes a group size (with \"axis\": \"token\", in tokens)");
   }
   if (sj.contains("dtype"))
     q.scale.dtype = r.choice(sj["dtype"], sp + "/dtype", {"float32", "float16"}) == "float16" ? ScaleDtype::float16
                                                                                             : ScaleDtype::float32;
-  const bool per_token = q.scale.granularity == ScaleGranularity::token || grouped;
+  const bool per_token = q.scale.granularity == ScaleGranularity::token || grouped ||
+                         q.scale.granularity == ScaleGranularity::channel;
   if (per_token) q.scale.rule = ScaleRule::amax, q.scale.values.clear();
   if (!per_token && !sj.contains("value") && !fp8)
     r.fail(sp + "/value", "a tensor or head scale is static here: give its value (a number, or one per kv head)");
@@ -393,7 +397,8 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
         not_yet(r, vp, "a tensor or head scale computed from the values (\"amax\" needs \"token\" or \"group\")");
       }
     } else {
-      if (per_token) r.fail(vp, "a token or group scale comes from the values it covers: expected \"amax\"");
+      if (per_token)
+        r.fail(vp, "a token, group or channel scale comes from the values it covers: expected \"amax\"");
       if (affine) r.fail(vp, "an affine format computes its scale and zero point from each group: expected \"amax\"");
       q.scale.rule = ScaleRule::fixed;
       q.scale.values.clear();
@@ -454,6 +459,9 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
     if (!hadamard && !whole)
       r.fail(p + "/" + name + "/transform_block", "a transform block needs \"transform\": \"hadamard\"");
   }
+  if (q.along_tokens() && q.transform == QuantTransform::hadamard)
+    not_yet(r, p + "/transform", "a Hadamard transform with scales along the token axis (\"channel\", or a "
+                                 "\"group\" with \"axis\": \"token\")");
   if (j.contains("shift")) r.choice(j["shift"], p + "/shift", {"requantize"});
   // kvcheck's extension: the attention quantizes the query too (ggml's CPU matmul does, to
   // the q8_0 K's dot-product type).
@@ -480,8 +488,9 @@ Paging parse_paging(const Reader& r, const json& j, const Scenario& s) {
   if (j.contains("reuse")) paging.token_reuse = r.choice(j["reuse"], p + "/reuse", {"full", "token"}) == "token";
   // Quantized blocks (vLLM's fp8 pools) are served; a residual of raw tokens beside them is not yet.
   if (s.kv_quant && s.kv_quant->holds_raw())
-    r.fail(p, "a paged cache with a residual (kv_quant \"residual\", \"requantize_all\" or raw chunk reads) is in "
-              "SPEC 8 and 9, but kvcheck's paged cache stores every token quantized yet");
+    r.fail(p, "a paged cache with a residual (kv_quant \"residual\", \"requantize_all\", raw chunk reads or "
+              "scales along the token axis) is in SPEC 8 and 9, but kvcheck's paged cache quantizes each token alone "
+              "as it is written");
   return paging;
 }
 
@@ -1050,8 +1059,8 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
       if (s.layer_policies[l].kind != PolicyKind::full)
         not_yet(r, "/kv_quant",
-                fmt::format("unquantized tokens (\"residual\", \"flush\": \"requantize_all\" or \"chunk_reads\": "
-                            "\"raw\") with a {} policy{} (only \"full\" so far)",
+                fmt::format("unquantized tokens (\"residual\", \"flush\": \"requantize_all\", \"chunk_reads\": "
+                            "\"raw\" or scales along the token axis) with a {} policy{} (only \"full\" so far)",
                             to_string(s.layer_policies[l].kind),
                             s.layer_policies.size() > 1 && policy.is_array() ? fmt::format(" in layer {}", l) : ""));
   // A frozen scale is computed from the keys as first stored, at their token index: a policy
