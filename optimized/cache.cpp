@@ -49,6 +49,8 @@ void flush_residual(SlotStore& store, int row, const Residual& rule, bool first_
   const auto residual = static_cast<std::size_t>(rule.tokens);
   if (first_append && rule.prefill_store) {
     store.quantize_slots(row, slots(raw.begin(), raw.end()));
+  } else if (rule.blocks) {
+    store.quantize_slots(row, slots(raw.begin(), raw.begin() + static_cast<std::ptrdiff_t>(raw.size() / residual * residual)));
   } else if (!rule.requantize_all) {
     store.quantize_slots(row, slots(raw.begin(), raw.end() - static_cast<std::ptrdiff_t>(std::min(residual, raw.size()))));
   } else if (raw.size() >= residual) {

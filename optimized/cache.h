@@ -39,6 +39,7 @@ struct Residual {
   bool requantize_all = false;   // once R are raw, everything quantized again (Hugging Face); else each once, as it leaves
   bool prefill_store = true;     // a row's first append quantized at once
   bool chunk_reads_raw = false;  // the queries read the chunk raw and the flush comes after them; else before
+  bool blocks = false;           // once R are raw, the oldest whole multiple of R quantized together (KIVI)
 };
 
 struct CacheConfig {

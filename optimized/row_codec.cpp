@@ -219,6 +219,8 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
     default:
       break;
   }
+  if (f.along_tokens)
+    throw std::logic_error("encode_row: scales along the token axis quantize rows together (encode_rows_along_tokens)");
   if (f.hadamard) {
     std::copy_n(x, d, scratch);
     walsh_hadamard_blocks(scratch, d, f.hadamard_block);

@@ -43,10 +43,11 @@ struct TensorQuant {
 
 enum class QuantTransform { none, hadamard };
 
-// When a token leaves the residual (SPEC 9): quantized once as it leaves ("append", KIVI,
-// vLLM), or, once the residual is full, everything stored dequantized and quantized again
-// with it (Hugging Face's QuantizedCache).
-enum class Flush { append, requantize_all };
+// When a token leaves the residual (SPEC 9): quantized once as it leaves ("append", vLLM),
+// or, once the residual is full, everything stored dequantized and quantized again with it
+// (Hugging Face's QuantizedCache). kvcheck's extension "block" (KIVI): once R tokens are raw,
+// the oldest whole multiple of R are quantized together and leave it; the stored stay as they are.
+enum class Flush { append, requantize_all, block };
 // The first append of a row: quantized at once ("store", as Hugging Face does whatever the
 // residual) or kept in the residual like any later token.
 enum class PrefillRule { store, residual };
@@ -126,7 +127,9 @@ inline bool frozen_scales(const KvQuant& q) {
 }
 inline const char* to_string(ScaleDtype d) { return d == ScaleDtype::float32 ? "float32" : "float16"; }
 inline const char* to_string(QuantTransform t) { return t == QuantTransform::none ? "none" : "hadamard"; }
-inline const char* to_string(Flush f) { return f == Flush::append ? "append" : "requantize_all"; }
+inline const char* to_string(Flush f) {
+  return f == Flush::append ? "append" : f == Flush::block ? "block" : "requantize_all";
+}
 inline const char* to_string(PrefillRule p) { return p == PrefillRule::store ? "store" : "residual"; }
 inline const char* to_string(ChunkReads c) { return c == ChunkReads::stored ? "stored" : "raw"; }
 

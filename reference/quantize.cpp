@@ -136,6 +136,8 @@ double boundary_window(std::int64_t position) {
 }
 
 QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head, double window_relative) {
+  if (quant.scale.granularity == ScaleGranularity::channel)
+    throw std::logic_error("quantize: scales along the token axis quantize rows together (quantize_along_tokens)");
   const int group = scale_group(quant, n);
   if (group <= 0 || n % group != 0) throw std::invalid_argument("quantize: the row is not a whole number of groups");
   QuantizedRow row;
@@ -185,8 +187,10 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const double s = in_dtype(quant.scale.dtype, (hi - lo) / top);
       const int z = s != 0.0 ? static_cast<int>(std::round(-lo / s)) : 0;
       row.scales.push_back(s);
+      // A zero point -lo / S near a tie may round either way in another's float32 arithmetic.
       row.scale_near_boundary.push_back(
-          scale_ambiguous(quant.scale.dtype, static_cast<float>((hi - lo) / top), window_relative));
+          scale_ambiguous(quant.scale.dtype, static_cast<float>((hi - lo) / top), window_relative) ||
+          (s != 0.0 && near_half_integer(-lo / s, window / s)));
       row.zeros.push_back(z);
       for (int i = 0; i < group; ++i) {
         const double y = s != 0.0 ? xs[i] / s : 0.0;

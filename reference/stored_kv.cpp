@@ -184,7 +184,12 @@ void StoredKv::quantize_tokens(const std::vector<StoredLayer*>& tokens) {
   for (StoredLayer* token : tokens) {
     if (!token->raw) ++token->flushes;
     token->raw = false;
-    if (along) token->quantized_with = quantizations_, token->quantized_from = token->heads;
+    if (along) {
+      token->quantized_with = quantizations_;
+      token->quantized_from.resize(token->heads.size());
+      for (std::size_t g = 0; g < token->heads.size(); ++g)  // what each stood for; the codes are not needed
+        token->quantized_from[g].key = token->heads[g].key, token->quantized_from[g].value = token->heads[g].value;
+    }
   }
   for (int g = 0; g < dims_.kv_heads; ++g)
     for (const auto& [format, value] : {std::pair{&quant_.k, false}, std::pair{&quant_.v, true}}) {
@@ -227,6 +232,8 @@ void StoredKv::flush(int row, std::int64_t length, bool first_append) {
     const auto residual = static_cast<std::size_t>(quant_.residual);
     if (first_append && quant_.prefill == PrefillRule::store) {
       quantize_tokens(raw);
+    } else if (quant_.flush == Flush::block) {  // the oldest whole multiple of R, together
+      quantize_tokens({raw.begin(), raw.begin() + static_cast<std::ptrdiff_t>(raw.size() / residual * residual)});
     } else if (quant_.flush == Flush::append) {
       quantize_tokens({raw.begin(), raw.end() - static_cast<std::ptrdiff_t>(std::min(residual, raw.size()))});
     } else if (raw.size() >= residual) {

@@ -73,7 +73,8 @@ class StoredKv {
   const StoredLayer& at(int row, int layer, std::int64_t index) const;
 
   // The residual's rule after the tokens [0, length) of `row` are written (each settled):
-  // "append" quantizes the oldest raw tokens until `residual` remain; "requantize_all",
+  // "append" quantizes the oldest raw tokens until `residual` remain; "block" the oldest
+  // whole multiple of `residual` of them, together; "requantize_all",
   // once `residual` tokens are raw, quantizes them and every stored token again. The first
   // append of a row is quantized at once under prefill "store". When it runs follows
   // chunk_reads: before the step's queries read ("stored"), or after ("raw").

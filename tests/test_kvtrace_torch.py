@@ -382,7 +382,40 @@ class QuantizedCache:
         return out
 
 
+class KiviCache(QuantizedCache):
+    """KIVI's cache as its reference implementation flushes (kvcheck's flush "block"): tokens,
+    the prompt's too, wait raw in a residual of R; once R or more are raw, the oldest whole
+    multiple of R are quantized together (keys per channel: a run along the token axis) and
+    appended to the stored codes, never quantized again. update() returns the stored tokens
+    dequantized, then the residual and the new tokens raw (chunk_reads "raw")."""
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        new = [key_states, value_states]
+        if layer_idx == len(self.stored):
+            B, Hkv, _, D = key_states.shape
+            self.stored.append([np.zeros((B, Hkv, 0, D)) for _ in new])
+            self.codes.append([(np.zeros((B, Hkv, 0, D), np.int64), np.zeros((B, Hkv, 0, D // f["scale"]["elements"])),
+                                np.zeros((B, Hkv, 0, D // f["scale"]["elements"]), np.int64)) for f in self.fmts])
+            self.raw.append([x[..., :0, :] for x in new])
+        out = [torch.cat([torch.tensor(st, dtype=torch.float32), r, x], dim=-2)
+               for st, r, x in zip(self.stored[layer_idx], self.raw[layer_idx], new)]
+        raw = [torch.cat([r, x], dim=-2) for r, x in zip(self.raw[layer_idx], new)]
+        n = raw[0].shape[-2] // self.residual * self.residual
+        for t, (x, fmt) in enumerate(zip(raw, self.fmts)):
+            if n:
+                codes, back = self.quantize(x[..., :n, :].numpy(), fmt)
+                self.stored[layer_idx][t] = np.concatenate([self.stored[layer_idx][t], back], axis=2)
+                self.codes[layer_idx][t] = tuple(np.concatenate([a, b], axis=2)
+                                                 for a, b in zip(self.codes[layer_idx][t], codes))
+        self.raw[layer_idx] = [x[..., n:, :] for x in raw]
+        return out[0], out[1]
+
+
 INT4_GROUP_16 = {"format": "int4", "scale": {"granularity": "group", "group": 16, "dtype": "float16", "elements": 16}}
+# quant_kivi_blocks: 2-bit keys per channel per run of 8 tokens, values per group of 16.
+INT2_CHANNEL_8 = {"format": "int2", "scale": {"granularity": "channel", "axis": "token", "group": 8, "dtype": "float16",
+                                              "elements": 1}}
+INT2_GROUP_16 = {"format": "int2", "scale": {"granularity": "group", "group": 16, "dtype": "float16", "elements": 16}}
 # quant_channel_hf's keys: one scale and zero point per channel per run of 8 tokens.
 INT4_CHANNEL_8 = {"format": "int4", "scale": {"granularity": "channel", "axis": "token", "group": 8, "dtype": "float16",
                                               "elements": 1}}
@@ -477,8 +510,8 @@ class KvtraceTorchTest(unittest.TestCase):
         # their scales are not the scenario's shape, named as bad input.
         _, verify = self.drive("quant_channel_hf", lambda: QuantizedCache(INT4_GROUP_16, 4), positions="absolute")
         self.assertEqual(verify.returncode, 2, verify.stdout + verify.stderr)
-        self.assertIn("step000_l0_k_scales.npy: expected scales of shape [2, 2, 6, 32] (groups of 1), got [2, 2, 6, 2]",
-                      verify.stderr)
+        self.assertIn("step000_l0_k_scales.npy: expected scales of shape [2, 2, 6, 32] (along the token axis: each "
+                      "token's run's scale for each element), got [2, 2, 6, 2]", verify.stderr)
 
     def test_runs_across_the_flattened_batch_and_heads_fail_the_codes(self):
         # quanto groups the flattened [B, Hkv, S] tokens: with a 6-token prompt a run of 8 spans
@@ -490,6 +523,25 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
         self.assertIn("layer 0 row 0 uid 0 kv head 0: key scale of channel 0:", verify.stdout)
         self.assertIn("class: quantization scale wrong", verify.stdout)
+
+    def test_a_kivi_cache_passes_code_for_code(self):
+        # quant_kivi_blocks: the residual of 8 quantized 8 at a time, keys per channel.
+        result, verify = self.drive("quant_kivi_blocks", lambda: KiviCache((INT2_CHANNEL_8, INT2_GROUP_16), 8),
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("codes and their scales as the format's rules give", verify.stdout)
+
+    def test_hugging_face_flushes_where_kivi_quantizes_blocks_are_named(self):
+        # Hugging Face's QuantizedCache on KIVI's scenario: its prompt is quantized at once
+        # where KIVI keeps the last 5 raw.
+        _, verify = self.drive("quant_kivi_blocks", lambda: QuantizedCache((INT2_CHANNEL_8, INT2_GROUP_16), 8),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("token 8 (uid 8, slot 8) is held quantized, the residual's rules say raw (the first of 20",
+                      verify.stdout)
+        self.assertIn("class: precision map mismatch", verify.stdout)
 
     def test_transformers_flush_test_assumes_one_token_updates(self):
         # transformers flushes when residual_len + 1 >= residual_length: a 3-token append after

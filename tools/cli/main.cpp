@@ -484,6 +484,18 @@ int main(int argc, char** argv) {
 
   Progress::line().enable(show_progress);
   try {
+    // One report at most to standard output ("-"); the tables and diagnoses then go to
+    // standard error, so what a script reads from standard output parses.
+    const std::vector<const std::string*> reports = {&junit,        &json,         &html,
+                                                     &diagnose_json, &verify_html, &verify_junit,
+                                                     &verify_json,  &llamacpp_options.html,
+                                                     &llamacpp_options.junit, &llamacpp_options.json};
+    const auto to_stdout = std::count_if(reports.begin(), reports.end(), [](const std::string* r) { return *r == "-"; });
+    if (to_stdout > 1) {
+      fmt::print(stderr, "kvcheck: error: only one report can go to standard output (\"-\"), {} do\n", to_stdout);
+      return kBadInput;
+    }
+    if (to_stdout == 1) reserve_stdout_for_report();
     if (*run) {
       validate_cache_names(run_caches);
       for (const std::string& name : run_caches) options.caches.push_back(find_cache(name));

@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
-#include <iostream>
 #include <stdexcept>
 #include <vector>
 
@@ -124,30 +124,69 @@ void AtomicDir::commit() {
   fs::remove_all(old);
 }
 
-void write_file_atomically(const fs::path& path, const std::string& text) {
+namespace {
+int report_fd = STDOUT_FILENO;  // where "-" goes: standard output, kept apart by reserve_stdout_for_report
+
+bool under_special_tree(const fs::path& p) {
+  const std::string s = p.lexically_normal().string();
+  return s.rfind("/dev/", 0) == 0 || s.rfind("/proc/", 0) == 0;
+}
+
+void write_through(const fs::path& path, int fd, const std::string& text) {
+  std::fflush(stdout);  // what kvcheck printed comes first, when the stream is standard output
+  if (fd >= 0) {
+    for (std::size_t done = 0; done < text.size();) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw InputError(path.string(), "", "cannot write to it (" + std::string(std::strerror(errno)) + ")");
+      done += static_cast<std::size_t>(n);
+    }
+    return;
+  }
+  errno = 0;
+  std::ofstream out(path, std::ios::binary | std::ios::app);  // a stream: appended, never truncated
+  out << text;
+  if (!out.flush())
+    throw InputError(path.string(), "", "cannot write to it (" + std::string(errno ? std::strerror(errno) : "write failed") + ")");
+}
+}  // namespace
+
+void reserve_stdout_for_report() {
+  std::fflush(stdout);
+  report_fd = ::dup(STDOUT_FILENO);
+  if (report_fd < 0 || ::dup2(STDERR_FILENO, STDOUT_FILENO) < 0)
+    throw std::runtime_error(std::string("cannot set standard output apart for the report: ") + std::strerror(errno));
+}
+
+void write_file_atomically(const fs::path& given, const std::string& text) {
   std::error_code ec;
-  if (path == "-") {
-    std::cout << text << std::flush;
-    return;
+  if (given == "-") return write_through(given, report_fd, text);
+  // A link is followed: renaming a file over it would replace the link (/dev/stdout is one).
+  // A link into /dev or /proc (/dev/stdout -> /proc/self/fd/1 -> the file standard output
+  // was redirected to) is a stream: renaming over its end would hide what was printed.
+  fs::path path = given;
+  bool stream = under_special_tree(path);
+  for (int hops = 0; fs::is_symlink(fs::symlink_status(path, ec)); ++hops) {
+    const fs::path to = fs::read_symlink(path, ec);
+    if (ec || hops == 40)
+      throw InputError(given.string(), "",
+                       "cannot follow the link" + (ec ? " (" + ec.message() + ")" : std::string(": too many levels")));
+    path = to.is_absolute() ? to : path.parent_path() / to;
+    stream = stream || under_special_tree(path);
   }
-  if (fs::is_directory(path, ec)) throw InputError(path.string(), "", "is a folder; expected a file name to write");
-  const fs::file_status target = fs::status(path, ec);  // through a symbolic link (/dev/stdout is one)
-  if (!ec && fs::exists(target) && !fs::is_regular_file(target)) {
-    std::ofstream out(path, std::ios::binary);
-    out << text;
-    if (!out.flush())
-      throw InputError(path.string(), "", "cannot write to it (" + std::string(std::strerror(errno)) + ")");
-    return;
-  }
+  const fs::file_status target = fs::status(path, ec);
+  if (stream || (fs::exists(target) && !fs::is_regular_file(target) && !fs::is_directory(target)))
+    return write_through(given, -1, text);
+  if (fs::is_directory(target)) throw InputError(given.string(), "", "is a folder; expected a file name to write");
   if (!path.parent_path().empty() && !fs::is_directory(path.parent_path(), ec))
-    throw InputError(path.string(), "", "no such folder to write into: " + path.parent_path().string());
+    throw InputError(given.string(), "", "no such folder to write into: " + path.parent_path().string());
   const fs::path temp = sibling(path, ".tmp-");
   try {
     {
       std::ofstream out(temp, std::ios::binary);
       out << text;
       if (!out.flush())
-        throw InputError(path.string(), "", "cannot write the file (" + std::string(std::strerror(errno)) + ")");
+        throw InputError(given.string(), "", "cannot write the file (" + std::string(std::strerror(errno)) + ")");
     }
     fs::rename(temp, path);
   } catch (...) {

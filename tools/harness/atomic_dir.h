@@ -33,9 +33,14 @@ void recover_interrupted(const std::filesystem::path& target);
 // not: the link would be replaced, not followed). `option` names the argument (--out).
 void check_output_folder(const std::filesystem::path& target, const std::string& option);
 
-// Writes `text` to `path` through a temporary file and a rename. "-" is standard output; a
-// path that is already a stream (/dev/stdout, a FIFO, a terminal) is written straight
-// through, never replaced by a renamed file.
+// Writes `text` to `path` through a temporary file and a rename. "-" is standard output (as
+// reserve_stdout_for_report left it); a stream (/dev/stdout, anything under /dev or /proc, a
+// FIFO, a terminal) is written straight through, appended, never replaced by a renamed file;
+// a symbolic link is followed: the file it names is replaced, not the link.
 void write_file_atomically(const std::filesystem::path& path, const std::string& text);
+
+// A report is going to "-": standard output is kept for it alone and everything else kvcheck
+// prints there (tables, diagnoses) goes to standard error from now on, so the report parses.
+void reserve_stdout_for_report();
 
 }  // namespace kvcheck

@@ -107,7 +107,8 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
     if (s.kv_quant->holds_raw())
       c.residual = optimized::Residual{s.kv_quant->residual, s.kv_quant->flush == Flush::requantize_all,
                                        s.kv_quant->prefill == PrefillRule::store,
-                                       s.kv_quant->chunk_reads == ChunkReads::raw};
+                                       s.kv_quant->chunk_reads == ChunkReads::raw,
+                                       s.kv_quant->flush == Flush::block};
   }
   c.paging = paged_layout(s);
   // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "reference/policy.h"
+#include "reference/quantize.h"
 #include "tools/harness/content_keys.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/safe_file.h"
@@ -436,9 +437,12 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
   if (j.contains("v")) q.v = parse_tensor_quant(r, j["v"], p + "/v", dims);
   // An engine keeps at most a few thousand tokens unquantized; more is a typo.
   if (j.contains("residual")) q.residual = r.integer(j["residual"], p + "/residual", 0, 1 << 20);
-  if (j.contains("flush"))
-    q.flush = r.choice(j["flush"], p + "/flush", {"append", "requantize_all"}) == "append" ? Flush::append
-                                                                                            : Flush::requantize_all;
+  if (j.contains("flush")) {
+    const std::string flush = r.choice(j["flush"], p + "/flush", {"append", "requantize_all", "block"});
+    q.flush = flush == "append" ? Flush::append : flush == "block" ? Flush::block : Flush::requantize_all;
+    if (q.flush == Flush::block && q.residual < 1)
+      r.fail(p + "/flush", "\"block\" quantizes the residual's tokens R at a time: expected a \"residual\" of 1 or more");
+  }
   if (j.contains("prefill"))
     q.prefill = r.choice(j["prefill"], p + "/prefill", {"store", "residual"}) == "store" ? PrefillRule::store
                                                                                         : PrefillRule::residual;
@@ -459,6 +463,12 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
     if (!hadamard && !whole)
       r.fail(p + "/" + name + "/transform_block", "a transform block needs \"transform\": \"hadamard\"");
   }
+  // A run along the token axis is the tokens quantized together: "append" would quantize each
+  // token alone as it leaves the residual (a run of one, nearly lossless: not what anyone ships).
+  if (q.along_tokens() && q.flush == Flush::append)
+    r.fail(j.contains("flush") ? p + "/flush" : p,
+           "scales along the token axis need tokens quantized together: expected \"flush\": \"block\" (KIVI: the "
+           "residual's tokens, R at a time) or \"requantize_all\" (Hugging Face's QuantizedCache)");
   if (q.along_tokens() && q.transform == QuantTransform::hadamard)
     not_yet(r, p + "/transform", "a Hadamard transform with scales along the token axis (\"channel\", or a "
                                  "\"group\" with \"axis\": \"token\")");
@@ -940,15 +950,34 @@ double visible_keys_sum(const Policy& p, std::int64_t first, std::int64_t last) 
 
 }  // namespace
 
+namespace {
+// What the reference keeps of one quantized token (SPEC 9's R_stored: every layer and kv
+// head, keys and values) as reference::StoredLayer holds it: what each stands for (doubles),
+// its codes (ints), scales (doubles) and zero points (ints) per group; under scales along the
+// token axis a group is one element, and what it was quantized from is kept too.
+double stored_bytes_per_token(const Scenario& s) {
+  if (!s.kv_quant) return 0.0;
+  const double D = s.dims.head_dim;
+  double per_head = 0.0;
+  for (const auto& t : {s.kv_quant->k, s.kv_quant->v}) {
+    const double groups = t ? D / std::max(1, reference::scale_group(*t, s.dims.head_dim)) : 0.0;
+    per_head += D * 8 + (t ? D * 4 + groups * 12 + D / 4 : 0.0);
+  }
+  if (s.kv_quant->along_tokens()) per_head *= 2;
+  return static_cast<double>(s.dims.layers) * s.dims.kv_heads * (per_head + 64);
+}
+}  // namespace
+
 ScenarioCost estimate_cost(const Scenario& s) {
   const Dims& d = s.dims;
+  const double stored_per_token = stored_bytes_per_token(s);
   // A hybrid costs at most what its widest layer would cost in every layer.
   Policy widest = s.policy;
   for (const Policy& p : s.layer_policies)
     if (visible_keys(p, std::int64_t{1} << 40) > visible_keys(widest, std::int64_t{1} << 40)) widest = p;
   const double per_token_out = static_cast<double>(d.layers) * d.heads * d.head_dim;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);
-  double outputs = 0, views = 0, retained = 0, work = 0, largest_step = 0;
+  double outputs = 0, views = 0, retained = 0, stored = 0, work = 0, largest_step = 0;
   for (const Step& step : s.steps) {
     double step_bytes = 0;
     if (step.op == StepOp::append) {
@@ -973,7 +1002,11 @@ ScenarioCost estimate_cost(const Scenario& s) {
     for (std::int64_t n : lengths)
       sets += (48.0 * (n == 0 ? 0.0 : visible_keys(widest, n - 1)) + 24) * (s.hybrid() ? d.layers + 1.0 : 1.0);
     retained += sets;
-    largest_step = std::max(largest_step, step_bytes + sets);
+    // A quantized step's record holds what the reference stores for every retained token.
+    double stored_now = 0;
+    for (std::int64_t n : lengths) stored_now += stored_per_token * (n == 0 ? 0.0 : visible_keys(widest, n - 1));
+    stored += stored_now;
+    largest_step = std::max(largest_step, step_bytes + sets + stored_now);
   }
   ScenarioCost c;
   const double inputs = static_cast<double>(count_uids(s)) * d.layers * (d.heads + 2.0 * d.kv_heads) * d.head_dim * 4;
@@ -982,11 +1015,12 @@ ScenarioCost estimate_cost(const Scenario& s) {
   // tokens one by one from a copy) and the largest step. Export, goldens, diagnose and
   // verify keep every step.
   c.bytes = 2 * inputs + histories + largest_step;
-  c.whole_run_bytes = outputs + views + retained + inputs + histories;
+  c.whole_run_bytes = outputs + views + retained + stored + inputs + histories;
   c.multiply_adds = work;
   c.breakdown = fmt::format("inputs {}, the largest step {}", bytes_text(2 * inputs), bytes_text(largest_step));
   c.whole_run_breakdown = fmt::format("outputs {}, attention views {}, retained sets {}, inputs {}",
                                       bytes_text(outputs), bytes_text(views), bytes_text(retained), bytes_text(inputs));
+  if (stored > 0) c.whole_run_breakdown += fmt::format(", stored quantized KV {}", bytes_text(stored));
   return c;
 }
 

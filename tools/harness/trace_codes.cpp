@@ -83,9 +83,12 @@ StoredRows StoredRows::read(const CodeFiles& files, int t, const TensorQuant& qu
   double ignored = 0.0;
   r.scales = read_npy_floats(files.scales[t], &ignored);
   if (r.scales.shape != shape)
-    throw InputError(files.scales[t], "", fmt::format("expected scales of shape {} (groups of {}), got {}",
-                                                      shape_string(shape), head_dim / r.groups,
-                                                      shape_string(r.scales.shape)));
+    throw InputError(files.scales[t], "",
+                     fmt::format("expected scales of shape {} ({}), got {}", shape_string(shape),
+                                 quant.scale.granularity == ScaleGranularity::channel
+                                     ? std::string("along the token axis: each token's run's scale for each element")
+                                     : fmt::format("groups of {}", head_dim / r.groups),
+                                 shape_string(r.scales.shape)));
   if (!files.zeros[t].empty()) r.zeros = load_codes(files.zeros[t], shape);
   return r;
 }
