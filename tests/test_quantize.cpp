@@ -297,6 +297,71 @@ TEST(QuantCodec, AgreesWithTheReferenceCodeForCode) {
   }
 }
 
+// Scales along the token axis, two implementations apart: runs of 8 and one run of all,
+// over 37 tokens (a last run of 5), zero and all-equal channels, float16 scales.
+TEST(QuantCodec, AlongTokensAgreesWithTheReferenceCodeForCode) {
+  using optimized::Codec;
+  const std::vector<std::pair<QuantFormat, Codec>> formats = {{QuantFormat::int4, Codec::int4},
+                                                              {QuantFormat::int2, Codec::int2},
+                                                              {QuantFormat::int8, Codec::int8},
+                                                              {QuantFormat::fp8_e4m3, Codec::fp8_e4m3},
+                                                              {QuantFormat::fp8_e5m2, Codec::fp8_e5m2}};
+  const int D = 32, n = 37;
+  std::uint64_t state = 777;
+  const auto next = [&] {  // splitmix64: the same rows everywhere
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1p-53;
+  };
+  std::vector<std::vector<float>> rows(n, std::vector<float>(D));
+  for (int t = 0; t < n; ++t) {
+    const double magnitude = std::pow(10.0, -3.0 + 5.0 * next());
+    for (int c = 0; c < D; ++c) rows[t][c] = static_cast<float>((2.0 * next() - 1.0) * magnitude);
+    rows[t][0] = 0.0f;   // a zero channel
+    rows[t][1] = 1.5f;   // an all-equal channel
+  }
+  std::vector<const float*> x;
+  for (const auto& r : rows) x.push_back(r.data());
+  for (const auto& [ref_format, codec] : formats)
+    for (const int run : {8, 0})
+      for (const bool half : {false, true}) {
+        const TensorQuant ref = format(ref_format, ScaleGranularity::channel, run, half ? ScaleDtype::float16 : ScaleDtype::float32);
+        optimized::RowFormat f;
+        f.codec = codec, f.along_tokens = true, f.token_run = run, f.scale_half = half;
+        std::vector<std::vector<std::byte>> stored(n, std::vector<std::byte>(optimized::row_bytes(f, D)));
+        std::vector<std::byte*> out;
+        for (auto& s : stored) out.push_back(s.data());
+        std::vector<float> scratch;
+        optimized::encode_rows_along_tokens(f, x.data(), n, D, out.data(), scratch);
+        const std::vector<QuantizedRow> want = reference::quantize_along_tokens(ref, x, D);
+        const std::string what = std::string(to_string(ref_format)) + " run " + std::to_string(run) + (half ? " float16" : "");
+        int differing = 0;
+        for (int t = 0; t < n; ++t) {
+          const optimized::UnpackedRow got = optimized::unpack_row(f, 0, stored[t].data(), D);
+          ASSERT_EQ(got.scales.size(), static_cast<std::size_t>(D)) << what;
+          for (int c = 0; c < D; ++c) {
+            ASSERT_EQ(static_cast<double>(got.scales[c]), want[t].scales[c]) << what << " token " << t << " channel " << c;
+            if (!want[t].zeros.empty()) ASSERT_EQ(got.zeros[c], want[t].zeros[c]) << what << " token " << t;
+            if (got.codes[c] == want[t].codes[c]) continue;
+            ++differing;
+            EXPECT_TRUE(want[t].near_boundary[c] && std::abs(got.codes[c] - want[t].codes[c]) == 1)
+                << what << " token " << t << " channel " << c << ": reference " << want[t].codes[c] << ", codec "
+                << got.codes[c];
+          }
+        }
+        EXPECT_LT(differing, n * D / 100) << what;
+        // The all-equal channel of 1.5 is the top code times its scale, 1.5 / top as stored
+        // (float16: 1.5 / 15 = 0.1 is stored as 0.0999755859375); the zero channel reads 0.
+        std::vector<float> back(D);
+        optimized::decode_row(f, 0, stored[n - 1].data(), D, back.data());
+        const double top = reference::code_range(ref_format);
+        const double scale = half ? reference::round_to_float16(1.5 / top) : static_cast<float>(1.5 / top);
+        EXPECT_NEAR(back[1], top * scale, 1e-6) << what;
+        EXPECT_EQ(back[0], 0.0f) << what;
+      }
+}
+
 // The optimized Hadamard transform is undone on read: a row round-trips through it to
 // within the format's error, and the codes are those of the transformed row.
 TEST(QuantCodec, HadamardRowsRoundTrip) {

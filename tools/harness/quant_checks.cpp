@@ -106,6 +106,8 @@ QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), i
   for (std::size_t at = 0; at + D <= inputs.q.size(); at += static_cast<std::size_t>(D))
     q_norm_ = std::max(q_norm_, norm(inputs.q.data() + at, D) * m);
   magnitudes_.resize(inputs.k.size() / static_cast<std::size_t>(D));
+  widest_.assign(static_cast<std::size_t>(s.dims.layers) * s.dims.kv_heads, Magnitude{});
+  const std::size_t per_layer = static_cast<std::size_t>(inputs.uids) * s.dims.kv_heads;  // rows of one layer
   for (std::size_t at = 0; at + D <= inputs.k.size(); at += static_cast<std::size_t>(D)) {
     const float* k = inputs.k.data() + at;
     const float* v = inputs.v.data() + at;
@@ -124,8 +126,10 @@ QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), i
       v_hi = std::max(v_hi, static_cast<double>(v[i]));
     }
     k_norm_ = std::max(k_norm_, here.key_norm);
-    widest_.key_element = std::max(widest_.key_element, here.key_element);
-    widest_.value_element = std::max(widest_.value_element, here.value_element);
+    const std::size_t row = at / static_cast<std::size_t>(D);  // [layer][uid][kv head]
+    Magnitude& widest = widest_[row / per_layer * s.dims.kv_heads + row % s.dims.kv_heads];
+    widest.key_element = std::max(widest.key_element, here.key_element);
+    widest.value_element = std::max(widest.value_element, here.value_element);
   }
   v_range_ = v_hi - v_lo;
 }
@@ -209,17 +213,17 @@ namespace {
 bool along_tokens(const std::optional<TensorQuant>& q) { return q && q->scale.granularity == ScaleGranularity::channel; }
 }  // namespace
 
-double QuantChecks::key_error(const Magnitude& m, int times, double scale) {
+double QuantChecks::key_error(const Magnitude& m, const Magnitude& widest, int times, double scale) {
   const KvQuant& q = *s_.kv_quant;
   return stored_key_error(q.k, q.k && q.transform == QuantTransform::hadamard, s_.kv_dtype, s_.dims.head_dim,
-                          along_tokens(q.k) ? widest_.key_element : m.key_element, m.key_norm, times, saturation_,
+                          along_tokens(q.k) ? widest.key_element : m.key_element, m.key_norm, times, saturation_,
                           scale);
 }
 
-double QuantChecks::value_error(const Magnitude& m, int times, double scale) {
+double QuantChecks::value_error(const Magnitude& m, const Magnitude& widest, int times, double scale) {
   const KvQuant& q = *s_.kv_quant;
   return stored_value_error(q.v, q.v && q.transform == QuantTransform::hadamard, s_.kv_dtype, s_.dims.head_dim,
-                            along_tokens(q.v) ? widest_.value_element : m.value_element, m.value_norm, times,
+                            along_tokens(q.v) ? widest.value_element : m.value_element, m.value_norm, times,
                             saturation_, scale);
 }
 
@@ -760,14 +764,15 @@ void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* 
         scale_known = true;
       }
       const Magnitude& m = magnitude(l, uid, g);
+      const Magnitude& widest = widest_[static_cast<std::size_t>(l) * s_.dims.kv_heads + static_cast<std::size_t>(g)];
       const auto at = static_cast<std::size_t>(g);
       if (!scale_known) {  // written and evicted within the step: its scale is not shown
         saturation_ = "a key written and evicted within one step holds a frozen scale kvcheck does not see";
         key_error_max[at] = INFINITY;
       }
-      key_error_max[at] = std::max(key_error_max[at], key_error(m, key_times, key_scale));
+      key_error_max[at] = std::max(key_error_max[at], key_error(m, widest, key_times, key_scale));
       key_norm_max[at] = std::max(key_norm_max[at], m.key_norm);
-      value_error_max[at] = std::max(value_error_max[at], value_error(m, value_times, value_scale));
+      value_error_max[at] = std::max(value_error_max[at], value_error(m, widest, value_times, value_scale));
       const float* v = inputs_.v_at(l, uid, g);
       for (int d = 0; d < D; ++d) {
         lo[at * D + d] = std::min(lo[at * D + d], static_cast<double>(v[d]));

@@ -145,10 +145,10 @@ class QuantChecks {
     double key_element = 0.0, key_norm = 0.0, value_element = 0.0, value_norm = 0.0;
   };
   std::vector<Magnitude> magnitudes_;  // [layer][uid][kv head]
-  // The largest key and value elements of any token: under scales along the token axis a
-  // channel's scale comes from the other tokens of its run, so a row's own magnitude does not
-  // bound its error.
-  Magnitude widest_;
+  // The largest key and value elements of any token, per [layer][kv head]: under scales along
+  // the token axis a channel's scale comes from the other tokens of its run, so a row's own
+  // magnitude does not bound its error.
+  std::vector<Magnitude> widest_;
   const Magnitude& magnitude(int layer, std::uint64_t uid, int kv_head) const;
   // How often each kept key and value has been quantized or rounded (its write, each shift,
   // each flush), as last seen; (layer, row, uid, kv head). Each time adds the format's error again.
@@ -160,8 +160,9 @@ class QuantChecks {
   std::map<HeldId, TimesStored> times_stored_;
   // The bound on the 2-norm of a stored key's error (quantized `times` over), and on one
   // element of a stored value's; infinite when a static scale saturates (saturation_ says).
-  double key_error(const Magnitude& m, int times, double scale);
-  double value_error(const Magnitude& m, int times, double scale);
+  // `widest`: the largest of its layer and kv head (for scales along the token axis).
+  double key_error(const Magnitude& m, const Magnitude& widest, int times, double scale);
+  double value_error(const Magnitude& m, const Magnitude& widest, int times, double scale);
   double largest_bound_ = 0.0, smallest_bound_ = std::numeric_limits<double>::infinity();
   std::int64_t saturated_rows_ = 0;  // (step, layer, row)s not judged: a scale may saturate
   std::int64_t bounded_outputs_ = 0;                   // output elements judged
