@@ -342,7 +342,9 @@ TEST(QuantCodec, AlongTokensAgreesWithTheReferenceCodeForCode) {
           ASSERT_EQ(got.scales.size(), static_cast<std::size_t>(D)) << what;
           for (int c = 0; c < D; ++c) {
             ASSERT_EQ(static_cast<double>(got.scales[c]), want[t].scales[c]) << what << " token " << t << " channel " << c;
-            if (!want[t].zeros.empty()) ASSERT_EQ(got.zeros[c], want[t].zeros[c]) << what << " token " << t;
+            if (!want[t].zeros.empty()) {
+              ASSERT_EQ(got.zeros[c], want[t].zeros[c]) << what << " token " << t;
+            }
             if (got.codes[c] == want[t].codes[c]) continue;
             ++differing;
             EXPECT_TRUE(want[t].near_boundary[c] && std::abs(got.codes[c] - want[t].codes[c]) == 1)
