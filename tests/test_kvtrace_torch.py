@@ -541,6 +541,7 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
         self.assertIn("token 8 (uid 8, slot 8) is held quantized, the residual's rules say raw (the first of 20",
                       verify.stdout)
+        self.assertRegex(verify.stdout, r"\n +8 +8 +8 .* raw/q  held quantized, the rules say raw\n")
         self.assertIn("class: precision map mismatch", verify.stdout)
 
     def test_transformers_flush_test_assumes_one_token_updates(self):
@@ -554,9 +555,10 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertIn("is held raw, the residual's rules say quantized (the first of", verify.stdout)
         self.assertIn("class: precision map mismatch", verify.stdout)
         # The slot table shows each slot's precision, expected/actual: some token the rules
-        # quantize is still raw.
+        # quantize is still raw, and its verdict says so.
         self.assertIn("held e/a", verify.stdout)
-        self.assertRegex(verify.stdout, r"\n +[0-9]+ +[0-9]+ +[0-9]+ .* q/raw  ")
+        self.assertRegex(verify.stdout, r"\n +13 +34 +13 .* q/raw  held raw, the rules say quantized\n")
+        self.assertRegex(verify.stdout, r"\n +12 +32 +12 .* q/q  ok\n")
 
     def test_a_quantized_cache_reordering_its_residual_only_is_named(self):
         _, verify = self.drive("quant_residual_hf",

@@ -43,6 +43,8 @@ std::string colour(const PictureCell& c) {
       return "#ff9800";
     case PictureCell::State::duplicated:
       return "#9c27b0";
+    case PictureCell::State::wrong_precision:
+      return "#2196f3";
     case PictureCell::State::wrong_position: {
       // Redder as the position error grows (1 light, 8 or more full).
       const int level = static_cast<int>(std::min<std::int64_t>(8, std::abs(c.error)));
@@ -166,6 +168,7 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
       "<span style=\"background:#9c27b0\">&#160;&#160;&#160;</span> duplicated "
       "<span style=\"background:#a5d6a7\">&#160;&#160;&#160;</span> dead (no later query sees it; fine) "
       "<span style=\"background:#607d8b\">&#160;&#160;&#160;</span> stale "
+      "<span style=\"background:#2196f3\">&#160;&#160;&#160;</span> held raw or quantized against the residual's rules "
       "<span style=\"background:#eeeeee\">&#160;&#160;&#160;</span> empty. "
       "The framed column is the first divergent step; positions are judged by the distance Pq - Pk that the "
       "row's last query of each step used.</p>\n";

@@ -18,8 +18,10 @@ const SlotRow* culprit(const StepDiagnosis& f) {
     for (const SlotRow& r : f.slots)
       if (r.verdict == SlotVerdict::missing) return &r;
   const SlotRow* best = nullptr;
-  for (const SlotRow& r : f.slots)
+  for (const SlotRow& r : f.slots) {
+    if (r.verdict == SlotVerdict::precision_off) continue;  // the precision evidence says it, with a count
     if (severity(r.verdict) > (best ? severity(best->verdict) : 0)) best = &r;
+  }
   return best;
 }
 

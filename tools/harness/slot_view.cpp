@@ -22,6 +22,7 @@ int severity(SlotVerdict v) {
     case SlotVerdict::missing:
     case SlotVerdict::claims_other_index:
     case SlotVerdict::key_off_claim:
+    case SlotVerdict::precision_off:
       return 3;
   }
   return 0;
@@ -57,6 +58,8 @@ std::string verdict_text(const SlotRow& r) {
       return "not used, should be visible";
     case SlotVerdict::distance_off:
       return fmt::format("distance off by {}", r.distance_actual.value_or(0) - r.distance_expected.value_or(0));
+    case SlotVerdict::precision_off:
+      return r.held.rfind("raw/", 0) == 0 ? "held quantized, the rules say raw" : "held raw, the rules say quantized";
   }
   return "?";
 }
@@ -86,6 +89,9 @@ PictureCell picture_cell(const SlotRow& r) {
     case SlotVerdict::missing:
     case SlotVerdict::not_used_should_be:
       c.state = PictureCell::State::empty;
+      break;
+    case SlotVerdict::precision_off:
+      c.state = PictureCell::State::wrong_precision;
       break;
     case SlotVerdict::claims_other_index:
     case SlotVerdict::key_off_claim:

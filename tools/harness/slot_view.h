@@ -24,6 +24,7 @@ enum class SlotVerdict {
   visible_should_not_be,
   not_used_should_be,
   distance_off,
+  precision_off,  // held raw where the residual's rules quantize it, or quantized where they keep it raw
 };
 
 // How directly a verdict points at the bug: a slot's own content first, then what is
@@ -52,7 +53,8 @@ std::string verdict_text(const SlotRow& row);
 
 // The picture: per step, per slot of the diagnosed row.
 struct PictureCell {
-  enum class State { empty, ok, dead, wrong_position, not_retained, duplicated, stale } state = State::empty;
+  enum class State { empty, ok, dead, wrong_position, not_retained, duplicated, stale, wrong_precision } state =
+      State::empty;
   std::int64_t uid = -1;
   std::int64_t error = 0;  // actual - expected distance, for wrong_position
 };

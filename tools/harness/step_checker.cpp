@@ -469,10 +469,13 @@ class StepChecker::Impl {
         row.uid = v.uid;
         row.index = v.uid < 0 ? -1 : index_of(history, v.uid);
         row.claimed_index = v.claimed_index;
+        bool precision_off = false;
         if (shows_precision) {
           const auto expected = raw_expected.find(v.uid);
-          const char* actual = v.raw ? "raw" : v.key_codes || v.value_codes ? "q" : "?";
+          const bool quantized = !v.raw && (v.key_codes || v.value_codes);
+          const char* actual = v.raw ? "raw" : quantized ? "q" : "?";
           row.held = fmt::format("{}/{}", expected == raw_expected.end() ? "-" : expected->second ? "raw" : "q", actual);
+          precision_off = expected != raw_expected.end() && (expected->second ? quantized : v.raw);
         }
         const bool first_time = row.index >= 0 && ++seen[v.uid] == 1;
         const bool live = sets.live.count(v.uid) > 0;
@@ -534,6 +537,8 @@ class StepChecker::Impl {
         const bool judged = row.index >= 0 || options_.key_positions == KeyPositions::claimed;
         if (judged && v.uid >= 0 && v.uid < inputs_.uids && v.key != nullptr)
           check_key(rec, view, l, b, static_cast<int>(g), v, row, positions, sets, evidence, state, where);
+        if (precision_off && is_fine(row.verdict) && row.verdict != SlotVerdict::dead_held)
+          row.verdict = SlotVerdict::precision_off;
         if (g == 0) state.table.push_back(row);
       }
       // Tokens the cache should hold but does not.
