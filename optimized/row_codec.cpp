@@ -166,6 +166,29 @@ int get_code(const RowFormat& f, const std::byte* codes, int i, int g) {
   return (byte >> (i * bits % 8)) & ((1 << bits) - 1);
 }
 
+// An affine group's scale and zero point from its range (an all-equal group takes its range
+// from zero, so it stays exact).
+void affine_params(const RowFormat& f, float lo, float hi, float& s, int& z) {
+  if (lo == hi) lo = std::min(lo, 0.0f), hi = std::max(hi, 0.0f);
+  s = as_stored(f.scale_half, static_cast<float>((static_cast<double>(hi) - lo) / ((1 << code_bits(f.codec)) - 1)));
+  z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
+}
+
+// The code of x under scale s (and zero point z) for affine, int8 and fp8.
+int scaled_code(const RowFormat& f, float x, float s, int z) {
+  if (affine(f.codec))
+    return std::clamp(static_cast<int>(s != 0.0f ? std::round(x / s) : 0.0f) + z, 0, (1 << code_bits(f.codec)) - 1);
+  const float y = s != 0.0f ? x / s : 0.0f;
+  return f.codec == Codec::int8 ? std::clamp(static_cast<int>(std::round(y)), -127, 127) : fp8_encode(fp8_of(f.codec), y);
+}
+
+// An affine group's int32 zero point, after its scale, advancing p.
+void put_zero(int z, std::byte*& p) {
+  const auto z32 = static_cast<std::int32_t>(z);
+  std::memcpy(p, &z32, 4);
+  p += 4;
+}
+
 }  // namespace
 
 RowFormat float_format(Storage storage) {
@@ -246,17 +269,12 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
       for (int i = 0; i < g; ++i)
         put_code(f, p, i, g, std::min(15, static_cast<int>(static_cast<std::int8_t>(xs[i] * inv + 8.5f))));
     } else if (affine(f.codec)) {
-      float lo = *std::min_element(xs, xs + g), hi = *std::max_element(xs, xs + g);
-      if (lo == hi) lo = std::min(lo, 0.0f), hi = std::max(hi, 0.0f);
-      const int top = (1 << code_bits(f.codec)) - 1;
-      const float s = as_stored(f.scale_half, static_cast<float>((static_cast<double>(hi) - lo) / top));
-      const int z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
+      float s = 0.0f;
+      int z = 0;
+      affine_params(f, *std::min_element(xs, xs + g), *std::max_element(xs, xs + g), s, z);
       put_scale(f, s, p);
-      const auto z32 = static_cast<std::int32_t>(z);
-      std::memcpy(p, &z32, 4);
-      p += 4;
-      for (int i = 0; i < g; ++i)
-        put_code(f, p, i, g, std::clamp(static_cast<int>(s != 0.0f ? std::round(xs[i] / s) : 0.0f) + z, 0, top));
+      put_zero(z, p);
+      for (int i = 0; i < g; ++i) put_code(f, p, i, g, scaled_code(f, xs[i], s, z));
     } else {  // int8 and fp8: a static scale, or the group's amax over the code range
       float s = 0.0f;
       if (!stores_scale(f))
@@ -266,64 +284,32 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
       else
         s = as_stored(f.scale_half, static_cast<float>(static_cast<double>(amax) / code_range(f.codec)));
       put_scale(f, s, p);
-      for (int i = 0; i < g; ++i) {
-        const float y = s != 0.0f ? xs[i] / s : 0.0f;
-        put_code(f, p, i, g,
-                 f.codec == Codec::int8 ? std::clamp(static_cast<int>(std::round(y)), -127, 127)
-                                        : fp8_encode(fp8_of(f.codec), y));
-      }
+      for (int i = 0; i < g; ++i) put_code(f, p, i, g, scaled_code(f, xs[i], s, 0));
     }
   }
 }
 
-void encode_rows_along_tokens(const RowFormat& f, const float* const* x, int n, int d, std::byte* const* out,
-                              std::vector<float>& scratch) {
-  std::vector<const float*> rows(x, x + n);
-  if (f.hadamard) {
-    scratch.resize(static_cast<std::size_t>(n) * d);
-    for (int t = 0; t < n; ++t) {
-      float* y = scratch.data() + static_cast<std::size_t>(t) * d;
-      std::copy_n(x[t], d, y);
-      walsh_hadamard_blocks(y, d, f.hadamard_block);
-      rows[static_cast<std::size_t>(t)] = y;
-    }
-  }
+void encode_rows_along_tokens(const RowFormat& f, const float* const* x, int n, int d, std::byte* const* out) {
+  if (f.hadamard) throw std::logic_error("encode_rows_along_tokens: no transform along the token axis");
   for (int t = 0; t < n; ++t) std::memset(out[t], 0, row_bytes(f, d));
   const std::size_t element_bytes = group_bytes(f, 1);
   const int run = f.token_run > 0 ? f.token_run : std::max(n, 1);
   for (int t0 = 0; t0 < n; t0 += run) {
     const int t1 = std::min(n, t0 + run);
-    for (int c = 0; c < d; ++c) {
-      float lo = rows[t0][c], hi = lo, amax = 0.0f;
-      for (int t = t0; t < t1; ++t) {
-        const float e = rows[static_cast<std::size_t>(t)][c];
-        lo = std::min(lo, e), hi = std::max(hi, e), amax = std::max(amax, std::abs(e));
-      }
+    for (int c = 0; c < d; ++c) {  // the channel's run, as one group
+      float lo = x[t0][c], hi = lo, amax = 0.0f;
+      for (int t = t0; t < t1; ++t) lo = std::min(lo, x[t][c]), hi = std::max(hi, x[t][c]), amax = std::max(amax, std::abs(x[t][c]));
       float s = 0.0f;
       int z = 0;
-      if (affine(f.codec)) {  // as a row's group, over the channel's run
-        if (lo == hi) lo = std::min(lo, 0.0f), hi = std::max(hi, 0.0f);
-        s = as_stored(f.scale_half, static_cast<float>((static_cast<double>(hi) - lo) / ((1 << code_bits(f.codec)) - 1)));
-        z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
-      } else {
+      if (affine(f.codec))
+        affine_params(f, lo, hi, s, z);
+      else
         s = as_stored(f.scale_half, static_cast<float>(static_cast<double>(amax) / code_range(f.codec)));
-      }
       for (int t = t0; t < t1; ++t) {
         std::byte* p = out[t] + static_cast<std::size_t>(c) * element_bytes;
         put_scale(f, s, p);
-        const float e = rows[static_cast<std::size_t>(t)][c];
-        int code = 0;
-        if (affine(f.codec)) {
-          const auto z32 = static_cast<std::int32_t>(z);
-          std::memcpy(p, &z32, 4);
-          p += 4;
-          code = std::clamp(static_cast<int>(s != 0.0f ? std::round(e / s) : 0.0f) + z, 0, (1 << code_bits(f.codec)) - 1);
-        } else if (f.codec == Codec::int8) {
-          code = std::clamp(static_cast<int>(std::round(s != 0.0f ? e / s : 0.0f)), -127, 127);
-        } else {
-          code = fp8_encode(fp8_of(f.codec), s != 0.0f ? e / s : 0.0f);
-        }
-        put_code(f, p, 0, 1, code);
+        if (affine(f.codec)) put_zero(z, p);
+        put_code(f, p, 0, 1, scaled_code(f, x[t][c], s, z));
       }
     }
   }

@@ -42,10 +42,9 @@ std::size_t row_bytes(const RowFormat& format, int d);
 // `given_scale`: the scale of a Frozen format (the writer's row's).
 void encode_row(const RowFormat& format, int kv_head, const float* x, int d, std::byte* out, float* scratch,
                 float given_scale = 0.0f);
-// An along_tokens format: the n rows x[0..n) (d floats each, in token order) quantized
-// together into out[0..n) (row_bytes each). `scratch` grows to n * d floats under a transform.
-void encode_rows_along_tokens(const RowFormat& format, const float* const* x, int n, int d, std::byte* const* out,
-                              std::vector<float>& scratch);
+// An along_tokens format (no transform): the n rows x[0..n) (d floats each, in token order)
+// quantized together into out[0..n) (row_bytes each).
+void encode_rows_along_tokens(const RowFormat& format, const float* const* x, int n, int d, std::byte* const* out);
 // A Frozen format's scale for values whose largest magnitude is `amax` (as stored), and the
 // largest magnitude of what encode_row would quantize of x (after the transform).
 float frozen_scale(const RowFormat& format, float amax);

@@ -83,7 +83,7 @@ void SlotStore::quantize_slots(int row, const std::vector<std::int64_t>& slots) 
           if (!format.along_tokens) encode_row(format, g, x, head_dim_, out[t], scratch_.data());
         }
         if (format.along_tokens)
-          encode_rows_along_tokens(format, rows.data(), static_cast<int>(n), head_dim_, out.data(), flush_scratch_);
+          encode_rows_along_tokens(format, rows.data(), static_cast<int>(n), head_dim_, out.data());
       }
   for (std::int64_t s : slots) meta(row, s).raw = false;
 }

@@ -136,7 +136,7 @@ class SlotStore {
   std::size_t key_bytes_ = 0, value_bytes_ = 0;  // one row of each
   std::vector<float> scratch_;                   // head_dim floats for a transform
   std::vector<float> flush_row_;                 // head_dim floats: a row quantized at a flush
-  std::vector<float> flush_rows_, flush_scratch_;  // rows quantized together (scales along the token axis)
+  std::vector<float> flush_rows_;                // rows quantized together (scales along the token axis)
   std::int64_t capacity_ = 0;
   std::vector<std::vector<std::byte>> k_, v_;  // per layer
   std::vector<SlotMeta> meta_;             // [row][slot]

@@ -28,6 +28,14 @@ TensorQuant format(QuantFormat f, ScaleGranularity g = ScaleGranularity::token, 
   return q;
 }
 
+// splitmix64 as a double in [0, 1): the same rows on every machine.
+double uniform(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1p-53;
+}
+
 std::vector<double> decoded(const TensorQuant& q, const QuantizedRow& row) {
   std::vector<double> out(row.codes.size());
   reference::dequantize(q, row, out.data());
@@ -189,8 +197,7 @@ TEST(QuantCodec, AlongTokensStoresTheHandWorkedCodes) {
   std::vector<const float*> rows;
   std::vector<std::byte*> out;
   for (std::size_t t = 0; t < 3; ++t) rows.push_back(kThreeTokens[t].data()), out.push_back(stored[t].data());
-  std::vector<float> scratch;
-  optimized::encode_rows_along_tokens(f, rows.data(), 3, 2, out.data(), scratch);
+  optimized::encode_rows_along_tokens(f, rows.data(), 3, 2, out.data());
   const std::vector<std::vector<int>> codes = {{0, 0}, {15, 15}, {15, 0}}, zeros = {{0, 3}, {0, 3}, {0, 0}};
   const std::vector<std::vector<float>> scales = {{1.0f, 1.0f}, {1.0f, 1.0f}, {1.0f, 0.0f}};
   for (std::size_t t = 0; t < 3; ++t) {
@@ -253,12 +260,7 @@ TEST(QuantCodec, AgreesWithTheReferenceCodeForCode) {
   };
   const int D = 64;
   std::uint64_t state = 12345;
-  const auto next = [&] {  // splitmix64: the same rows everywhere
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1p-53;
-  };
+  const auto next = [&] { return uniform(state); };
   std::vector<float> x(D), scratch(D), back(D);
   for (const Case& c : cases) {
     std::vector<std::byte> bytes(optimized::row_bytes(c.opt, D));
@@ -308,12 +310,7 @@ TEST(QuantCodec, AlongTokensAgreesWithTheReferenceCodeForCode) {
                                                               {QuantFormat::fp8_e5m2, Codec::fp8_e5m2}};
   const int D = 32, n = 37;
   std::uint64_t state = 777;
-  const auto next = [&] {  // splitmix64: the same rows everywhere
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1p-53;
-  };
+  const auto next = [&] { return uniform(state); };
   std::vector<std::vector<float>> rows(n, std::vector<float>(D));
   for (int t = 0; t < n; ++t) {
     const double magnitude = std::pow(10.0, -3.0 + 5.0 * next());
@@ -332,8 +329,7 @@ TEST(QuantCodec, AlongTokensAgreesWithTheReferenceCodeForCode) {
         std::vector<std::vector<std::byte>> stored(n, std::vector<std::byte>(optimized::row_bytes(f, D)));
         std::vector<std::byte*> out;
         for (auto& s : stored) out.push_back(s.data());
-        std::vector<float> scratch;
-        optimized::encode_rows_along_tokens(f, x.data(), n, D, out.data(), scratch);
+        optimized::encode_rows_along_tokens(f, x.data(), n, D, out.data());
         const std::vector<QuantizedRow> want = reference::quantize_along_tokens(ref, x, D);
         const std::string what = std::string(to_string(ref_format)) + " run " + std::to_string(run) + (half ? " float16" : "");
         int differing = 0;
