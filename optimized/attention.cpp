@@ -455,8 +455,8 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       // Formats whose codes the dot products read in place, never decoded to floats.
       // A store holding some tokens raw (a residual) decodes each row by what its slot holds.
       const bool direct = converted && !block.slots[0].store->holds_raw();
-      const int k_group = direct ? direct_lanes_group(block.slots[0].store->key_format(), D) : 0;
-      const int v_group = direct ? direct_lanes_group(block.slots[0].store->value_format(), D) : 0;
+      const int k_group = direct ? direct_lanes_group(block.slots[0].store->key_format(layer), D) : 0;
+      const int v_group = direct ? direct_lanes_group(block.slots[0].store->value_format(layer), D) : 0;
       if (converted) {
         w.k_rows.resize(static_cast<std::size_t>(D));
         w.v_rows.resize(kValueTile * D);
@@ -477,14 +477,15 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       // streams fastest; reading several rows interleaved was twice as slow here), for every
       // query and head of the block. Keys a query does not see get -inf.
       float group_scores[kHeadsAtOnce];
-      const RowFormat& key_format = block.slots[0].store->key_format();  // n > 0: checked above
+      const RowFormat& key_format = block.slots[0].store->key_format(layer);  // n > 0: checked above
       for (std::size_t i = 0; i < n; ++i) {
         const std::int64_t index = block.slots[i].index;
         const float* key = w.k[i];
         if (k_group) {
           const VisibleSlot& x = block.slots[i];
-          direct_ref(x.store->key_format(), g, static_cast<const std::byte*>(x.store->key(layer, x.row, g, x.slot)), D,
-                     w.k_scales.data(), w.k_codes.data(), w.k_direct);
+          direct_ref(x.store->key_format(layer), g,
+                     static_cast<const std::byte*>(x.store->key(layer, x.row, g, x.slot)), D, w.k_scales.data(),
+                     w.k_codes.data(), w.k_direct);
         } else if (converted) {
           const VisibleSlot& x = block.slots[i];
           x.store->read_key(layer, x.row, g, x.slot, w.k_rows.data());
@@ -535,11 +536,11 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
         if (v_group)
           for (std::size_t r = 0; r < len; ++r) {
             const VisibleSlot& x = block.slots[i0 + r];
-            direct_ref(x.store->value_format(), g,
+            direct_ref(x.store->value_format(layer), g,
                        static_cast<const std::byte*>(x.store->value(layer, x.row, g, x.slot)), D,
                        w.v_scales.data() + r * v_groups, w.v_codes.data() + r * v_groups, w.v_direct[r]);
             // Every layout's scales listed, read once per row and group, not per head.
-            by_layout(x.store->value_format(), [&]<Layout L>() {
+            by_layout(x.store->value_format(layer), [&]<Layout L>() {
               for (std::size_t b = 0; b < v_groups; ++b)
                 w.v_scales[r * v_groups + b] = scale_of<L>(w.v_direct[r], static_cast<int>(b));
             });
@@ -551,7 +552,7 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
             w.v[i0 + r] = w.v_rows.data() + r * D;
           }
         const float* const* v = w.v.data() + i0;
-        const RowFormat& value_format = block.slots[0].store->value_format();
+        const RowFormat& value_format = block.slots[0].store->value_format(layer);
         // Codes read in place are converted once per row and chunk for up to four heads,
         // two chunks at a time (8 accumulators, the rest of the registers for the weights);
         // float rows for two heads, eight chunks.
@@ -590,8 +591,8 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       // Value rows under one fixed scale were accumulated unscaled (accumulate_direct).
       float v_fixed = 1.0f;
       if (v_group)
-        by_layout(block.slots[0].store->value_format(), [&]<Layout L>() {
-          if constexpr (L == Layout::fixed) v_fixed = block.slots[0].store->value_format().static_scales[0];
+        by_layout(block.slots[0].store->value_format(layer), [&]<Layout L>() {
+          if constexpr (L == Layout::fixed) v_fixed = block.slots[0].store->value_format(layer).static_scales[0];
         });
       for (std::size_t j = 0; j < block.count; ++j)
         for (int hh = 0; hh < G; ++hh) {

@@ -14,6 +14,15 @@ LayerPolicy layer_policy(const CacheConfig& config, int layer) {
   return {config.kind, config.window, config.sinks, config.evict, config.shift_positions, config.dense_prefill};
 }
 
+std::vector<LayerFormats> store_formats(const CacheConfig& c) {
+  std::vector<LayerFormats> out;
+  for (int l = 0; l < c.layers; ++l) {
+    const LayerQuant none, &q = c.quant.empty() ? none : c.quant.at(static_cast<std::size_t>(l));
+    out.push_back({q.key ? *q.key : float_format(c.storage), q.value ? *q.value : float_format(c.storage)});
+  }
+  return out;
+}
+
 void store_token(SlotStore& store, const RopeTable& rope, const Chunk& chunk, int row, std::int64_t chunk_pos,
                  std::int64_t slot, const SlotMeta& meta, const FrozenScales* frozen) {
   const int hkv = store.kv_heads(), d = store.head_dim();

@@ -42,6 +42,11 @@ struct Residual {
   bool blocks = false;           // once R are raw, the oldest whole multiple of R quantized together (KIVI)
 };
 
+// One layer's quantized formats (SPEC 9); an absent one is stored in the float storage.
+struct LayerQuant {
+  std::optional<RowFormat> key, value;
+};
+
 struct CacheConfig {
   int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   int batch = 1;
@@ -56,7 +61,7 @@ struct CacheConfig {
   std::int64_t capacity = 0;                    // static: slots per row
   int threads = 1;                              // attention threads (results do not depend on it)
   Storage storage = Storage::float32;           // how keys and values are stored (SPEC 7, kv_dtype)
-  std::optional<RowFormat> key_quant, value_quant;  // quantized instead (SPEC 9)
+  std::vector<LayerQuant> quant;                // quantized instead (SPEC 9): per layer; empty: nothing is
   std::vector<LayerPolicy> layer_policies;      // hybrid: one per layer; the fields above are layer 0's
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
   std::optional<PagedLayout> paging;            // the paged cache's pool
@@ -145,9 +150,8 @@ class KvCache {
 
 // ---- Pieces the caches share ----
 
-// The formats a cache of this configuration stores keys and values in.
-inline RowFormat key_format(const CacheConfig& c) { return c.key_quant ? *c.key_quant : float_format(c.storage); }
-inline RowFormat value_format(const CacheConfig& c) { return c.value_quant ? *c.value_quant : float_format(c.storage); }
+// The formats a cache of this configuration stores keys and values in, per layer.
+std::vector<LayerFormats> store_formats(const CacheConfig& c);
 
 // E(t) for a sink cache of capacity W with S sinks evicting k at a time.
 std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t t);

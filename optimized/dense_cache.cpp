@@ -13,8 +13,8 @@ DenseCache::DenseCache(const CacheConfig& config, Growth growth)
       growth_(growth),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
-      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      store_(config.kv_heads, config.head_dim, store_formats(config)),
+      frozen_(config.kv_heads, config.head_dim, store_formats(config)) {
   if (config.residual) store_.hold_raw(config.storage);
   reset(config.batch);
 }

@@ -18,7 +18,8 @@ class RopeTable;
 class FrozenScales {
  public:
   FrozenScales() = default;
-  FrozenScales(int layers, int kv_heads, int head_dim, const RowFormat& key_format, const RowFormat& value_format);
+  // `formats`: one per layer.
+  FrozenScales(int kv_heads, int head_dim, std::vector<LayerFormats> formats);
 
   // Neither format freezes its scale: nothing to keep.
   bool active() const { return key_frozen_ || value_frozen_; }
@@ -37,7 +38,7 @@ class FrozenScales {
     return scales[(static_cast<std::size_t>(row) * layers_ + layer) * kv_heads_ + kv_head];
   }
   int layers_ = 0, kv_heads_ = 0, head_dim_ = 0;
-  RowFormat key_format_, value_format_;
+  std::vector<LayerFormats> formats_;
   bool key_frozen_ = false, value_frozen_ = false;
   std::vector<float> k_, v_;  // [row][layer][kv head]; empty when that tensor's scale is not frozen
 };

@@ -21,6 +21,8 @@ HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
     one.layer_policies.clear();
     one.sink_logits.clear();
     if (!config.sink_logits.empty()) one.sink_logits.push_back(config.sink_logits[static_cast<std::size_t>(l)]);
+    one.quant.clear();
+    if (!config.quant.empty()) one.quant.push_back(config.quant[static_cast<std::size_t>(l)]);
     one.window = p.window;
     one.sinks = p.sinks;
     one.evict = p.evict;

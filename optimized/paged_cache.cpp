@@ -27,12 +27,13 @@ PagedCache::PagedCache(const CacheConfig& config)
       paging_(config.paging ? *config.paging : throw std::invalid_argument("the paged cache needs config.paging")),
       rope_(config.rope),
       kernel_(config.threads),
-      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      frozen_(config.kv_heads, config.head_dim, store_formats(config)) {
   for (int l = 0; l < config.layers; ++l) {
     policies_.push_back(layer_policy(config, l));
     // One row of every block's slots: a kv head's blocks lie end to end, as a contiguous
     // cache's slots do, so reading a row's blocks in order streams like reading one run.
-    pools_.emplace_back(1, config.kv_heads, config.head_dim, key_format(config), value_format(config));
+    pools_.emplace_back(config.kv_heads, config.head_dim,
+                        std::vector<LayerFormats>{store_formats(config)[static_cast<std::size_t>(l)]});
     pools_.back().reset(1, paging_.num_blocks * paging_.block_size);
     blocks_.emplace_back(paging_.num_blocks, paging_.prefix_cache);
     poisoned_.emplace_back(static_cast<std::size_t>(paging_.num_blocks), 0);
@@ -551,7 +552,7 @@ void PagedCache::preempt(const std::vector<int>& rows, bool recompute) {
       auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
       SlotStore& pool = pools_[static_cast<std::size_t>(l)];
       Swapped& out = row.swapped.emplace_back();
-      out.slots = SlotStore(1, config_.kv_heads, config_.head_dim, pool.key_format(), pool.value_format());
+      out.slots = SlotStore(config_.kv_heads, config_.head_dim, pool.formats());
       out.slots.reset(1, static_cast<std::int64_t>(table.size()) * B);
       for (std::size_t i = 0; i < table.size(); ++i) {
         out.present.push_back(table[i] >= 0);

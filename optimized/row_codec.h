@@ -32,6 +32,13 @@ struct RowFormat {
   bool operator==(const RowFormat&) const = default;
 };
 
+// How one layer stores its keys and values (the layers of a store may differ: SPEC 9's
+// per-layer kv_quant).
+struct LayerFormats {
+  RowFormat key, value;
+  bool operator==(const LayerFormats&) const = default;
+};
+
 RowFormat float_format(Storage storage);
 bool is_quantized(Codec codec);
 

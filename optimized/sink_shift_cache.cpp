@@ -8,8 +8,8 @@ SinkShiftCache::SinkShiftCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
       kernel_(config.threads),
-      store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
-      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      store_(config.kv_heads, config.head_dim, store_formats(config)),
+      frozen_(config.kv_heads, config.head_dim, store_formats(config)) {
   turned_.resize(static_cast<std::size_t>(config.head_dim));
   reset(config.batch);
 }

@@ -8,9 +8,9 @@ SlidingCache::SlidingCache(const CacheConfig& config)
     : config_(config),
       rope_(config.rope),
       kernel_(config.threads),
-      ring_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
-      chunk_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)),
-      frozen_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+      ring_(config.kv_heads, config.head_dim, store_formats(config)),
+      chunk_(config.kv_heads, config.head_dim, store_formats(config)),
+      frozen_(config.kv_heads, config.head_dim, store_formats(config)) {
   reset(config.batch);
 }
 

@@ -10,16 +10,25 @@ SlotStore::SlotStore(int layers, int kv_heads, int head_dim, Storage storage)
     : SlotStore(layers, kv_heads, head_dim, float_format(storage), float_format(storage)) {}
 
 SlotStore::SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format)
-    : layers_(layers),
+    : SlotStore(kv_heads, head_dim,
+                std::vector<LayerFormats>(static_cast<std::size_t>(layers),
+                                          {std::move(key_format), std::move(value_format)})) {}
+
+SlotStore::SlotStore(int kv_heads, int head_dim, std::vector<LayerFormats> formats)
+    : layers_(static_cast<int>(formats.size())),
       kv_heads_(kv_heads),
       head_dim_(head_dim),
-      key_format_(std::move(key_format)),
-      value_format_(std::move(value_format)),
-      key_bytes_(row_bytes(key_format_, head_dim)),
-      value_bytes_(row_bytes(value_format_, head_dim)),
+      formats_(std::move(formats)),
       scratch_(static_cast<std::size_t>(head_dim)),
-      k_(layers),
-      v_(layers) {}
+      k_(formats_.size()),
+      v_(formats_.size()) {
+  for (const LayerFormats& f : formats_) {
+    key_bytes_.push_back(row_bytes(f.key, head_dim));
+    value_bytes_.push_back(row_bytes(f.value, head_dim));
+    plain_float32_ = plain_float32_ && f.key.codec == Codec::float32 && f.value.codec == Codec::float32;
+    along_tokens_ = along_tokens_ || f.key.along_tokens || f.value.along_tokens;
+  }
+}
 
 void SlotStore::hold_raw(Storage storage) {
   holds_raw_ = true;
@@ -53,15 +62,15 @@ void SlotStore::quantize_slot(int row, std::int64_t slot) {
     for (int g = 0; g < kv_heads_; ++g) {
       // From the values it is held as: its float row while raw, what its codes stand for after.
       read_key(l, row, g, slot, x.data());
-      encode_row(key_format_, g, x.data(), head_dim_, at(k_, l, row, g, slot), scratch_.data());
+      encode_row(key_format(l), g, x.data(), head_dim_, at(k_, l, row, g, slot), scratch_.data());
       read_value(l, row, g, slot, x.data());
-      encode_row(value_format_, g, x.data(), head_dim_, at(v_, l, row, g, slot), scratch_.data());
+      encode_row(value_format(l), g, x.data(), head_dim_, at(v_, l, row, g, slot), scratch_.data());
     }
   meta(row, slot).raw = false;
 }
 
 void SlotStore::quantize_slots(int row, const std::vector<std::int64_t>& slots) {
-  if (!key_format_.along_tokens && !value_format_.along_tokens) {
+  if (!along_tokens_) {
     for (std::int64_t s : slots) quantize_slot(row, s);
     return;
   }
@@ -73,7 +82,7 @@ void SlotStore::quantize_slots(int row, const std::vector<std::int64_t>& slots) 
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g)
       for (const bool value : {false, true}) {
-        const RowFormat& format = value ? value_format_ : key_format_;
+        const RowFormat& format = value ? value_format(l) : key_format(l);
         auto& data = value ? v_ : k_;
         // From the values each is held as: its float row while raw, what its codes stand for after.
         for (std::size_t t = 0; t < n; ++t) {
@@ -93,8 +102,8 @@ void SlotStore::reset(int batch, std::int64_t capacity) {
   capacity_ = capacity;
   const std::size_t rows = static_cast<std::size_t>(batch) * kv_heads_ * capacity;
   for (int l = 0; l < layers_; ++l) {
-    k_[l].assign(rows * key_bytes_, std::byte{0});
-    v_[l].assign(rows * value_bytes_, std::byte{0});
+    k_[l].assign(rows * key_bytes_[l], std::byte{0});
+    v_[l].assign(rows * value_bytes_[l], std::byte{0});
     if (holds_raw_) {
       raw_k_[l].assign(rows * head_dim_, 0.0f);
       raw_v_[l].assign(rows * head_dim_, 0.0f);
@@ -112,15 +121,15 @@ void SlotStore::make_empty(int batch, std::int64_t capacity) {
 
 void SlotStore::grow(std::int64_t capacity) {
   if (capacity <= capacity_) return;
-  SlotStore bigger(layers_, kv_heads_, head_dim_, key_format_, value_format_);
+  SlotStore bigger(kv_heads_, head_dim_, formats_);
   if (holds_raw_) bigger.hold_raw(raw_storage_);
   bigger.reset(batch_, capacity);
   const std::size_t slots = static_cast<std::size_t>(capacity_);
   for (int l = 0; l < layers_; ++l)
     for (int b = 0; b < batch_; ++b)
       for (int g = 0; g < kv_heads_; ++g) {
-        std::copy_n(at(k_, l, b, g, 0), slots * key_bytes_, bigger.at(bigger.k_, l, b, g, 0));
-        std::copy_n(at(v_, l, b, g, 0), slots * value_bytes_, bigger.at(bigger.v_, l, b, g, 0));
+        std::copy_n(at(k_, l, b, g, 0), slots * key_bytes_[l], bigger.at(bigger.k_, l, b, g, 0));
+        std::copy_n(at(v_, l, b, g, 0), slots * value_bytes_[l], bigger.at(bigger.v_, l, b, g, 0));
         bigger.copy_raw_run(*this, l, b, b, g, 0, 0, slots);
       }
   for (int b = 0; b < batch_; ++b) std::copy_n(row_meta(b), capacity_, &bigger.meta(b, 0));
@@ -128,15 +137,15 @@ void SlotStore::grow(std::int64_t capacity) {
 }
 
 void SlotStore::gather_rows(const std::vector<int>& rows) {
-  SlotStore next(layers_, kv_heads_, head_dim_, key_format_, value_format_);
+  SlotStore next(kv_heads_, head_dim_, formats_);
   if (holds_raw_) next.hold_raw(raw_storage_);
   next.reset(static_cast<int>(rows.size()), capacity_);
   const std::size_t slots = static_cast<std::size_t>(capacity_);
   for (std::size_t b = 0; b < rows.size(); ++b) {
     for (int l = 0; l < layers_; ++l)
       for (int g = 0; g < kv_heads_; ++g) {
-        std::copy_n(at(k_, l, rows[b], g, 0), slots * key_bytes_, next.at(next.k_, l, static_cast<int>(b), g, 0));
-        std::copy_n(at(v_, l, rows[b], g, 0), slots * value_bytes_, next.at(next.v_, l, static_cast<int>(b), g, 0));
+        std::copy_n(at(k_, l, rows[b], g, 0), slots * key_bytes_[l], next.at(next.k_, l, static_cast<int>(b), g, 0));
+        std::copy_n(at(v_, l, rows[b], g, 0), slots * value_bytes_[l], next.at(next.v_, l, static_cast<int>(b), g, 0));
         next.copy_raw_run(*this, l, rows[b], static_cast<int>(b), g, 0, 0, slots);
       }
     std::copy_n(row_meta(rows[b]), capacity_, &next.meta(static_cast<int>(b), 0));
@@ -146,14 +155,14 @@ void SlotStore::gather_rows(const std::vector<int>& rows) {
 
 void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_slot, int row, std::int64_t to) {
   // Raw bytes: both stores must hold the same format and shape (a cache makes its stores alike).
-  if (!(src.key_format_ == key_format_) || !(src.value_format_ == value_format_) || src.head_dim_ != head_dim_ ||
-      src.layers_ != layers_ || src.kv_heads_ != kv_heads_ || src.holds_raw_ != holds_raw_)
+  if (!(src.formats_ == formats_) || src.head_dim_ != head_dim_ || src.kv_heads_ != kv_heads_ ||
+      src.holds_raw_ != holds_raw_)
     throw std::logic_error("copy_slot between stores of different formats or shapes");
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), key_bytes_,
+      std::copy_n(static_cast<const std::byte*>(src.key(l, from_row, g, from_slot)), key_bytes_[l],
                   at(k_, l, row, g, to));
-      std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), value_bytes_,
+      std::copy_n(static_cast<const std::byte*>(src.value(l, from_row, g, from_slot)), value_bytes_[l],
                   at(v_, l, row, g, to));
       copy_raw_run(src, l, from_row, row, g, from_slot, to, 1);
     }
@@ -163,8 +172,8 @@ void SlotStore::copy_slot(const SlotStore& src, int from_row, std::int64_t from_
 void SlotStore::poison_slot(int row, std::int64_t slot, std::uint32_t nan_bits) {
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      poison_row(key_format_, head_dim_, at(k_, l, row, g, slot), nan_bits);
-      poison_row(value_format_, head_dim_, at(v_, l, row, g, slot), nan_bits);
+      poison_row(key_format(l), head_dim_, at(k_, l, row, g, slot), nan_bits);
+      poison_row(value_format(l), head_dim_, at(v_, l, row, g, slot), nan_bits);
       if (holds_raw_) {
         const auto l_at = static_cast<std::size_t>(l);
         std::fill_n(raw_k_[l_at].begin() + static_cast<std::ptrdiff_t>(raw_at(row, g, slot)), head_dim_,
@@ -179,8 +188,8 @@ void SlotStore::poison_slot(int row, std::int64_t slot, std::uint32_t nan_bits) 
 void SlotStore::move_slot(int row, std::int64_t from, std::int64_t to) {
   for (int l = 0; l < layers_; ++l)
     for (int g = 0; g < kv_heads_; ++g) {
-      std::copy_n(at(k_, l, row, g, from), key_bytes_, at(k_, l, row, g, to));
-      std::copy_n(at(v_, l, row, g, from), value_bytes_, at(v_, l, row, g, to));
+      std::copy_n(at(k_, l, row, g, from), key_bytes_[l], at(k_, l, row, g, to));
+      std::copy_n(at(v_, l, row, g, from), value_bytes_[l], at(v_, l, row, g, to));
       copy_raw_run(*this, l, row, row, g, from, to, 1);
     }
   meta(row, to) = meta(row, from);

@@ -27,6 +27,8 @@ class SlotStore {
   SlotStore() = default;
   SlotStore(int layers, int kv_heads, int head_dim, Storage storage = Storage::float32);
   SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format);
+  // One entry of `formats` per layer.
+  SlotStore(int kv_heads, int head_dim, std::vector<LayerFormats> formats);
 
   // A quantized store that also holds some tokens unquantized (SPEC 9's residual): every
   // slot gets a float row beside its codes, rounded to `storage`; a slot's meta says which
@@ -58,7 +60,7 @@ class SlotStore {
   // kv head, so that reading it shows.
   void poison_slot(int row, std::int64_t slot, std::uint32_t nan_bits);
 
-  // A key or value as stored: one row in key_format() or value_format().
+  // A key or value as stored: one row in key_format(layer) or value_format(layer).
   const void* key(int layer, int row, int kv_head, std::int64_t slot) const {
     auto* self = const_cast<SlotStore*>(this);
     return self->at(self->k_, layer, row, kv_head, slot);
@@ -72,30 +74,33 @@ class SlotStore {
   // `given_scale`: a frozen format's scale (the writing row's, row_codec.h).
   void write_key(int layer, int row, int kv_head, std::int64_t slot, const float* x, float given_scale = 0.0f) {
     if (raw_slot(row, slot)) return write_raw(raw_k_, layer, row, kv_head, slot, x);
-    encode_row(key_format_, kv_head, x, head_dim_, at(k_, layer, row, kv_head, slot), scratch_.data(), given_scale);
+    encode_row(key_format(layer), kv_head, x, head_dim_, at(k_, layer, row, kv_head, slot), scratch_.data(),
+               given_scale);
   }
   void write_value(int layer, int row, int kv_head, std::int64_t slot, const float* x, float given_scale = 0.0f) {
     if (raw_slot(row, slot)) return write_raw(raw_v_, layer, row, kv_head, slot, x);
-    encode_row(value_format_, kv_head, x, head_dim_, at(v_, layer, row, kv_head, slot), scratch_.data(), given_scale);
+    encode_row(value_format(layer), kv_head, x, head_dim_, at(v_, layer, row, kv_head, slot), scratch_.data(),
+               given_scale);
   }
   void read_key(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
     if (raw_slot(row, slot)) return read_raw(raw_k_, layer, row, kv_head, slot, x);
-    decode_row(key_format_, kv_head, static_cast<const std::byte*>(key(layer, row, kv_head, slot)), head_dim_, x);
+    decode_row(key_format(layer), kv_head, static_cast<const std::byte*>(key(layer, row, kv_head, slot)), head_dim_, x);
   }
   void read_value(int layer, int row, int kv_head, std::int64_t slot, float* x) const {
     if (raw_slot(row, slot)) return read_raw(raw_v_, layer, row, kv_head, slot, x);
-    decode_row(value_format_, kv_head, static_cast<const std::byte*>(value(layer, row, kv_head, slot)), head_dim_, x);
+    decode_row(value_format(layer), kv_head, static_cast<const std::byte*>(value(layer, row, kv_head, slot)), head_dim_,
+               x);
   }
   bool raw_slot(int row, std::int64_t slot) const { return holds_raw_ && meta(row, slot).raw; }
-  const RowFormat& key_format() const { return key_format_; }
-  const RowFormat& value_format() const { return value_format_; }
-  // Keys and values are plain float32 rows: the attention reads them in place.
-  bool plain_float32() const { return key_format_.codec == Codec::float32 && value_format_.codec == Codec::float32; }
-  // The float storage of the keys (float32 for a quantized format).
+  const RowFormat& key_format(int layer) const { return formats_[static_cast<std::size_t>(layer)].key; }
+  const RowFormat& value_format(int layer) const { return formats_[static_cast<std::size_t>(layer)].value; }
+  const std::vector<LayerFormats>& formats() const { return formats_; }
+  // Keys and values are plain float32 rows in every layer: the attention reads them in place.
+  bool plain_float32() const { return plain_float32_; }
+  // The float storage of layer 0's keys (float32 for a quantized format).
   Storage storage() const {
-    return key_format_.codec == Codec::float16    ? Storage::float16
-           : key_format_.codec == Codec::bfloat16 ? Storage::bfloat16
-                                                  : Storage::float32;
+    const Codec c = formats_.empty() ? Codec::float32 : formats_.front().key.codec;
+    return c == Codec::float16 ? Storage::float16 : c == Codec::bfloat16 ? Storage::bfloat16 : Storage::float32;
   }
   SlotMeta& meta(int row, std::int64_t slot) { return meta_[static_cast<std::size_t>(row) * capacity_ + slot]; }
   const SlotMeta& meta(int row, std::int64_t slot) const {
@@ -111,8 +116,9 @@ class SlotStore {
 
  private:
   std::byte* at(std::vector<std::vector<std::byte>>& data, int layer, int row, int kv_head, std::int64_t slot) {
-    const std::size_t bytes = &data == &k_ ? key_bytes_ : value_bytes_;
-    return data[layer].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * bytes;
+    const auto l = static_cast<std::size_t>(layer);
+    const std::size_t bytes = &data == &k_ ? key_bytes_[l] : value_bytes_[l];
+    return data[l].data() + ((static_cast<std::size_t>(row) * kv_heads_ + kv_head) * capacity_ + slot) * bytes;
   }
 
   // Where a slot's float row starts in one layer's raw_k_ or raw_v_.
@@ -132,8 +138,10 @@ class SlotStore {
   Storage raw_storage_ = Storage::float32;
   std::vector<std::uint16_t> half_scratch_;          // a raw row rounded to float16 or bfloat16
   std::vector<std::vector<float>> raw_k_, raw_v_;  // per layer, [row][kv_head][slot][head_dim]; empty unless holds_raw_
-  RowFormat key_format_, value_format_;
-  std::size_t key_bytes_ = 0, value_bytes_ = 0;  // one row of each
+  std::vector<LayerFormats> formats_;              // per layer
+  std::vector<std::size_t> key_bytes_, value_bytes_;  // per layer, one row of each
+  bool plain_float32_ = true;
+  bool along_tokens_ = false;                    // some layer's format has scales along the token axis
   std::vector<float> scratch_;                   // head_dim floats for a transform
   std::vector<float> flush_row_;                 // head_dim floats: a row quantized at a flush
   std::vector<float> flush_rows_;                // rows quantized together (scales along the token axis)

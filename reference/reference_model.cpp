@@ -31,8 +31,8 @@ ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const std::ve
       threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
       rotary_(rotary_dim(dims.head_dim, rope)) {}
 
-void ReferenceModel::store_as(const KvQuant& quant, KvDtype kv_dtype) {
-  stored_ = std::make_unique<StoredKv>(dims_, rope_, quant, kv_dtype, inputs_);
+void ReferenceModel::store_as(std::vector<KvQuant> layers, KvDtype kv_dtype) {
+  stored_ = std::make_unique<StoredKv>(dims_, rope_, std::move(layers), kv_dtype, inputs_);
   stored_->reset(batch());
 }
 
@@ -188,12 +188,12 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
     if (attend) result.out_stored.assign(result.out.size(), std::numeric_limits<double>::quiet_NaN());
     if (attend) result.query_slack.assign(result.out.size() / static_cast<std::size_t>(D), 0.0);
     Scratch scratch;
-    const KvQuant& quant = stored_->quant();
+    const KvQuant& quant = stored_->quant();  // the residual's rules: every layer's
     for (int b = 0; b < B; ++b) {
       const std::int64_t pad = n - counts[b];
       const auto length = static_cast<std::int64_t>(histories_[b].size());
       const bool first_append = length == counts[b];
-      if (first_append && counts[b] > 0 && frozen_scales(quant)) stored_->freeze_scales(b, histories_[b]);
+      if (first_append && counts[b] > 0 && stored_->freezes_scales()) stored_->freeze_scales(b, histories_[b]);
       // A residual's flush: before the queries read under chunk_reads "stored", after under "raw".
       if (quant.holds_raw() && counts[b] > 0) {
         // Every new token written first (raw), at its index: a residual needs full attention.

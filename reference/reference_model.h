@@ -89,7 +89,8 @@ class ReferenceModel {
 
   // SPEC 9: the caches quantize keys and values; every append also computes R_stored, the
   // attention over the values they must hold.
-  void store_as(const KvQuant& quant, KvDtype kv_dtype);
+  // `layers`: one per layer.
+  void store_as(std::vector<KvQuant> layers, KvDtype kv_dtype);
   // The simulated store after the last step (null unless store_as was called).
   const StoredKv* stored() const { return stored_.get(); }
   // A prefix hit under frozen scales, before the append that takes it: token `index` of

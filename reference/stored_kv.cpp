@@ -93,9 +93,11 @@ QuantizedRow requantize_shifted(const TensorQuant& format, QuantTransform transf
   return out;
 }
 
-StoredKv::StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvDtype kv_dtype,
+StoredKv::StoredKv(const Dims& dims, const Rope& rope, std::vector<KvQuant> layers, KvDtype kv_dtype,
                    const InputTable& inputs)
-    : dims_(dims), rope_(rope), turn_(rope), quant_(quant), kv_dtype_(kv_dtype), inputs_(inputs) {
+    : dims_(dims), rope_(rope), turn_(rope), layers_(std::move(layers)), kv_dtype_(kv_dtype), inputs_(inputs) {
+  if (layers_.size() != static_cast<std::size_t>(dims.layers))
+    throw std::logic_error("stored_kv: expected one kv_quant per layer");
   turn_.attention_factor = 1.0;
   reset(dims.batch);
 }
@@ -107,7 +109,7 @@ void StoredKv::encode(const std::optional<TensorQuant>& format, int kv_head, std
     return;
   }
   // The cache holds float32 before it quantizes; the transform runs on those floats.
-  codes = quantize_held(*format, quant_.transform, kv_head, x, position);
+  codes = quantize_held(*format, quant().transform, kv_head, x, position);
 }
 
 const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std::uint64_t uid, std::int64_t position) {
@@ -118,6 +120,7 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
   StoredLayer& here = tokens[static_cast<std::size_t>(index)][static_cast<std::size_t>(layer)];
   if (here.position == position) return here;
   const int d = dims_.head_dim;
+  const KvQuant& rules = quant(layer);
   if (here.position < 0) {  // first write: the raw key rotated to its position
     here.heads.assign(static_cast<std::size_t>(dims_.kv_heads), {});
     for (int g = 0; g < dims_.kv_heads; ++g) {
@@ -127,20 +130,19 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
       h.key = rotate(std::vector<double>(k, k + d), static_cast<double>(position), rope_);
       h.value.assign(v, v + d);
       // Held raw: in kv_dtype until the flush rule quantizes it.
-      encode(quant_.holds_raw() ? std::nullopt : format_of(quant_.k, row, layer, false), g, h.key, h.key_codes,
-             position);
-      encode(quant_.holds_raw() ? std::nullopt : format_of(quant_.v, row, layer, true), g, h.value, h.value_codes, 0);
-      mark_computed_scale(quant_.k, h.key_codes);
-      mark_computed_scale(quant_.v, h.value_codes);
+      encode(rules.holds_raw() ? std::nullopt : format_of(rules.k, row, layer, false), g, h.key, h.key_codes, position);
+      encode(rules.holds_raw() ? std::nullopt : format_of(rules.v, row, layer, true), g, h.value, h.value_codes, 0);
+      mark_computed_scale(rules.k, h.key_codes);
+      mark_computed_scale(rules.v, h.value_codes);
     }
-    here.raw = quant_.holds_raw();
+    here.raw = rules.holds_raw();
   } else {  // a shift: what is stored, turned by the difference, stored again
     ++here.shifts;
     for (int g = 0; g < dims_.kv_heads; ++g) {
       StoredHead& h = here.heads[static_cast<std::size_t>(g)];
-      if (quant_.k && !here.raw) {
-        h.key_codes = requantize_shifted(*quant_.k, quant_.transform, rope_, h.key_codes, g, here.position, position,
-                                         &h.key);
+      if (rules.k && !here.raw) {
+        h.key_codes =
+            requantize_shifted(*rules.k, rules.transform, rope_, h.key_codes, g, here.position, position, &h.key);
       } else {
         h.key = rotate(h.key, static_cast<double>(position - here.position), turn_);
         encode(std::nullopt, g, h.key, h.key_codes, position);
@@ -152,9 +154,9 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
 }
 
 double StoredKv::quantize_query(double* q, std::int64_t position) const {
-  return quant_.query ? quantize_query_q8_0(query_transform(quant_), query_transform_block(quant_), q,
-                                            dims_.head_dim, position)
-                      : 0.0;
+  return quant().query ? quantize_query_q8_0(query_transform(quant()), query_transform_block(quant()), q,
+                                             dims_.head_dim, position)
+                       : 0.0;
 }
 
 const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {
@@ -177,9 +179,10 @@ std::vector<QuantizedRow> quantize_rows_together(const TensorQuant& format, Quan
   return codes;
 }
 
-void StoredKv::quantize_tokens(const std::vector<StoredLayer*>& tokens) {
+void StoredKv::quantize_tokens(int layer, const std::vector<StoredLayer*>& tokens) {
   // From the values each is held as: kv_dtype while raw, what its codes stand for after.
-  const bool along = quant_.along_tokens();
+  const KvQuant& rules = quant(layer);
+  const bool along = rules.along_tokens();
   if (along && !tokens.empty()) ++quantizations_;
   for (StoredLayer* token : tokens) {
     if (!token->raw) ++token->flushes;
@@ -192,7 +195,7 @@ void StoredKv::quantize_tokens(const std::vector<StoredLayer*>& tokens) {
     }
   }
   for (int g = 0; g < dims_.kv_heads; ++g)
-    for (const auto& [format, value] : {std::pair{&quant_.k, false}, std::pair{&quant_.v, true}}) {
+    for (const auto& [format, value] : {std::pair{&rules.k, false}, std::pair{&rules.v, true}}) {
       if (!*format) continue;
       if ((*format)->scale.granularity == ScaleGranularity::channel) {
         std::vector<std::vector<double>> rows;
@@ -202,7 +205,7 @@ void StoredKv::quantize_tokens(const std::vector<StoredLayer*>& tokens) {
           rows.push_back(value ? h.value : h.key);
           if (!value) furthest = std::max(furthest, token->position);
         }
-        const std::vector<QuantizedRow> codes = quantize_rows_together(**format, quant_.transform, rows, furthest);
+        const std::vector<QuantizedRow> codes = quantize_rows_together(**format, rules.transform, rows, furthest);
         for (std::size_t t = 0; t < tokens.size(); ++t) {
           StoredHead& h = tokens[t]->heads[static_cast<std::size_t>(g)];
           (value ? h.value_codes : h.key_codes) = codes[t];
@@ -218,7 +221,8 @@ void StoredKv::quantize_tokens(const std::vector<StoredLayer*>& tokens) {
 }
 
 void StoredKv::flush(int row, std::int64_t length, bool first_append) {
-  if (!quant_.holds_raw()) return;
+  const KvQuant& rules = quant();  // the residual's: every layer's
+  if (!rules.holds_raw()) return;
   auto& tokens = rows_.at(static_cast<std::size_t>(row));
   const std::size_t n = std::min(tokens.size(), static_cast<std::size_t>(std::max<std::int64_t>(length, 0)));
   for (int l = 0; l < dims_.layers; ++l) {
@@ -229,15 +233,15 @@ void StoredKv::flush(int row, std::int64_t length, bool first_append) {
       written.push_back(&token);
       if (token.raw) raw.push_back(&token);
     }
-    const auto residual = static_cast<std::size_t>(quant_.residual);
-    if (first_append && quant_.prefill == PrefillRule::store) {
-      quantize_tokens(raw);
-    } else if (quant_.flush == Flush::block) {  // the oldest whole multiple of R, together
-      quantize_tokens({raw.begin(), raw.begin() + static_cast<std::ptrdiff_t>(raw.size() / residual * residual)});
-    } else if (quant_.flush == Flush::append) {
-      quantize_tokens({raw.begin(), raw.end() - static_cast<std::ptrdiff_t>(std::min(residual, raw.size()))});
+    const auto residual = static_cast<std::size_t>(rules.residual);
+    if (first_append && rules.prefill == PrefillRule::store) {
+      quantize_tokens(l, raw);
+    } else if (rules.flush == Flush::block) {  // the oldest whole multiple of R, together
+      quantize_tokens(l, {raw.begin(), raw.begin() + static_cast<std::ptrdiff_t>(raw.size() / residual * residual)});
+    } else if (rules.flush == Flush::append) {
+      quantize_tokens(l, {raw.begin(), raw.end() - static_cast<std::ptrdiff_t>(std::min(residual, raw.size()))});
     } else if (raw.size() >= residual) {
-      quantize_tokens(written);
+      quantize_tokens(l, written);
     }
   }
 }
@@ -259,7 +263,7 @@ void StoredKv::freeze_scales(int row, const std::vector<std::uint64_t>& uids) {
   // each held as float32 and transformed.
   const auto largest = [&](const TensorQuant& format, std::vector<double> x) {
     for (double& e : x) e = static_cast<float>(e);
-    if (quant_.transform == QuantTransform::hadamard) hadamard_blocks(x.data(), d, format.transform_block);
+    if (quant().transform == QuantTransform::hadamard) hadamard_blocks(x.data(), d, format.transform_block);
     double amax = 0.0;
     for (double e : x) amax = std::max(amax, std::abs(static_cast<double>(static_cast<float>(e))));
     return amax;
@@ -286,7 +290,7 @@ void StoredKv::freeze_scales(int row, const std::vector<std::uint64_t>& uids) {
   auto& mine = frozen_.at(static_cast<std::size_t>(row));
   mine.assign(static_cast<std::size_t>(dims_.layers), {});
   for (int l = 0; l < dims_.layers; ++l)
-    mine[static_cast<std::size_t>(l)] = {scales(quant_.k, l, false), scales(quant_.v, l, true)};
+    mine[static_cast<std::size_t>(l)] = {scales(quant(l).k, l, false), scales(quant(l).v, l, true)};
 }
 
 void StoredKv::adopt(int row, std::int64_t index, const std::vector<StoredLayer>& layers) {

@@ -7,6 +7,7 @@
 // kv_dtype and quantized when the flush rule says, from the values it was held as.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -64,7 +65,9 @@ double quantize_query_q8_0(QuantTransform transform, int block, double* q, int d
 
 class StoredKv {
  public:
-  StoredKv(const Dims& dims, const Rope& rope, const KvQuant& quant, KvDtype kv_dtype, const InputTable& inputs);
+  // `layers`: one per layer (their k and v may differ; the residual's, read and transform
+  // rules are layer 0's).
+  StoredKv(const Dims& dims, const Rope& rope, std::vector<KvQuant> layers, KvDtype kv_dtype, const InputTable& inputs);
 
   // Token `index` (uid) of `row` in `layer` with its key at `position`: written the first
   // time, re-rotated through the format when the position has moved since.
@@ -99,7 +102,13 @@ class StoredKv {
     rows_.at(static_cast<std::size_t>(row)).clear();
     frozen_.at(static_cast<std::size_t>(row)).clear();
   }
-  const KvQuant& quant() const { return quant_; }
+  // Layer 0's: the rules every layer shares.
+  const KvQuant& quant() const { return layers_.front(); }
+  const KvQuant& quant(int layer) const { return layers_.at(static_cast<std::size_t>(layer)); }
+  // Some layer freezes a scale at a row's first append.
+  bool freezes_scales() const {
+    return std::any_of(layers_.begin(), layers_.end(), [](const KvQuant& q) { return frozen_scales(q); });
+  }
 
  private:
   // Rounds (kv_dtype) or quantizes, then decodes, one head's key or value held as float32.
@@ -108,7 +117,7 @@ class StoredKv {
               std::int64_t position) const;
   // Raw tokens quantized, or quantized ones quantized again from what their codes stand for,
   // together (in token order: scales along the token axis span them; other scales do not).
-  void quantize_tokens(const std::vector<StoredLayer*>& tokens);
+  void quantize_tokens(int layer, const std::vector<StoredLayer*>& tokens);
 
   // The format a token of `row` is stored in: the declared one, its frozen scale (if any)
   // given as the row's.
@@ -117,7 +126,7 @@ class StoredKv {
 
   Dims dims_;
   Rope rope_, turn_;  // turn_: a pure rotation (a shift does not apply yarn's factor again)
-  KvQuant quant_;
+  std::vector<KvQuant> layers_;  // one per layer
   KvDtype kv_dtype_;
   const InputTable& inputs_;
   std::vector<std::vector<std::vector<StoredLayer>>> rows_;  // [row][token index][layer]

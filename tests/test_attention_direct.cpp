@@ -56,7 +56,7 @@ std::vector<float> run(const RowFormat& key_format, const RowFormat& value_forma
   c.rope.head_dim = d;
   c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
   c.capacity = 32;
-  if (!decoded) c.key_quant = key_format, c.value_quant = value_format;
+  if (!decoded) c.quant = {{key_format, value_format}};
   DenseCache cache(c, DenseCache::Growth::dynamic);
   RopeTable rope(c.rope);
   rope.cover(32);

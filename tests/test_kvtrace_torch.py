@@ -243,12 +243,24 @@ class StaticFp8Cache:
     scales a checkpoint gives (k_scale, v_scale), read back as code * scale. Exposes its
     codes and scales as kv_codes, so the trace carries them (SPEC 9.3). bug:
     "scale_never_loaded" (scales left at vLLM's default 1.0: SGLang issue 18818, ModelOpt
-    issue 20), "scale_dropped_on_read" (written as x / s, read as code * 1: tokenspeed PR 759)."""
+    issue 20), "scale_dropped_on_read" (written as x / s, read as code * 1: tokenspeed PR 759),
+    "first_layer_scales" (layer 0's scales in every layer: SGLang issue 39942). k_scale and
+    v_scale may be lists with one entry per layer (a checkpoint's per-layer scales), each a
+    number or one per kv head."""
 
     def __init__(self, k_scale, v_scale, bug=None, expose_codes=True, rope=None):
         self.bug, self.expose_codes, self.rope = bug, expose_codes, rope
         self.scales = (1.0, 1.0) if bug == "scale_never_loaded" else (k_scale, v_scale)
         self.codes = []  # per layer: [k codes, v codes], uint8 [B, Hkv, S, D]
+
+    def layer_scales(self, layer_idx):
+        """(k, v) scales of the layer, shaped to broadcast over [B, Hkv, S, D]."""
+        out = []
+        for s in self.scales:
+            if isinstance(s, list):
+                s = s[0 if self.bug == "first_layer_scales" else layer_idx]
+            out.append(np.asarray(s, dtype=np.float64).reshape(1, -1, 1, 1))
+        return out
 
     def get_seq_length(self, layer_idx=0):
         return self.codes[layer_idx][0].shape[-2] if layer_idx < len(self.codes) else 0
@@ -261,24 +273,30 @@ class StaticFp8Cache:
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         if self.bug == "key_one_position_on":  # stored rotated once more: at position p + 1
             key_states = torch.tensor(kvtrace.rotate(key_states.double().numpy(), [1], self.rope, scaled=False))
+        scales = self.layer_scales(layer_idx)
         new = [spec_quant.fp8_encode("fp8_e4m3", x.double().numpy() / s)[0].astype(np.uint8)
-               for x, s in zip((key_states, value_states), self.scales)]
+               for x, s in zip((key_states, value_states), scales)]
         if layer_idx == len(self.codes):
             self.codes.append(new)
         else:
             self.codes[layer_idx] = [np.concatenate([old, n], axis=-2) for old, n in zip(self.codes[layer_idx], new)]
         k, v = self.codes[layer_idx]
-        return self.dequantized(k, self.scales[0]), self.dequantized(v, self.scales[1])
+        return self.dequantized(k, scales[0]), self.dequantized(v, scales[1])
+
+    def reorder_cache(self, beam_idx):
+        rows = beam_idx.numpy()
+        self.codes = [[x[rows] for x in layer] for layer in self.codes]
 
     @property
     def kv_codes(self):
         if not self.expose_codes:
             return None  # the trace then holds what update() returned, dequantized
         out = []
-        for k, v in self.codes:
+        for layer_idx, (k, v) in enumerate(self.codes):
             shape = k.shape[:-1] + (1,)
-            out.append({"k_codes": k, "k_scales": np.full(shape, self.scales[0]),
-                        "v_codes": v, "v_scales": np.full(shape, self.scales[1])})
+            ks, vs = self.layer_scales(layer_idx)
+            out.append({"k_codes": k, "k_scales": np.broadcast_to(ks, shape).copy(),
+                        "v_codes": v, "v_scales": np.broadcast_to(vs, shape).copy()})
         return out
 
 
@@ -481,6 +499,23 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("checks failed: outputs, quantization bound (0 position", verify.stdout)  # codes right
         self.assertIn("class: scale not applied", verify.stdout)
+
+    def test_a_fp8_cache_with_per_layer_scales_passes_code_for_code(self):
+        # quant_fp8_per_layer_scales: a checkpoint's k_scale and v_scale per layer, layer 2's
+        # keys one per kv head.
+        k_scales, v_scales = [0.05, 0.03, [0.02, 0.06]], [0.02, 0.04, 0.025]
+        result, verify = self.drive("quant_fp8_per_layer_scales", lambda: StaticFp8Cache(k_scales, v_scales),
+                                    positions="absolute")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        # Layer 0's scales in every layer: layer 1's first key holds 0.05 where its own is 0.03.
+        _, verify = self.drive("quant_fp8_per_layer_scales",
+                               lambda: StaticFp8Cache(k_scales, v_scales, bug="first_layer_scales"),
+                               positions="absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("layer 1 row 0 uid 0 kv head 0: key scale of group 0: expected 0.029999999329447746, stored "
+                      "0.05000000074505806", verify.stdout)
+        self.assertIn("class: quantization scale wrong", verify.stdout)
 
     def test_a_quantized_cache_with_a_residual_passes_code_for_code(self):
         # quant_residual_hf: int4 groups of 16, residual 4, the prompt quantized at once, a

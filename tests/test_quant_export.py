@@ -25,6 +25,29 @@ def kvcheck(*args):
     return subprocess.run([KVCHECK, *args], capture_output=True, text=True)
 
 
+def layer_quants(manifest):
+    """One kv_quant per layer: a per-layer list as it is, else the one repeated."""
+    q, L = manifest["kv_quant"], manifest["dimensions"]["layers"]
+    return q if isinstance(q, list) else [q] * L
+
+
+def load_codes(out, step, names):
+    """Per name (k_codes, k_scales, ...) a function of the layer giving its [B, R, Hkv, ...]
+    array: a slice of the stacked file, or (a per-layer kv_quant list) the layer's own file,
+    None where the layer does not quantize that tensor."""
+    arrays = {}
+    for n in names:
+        if n not in step:
+            continue
+        if isinstance(step[n], list):
+            files = [np.load(os.path.join(out, f)) if f is not None else None for f in step[n]]
+            arrays[n] = lambda l, files=files: files[l]
+        else:
+            stacked = np.load(os.path.join(out, step[n]))
+            arrays[n] = lambda l, stacked=stacked: stacked[l]
+    return arrays
+
+
 class QuantExportTest(unittest.TestCase):
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvcheck-quant-")
@@ -98,12 +121,12 @@ class QuantExportTest(unittest.TestCase):
         against NumPy's attention over the exported codes."""
         with open(os.path.join(out, "manifest.json")) as f:
             m = json.load(f)
-        quant, rope = m["kv_quant"], m["rope"]
+        quants, rope = layer_quants(m), m["rope"]
         L, Hkv, H, D = (m["dimensions"][k] for k in ("layers", "kv_heads", "heads", "head_dim"))
         k_in, v_in, q_in = (np.load(os.path.join(out, n + ".npy")) for n in ("k", "v", "q"))
         def transform(fmt):
             """The tensor's Hadamard matrix: block-diagonal when it declares transform_block."""
-            if quant["transform"] != "hadamard":
+            if quants[0]["transform"] != "hadamard":
                 return None
             width = fmt.get("transform_block", D)
             return np.kron(np.eye(D // width), spec_quant.hadamard(width))
@@ -119,10 +142,10 @@ class QuantExportTest(unittest.TestCase):
         def first_append_scales(step_row):
             scales = {}
             for name, raw in (("k", k_in), ("v", v_in)):
-                fmt = quant.get(name)
-                if fmt is None or fmt["scale"]["value"] != "first_append":
-                    continue
                 for l in range(L):
+                    fmt = quants[l].get(name)
+                    if fmt is None or fmt["scale"]["value"] != "first_append":
+                        continue
                     amax = np.zeros(Hkv)
                     for i, uid in enumerate(step_row["uids"]):
                         for g in range(Hkv):
@@ -179,8 +202,7 @@ class QuantExportTest(unittest.TestCase):
                     if step_row["uids"] and step_row["indices"][0] == 0:  # the row's first append
                         frozen[b] = first_append_scales(step_row)
                         hits[b] = step_row.get("expect_hit", {}).get("min", 0)
-            arrays = {n: np.load(os.path.join(out, step[n])) for n in
-                      ("k_codes", "k_scales", "v_codes", "v_scales", "k_zero", "v_zero") if n in step}
+            arrays = load_codes(out, step, ("k_codes", "k_scales", "v_codes", "v_scales", "k_zero", "v_zero"))
             for b, row in enumerate(rows):
                 for i, key in enumerate(row["keys"]):
                     uid, p = key["uid"], key["position"]
@@ -194,22 +216,22 @@ class QuantExportTest(unittest.TestCase):
                                 x = kvtrace.rotate(before[1][l * Hkv + g][None], [p - before[0]], rope, scaled=False)[0]
                             else:
                                 x = None
-                            if "k" in quant and x is not None:
-                                held, (codes, scales, zeros, near) = store(frozen_fmt("k", quant["k"], b, l, g, uid, p),
-                                                                           x, g)
-                                got = arrays["k_codes"][l, b, i, g].astype(np.int64)
+                            if "k" in quants[l] and x is not None:
+                                held, (codes, scales, zeros, near) = store(
+                                    frozen_fmt("k", quants[l]["k"], b, l, g, uid, p), x, g)
+                                got = arrays["k_codes"](l)[b, i, g].astype(np.int64)
                                 bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
                                 self.assertFalse(bad.any(), "%s step %d row %d uid %d: key codes %s, NumPy %s" % (
                                     m["name"], step["index"], b, uid, got[bad], codes[bad]))
-                                np.testing.assert_allclose(arrays["k_scales"][l, b, i, g], scales, rtol=2 ** -10)
+                                np.testing.assert_allclose(arrays["k_scales"](l)[b, i, g], scales, rtol=2 ** -10)
                                 compared += len(codes)
                                 keys.append(held)
                             else:
                                 keys.append(before[1][l * Hkv + g] if x is None else x)
-                            if "v" in quant and before is None:
-                                _, (codes, scales, zeros, near) = store(frozen_fmt("v", quant["v"], b, l, g, uid, p),
-                                                                        v_in[l, uid, g], g)
-                                got = arrays["v_codes"][l, b, i, g].astype(np.int64)
+                            if "v" in quants[l] and before is None:
+                                _, (codes, scales, zeros, near) = store(
+                                    frozen_fmt("v", quants[l]["v"], b, l, g, uid, p), v_in[l, uid, g], g)
+                                got = arrays["v_codes"](l)[b, i, g].astype(np.int64)
                                 bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
                                 self.assertFalse(bad.any(), "%s: value codes differ" % m["name"])
                                 compared += len(codes)
@@ -225,13 +247,14 @@ class QuantExportTest(unittest.TestCase):
                         ks, vs = [], []
                         for i, key in enumerate(row["keys"]):
                             def deq(name, raw):
-                                if name not in quant:
+                                if name not in quants[l]:
                                     return raw
                                 zero = arrays.get(name + "_zero")
-                                x = spec_quant.dequantize(quant[name], arrays[name + "_codes"][l, b, i, g].astype(np.int64),
-                                                          arrays[name + "_scales"][l, b, i, g],
-                                                          zero[l, b, i, g] if zero is not None else None)
-                                hmat = transform(quant[name])
+                                x = spec_quant.dequantize(quants[l][name],
+                                                          arrays[name + "_codes"](l)[b, i, g].astype(np.int64),
+                                                          arrays[name + "_scales"](l)[b, i, g],
+                                                          zero(l)[b, i, g] if zero is not None else None)
+                                hmat = transform(quants[l][name])
                                 return hmat @ x if hmat is not None else x
                             ks.append(deq("k", state[b][key["uid"]][1][l * Hkv + g]))
                             vs.append(deq("v", v_in[l, key["uid"], g].astype(np.float64)))
@@ -252,7 +275,8 @@ class QuantExportTest(unittest.TestCase):
         flush under chunk_reads "stored", before it, its own token raw, under "raw"."""
         with open(os.path.join(out, "manifest.json")) as f:
             m = json.load(f)
-        quant, rope = m["kv_quant"], m["rope"]
+        quants, rope = layer_quants(m), m["rope"]
+        quant = quants[0]  # the residual's rules: every layer's
         R, requantize_all = quant["residual"], quant["flush"] == "requantize_all"
         prefill_store, raw_reads = quant["prefill"] == "store", quant["chunk_reads"] == "raw"
         dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": None}[m.get("kv_dtype", "float32")]
@@ -264,13 +288,14 @@ class QuantExportTest(unittest.TestCase):
         def quantize(tokens):
             """Quantized together (scales along the token axis span them), oldest first."""
             for name in ("k", "v"):
-                if name in quant and tokens:
-                    for at in range(L * Hkv):
-                        held = np.float32([t[name][at] for t in tokens])
-                        for t, (codes, scales, zeros, near) in zip(
-                                tokens, spec_quant.quantize_together(quant[name], held, at % Hkv)):
-                            t[name][at] = spec_quant.dequantize(quant[name], codes, scales, zeros)
-                            t[name + "_codes"][at] = (codes, scales, near)
+                for at in range(L * Hkv):
+                    fmt = quants[at // Hkv].get(name)
+                    if fmt is None or not tokens:
+                        continue
+                    held = np.float32([t[name][at] for t in tokens])
+                    for t, (codes, scales, zeros, near) in zip(tokens, spec_quant.quantize_together(fmt, held, at % Hkv)):
+                        t[name][at] = spec_quant.dequantize(fmt, codes, scales, zeros)
+                        t[name + "_codes"][at] = (codes, scales, near)
             for t in tokens:
                 t["raw"] = False
 
@@ -329,8 +354,7 @@ class QuantExportTest(unittest.TestCase):
                     if raw_reads:
                         flush(rows[b], first)
             raw_mask = np.load(os.path.join(out, step["raw"]))
-            arrays = {n: np.load(os.path.join(out, step[n])) for n in ("k_codes", "k_scales", "v_codes", "v_scales")
-                      if n in step}
+            arrays = load_codes(out, step, ("k_codes", "k_scales", "v_codes", "v_scales"))
             with open(os.path.join(out, step["cache"])) as f:
                 cache_rows = json.load(f)["rows"]
             for b, row in enumerate(cache_rows):
@@ -342,13 +366,15 @@ class QuantExportTest(unittest.TestCase):
                         continue
                     for name in ("k", "v"):
                         for l in range(L):
+                            if name not in quants[l]:
+                                continue
                             for g in range(Hkv):
                                 codes, scales, near = token[name + "_codes"][l * Hkv + g]
-                                got = arrays[name + "_codes"][l, b, i, g].astype(np.int64)
+                                got = arrays[name + "_codes"](l)[b, i, g].astype(np.int64)
                                 bad = (got != codes) & ~(near & (np.abs(got - codes) == 1))
                                 self.assertFalse(bad.any(), "%s step %d row %d uid %d: %s codes %s, NumPy %s" % (
                                     m["name"], step["index"], b, token["uid"], name, got[bad], codes[bad]))
-                                np.testing.assert_allclose(arrays[name + "_scales"][l, b, i, g], scales, rtol=2 ** -10)
+                                np.testing.assert_allclose(arrays[name + "_scales"](l)[b, i, g], scales, rtol=2 ** -10)
                                 compared += len(codes)
         return compared
 
@@ -374,7 +400,7 @@ class QuantExportTest(unittest.TestCase):
 
     def test_every_quantized_fixture_agrees_with_numpy_spec9(self):
         found = kvtrace.fixtures(KVCHECK, features=["quantized"])
-        formats, residuals = set(), 0
+        formats, residuals, per_layer = set(), 0, 0
         for fixture in found:
             if "per_layer_policy" in fixture["features"]:
                 continue
@@ -387,11 +413,11 @@ class QuantExportTest(unittest.TestCase):
                     self.assertGreater(self.check_residual_export(out), 0)
                 else:
                     self.assertGreater(self.check_export(out), 0)
-                with open(os.path.join(out, "manifest.json")) as f:
-                    q = json.load(f)["kv_quant"]
-                formats |= {q[t]["format"] for t in ("k", "v") if t in q}
+                per_layer += isinstance(manifest["kv_quant"], list)
+                formats |= {q[t]["format"] for q in layer_quants(manifest) for t in ("k", "v") if t in q}
         self.assertEqual(formats, {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"})
-        self.assertGreaterEqual(residuals, 4)  # Hugging Face's convention, KIVI's, and each along the token axis
+        self.assertGreaterEqual(residuals, 5)  # Hugging Face's convention, KIVI's, each along the token axis, mixed layers
+        self.assertGreaterEqual(per_layer, 2)  # vLLM's per-layer scales, layers of different formats
 
 
 if __name__ == "__main__":

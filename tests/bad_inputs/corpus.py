@@ -173,7 +173,9 @@ FIELD_CASES = [
     ("/steps/1", {"op": "free", "rows": [2]}, "/steps/1/rows/0: expected a row index below 2, got 2"),
     # SPEC 9 fields (the base's head_dim is 4, one kv head)
     ("/kv_quant", {}, "/kv_quant: expected \"k\", \"v\" or both"),
-    ("/kv_quant", [], "/kv_quant: a per-layer kv_quant list is in SPEC 9, but kvcheck's caches do not implement it"),
+    ("/kv_quant", [], "/kv_quant: expected one kv_quant per layer \\(1\\), got 0"),
+    ("/kv_quant", [{"k": {"format": "int8"}}, {"k": {"format": "int8"}}],
+     "/kv_quant: expected one kv_quant per layer \\(1\\), got 2"),
     ("/kv_quant", {"k": {}}, "/kv_quant/k/format: missing required field"),
     ("/kv_quant", {"k": {"format": "fp4"}}, "/kv_quant/k/format: expected one of fp8_e4m3, fp8_e5m2, int8, q8_0"),
     ("/kv_quant", {"k": {"format": "q8_0"}},
@@ -273,6 +275,35 @@ FIELD_CASES = [
 for path, value, message in FIELD_CASES:
     label = path.strip("/").replace("/", ".") + "=" + ("missing" if value is DELETE else json.dumps(value)[:12])
     case("scenario", label, 2, "s.json: " + message, scenario_file(with_field(path, value)))
+
+# A per-layer kv_quant list (SPEC 9) in a two-layer scenario of full attention: each layer's
+# "k" and "v" its own, the rules the caches share across layers the same.
+INT8 = {"format": "int8"}
+LAYER_QUANT_CASES = [
+    ([{"k": INT8}], "/kv_quant: expected one kv_quant per layer \\(2\\), got 1"),
+    ([{"k": INT8}, 3], "/kv_quant/1: expected an object"),
+    ([{"k": INT8}, None], "/kv_quant/1: expected an object"),
+    ([{"k": INT8}, {}], "/kv_quant/1: expected \"k\", \"v\" or both"),
+    ([{"k": INT8}, {"k": {"format": "fp4"}}], "/kv_quant/1/k/format: expected one of fp8_e4m3"),
+    ([{"k": INT8}, {"k": INT8, "residual": 2}],
+     "/kv_quant/1/residual: expected layer 0's \"residual\" \\(0\\): kvcheck's caches keep one residual rule for "
+     "every layer; per layer, only \"k\" and \"v\" may differ"),
+    ([{"k": INT8, "residual": 2, "flush": "block"}, {"k": INT8, "residual": 2}],
+     "/kv_quant/1: expected layer 0's \"flush\" \\(block\\)"),
+    ([{"k": INT8}, {"k": INT8, "prefill": "residual"}], "/kv_quant/1/prefill: expected layer 0's \"prefill\" \\(store\\)"),
+    ([{"k": INT8}, {"k": INT8, "chunk_reads": "raw"}],
+     "/kv_quant/1/chunk_reads: expected layer 0's \"chunk_reads\" \\(stored\\)"),
+    ([{"k": INT8}, {"k": INT8, "transform": "hadamard"}],
+     "/kv_quant/1/transform: expected layer 0's \"transform\" \\(none\\)"),
+    ([{"k": {"format": "int8", "scale": {"granularity": "channel"}}, "residual": 2, "flush": "block"},
+      {"k": {"format": "int8", "scale": {"granularity": "channel"}}, "residual": 2}],
+     "/kv_quant/1: scales along the token axis need tokens quantized together"),
+]
+for value, message in LAYER_QUANT_CASES:
+    doc = with_field("/kv_quant", value)
+    doc["dimensions"]["layers"] = 2
+    doc["policy"] = {"type": "full"}
+    case("scenario", "kv_quant per layer=" + json.dumps(value)[-24:], 2, "s.json: " + message, scenario_file(doc))
 
 RAW_CASES = [
     ("empty file", "", "s.json: not valid JSON"),

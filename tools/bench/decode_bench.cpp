@@ -165,7 +165,7 @@ RowFormat quant_format(const std::string& name) {
 // The dynamic cache's decode step with K and V stored in `format`.
 void decode_quant(benchmark::State& state, const std::string& format, Shape shape) {
   CacheConfig c = config(shape, shape.window + 64);
-  c.key_quant = c.value_quant = quant_format(format);
+  c.quant.assign(static_cast<std::size_t>(c.layers), {quant_format(format), quant_format(format)});
   DenseCache cache(c, DenseCache::Growth::dynamic);
   Feed feed(shape.heads, kFillChunk);
   for (std::int64_t done = 0; done < shape.window - 1; done += kFillChunk)

@@ -18,59 +18,59 @@ using namespace optimized;
 const std::vector<CacheEntry>& real_caches() {
   static const std::vector<CacheEntry> caches = [] {
     std::vector<CacheEntry> list = {
-      {"dynamic", "full attention, grows with the sequence (amortized doubling)",
-       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
-       [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic); }},
-      {"static", "full attention, preallocated, refuses to overflow",
-       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
-       [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::fixed); }},
-      {"sliding", "ring buffer of W slots, keys rotated once",
-       [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sliding; },
-       [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }},
-      // float32 only: re-rotating a half-precision key at every shift rounds it again each
-      // time, and the error grows with the shifts (the zoo's rerotates_half_keys). Quantized
-      // (SPEC 9), the reference simulates each of those roundings, so it serves every format.
-      {"sink_shift", "attention sinks, keys at cache positions, re-rotated when the window shifts",
-       [](const Scenario& s) {
-         return !s.hybrid() && s.policy.kind == PolicyKind::sink && (s.kv_dtype == KvDtype::float32 || s.kv_quant);
-       },
-       [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); }},
-      // Its keys stay at their first rotation, so a quantized key is never re-quantized: not
-      // the `shift: "requantize"` convention SPEC 9 defines for cache positions.
-      {"sink_ring", "attention sinks, ring buffer, keys rotated once, query rotated twice",
-       [](const Scenario& s) {
-         return !s.hybrid() && s.policy.kind == PolicyKind::sink &&
-                !(s.kv_quant && s.kv_quant->k && s.policy.positions == SinkPositions::cache);
-       },
-       [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
-      // SPEC 8: blocks, tables, refcounts, prefix reuse. It serves every scenario, with the
-      // scenario's `paging` or a default pool; eviction is per block. Its sink layers keep
-      // keys at their first rotation, as sink_ring does: not the requantize convention.
-      {"paged", "block pool and tables (vLLM), copy-on-write, prefix index, window freeing, chunked prefill",
-       [](const Scenario& s) {
-         const bool shifted_sink_layer = std::any_of(s.layer_policies.begin(), s.layer_policies.end(), [](const Policy& p) {
-           return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
-         });
-         return !(s.kv_quant && (s.kv_quant->holds_raw() || (s.kv_quant->k && shifted_sink_layer)));
-       },
-       [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
-      // Layers of different policies (SPEC 7), each served by the cache above that fits it.
-      {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
-       [](const Scenario& s) {
-         // Its sink layers are sink_ring caches: not the requantize convention (see sink_ring).
-         const bool sink_layer = std::any_of(s.layer_policies.begin(), s.layer_policies.end(), [](const Policy& p) {
-           return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
-         });
-         return s.hybrid() && !(s.kv_quant && s.kv_quant->k && sink_layer);
-       },
-       [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
+        {"dynamic", "full attention, grows with the sequence (amortized doubling)",
+         [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
+         [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic); }},
+        {"static", "full attention, preallocated, refuses to overflow",
+         [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
+         [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::fixed); }},
+        {"sliding", "ring buffer of W slots, keys rotated once",
+         [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sliding; },
+         [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }},
+        // float32 only: re-rotating a half-precision key at every shift rounds it again each
+        // time, and the error grows with the shifts (the zoo's rerotates_half_keys). Quantized
+        // (SPEC 9), the reference simulates each of those roundings, so it serves every format.
+        {"sink_shift", "attention sinks, keys at cache positions, re-rotated when the window shifts",
+         [](const Scenario& s) {
+           return !s.hybrid() && s.policy.kind == PolicyKind::sink && (s.kv_dtype == KvDtype::float32 || s.kv_quant);
+         },
+         [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); }},
+        // Its keys stay at their first rotation, so a quantized key is never re-quantized: not
+        // the `shift: "requantize"` convention SPEC 9 defines for cache positions.
+        {"sink_ring", "attention sinks, ring buffer, keys rotated once, query rotated twice",
+         [](const Scenario& s) {
+           return !s.hybrid() && s.policy.kind == PolicyKind::sink &&
+                  !(quantizes_keys(s) && s.policy.positions == SinkPositions::cache);
+         },
+         [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
+        // SPEC 8: blocks, tables, refcounts, prefix reuse. It serves every scenario, with the
+        // scenario's `paging` or a default pool; eviction is per block. Its sink layers keep
+        // keys at their first rotation, as sink_ring does: not the requantize convention.
+        {"paged", "block pool and tables (vLLM), copy-on-write, prefix index, window freeing, chunked prefill",
+         [](const Scenario& s) {
+           const bool shifted_sink_layer = std::any_of(
+               s.layer_policies.begin(), s.layer_policies.end(),
+               [](const Policy& p) { return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache; });
+           return !(s.kv_quant && (s.kv_quant->holds_raw() || (quantizes_keys(s) && shifted_sink_layer)));
+         },
+         [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
+        // Layers of different policies (SPEC 7), each served by the cache above that fits it.
+        {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
+         [](const Scenario& s) {
+           // Its sink layers are sink_ring caches: not the requantize convention (see sink_ring).
+           const bool sink_layer = std::any_of(s.layer_policies.begin(), s.layer_policies.end(), [](const Policy& p) {
+             return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
+           });
+           return s.hybrid() && !(quantizes_keys(s) && sink_layer);
+         },
+         [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
     };
     // None of them quantizes the query (kv_quant "query", ggml's CPU convention). Under scales
     // frozen per row with a prefix cache, a hit's tokens keep their writer's scale: only a
     // cache that takes the hit holds what the reference expects.
     for (CacheEntry& e : list)
       e.serves = [inner = e.serves, paged = e.name == "paged"](const Scenario& s) {
-        const bool shared_scales = s.kv_quant && frozen_scales(*s.kv_quant) && s.paging && s.paging->prefix_cache;
+        const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
         return !(s.kv_quant && s.kv_quant->query) && (paged || !shared_scales) && inner(s);
       };
     return list;

@@ -63,11 +63,11 @@ namespace {
 void show_codes(const optimized::SlotStore& store, int l, int b, int g, std::int64_t slot, ViewSlot& v) {
   v.raw = store.raw_slot(b, slot);
   if (v.raw) return;
-  if (optimized::is_quantized(store.key_format().codec))
-    v.key_codes = optimized::unpack_row(store.key_format(), g, static_cast<const std::byte*>(store.key(l, b, g, slot)),
+  if (optimized::is_quantized(store.key_format(l).codec))
+    v.key_codes = optimized::unpack_row(store.key_format(l), g, static_cast<const std::byte*>(store.key(l, b, g, slot)),
                                         store.head_dim());
-  if (optimized::is_quantized(store.value_format().codec))
-    v.value_codes = optimized::unpack_row(store.value_format(), g,
+  if (optimized::is_quantized(store.value_format(l).codec))
+    v.value_codes = optimized::unpack_row(store.value_format(l), g,
                                           static_cast<const std::byte*>(store.value(l, b, g, slot)), store.head_dim());
 }
 

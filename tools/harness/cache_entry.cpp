@@ -102,8 +102,12 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
               : s.kv_dtype == KvDtype::float16 ? optimized::Storage::float16
                                                : optimized::Storage::bfloat16;
   if (s.kv_quant) {
-    if (s.kv_quant->k) c.key_quant = row_format(*s.kv_quant->k, s.kv_quant->transform);
-    if (s.kv_quant->v) c.value_quant = row_format(*s.kv_quant->v, s.kv_quant->transform);
+    for (int l = 0; l < s.dims.layers; ++l) {
+      const KvQuant& q = s.quant(l);
+      optimized::LayerQuant& formats = c.quant.emplace_back();
+      if (q.k) formats.key = row_format(*q.k, q.transform);
+      if (q.v) formats.value = row_format(*q.v, q.transform);
+    }
     if (s.kv_quant->holds_raw())
       c.residual = optimized::Residual{s.kv_quant->residual, s.kv_quant->flush == Flush::requantize_all,
                                        s.kv_quant->prefill == PrefillRule::store,

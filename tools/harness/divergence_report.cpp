@@ -98,6 +98,17 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
                          p->row, p->query_index, p->uid, poison_text(*p),
                          p->freed ? "of a block freed before the read" : "no token had been written to");
     }
+    if (!f.evidence.codes.empty()) {  // SPEC 9.2.1: a stored code or scale explains the outputs over it
+      const CodeMismatch& c = f.evidence.codes.front();
+      const std::size_t n = f.evidence.codes.size();  // the evidence keeps at most 64
+      const std::string part = c.element >= 0    ? fmt::format("code {}", c.element)
+                               : c.element == -2 ? fmt::format("zero point {}", c.group)
+                                                 : fmt::format("scale {}", c.group);
+      return fmt::format("layer {} row {}: uid {} (slot {}, kv head {}) holds a {} whose {} is {:.9g}, the format's "
+                         "rule gives {:.9g} (the first of {}{} code mismatches at this step)",
+                         c.layer, c.row, c.uid, c.slot, c.kv_head, c.value ? "value" : "key", part, c.actual,
+                         c.expected, n, n >= 64 ? "+" : "");
+    }
     if (!f.evidence.outputs.empty()) {
       const OutputMismatch& o = f.evidence.outputs.front();
       std::string text = fmt::format("output of token {} (uid {}) dim {}: expected {:.9g}, got {:.9g}; ", o.query_index,

@@ -110,6 +110,9 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
 // as are the keys a residual holds raw, which [L, B, R] `raw` marks with 1).
 // Codes as SPEC 9.3 dumps them: int8 for int8 and q8_0, uint8 otherwise (fp8 bit patterns,
 // 4- and 2-bit codes one per byte); zero points int32.
+// A per-layer kv_quant list gets one file per layer instead ([B, R, Hkv, ...], named
+// `..._k_codes_lNN.npy`), listed in layer order, null where the layer keeps the tensor in
+// kv_dtype: the layers' formats and group counts may differ.
 void write_stored_codes(const std::filesystem::path& dir, const std::string& stem, const Scenario& s,
                         const StepRecord& r, json& step) {
   const std::size_t L = r.stored.size(), B = r.stored.empty() ? 0 : r.stored[0].size();
@@ -125,37 +128,77 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
     step["raw"] = stem + "_raw.npy";
     write_npy((dir / (stem + "_raw.npy")).string(), {L, B, R}, raw);
   }
-  for (const bool value : {false, true}) {
-    const std::optional<TensorQuant>& t = value ? s.kv_quant->v : s.kv_quant->k;
-    if (!t) continue;
-    const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(*t, s.dims.head_dim));
-    const bool affine = t->format == QuantFormat::int4 || t->format == QuantFormat::int2;
-    std::vector<std::int32_t> codes(L * B * R * Hkv * D, 0), zeros(affine ? L * B * R * Hkv * G : 0, 0);
-    std::vector<double> scales(L * B * R * Hkv * G, std::numeric_limits<double>::quiet_NaN());
-    for (std::size_t l = 0; l < L; ++l)
+  const bool per_layer = !s.layer_quants.empty();
+  // Layers [first, last) of one tensor, in one file: codes, scales and (affine) zero points.
+  const auto write_layers = [&](const TensorQuant& t, bool value, std::size_t first, std::size_t last,
+                                const std::string& suffix) {
+    const std::size_t n = last - first;
+    const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(t, s.dims.head_dim));
+    const bool affine = t.format == QuantFormat::int4 || t.format == QuantFormat::int2;
+    std::vector<std::int32_t> codes(n * B * R * Hkv * D, 0), zeros(affine ? n * B * R * Hkv * G : 0, 0);
+    std::vector<double> scales(n * B * R * Hkv * G, std::numeric_limits<double>::quiet_NaN());
+    for (std::size_t l = first; l < last; ++l)
       for (std::size_t b = 0; b < B; ++b)
         for (std::size_t i = 0; i < r.stored[l][b].size(); ++i)
           for (std::size_t g = 0; g < Hkv; ++g) {
             const reference::StoredHead& h = r.stored[l][b][i].heads[g];
             const reference::QuantizedRow& row = value ? h.value_codes : h.key_codes;
-            const std::size_t at = (((l * B + b) * R + i) * Hkv + g);
+            const std::size_t at = ((((l - first) * B + b) * R + i) * Hkv + g);
             std::copy(row.codes.begin(), row.codes.end(), codes.begin() + static_cast<std::ptrdiff_t>(at * D));
             std::copy(row.scales.begin(), row.scales.end(), scales.begin() + static_cast<std::ptrdiff_t>(at * G));
-            if (affine) std::copy(row.zeros.begin(), row.zeros.end(), zeros.begin() + static_cast<std::ptrdiff_t>(at * G));
+            if (affine)
+              std::copy(row.zeros.begin(), row.zeros.end(), zeros.begin() + static_cast<std::ptrdiff_t>(at * G));
           }
+    std::vector<std::size_t> lead = {B, R, Hkv};
+    if (!per_layer) lead.insert(lead.begin(), n);
+    const auto shape = [&](std::size_t last_dim) {
+      std::vector<std::size_t> x = lead;
+      x.push_back(last_dim);
+      return x;
+    };
     const std::string name = value ? "v" : "k";
-    step[name + "_codes"] = stem + "_" + name + "_codes.npy";
-    step[name + "_scales"] = stem + "_" + name + "_scales.npy";
-    const std::string codes_path = (dir / (stem + "_" + name + "_codes.npy")).string();
-    if (t->format == QuantFormat::int8 || t->format == QuantFormat::q8_0)
-      write_npy(codes_path, {L, B, R, Hkv, D}, std::vector<std::int8_t>(codes.begin(), codes.end()));
+    json files = {{"codes", stem + "_" + name + "_codes" + suffix + ".npy"},
+                  {"scales", stem + "_" + name + "_scales" + suffix + ".npy"}};
+    if (t.format == QuantFormat::int8 || t.format == QuantFormat::q8_0)
+      write_npy((dir / files["codes"].get<std::string>()).string(), shape(D),
+                std::vector<std::int8_t>(codes.begin(), codes.end()));
     else
-      write_npy(codes_path, {L, B, R, Hkv, D}, std::vector<std::uint8_t>(codes.begin(), codes.end()));
-    write_npy((dir / (stem + "_" + name + "_scales.npy")).string(), {L, B, R, Hkv, G}, scales);
+      write_npy((dir / files["codes"].get<std::string>()).string(), shape(D),
+                std::vector<std::uint8_t>(codes.begin(), codes.end()));
+    write_npy((dir / files["scales"].get<std::string>()).string(), shape(G), scales);
     if (affine) {
-      step[name + "_zero"] = stem + "_" + name + "_zero.npy";
-      write_npy((dir / (stem + "_" + name + "_zero.npy")).string(), {L, B, R, Hkv, G}, zeros);
+      files["zero"] = stem + "_" + name + "_zero" + suffix + ".npy";
+      write_npy((dir / files["zero"].get<std::string>()).string(), shape(G), zeros);
     }
+    return files;
+  };
+  for (const bool value : {false, true}) {
+    const std::string name = value ? "v" : "k";
+    if (!per_layer) {
+      const std::optional<TensorQuant>& t = value ? s.kv_quant->v : s.kv_quant->k;
+      if (!t) continue;
+      const json files = write_layers(*t, value, 0, L, "");
+      for (const auto& [part, file] : files.items()) step[name + "_" + part] = file;
+      continue;
+    }
+    json codes = json::array(), scales = json::array(), zeros = json::array();
+    bool any = false, affine = false;
+    for (std::size_t l = 0; l < L; ++l) {
+      const std::optional<TensorQuant>& t = value ? s.quant(static_cast<int>(l)).v : s.quant(static_cast<int>(l)).k;
+      if (!t) {
+        codes.push_back(nullptr), scales.push_back(nullptr), zeros.push_back(nullptr);
+        continue;
+      }
+      const json files = write_layers(*t, value, l, l + 1, fmt::format("_l{:02}", l));
+      any = true;
+      affine = affine || files.contains("zero");
+      codes.push_back(files["codes"]), scales.push_back(files["scales"]);
+      zeros.push_back(files.contains("zero") ? files["zero"] : json(nullptr));
+    }
+    if (!any) continue;
+    step[name + "_codes"] = codes;
+    step[name + "_scales"] = scales;
+    if (affine) step[name + "_zero"] = zeros;
   }
 }
 
@@ -273,7 +316,11 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                           {"prefix_cache", s.paging->prefix_cache}};
   if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
   if (s.kv_dtype != KvDtype::float32) manifest["kv_dtype"] = to_string(s.kv_dtype);
-  if (s.kv_quant) manifest["kv_quant"] = kv_quant_json(*s.kv_quant, s.dims.head_dim);
+  if (s.kv_quant && s.layer_quants.empty()) manifest["kv_quant"] = kv_quant_json(*s.kv_quant, s.dims.head_dim);
+  if (!s.layer_quants.empty()) {  // one per layer, as the scenario gave them
+    manifest["kv_quant"] = json::array();
+    for (const KvQuant& q : s.layer_quants) manifest["kv_quant"].push_back(kv_quant_json(q, s.dims.head_dim));
+  }
   if (s.hybrid()) {
     json policies = json::array();
     for (const Policy& p : s.layer_policies) policies.push_back(policy_json(p));

@@ -73,8 +73,17 @@ double stored_roundoff(const Scenario& s, const std::optional<TensorQuant>& q) {
 }
 }  // namespace
 
-double key_roundoff(const Scenario& s) { return stored_roundoff(s, s.kv_quant ? s.kv_quant->k : std::nullopt); }
-double value_roundoff(const Scenario& s) { return stored_roundoff(s, s.kv_quant ? s.kv_quant->v : std::nullopt); }
+// The coarsest layer's.
+double key_roundoff(const Scenario& s) {
+  double worst = stored_roundoff(s, std::nullopt);
+  for (int l = 0; l < s.dims.layers && s.kv_quant; ++l) worst = std::max(worst, stored_roundoff(s, s.quant(l).k));
+  return worst;
+}
+double value_roundoff(const Scenario& s) {
+  double worst = stored_roundoff(s, std::nullopt);
+  for (int l = 0; l < s.dims.layers && s.kv_quant; ++l) worst = std::max(worst, stored_roundoff(s, s.quant(l).v));
+  return worst;
+}
 
 optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) {
   using optimized::Codec;
@@ -213,15 +222,15 @@ namespace {
 bool along_tokens(const std::optional<TensorQuant>& q) { return q && q->scale.granularity == ScaleGranularity::channel; }
 }  // namespace
 
-double QuantChecks::key_error(const Magnitude& m, const Magnitude& widest, int times, double scale) {
-  const KvQuant& q = *s_.kv_quant;
+double QuantChecks::key_error(int layer, const Magnitude& m, const Magnitude& widest, int times, double scale) {
+  const KvQuant& q = s_.quant(layer);
   return stored_key_error(q.k, q.k && q.transform == QuantTransform::hadamard, s_.kv_dtype, s_.dims.head_dim,
                           along_tokens(q.k) ? widest.key_element : m.key_element, m.key_norm, times, saturation_,
                           scale);
 }
 
-double QuantChecks::value_error(const Magnitude& m, const Magnitude& widest, int times, double scale) {
-  const KvQuant& q = *s_.kv_quant;
+double QuantChecks::value_error(int layer, const Magnitude& m, const Magnitude& widest, int times, double scale) {
+  const KvQuant& q = s_.quant(layer);
   return stored_value_error(q.v, q.v && q.transform == QuantTransform::hadamard, s_.kv_dtype, s_.dims.head_dim,
                             along_tokens(q.v) ? widest.value_element : m.value_element, m.value_norm, times,
                             saturation_, scale);
@@ -283,7 +292,7 @@ std::optional<reference::QuantizedRow> codes_through_write_boundary(const Tensor
 std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l, int g, std::uint64_t uid,
                                                                            const std::vector<std::int64_t>& path,
                                                                            const optimized::UnpackedRow& stored) const {
-  const KvQuant& q = *s_.kv_quant;
+  const KvQuant& q = s_.quant(l);
   return codes_through_write_boundary(*q.k, q.transform, s_.rope, inputs_.k_at(l, uid, g), s_.dims.head_dim, g, path,
                                       as_row(stored));
 }
@@ -357,9 +366,10 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         const reference::StoredLayer& now = rec.stored[l][b][k];
         for (std::size_t g = 0; g < now.heads.size(); ++g)
           times_stored_[{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(kept[k].uid),
-                         static_cast<int>(g)}] = {1 + now.shifts + now.flushes, 1 + now.flushes, kept[k].position,
-                                                  frozen_scale_of(now.heads[g].key_codes, s_.kv_quant->k),
-                                                  frozen_scale_of(now.heads[g].value_codes, s_.kv_quant->v)};
+                         static_cast<int>(g)}] = {
+              1 + now.shifts + now.flushes, 1 + now.flushes, kept[k].position,
+              frozen_scale_of(now.heads[g].key_codes, s_.quant(static_cast<int>(l)).k),
+              frozen_scale_of(now.heads[g].value_codes, s_.quant(static_cast<int>(l)).v)};
       }
     }
   // Keys this cache holds with codes not the reference's, which the step's queries saw and
@@ -382,7 +392,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           }
         }
       }
-  const KvQuant& q = *s_.kv_quant;
+  const QuantTransform transform = s_.kv_quant->transform;  // every layer's
   const int D = s_.dims.head_dim;
   std::vector<double> want(static_cast<std::size_t>(D)), got(static_cast<std::size_t>(D));
   // Under frozen scales, the row's own (its newest token's, which it always computes).
@@ -478,8 +488,8 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
   std::int64_t wrong_rows = 0, untransformed_rows = 0;
   const auto fits_untransformed = [&](const TensorQuant& format, const reference::QuantizedRow& expected,
                                       const optimized::UnpackedRow& actual) {
-    if (q.transform == QuantTransform::none || actual.codes.size() != expected.codes.size()) return false;
-    reference::dequantize_stored(format, q.transform, expected, want.data());  // the token's value
+    if (transform == QuantTransform::none || actual.codes.size() != expected.codes.size()) return false;
+    reference::dequantize_stored(format, transform, expected, want.data());  // the token's value
     const reference::QuantizedRow stored = as_row(actual);
     reference::dequantize(format, stored, got.data());  // the codes as they are, no transform undone
     const auto group = static_cast<std::size_t>(std::max(1, reference::scale_group(format, D)));
@@ -498,6 +508,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
 
   for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
     for (std::size_t b = 0; b < rec.stored[l].size() && b < view.layers[l].slots.size(); ++b) {
+      const KvQuant& q = s_.quant(static_cast<int>(l));
       const auto& retained = rec.retained_in(static_cast<int>(l), static_cast<int>(b)).keys;
       for (int g = 0; g < s_.dims.kv_heads; ++g) {
         std::map<std::int64_t, const ViewSlot*> by_uid;
@@ -622,7 +633,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
 
 bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float* rotated_q, std::vector<double>& out,
                                std::vector<double>& slack) const {
-  const KvQuant& q = *s_.kv_quant;
+  const KvQuant& q = s_.quant(l);
   const bool own_query = rotated_q != nullptr && q.query;
   if ((!diverged_.count({l, b}) && !own_query) || rec.stored.empty()) return false;
   if (flushed_after_reads_.count({l, b})) return false;  // the queries read what the step then flushed
@@ -703,7 +714,7 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
 void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* out, std::size_t skipped,
                               const std::string& label) {
   const reference::AppendResult& ref = *rec.append;
-  const KvQuant& q = *s_.kv_quant;
+  const KvQuant& q = s_.quant(l);
   const int H = s_.dims.heads, Hkv = s_.dims.kv_heads, D = s_.dims.head_dim, G = H / Hkv;
   const std::size_t B = ref.rows.size();
   const std::int64_t n = ref.chunk;
@@ -770,9 +781,9 @@ void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* 
         saturation_ = "a key written and evicted within one step holds a frozen scale kvcheck does not see";
         key_error_max[at] = INFINITY;
       }
-      key_error_max[at] = std::max(key_error_max[at], key_error(m, widest, key_times, key_scale));
+      key_error_max[at] = std::max(key_error_max[at], key_error(l, m, widest, key_times, key_scale));
       key_norm_max[at] = std::max(key_norm_max[at], m.key_norm);
-      value_error_max[at] = std::max(value_error_max[at], value_error(m, widest, value_times, value_scale));
+      value_error_max[at] = std::max(value_error_max[at], value_error(l, m, widest, value_times, value_scale));
       const float* v = inputs_.v_at(l, uid, g);
       for (int d = 0; d < D; ++d) {
         lo[at * D + d] = std::min(lo[at * D + d], static_cast<double>(v[d]));
@@ -830,7 +841,7 @@ void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* 
 bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std::size_t token, int head,
                        const float* out, double atol, double rtol) const {
   if (rec.stored.empty()) return false;
-  const KvQuant& q = *s_.kv_quant;
+  const KvQuant& q = s_.quant(l);
   const reference::AppendResult& ref = *rec.append;
   const auto& t = ref.rows[b][token];
   const reference::QueryView& view = t.view_in(l);
@@ -881,12 +892,29 @@ double QuantChecks::query_allowance(double slack) const {
 }
 
 void QuantChecks::add_checks(Outcome& o) const {
-  const KvQuant& q = *s_.kv_quant;
-  const auto what = [&] {
+  const auto formats = [](const KvQuant& q) {
     std::string w;
     if (q.k) w += fmt::format("K {}", to_string(q.k->format));
     if (q.v) w += fmt::format("{}V {}", w.empty() ? "" : ", ", to_string(q.v->format));
     if (q.transform == QuantTransform::hadamard) w += ", Hadamard";
+    return w;
+  };
+  // Per-layer lists: each distinct layer quantization once, with the layers it covers.
+  const std::string what = [&] {
+    if (!s_.mixed_quant()) return formats(*s_.kv_quant);
+    std::vector<std::pair<const KvQuant*, std::string>> distinct;  // in layer order
+    for (int l = 0; l < s_.dims.layers; ++l) {
+      const KvQuant& q = s_.quant(l);
+      auto it = std::find_if(distinct.begin(), distinct.end(), [&](const auto& d) { return *d.first == q; });
+      if (it == distinct.end())
+        distinct.push_back({&q, std::to_string(l)});
+      else
+        it->second += ", " + std::to_string(l);
+    }
+    std::string w;
+    for (const auto& [q, layers] : distinct)
+      w += fmt::format("{}{} in layer{} {}", w.empty() ? "" : "; ", formats(*q),
+                       layers.find(',') == std::string::npos ? "" : "s", layers);
     return w;
   }();
   o.checks.push_back(

@@ -161,8 +161,8 @@ class QuantChecks {
   // The bound on the 2-norm of a stored key's error (quantized `times` over), and on one
   // element of a stored value's; infinite when a static scale saturates (saturation_ says).
   // `widest`: the largest of its layer and kv head (for scales along the token axis).
-  double key_error(const Magnitude& m, const Magnitude& widest, int times, double scale);
-  double value_error(const Magnitude& m, const Magnitude& widest, int times, double scale);
+  double key_error(int layer, const Magnitude& m, const Magnitude& widest, int times, double scale);
+  double value_error(int layer, const Magnitude& m, const Magnitude& widest, int times, double scale);
   double largest_bound_ = 0.0, smallest_bound_ = std::numeric_limits<double>::infinity();
   std::int64_t saturated_rows_ = 0;  // (step, layer, row)s not judged: a scale may saturate
   std::int64_t bounded_outputs_ = 0;                   // output elements judged

@@ -190,7 +190,11 @@ ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, 
       state_(new State{
           reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}, {}, {}}),
       attend_(std::move(attend)) {
-  if (s.kv_quant) state_->model.store_as(*s.kv_quant, s.kv_dtype);
+  if (s.kv_quant) {
+    std::vector<KvQuant> layers;
+    for (int l = 0; l < s.dims.layers; ++l) layers.push_back(s.quant(l));
+    state_->model.store_as(std::move(layers), s.kv_dtype);
+  }
   if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size, s.paging->token_reuse);
 }
 
@@ -210,8 +214,7 @@ StepRecord ReferenceStepper::next() {
       case StepOp::append: {
         std::vector<std::int64_t> before;
         for (int b = 0; b < model.batch(); ++b) before.push_back(static_cast<std::int64_t>(model.history(b).size()));
-        const bool adopts = scenario_.kv_quant && frozen_scales(*scenario_.kv_quant) && scenario_.paging &&
-                            scenario_.paging->prefix_cache;
+        const bool adopts = any_frozen_scales(scenario_) && scenario_.paging && scenario_.paging->prefix_cache;
         const std::vector<std::int64_t> hits = adopts ? adopt_prefix_hits(step) : std::vector<std::int64_t>{};
         record.append = model.append(step.tokens, attend_.empty() || attend_.at(i));
         if (adopts) record_writes(before, hits);

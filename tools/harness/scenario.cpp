@@ -57,6 +57,10 @@ bool Scenario::hybrid() const {
   return std::any_of(layer_policies.begin(), layer_policies.end(), [&](const Policy& p) { return !(p == policy); });
 }
 
+bool Scenario::mixed_quant() const {
+  return std::any_of(layer_quants.begin(), layer_quants.end(), [&](const KvQuant& q) { return !(q == *kv_quant); });
+}
+
 namespace {
 
 constexpr int kMaxBatch = 4096;
@@ -427,9 +431,7 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
   return q;
 }
 
-KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
-  const std::string p = "/kv_quant";
-  if (j.is_array()) not_yet(r, p, "a per-layer kv_quant list");
+KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims, const std::string& p = "/kv_quant") {
   r.object(j, p, {"k", "v", "residual", "flush", "prefill", "chunk_reads", "transform", "shift", "query"});
   if (!j.contains("k") && !j.contains("v")) r.fail(p, "expected \"k\", \"v\" or both: what is quantized");
   KvQuant q;
@@ -482,6 +484,34 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims) {
     q.query = QuantFormat::q8_0;
   }
   return q;
+}
+
+// A per-layer `kv_quant` list: each layer's "k" and "v" its own (formats, scales, static
+// values); what the caches share across layers (the residual and when it flushes, what a
+// chunk reads, the transform, the query) must be layer 0's.
+std::vector<KvQuant> parse_layer_quants(const Reader& r, const json& j, const Dims& dims) {
+  if (j.size() != static_cast<std::size_t>(dims.layers))
+    r.fail("/kv_quant", fmt::format("expected one kv_quant per layer ({}), got {}", dims.layers, j.size()));
+  std::vector<KvQuant> layers;
+  for (std::size_t l = 0; l < j.size(); ++l) {
+    const std::string p = "/kv_quant/" + std::to_string(l);
+    layers.push_back(parse_kv_quant(r, j[l], dims, p));
+    const KvQuant &first = layers.front(), &q = layers.back();
+    const auto same = [&](const char* field, bool equal, const std::string& first_value) {
+      if (!equal)
+        r.fail(j[l].contains(field) ? p + "/" + field : p,
+               fmt::format("expected layer 0's \"{}\" ({}): kvcheck's caches keep one {} rule for every layer; "
+                           "per layer, only \"k\" and \"v\" may differ",
+                           field, first_value, field));
+    };
+    same("residual", q.residual == first.residual, std::to_string(first.residual));
+    same("flush", q.flush == first.flush, to_string(first.flush));
+    same("prefill", q.prefill == first.prefill, to_string(first.prefill));
+    same("chunk_reads", q.chunk_reads == first.chunk_reads, to_string(first.chunk_reads));
+    same("transform", q.transform == first.transform, to_string(first.transform));
+    same("query", q.query == first.query, first.query ? "q8_0" : "none");
+  }
+  return layers;
 }
 
 // `paging` (SPEC 8). Parsed after the policy and kv_quant, which it must fit.
@@ -680,7 +710,7 @@ void parse_append_paging(const Reader& r, const json& s, const std::string& p, c
         r.object(j[b], pb, {"min", "max"});
         const std::int64_t lo = r.integer(r.field(j[b], pb, "min"), pb + "/min", 0);
         const std::int64_t hi = r.integer(r.field(j[b], pb, "max"), pb + "/max", lo);
-        if (hi != lo && scenario.kv_quant && frozen_scales(*scenario.kv_quant))
+        if (hi != lo && any_frozen_scales(scenario))
           r.fail(pb, "under a scale frozen at the first append (\"first_append\") a hit's tokens keep their writer's "
                      "scale, so the reference must know the hit: expected an exact count");
         hit = HitRange{lo, hi};
@@ -958,13 +988,18 @@ namespace {
 double stored_bytes_per_token(const Scenario& s) {
   if (!s.kv_quant) return 0.0;
   const double D = s.dims.head_dim;
-  double per_head = 0.0;
-  for (const auto& t : {s.kv_quant->k, s.kv_quant->v}) {
-    const double groups = t ? D / std::max(1, reference::scale_group(*t, s.dims.head_dim)) : 0.0;
-    per_head += D * 8 + (t ? D * 4 + groups * 12 + D / 4 : 0.0);
+  double total = 0.0;
+  for (int l = 0; l < s.dims.layers; ++l) {
+    const KvQuant& q = s.quant(l);
+    double per_head = 0.0;
+    for (const auto& t : {q.k, q.v}) {
+      const double groups = t ? D / std::max(1, reference::scale_group(*t, s.dims.head_dim)) : 0.0;
+      per_head += D * 8 + (t ? D * 4 + groups * 12 + D / 4 : 0.0);
+    }
+    if (q.along_tokens()) per_head *= 2;
+    total += static_cast<double>(s.dims.kv_heads) * (per_head + 64);
   }
-  if (s.kv_quant->along_tokens()) per_head *= 2;
-  return static_cast<double>(s.dims.layers) * s.dims.kv_heads * (per_head + 64);
+  return total;
 }
 }  // namespace
 
@@ -1077,7 +1112,14 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     const std::string dtype = r.choice(j["kv_dtype"], "/kv_dtype", {"float32", "float16", "bfloat16"});
     s.kv_dtype = dtype == "float32" ? KvDtype::float32 : dtype == "float16" ? KvDtype::float16 : KvDtype::bfloat16;
   }
-  if (j.contains("kv_quant")) s.kv_quant = parse_kv_quant(r, j["kv_quant"], s.dims);
+  if (j.contains("kv_quant")) {
+    if (j["kv_quant"].is_array()) {
+      s.layer_quants = parse_layer_quants(r, j["kv_quant"], s.dims);
+      s.kv_quant = s.layer_quants.front();
+    } else {
+      s.kv_quant = parse_kv_quant(r, j["kv_quant"], s.dims);
+    }
+  }
   const json& policy = r.field(j, "", "policy");
   if (policy.is_array()) {  // one per layer (SPEC 7)
     if (policy.size() != static_cast<std::size_t>(s.dims.layers))
@@ -1099,7 +1141,7 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
                             s.layer_policies.size() > 1 && policy.is_array() ? fmt::format(" in layer {}", l) : ""));
   // A frozen scale is computed from the keys as first stored, at their token index: a policy
   // that moves stored keys (cache positions) would re-quantize them under it.
-  if (s.kv_quant && frozen_scales(*s.kv_quant)) {
+  if (any_frozen_scales(s)) {
     if (s.kv_quant->holds_raw())
       not_yet(r, "/kv_quant", "a scale frozen at the first append (\"first_append\") with unquantized tokens "
                               "(\"residual\", \"flush\": \"requantize_all\" or \"chunk_reads\": \"raw\")");
@@ -1120,7 +1162,7 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   s.steps = parse_steps(r, r.field(j, "", "steps"), s.dims.batch, s);
   // A recompute rebuilds a row from its tokens: under a prefix cache it may take its prefix
   // from blocks other than the ones it read before, written with another frozen scale.
-  if (s.kv_quant && frozen_scales(*s.kv_quant) && s.paging && s.paging->prefix_cache)
+  if (any_frozen_scales(s) && s.paging && s.paging->prefix_cache)
     for (const Step& step : s.steps)
       if (step.op == StepOp::preempt && step.recompute)
         not_yet(r, fmt::format("/steps/{}/mode", step.source_index),
@@ -1168,6 +1210,7 @@ std::string quantize_scenario(Scenario& s, QuantFormat format) {
   nlohmann::json j = {{"k", tensor}, {"v", tensor}};
   try {
     s.kv_quant = parse_kv_quant(Reader(s.file), j, s.dims);
+    s.layer_quants.clear();
   } catch (const InputError& e) {
     return e.reason;
   }

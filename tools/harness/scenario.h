@@ -90,7 +90,11 @@ struct Scenario {
   Rope rope;
   Attention attention;                  // learned sink logits (SPEC 7)
   KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
-  std::optional<KvQuant> kv_quant;      // quantized storage (SPEC 9); kv_dtype holds what is not quantized
+  std::optional<KvQuant> kv_quant;      // quantized storage (SPEC 9), layer 0's; kv_dtype holds what is not quantized
+  // One per layer when `kv_quant` was a list (vLLM's per-layer k_scale, mixed-precision layers):
+  // the layers' "k" and "v" may differ, their residual, flush, read and transform rules do not
+  // (kv_quant holds those). Empty: every layer is kv_quant.
+  std::vector<KvQuant> layer_quants;
   Policy policy;                        // layer 0's (every layer's unless `policy` was a list)
   std::vector<Policy> layer_policies;   // one per layer (SPEC 7): Gemma- and gpt-oss-style hybrids
   std::optional<double> scale;          // softmax scale; 1/sqrt(D) when absent
@@ -107,7 +111,31 @@ struct Scenario {
   double softmax_scale() const;
   // The layers follow different policies.
   bool hybrid() const;
+  // Layer `layer`'s quantized storage (kv_quant must be set).
+  const KvQuant& quant(int layer) const {
+    return layer_quants.empty() ? *kv_quant : layer_quants.at(static_cast<std::size_t>(layer));
+  }
+  // Some layer quantizes differently from layer 0.
+  bool mixed_quant() const;
+  // Some layer's quantized storage satisfies `pred` (false without kv_quant).
+  template <class Pred>
+  bool any_layer_quant(Pred pred) const {
+    if (!kv_quant) return false;
+    for (int l = 0; l < dims.layers; ++l)
+      if (pred(quant(l))) return true;
+    return false;
+  }
 };
+
+// Some layer's scales are frozen at a row's first append (SPEC 9's "first_append").
+inline bool any_frozen_scales(const Scenario& s) {
+  return s.any_layer_quant([](const KvQuant& q) { return frozen_scales(q); });
+}
+
+// Some layer quantizes its keys.
+inline bool quantizes_keys(const Scenario& s) {
+  return s.any_layer_quant([](const KvQuant& q) { return q.k.has_value(); });
+}
 
 // Number of uids the scenario's steps create, and the batch size each step sees.
 std::int64_t count_uids(const Scenario& scenario);

@@ -40,17 +40,20 @@ const char* to_string(Feature f) {
       return "paged";
     case Feature::quantized:
       return "quantized";
+    case Feature::per_layer_quant:
+      return "per_layer_quant";
   }
   return "?";
 }
 
 const std::vector<Feature>& all_features() {
   static const std::vector<Feature> all = {
-      Feature::left_padding,     Feature::reorder,        Feature::crop,           Feature::refused_step,
-      Feature::reset,            Feature::per_layer_policy, Feature::learned_sinks, Feature::rope_scaling,
-      Feature::partial_rotary,   Feature::interleaved_rope, Feature::half_precision, Feature::dense_prefill,
-      Feature::original_positions, Feature::evict_block,  Feature::gqa,
-                                             Feature::quantized, Feature::paged};
+      Feature::left_padding,       Feature::reorder,         Feature::crop,
+      Feature::refused_step,       Feature::reset,           Feature::per_layer_policy,
+      Feature::learned_sinks,      Feature::rope_scaling,    Feature::partial_rotary,
+      Feature::interleaved_rope,   Feature::half_precision,  Feature::dense_prefill,
+      Feature::original_positions, Feature::evict_block,     Feature::gqa,
+      Feature::quantized,          Feature::per_layer_quant, Feature::paged};
   return all;
 }
 
@@ -87,6 +90,7 @@ std::vector<Feature> scenario_features(const Scenario& s) {
   add(Feature::evict_block, any_policy([](const Policy& p) { return p.kind == PolicyKind::sink && p.evict > 1; }));
   add(Feature::gqa, s.dims.kv_heads < s.dims.heads);
   add(Feature::quantized, s.kv_quant.has_value());
+  add(Feature::per_layer_quant, s.mixed_quant());
   add(Feature::paged, s.paging || s.content == Content::prefix || has_op(StepOp::free_rows) ||
                           has_op(StepOp::preempt) ||
                           has_op(StepOp::evict) || std::any_of(s.steps.begin(), s.steps.end(), [](const Step& step) {

@@ -10,23 +10,24 @@
 namespace kvcheck {
 
 enum class Feature {
-  left_padding,       // an append gives rows different token counts
-  reorder,            // beam reorder, fork, batch change through reorder
-  crop,               // crop (accepted or refused)
-  refused_step,       // a step the policy must refuse (expect_error)
-  reset,              // a new generation in the same cache
-  per_layer_policy,   // policy is a list that differs between layers (SPEC 7)
-  learned_sinks,      // attention.sink_logits (SPEC 7)
-  rope_scaling,       // linear, llama3 or yarn
-  partial_rotary,     // rotary_dim < head_dim
-  interleaved_rope,   // the GPT-J / llama.cpp NORM layout
-  half_precision,     // kv_dtype float16 or bfloat16
-  dense_prefill,      // sink prefill "dense"
-  original_positions, // sink positions "original"
-  evict_block,        // sink evict > 1 (llama.cpp's context shift)
-  gqa,                // kv_heads < heads
-  quantized,          // kv_quant (SPEC 9): codes and scales, not floats
-  paged,              // SPEC 8: paging, content "prefix", free/evict, chunked or id-given appends
+  left_padding,        // an append gives rows different token counts
+  reorder,             // beam reorder, fork, batch change through reorder
+  crop,                // crop (accepted or refused)
+  refused_step,        // a step the policy must refuse (expect_error)
+  reset,               // a new generation in the same cache
+  per_layer_policy,    // policy is a list that differs between layers (SPEC 7)
+  learned_sinks,       // attention.sink_logits (SPEC 7)
+  rope_scaling,        // linear, llama3 or yarn
+  partial_rotary,      // rotary_dim < head_dim
+  interleaved_rope,    // the GPT-J / llama.cpp NORM layout
+  half_precision,      // kv_dtype float16 or bfloat16
+  dense_prefill,       // sink prefill "dense"
+  original_positions,  // sink positions "original"
+  evict_block,         // sink evict > 1 (llama.cpp's context shift)
+  gqa,                 // kv_heads < heads
+  quantized,           // kv_quant (SPEC 9): codes and scales, not floats
+  per_layer_quant,     // kv_quant is a list whose layers quantize differently (SPEC 9)
+  paged,               // SPEC 8: paging, content "prefix", free/evict, chunked or id-given appends
 };
 
 const char* to_string(Feature f);

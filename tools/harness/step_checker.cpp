@@ -593,7 +593,7 @@ class StepChecker::Impl {
   // at that position, rotated back, is that far from the raw key.
   double simulated_drift(const StepRecord& rec, int l, int b, int g, std::int64_t uid, std::int64_t position,
                          const float* raw) {
-    if (rec.stored.empty() || !s_.kv_quant->k) return 0.0;
+    if (rec.stored.empty() || !s_.quant(l).k) return 0.0;
     const auto& keys = rec.retained_in(l, b).keys;
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (static_cast<std::int64_t>(keys[i].uid) != uid || keys[i].position != position) continue;
@@ -611,7 +611,7 @@ class StepChecker::Impl {
   // nullopt: not applicable.
   std::optional<bool> matches_simulated_key(const StepRecord& rec, int l, int b, int g, const ViewSlot& v,
                                             std::int64_t position) const {
-    if (rec.stored.empty() || !s_.kv_quant->k || v.key_codes || v.raw) return std::nullopt;
+    if (rec.stored.empty() || !s_.quant(l).k || v.key_codes || v.raw) return std::nullopt;
     const bool moves = std::any_of(s_.layer_policies.begin(), s_.layer_policies.end(), [](const Policy& p) {
       return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
     });
@@ -622,7 +622,7 @@ class StepChecker::Impl {
       const reference::StoredLayer& token = rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i];
       if (token.raw) return std::nullopt;  // in the residual: held in kv_dtype
       const reference::StoredHead& h = token.heads[static_cast<std::size_t>(g)];
-      const TensorQuant& format = *s_.kv_quant->k;
+      const TensorQuant& format = *s_.quant(l).k;
       const int D = s_.dims.head_dim, group = std::max(1, reference::scale_group(format, D));
       double step = 0.0;  // the largest code step of the row, both sides of a boundary
       for (int d = 0; d < D; ++d)

@@ -27,7 +27,8 @@ struct CodeFiles {
 // codes need the scenario's kv_quant for that tensor, come with their scales, and with zero
 // points exactly for the affine formats. `file` resolves a name (and names its field when it
 // is not one); `fail` throws the manifest's error.
-void read_code_files(const nlohmann::json& j, const std::string& p, const Scenario& s,
+// `layer`: whose kv_quant the codes follow.
+void read_code_files(const nlohmann::json& j, const std::string& p, const Scenario& s, int layer,
                      const std::function<std::string(const std::string& key)>& file,
                      const std::function<void(const std::string& path, const std::string& why)>& fail, CodeFiles& out);
 

@@ -57,7 +57,7 @@ struct Trace {
 // A layer's "paged" entry (SPEC 8.9): block_size, layout, key_cache, value_cache,
 // block_table, and optionally refcount, hit_tokens, slot_mapping and block_ids.
 PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std::string& dir,
-                                 const std::string& manifest, const Scenario& s) {
+                                 const std::string& manifest, const Scenario& s, int layer) {
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(manifest, path, why); };
   if (!j.is_object()) fail(p, "expected an object");
   static const std::set<std::string> known = {"block_size", "layout",     "key_cache",    "value_cache", "block_table",
@@ -88,7 +88,7 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   // SPEC 9.3 in a pool: codes [blocks, B, Hkv, D] (or HND), scales and zero points per group;
   // a pool of floats may then be left out (the checker dequantizes the codes).
   read_code_files(
-      j, p, s, [&](const std::string& key) { return file(key.c_str(), true); },
+      j, p, s, layer, [&](const std::string& key) { return file(key.c_str(), true); },
       [&](const std::string& path, const std::string& why) { fail(path, why); }, f.codes);
   f.key_cache = file("key_cache", f.codes.codes[0].empty());
   f.value_cache = file("value_cache", f.codes.codes[1].empty());
@@ -180,7 +180,7 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         }
         TraceFiles f;
         if (ls[l].contains("paged")) {  // SPEC 8.9: the pool and tables stand for keys and values
-          f.paged = read_paged_entry(ls[l]["paged"], lp + "/paged", dir, t.manifest_path, s);
+          f.paged = read_paged_entry(ls[l]["paged"], lp + "/paged", dir, t.manifest_path, s, static_cast<int>(l));
           for (const char* key : {"keys", "values", "k_codes", "v_codes"})
             if (ls[l].contains(key)) fail(lp + "/" + key, "a paged layer gives its pool under \"paged\", not " + std::string(key));
           if (ls[l].contains("out")) f.out = resolve_inside(dir, ls[l]["out"].get<std::string>(), t.manifest_path, lp + "/out");
@@ -208,7 +208,7 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
           f.raw = file("raw");
         }
         read_code_files(
-            ls[l], lp, s, [&](const std::string& key) { return file(key.c_str()); },
+            ls[l], lp, s, static_cast<int>(l), [&](const std::string& key) { return file(key.c_str()); },
             [&](const std::string& path, const std::string& why) { fail(path, why); }, f.codes);
         layers.push_back(f);
       }
@@ -286,8 +286,8 @@ class TraceSource {
         };
         std::vector<std::size_t> lengths;
         for (const RowHistory& h : rec.histories) lengths.push_back(h.size());
-        read_paged_layer(*f.paged, lengths, Hkv, D, s_.kv_quant ? &*s_.kv_quant : nullptr, id, layer, *view.paged, l,
-                         view.storage, view.roundoff);
+        read_paged_layer(*f.paged, lengths, Hkv, D, s_.kv_quant ? &s_.quant(static_cast<int>(l)) : nullptr, id, layer,
+                         *view.paged, l, view.storage, view.roundoff);
         outputs_and_queries(rec, f, layer, view);
         view.layers.push_back(std::move(layer));
         continue;
@@ -302,7 +302,7 @@ class TraceSource {
       std::optional<StoredRows> codes[2];
       for (int t = 0; t < 2; ++t) {
         if (f.codes.codes[t].empty()) continue;
-        const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
+        const TensorQuant& quant = t == 0 ? *s_.quant(static_cast<int>(l)).k : *s_.quant(static_cast<int>(l)).v;
         codes[t] = StoredRows::read(f.codes, t, quant, {B, Hkv, slots}, D);  // slots 0: any
         slots = codes[t]->codes.shape[2];
       }
@@ -318,7 +318,7 @@ class TraceSource {
       }
       // Left out: what the codes stand for, the transform undone.
       const auto dequantized = [&](int t) {
-        const TensorQuant& quant = t == 0 ? *s_.kv_quant->k : *s_.kv_quant->v;
+        const TensorQuant& quant = t == 0 ? *s_.quant(static_cast<int>(l)).k : *s_.quant(static_cast<int>(l)).v;
         return NpyArray<float>{{B, Hkv, slots, D}, codes[t]->dequantized(quant, s_.kv_quant->transform)};
       };
       NpyArray<float> keys = key_file ? std::move(*key_file) : dequantized(0);
@@ -379,7 +379,7 @@ class TraceSource {
     const int D = s_.dims.head_dim;
     // A quantized value is off by up to a step of its group, relative to the row's largest
     // element (its norm under a transform), not to each element.
-    const bool quantized = s_.kv_quant && s_.kv_quant->v;
+    const bool quantized = s_.kv_quant && s_.quant(layer).v;
     const double step = quantized ? value_roundoff(s_) : roundoff;
     // How far the value is from uid's, relative to what the storage allows (> 1: no match).
     auto misfit = [&](std::uint64_t uid) {

@@ -16,7 +16,7 @@ class FaultyCache : public KvCache {
         rope_(rope_spec(config, fault)),
         key_rope_(key_rope_spec(config, fault)),
         kernel_(config.threads),
-        store_(config.layers, config.kv_heads, config.head_dim, key_format(config), value_format(config)) {
+        store_(config.kv_heads, config.head_dim, store_formats(config)) {
     if (fault == Fault::window_off_by_one) ++config_.window;
     if (fault == Fault::learned_sinks_dropped) config_.sink_logits.clear();
     store_.reset(config_.batch, config_.window + 1);

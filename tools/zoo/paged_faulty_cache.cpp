@@ -81,8 +81,8 @@ class FaultyPagedCache : public optimized::PagedCache {
       for (std::int64_t t = 0; t < hit; ++t) {
         const std::int64_t slot = entries[static_cast<std::size_t>(t / block_size())] * block_size() + t % block_size();
         for (int g = 0; g < p.kv_heads(); ++g) {
-          stamp(p.key_format(), const_cast<void*>(p.key(0, 0, g, slot)), scales.key(l, b, g));
-          stamp(p.value_format(), const_cast<void*>(p.value(0, 0, g, slot)), scales.value(l, b, g));
+          stamp(p.key_format(0), const_cast<void*>(p.key(0, 0, g, slot)), scales.key(l, b, g));
+          stamp(p.value_format(0), const_cast<void*>(p.value(0, 0, g, slot)), scales.value(l, b, g));
         }
       }
     }

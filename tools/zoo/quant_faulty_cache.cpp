@@ -81,7 +81,6 @@ class QuantFaultyCache : public KvCache {
   std::vector<StoredSlot> quantized_slots(Pick pick) const {
     std::vector<StoredSlot> out;
     const SlotStore& s = inner_->slots();
-    const std::size_t kb = row_bytes(s.key_format(), config_.head_dim), vb = row_bytes(s.value_format(), config_.head_dim);
     for (int b = 0; b < s.batch(); ++b)
       for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
         const SlotMeta& m = s.meta(b, slot);
@@ -91,8 +90,8 @@ class QuantFaultyCache : public KvCache {
           for (int g = 0; g < s.kv_heads(); ++g) {
             const auto* k = static_cast<const std::byte*>(s.key(l, b, g, slot));
             const auto* v = static_cast<const std::byte*>(s.value(l, b, g, slot));
-            x.keys.emplace_back(k, k + kb);
-            x.values.emplace_back(v, v + vb);
+            x.keys.emplace_back(k, k + key_bytes(l));
+            x.values.emplace_back(v, v + row_bytes(s.value_format(l), config_.head_dim));
           }
       }
     return out;
@@ -117,7 +116,7 @@ class QuantFaultyCache : public KvCache {
   }
   // The inner cache's store, written behind its back: that is the bug.
   SlotStore& store() { return const_cast<SlotStore&>(inner_->slots()); }
-  std::size_t key_bytes() const { return row_bytes(inner_->slots().key_format(), config_.head_dim); }
+  std::size_t key_bytes(int layer) const { return row_bytes(inner_->slots().key_format(layer), config_.head_dim); }
 
   std::map<std::pair<int, std::int64_t>, Snapshot> snapshot() const {
     std::map<std::pair<int, std::int64_t>, Snapshot> out;
@@ -131,7 +130,7 @@ class QuantFaultyCache : public KvCache {
         for (int l = 0; l < s.layers(); ++l)
           for (int g = 0; g < s.kv_heads(); ++g) {
             const auto* k = static_cast<const std::byte*>(s.key(l, b, g, slot));
-            snap.keys.emplace_back(k, k + key_bytes());
+            snap.keys.emplace_back(k, k + key_bytes(l));
           }
       }
     return out;
@@ -148,7 +147,7 @@ class QuantFaultyCache : public KvCache {
         for (int l = 0; l < s.layers(); ++l)
           for (int g = 0; g < s.kv_heads(); ++g)
             std::memcpy(const_cast<void*>(s.key(l, b, g, slot)), found->second.keys[l * s.kv_heads() + g].data(),
-                        key_bytes());
+                        key_bytes(l));
       }
   }
 
@@ -156,10 +155,8 @@ class QuantFaultyCache : public KvCache {
   // append (one [scale][codes] group per row: the token granularity's layout).
   void freeze_scales(const Chunk& chunk) {
     SlotStore& s = store();
-    const RowFormat& f = s.key_format();
     const int D = config_.head_dim;
     std::vector<float> row(static_cast<std::size_t>(D)), scratch(row.size());
-    RowFormat fixed = f;
     for (int b = 0; b < s.batch(); ++b)
       for (std::int64_t slot = 0; slot < s.capacity(); ++slot) {
         const SlotMeta& m = s.meta(b, slot);
@@ -172,6 +169,7 @@ class QuantFaultyCache : public KvCache {
             const auto key = std::make_pair(l, g);
             if (!frozen_.count(key)) frozen_[key] = scale;  // the first append's, kept from now on
             s.read_key(l, b, g, slot, row.data());
+            RowFormat fixed = s.key_format(l);
             fixed.static_scales = {frozen_[key]};
             encode_row(fixed, g, row.data(), D, bytes + sizeof scale, scratch.data());
             std::memcpy(bytes, &frozen_[key], sizeof scale);
@@ -181,7 +179,7 @@ class QuantFaultyCache : public KvCache {
 
   // One stored row read the faulty way.
   void read_wrongly(const SlotStore& s, bool value, int l, int b, int g, std::int64_t slot, float* x) const {
-    const RowFormat& f = value ? s.value_format() : s.key_format();
+    const RowFormat& f = value ? s.value_format(l) : s.key_format(l);
     const int D = config_.head_dim;
     const auto* bytes = static_cast<const std::byte*>(value ? s.value(l, b, g, slot) : s.key(l, b, g, slot));
     if (fault_ == QuantFault::scale_dropped_on_read && is_quantized(f.codec)) {
@@ -253,7 +251,7 @@ class QuantFaultyCache : public KvCache {
     std::vector<float> x(static_cast<std::size_t>(D)), scratch(x.size());
     for (const PagedState::Layer& layer : paged->layers) {
       auto& pool = const_cast<SlotStore&>(*layer.pool);
-      RowFormat key_plain = pool.key_format(), value_plain = pool.value_format();
+      RowFormat key_plain = pool.key_format(0), value_plain = pool.value_format(0);
       key_plain.hadamard = value_plain.hadamard = false;
       for (const int b : rows)
         for (const std::int64_t block : layer.tables[static_cast<std::size_t>(b)]) {

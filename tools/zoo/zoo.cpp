@@ -86,9 +86,12 @@ bool has_format(const Scenario& s, QuantFormat f) {
   return s.kv_quant && ((s.kv_quant->k && s.kv_quant->k->format == f) || (s.kv_quant->v && s.kv_quant->v->format == f));
 }
 
+// Each plants its fault in layer 0's format; a scenario whose layers quantize differently
+// is left to the per-layer mutant.
 ZooMutant quant_mutant(const char* name, zoo::QuantFault fault, std::function<bool(const Scenario&)> serves,
                        const char* bug, const char* wild, BugClass expected, std::vector<std::string> fixtures) {
-  CacheEntry entry{std::string("zoo/") + name, bug, std::move(serves),
+  CacheEntry entry{std::string("zoo/") + name, bug,
+                   [serves = std::move(serves)](const Scenario& s) { return !s.mixed_quant() && serves(s); },
                    [fault](const optimized::CacheConfig& config) {
                      const bool sink = fault == zoo::QuantFault::shift_skips_quantized;
                      return zoo::make_quant_faulty_cache(config, fault, real_cache_for(config, sink));
@@ -201,21 +204,19 @@ const std::vector<ZooMutant>& zoo_mutants() {
           "SGLang's k_scale never reaching the kernels (issue 18818); tokenspeed's FA4 path ignoring k/v_scale (PR "
           "759), unseen by tests that only used scale 1",
           BugClass::quant_scale_not_applied, {"quant_fp8_e4m3_static_scale"}),
-      quant_mutant(
-          "v_with_k_scales", zoo::QuantFault::v_with_k_scales,
-          [](const Scenario& s) {
-            return full_or_sliding(s) && s.kv_quant && s.kv_quant->k && s.kv_quant->v &&
-                   s.kv_quant->k->format == QuantFormat::q8_0 && s.kv_quant->v->format == QuantFormat::q8_0;
-          },
-          "dequantizes V's q8_0 blocks with K's block scales",
-          "ik_llama.cpp's FlashMLA reading V as a view of K with K's layout (PR 400)",
-          BugClass::quant_dequantization_layout, {"quant_q8_0_full"}),
-      quant_mutant(
-          "q4_nibble_order", zoo::QuantFault::q4_nibble_order,
-          [](const Scenario& s) { return full_or_sliding(s) && has_format(s, QuantFormat::q4_0); },
-          "reads q4_0 with element j paired with j + 1 in a byte, where ggml pairs j with j + 16",
-          "ik_llama.cpp's Q6_0 dequantization bug, gibberish at high perplexity (PR 1005)",
-          BugClass::quant_dequantization_layout, {"quant_q4_0_sliding"}),
+      quant_mutant("v_with_k_scales", zoo::QuantFault::v_with_k_scales,
+                   [](const Scenario& s) {
+                     return full_or_sliding(s) && s.kv_quant && s.kv_quant->k && s.kv_quant->v &&
+                            s.kv_quant->k->format == QuantFormat::q8_0 && s.kv_quant->v->format == QuantFormat::q8_0;
+                   },
+                   "dequantizes V's q8_0 blocks with K's block scales",
+                   "ik_llama.cpp's FlashMLA reading V as a view of K with K's layout (PR 400)",
+                   BugClass::quant_dequantization_layout, {"quant_q8_0_full"}),
+      quant_mutant("q4_nibble_order", zoo::QuantFault::q4_nibble_order,
+                   [](const Scenario& s) { return full_or_sliding(s) && has_format(s, QuantFormat::q4_0); },
+                   "reads q4_0 with element j paired with j + 1 in a byte, where ggml pairs j with j + 16",
+                   "ik_llama.cpp's Q6_0 dequantization bug, gibberish at high perplexity (PR 1005)",
+                   BugClass::quant_dequantization_layout, {"quant_q4_0_sliding"}),
       quant_mutant(
           "scale_frozen_on_first", zoo::QuantFault::scale_frozen_on_first,
           [](const Scenario& s) {
@@ -230,16 +231,16 @@ const std::vector<ZooMutant>& zoo_mutants() {
           "imp's online FP8 calibration frozen on the warm-up pass (PR 89); vLLM's calculate_kv_scales from one "
           "warm-up batch",
           BugClass::quant_scale_wrong, {"quant_int8_token_scale_sliding"}),
-      quant_mutant(
-          "shift_skips_quantized", zoo::QuantFault::shift_skips_quantized,
-          [](const Scenario& s) {
-            return !s.hybrid() && s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
-                   s.policy.prefill == Prefill::streaming && s.kv_quant && s.kv_quant->k;
-          },
-          "a context shift moves the quantized keys and their positions, but leaves their codes as they were",
-          "llama.cpp's context shift with a quantized K cache, unsupported and then done by dequantize, rope, "
-          "quantize (issues 5652, 7230, 9743; PR 5653)",
-          BugClass::quant_key_not_rerotated, {"quant_q8_0_hadamard_context_shift"}),
+      quant_mutant("shift_skips_quantized", zoo::QuantFault::shift_skips_quantized,
+                   [](const Scenario& s) {
+                     return !s.hybrid() && s.policy.kind == PolicyKind::sink &&
+                            s.policy.positions == SinkPositions::cache && s.policy.prefill == Prefill::streaming &&
+                            s.kv_quant && s.kv_quant->k;
+                   },
+                   "a context shift moves the quantized keys and their positions, but leaves their codes as they were",
+                   "llama.cpp's context shift with a quantized K cache, unsupported and then done by dequantize, rope, "
+                   "quantize (issues 5652, 7230, 9743; PR 5653)",
+                   BugClass::quant_key_not_rerotated, {"quant_q8_0_hadamard_context_shift"}),
       quant_mutant(
           "prefill_skips_residual", zoo::QuantFault::prefill_skips_residual,
           [](const Scenario& s) { return full_or_sliding(s) && s.kv_quant && s.kv_quant->holds_raw(); },
@@ -289,6 +290,40 @@ const std::vector<ZooMutant>& zoo_mutants() {
         m.cache.eviction = Eviction::any;
         return m;
       }(),
+      // Per-layer static scales (SPEC 9's per-layer kv_quant): a loader that keeps one.
+      [] {
+        CacheEntry entry{
+            "zoo/layer_scales_shared",
+            "writes and reads every layer's keys and values with layer 0's static scales (each layer's own "
+            "calibrated k_scale and v_scale lost)",
+            [](const Scenario& s) {
+              return full_or_sliding(s) && s.mixed_quant() && s.any_layer_quant([&](const KvQuant& q) {
+                const KvQuant& first = s.quant(0);
+                const auto fixed_differs = [](const std::optional<TensorQuant>& a,
+                                              const std::optional<TensorQuant>& b) {
+                  return a && b && a->format == b->format && a->scale.rule == ScaleRule::fixed &&
+                         b->scale.rule == ScaleRule::fixed && a->scale.granularity == b->scale.granularity &&
+                         a->scale.values != b->scale.values;
+                };
+                return fixed_differs(q.k, first.k) || fixed_differs(q.v, first.v);
+              });
+            },
+            [](const optimized::CacheConfig& config) {
+              optimized::CacheConfig one_scale = config;
+              for (optimized::LayerQuant& layer : one_scale.quant)
+                for (auto [mine, first] : {std::pair{&layer.key, &config.quant.front().key},
+                                           std::pair{&layer.value, &config.quant.front().value}})
+                  if (*mine && *first && (*mine)->codec == (*first)->codec && !(*first)->static_scales.empty())
+                    (*mine)->static_scales = (*first)->static_scales;
+              return real_cache_for(one_scale, false);
+            }};
+        return ZooMutant{entry,
+                         "SGLang's Qwen3-MoE, Qwen2 and Mixtral loaders dropping the checkpoint's per-layer FP8 KV "
+                         "scales, every layer at one scale (issue 39942); ModelOpt exporting 1.0 for every layer "
+                         "(Model-Optimizer issue 20)",
+                         BugClass::quant_scale_wrong,
+                         {"quant_fp8_per_layer_scales"}};
+      }(),
       // A paged decision under frozen scales: planted in kvcheck's paged cache.
       [] {
         ZooMutant m = paged_mutant(
@@ -299,7 +334,7 @@ const std::vector<ZooMutant>& zoo_mutants() {
             "hypothesis is kvcheck's: one scale per request where each block needs its writer's)",
             BugClass::quant_shared_scale, {"quant_paged_frozen_scale_hit"});
         m.cache.serves = [](const Scenario& s) {
-          return s.paging && s.paging->prefix_cache && s.kv_quant && frozen_scales(*s.kv_quant);
+          return s.paging && s.paging->prefix_cache && s.kv_quant && !s.mixed_quant() && frozen_scales(*s.kv_quant);
         };
         return m;
       }(),
