@@ -247,7 +247,7 @@ void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const Que
     const int g = head / G;
     rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), cos_sin(view.query_position),
                 dims_.head_dim, rotary_, rope_.layout, scratch.query.data());
-    slack[head] = stored_->quantize_query(scratch.query.data(), view.query_position);
+    slack[head] = stored_->quantize_query(layer, scratch.query.data(), view.query_position);
     const double* sink_logit =
         attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
     reference::attend(scratch.query.data(), scratch.keys.data() + g * n * D, scratch.values.data() + g * n * D, n, D,

@@ -153,8 +153,9 @@ const StoredLayer& StoredKv::settle(int row, int layer, std::int64_t index, std:
   return here;
 }
 
-double StoredKv::quantize_query(double* q, std::int64_t position) const {
-  return quant().query ? quantize_query_q8_0(query_transform(quant()), query_transform_block(quant()), q,
+double StoredKv::quantize_query(int layer, double* q, std::int64_t position) const {
+  const KvQuant& rules = quant(layer);  // K's transform and block: the layer's
+  return rules.query ? quantize_query_q8_0(query_transform(rules), query_transform_block(rules), q,
                                              dims_.head_dim, position)
                        : 0.0;
 }

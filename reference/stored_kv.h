@@ -86,7 +86,7 @@ class StoredKv {
   // The query as the attention uses it (kv_quant.query): rounded to float32, transformed,
   // quantized, dequantized, transformed back. Unchanged without `query`. Returns how far
   // (2-norm) a backend's query may be from it: codes on a tie may round either way.
-  double quantize_query(double* q, std::int64_t position) const;
+  double quantize_query(int layer, double* q, std::int64_t position) const;
 
   // SPEC 9's "first_append": the scales of `row`, computed from the tokens `uids` of its first
   // append (token i stored at index and position i), kept for the row's later tokens.

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "optimized/rope_table.h"
 #include "tests/random_scenario.h"
 #include "tools/catalog/catalog.h"
 #include "tools/harness/cache_checks.h"
@@ -126,4 +128,60 @@ TEST(Caches, ACacheThatThrowsIsAFailureAtThatStepNotBadInput) {
   EXPECT_EQ(t.first->evidence.step, 2u);
   EXPECT_EQ(t.first->bug, BugClass::cache_raised);
   EXPECT_EQ(t.first->evidence.refusal, "the cache raised: vector::_M_range_check: 7 >= 6");
+}
+
+TEST(Caches, EachLayerKeysAreHeldToTheirOwnFormatsRounding) {
+  // quant_mixed_layers_residual keeps layer 0 in float16 beside an int4 layer: a layer 0 key
+  // rotated one position too far must fail the rotation check, which the int4 layer's
+  // coarse step (about 0.13 of the largest element) would let through.
+  struct OneOnInLayerZero : optimized::KvCache {
+    explicit OneOnInLayerZero(const optimized::CacheConfig& c) : inner(find_cache("dynamic")->make(c)), rope(c.rope) {
+      rope.cover(2);
+    }
+    void append(const optimized::Chunk& chunk, const std::vector<float*>& out, optimized::AttentionLog* log) override {
+      inner->append(chunk, out, log);
+      auto& store = const_cast<optimized::SlotStore&>(inner->slots());
+      std::vector<float> x(static_cast<std::size_t>(store.head_dim()));
+      for (int b = 0; b < store.batch(); ++b)
+        for (std::int64_t slot = 0; slot < store.capacity(); ++slot) {
+          if (store.meta(b, slot).uid < 0 || turned.count({b, store.meta(b, slot).uid})) continue;
+          turned.insert({b, store.meta(b, slot).uid});
+          for (int g = 0; g < store.kv_heads(); ++g) {
+            store.read_key(0, b, g, slot, x.data());
+            rope.rotate(x.data(), 1);  // rotations compose: now at its position + 1
+            store.write_key(0, b, g, slot, x.data());
+          }
+        }
+    }
+    void reorder(const std::vector<int>& rows) override { inner->reorder(rows), turned.clear(); }
+    void reset(int batch) override { inner->reset(batch), turned.clear(); }
+    void crop(std::int64_t length) override { inner->crop(length); }
+    const optimized::SlotStore& slots() const override { return inner->slots(); }
+    std::int64_t row_length(int row) const override { return inner->row_length(row); }
+    std::unique_ptr<optimized::KvCache> inner;
+    optimized::RopeTable rope;
+    std::set<std::pair<int, std::int64_t>> turned;
+  };
+  CacheEntry entry{"one_on_in_layer_zero", "rotates layer 0's keys one position too far",
+                   [](const Scenario&) { return true; },
+                   [](const optimized::CacheConfig& c) { return std::make_unique<OneOnInLayerZero>(c); }};
+  const Scenario s =
+      load_scenario(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios/quant_mixed_layers_residual.json");
+  ASSERT_FALSE(s.quant(0).k.has_value());
+  const InputTable inputs = load_inputs(s);
+  const ReferenceRun run = run_reference(s, inputs);
+  const CacheTrace t = trace_cache(s, inputs, run, entry, false);
+  const auto rotation = std::find_if(t.outcome.checks.begin(), t.outcome.checks.end(),
+                                     [](const auto& c) { return c.name == "rotation"; });
+  ASSERT_NE(rotation, t.outcome.checks.end());
+  EXPECT_FALSE(rotation->passed);
+  // The first key already, recovered exactly (held to int4's step, only a few keys fail and
+  // every position reads as ambiguous).
+  EXPECT_NE(rotation->detail.find("layer 0 row 0 kv head 0 slot 0 (uid 0, token 0): the key is not its raw key "
+                                  "rotated by its claimed position 0 (recovered: 1)"),
+            std::string::npos)
+      << rotation->detail;
+  ASSERT_TRUE(t.first.has_value());
+  ASSERT_FALSE(t.first->slots.empty());
+  EXPECT_EQ(t.first->slots[0].position_recovered, "1");
 }

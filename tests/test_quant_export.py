@@ -26,9 +26,15 @@ def kvcheck(*args):
 
 
 def layer_quants(manifest):
-    """One kv_quant per layer: a per-layer list as it is, else the one repeated."""
+    """One kv_quant per layer: a per-layer list as it is ({} for a null layer, kept in
+    kv_dtype), else the one repeated."""
     q, L = manifest["kv_quant"], manifest["dimensions"]["layers"]
-    return q if isinstance(q, list) else [q] * L
+    return [x or {} for x in q] if isinstance(q, list) else [q] * L
+
+
+def shared_rules(manifest):
+    """The residual, flush, read and transform rules: every quantized layer's."""
+    return next(q for q in layer_quants(manifest) if q)
 
 
 def load_codes(out, step, names):
@@ -126,7 +132,7 @@ class QuantExportTest(unittest.TestCase):
         k_in, v_in, q_in = (np.load(os.path.join(out, n + ".npy")) for n in ("k", "v", "q"))
         def transform(fmt):
             """The tensor's Hadamard matrix: block-diagonal when it declares transform_block."""
-            if quants[0]["transform"] != "hadamard":
+            if shared_rules(m)["transform"] != "hadamard":
                 return None
             width = fmt.get("transform_block", D)
             return np.kron(np.eye(D // width), spec_quant.hadamard(width))
@@ -276,7 +282,7 @@ class QuantExportTest(unittest.TestCase):
         with open(os.path.join(out, "manifest.json")) as f:
             m = json.load(f)
         quants, rope = layer_quants(m), m["rope"]
-        quant = quants[0]  # the residual's rules: every layer's
+        quant = shared_rules(m)
         R, requantize_all = quant["residual"], quant["flush"] == "requantize_all"
         prefill_store, raw_reads = quant["prefill"] == "store", quant["chunk_reads"] == "raw"
         dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": None}[m.get("kv_dtype", "float32")]

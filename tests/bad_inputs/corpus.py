@@ -282,7 +282,7 @@ INT8 = {"format": "int8"}
 LAYER_QUANT_CASES = [
     ([{"k": INT8}], "/kv_quant: expected one kv_quant per layer \\(2\\), got 1"),
     ([{"k": INT8}, 3], "/kv_quant/1: expected an object"),
-    ([{"k": INT8}, None], "/kv_quant/1: expected an object"),
+    ([None, None], "/kv_quant: expected at least one layer quantized \\(null keeps a layer in kv_dtype\\)"),
     ([{"k": INT8}, {}], "/kv_quant/1: expected \"k\", \"v\" or both"),
     ([{"k": INT8}, {"k": {"format": "fp4"}}], "/kv_quant/1/k/format: expected one of fp8_e4m3"),
     ([{"k": INT8}, {"k": INT8, "residual": 2}],

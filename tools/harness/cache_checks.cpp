@@ -203,7 +203,8 @@ CacheView InProcessCache::view_now(const std::vector<std::vector<float>>& out) {
   } else {
     view.layers = slot_layers(*cache_, s_.dims.layers, out, view.storage);
   }
-  view.roundoff = key_roundoff(s_);
+  view.roundoff = unit_roundoff(s_.kv_dtype);
+  for (std::size_t l = 0; l < view.layers.size(); ++l) view.layers[l].key_roundoff = key_roundoff(s_, static_cast<int>(l));
   return view;
 }
 

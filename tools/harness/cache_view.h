@@ -46,6 +46,7 @@ struct ViewLayer {
   std::vector<std::vector<std::vector<ViewSlot>>> slots;  // [row][kv_head]: the slots in use
   const float* out = nullptr;                             // outputs [B, n, H, D] of an append step; null: none
   const float* q = nullptr;  // rotated queries [B, n, H, D]; null: none (in-process caches)
+  double key_roundoff = 0.0;  // what the layer's key format loses (SPEC 9), beyond the view's roundoff
 };
 
 // A visible (query, key) pair as the cache used it: the integers of SPEC 5.3 (row, query

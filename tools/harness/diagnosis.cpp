@@ -516,7 +516,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     // A key still at its absolute position where a cache position was due: the kept keys
     // were never re-rotated (whatever the newest key did), or only the newest was not.
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index) {
-      if (!i.newest) return quantizes_keys(s) ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
+      if (!i.newest) return s.kv_quant && s.quant(i.layer).k ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
       new_unshifted = true;
     }
   }

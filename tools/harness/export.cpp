@@ -319,7 +319,8 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
   if (s.kv_quant && s.layer_quants.empty()) manifest["kv_quant"] = kv_quant_json(*s.kv_quant, s.dims.head_dim);
   if (!s.layer_quants.empty()) {  // one per layer, as the scenario gave them
     manifest["kv_quant"] = json::array();
-    for (const KvQuant& q : s.layer_quants) manifest["kv_quant"].push_back(kv_quant_json(q, s.dims.head_dim));
+    for (const KvQuant& q : s.layer_quants)  // null: a layer stored in kv_dtype
+      manifest["kv_quant"].push_back(q.k || q.v ? kv_quant_json(q, s.dims.head_dim) : json(nullptr));
   }
   if (s.hybrid()) {
     json policies = json::array();

@@ -8,10 +8,11 @@
 
 namespace kvcheck {
 
-void PrecisionChecks::check(const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
-  if (rec.stored.empty()) return;
+void PrecisionChecks::check(const Scenario& s, const StepRecord& rec, const CacheView& view, StepEvidence& evidence) {
+  if (rec.stored.empty() || !s.kv_quant) return;
   for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
     for (std::size_t b = 0; b < rec.stored[l].size() && b < view.layers[l].slots.size(); ++b) {
+      if (!s.quant(static_cast<int>(l)).k && !s.quant(static_cast<int>(l)).v) break;
       const auto& retained = rec.retained_in(static_cast<int>(l), static_cast<int>(b)).keys;
       // Every kv head of a token changes precision together: the first head speaks for it.
       if (view.layers[l].slots[b].empty()) continue;

@@ -17,7 +17,9 @@ class PrecisionChecks {
  public:
   // Compares every retained slot whose source shows its precision (raw, or codes) with the
   // reference's; a mismatch goes to evidence.precision.
-  void check(const StepRecord& record, const CacheView& view, StepEvidence& evidence);
+  // A layer that quantizes nothing (a null entry of a per-layer kv_quant) holds every token
+  // in kv_dtype: it has no precision to check.
+  void check(const Scenario& scenario, const StepRecord& record, const CacheView& view, StepEvidence& evidence);
   void add_checks(Outcome& outcome) const;
 
  private:

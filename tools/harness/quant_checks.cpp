@@ -73,16 +73,11 @@ double stored_roundoff(const Scenario& s, const std::optional<TensorQuant>& q) {
 }
 }  // namespace
 
-// The coarsest layer's.
-double key_roundoff(const Scenario& s) {
-  double worst = stored_roundoff(s, std::nullopt);
-  for (int l = 0; l < s.dims.layers && s.kv_quant; ++l) worst = std::max(worst, stored_roundoff(s, s.quant(l).k));
-  return worst;
+double key_roundoff(const Scenario& s, int layer) {
+  return stored_roundoff(s, s.kv_quant ? s.quant(layer).k : std::nullopt);
 }
-double value_roundoff(const Scenario& s) {
-  double worst = stored_roundoff(s, std::nullopt);
-  for (int l = 0; l < s.dims.layers && s.kv_quant; ++l) worst = std::max(worst, stored_roundoff(s, s.quant(l).v));
-  return worst;
+double value_roundoff(const Scenario& s, int layer) {
+  return stored_roundoff(s, s.kv_quant ? s.quant(layer).v : std::nullopt);
 }
 
 optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) {
@@ -892,7 +887,8 @@ double QuantChecks::query_allowance(double slack) const {
 }
 
 void QuantChecks::add_checks(Outcome& o) const {
-  const auto formats = [](const KvQuant& q) {
+  const auto formats = [&](const KvQuant& q) {
+    if (!q.k && !q.v) return fmt::format("K and V {}", to_string(s_.kv_dtype));
     std::string w;
     if (q.k) w += fmt::format("K {}", to_string(q.k->format));
     if (q.v) w += fmt::format("{}V {}", w.empty() ? "" : ", ", to_string(q.v->format));

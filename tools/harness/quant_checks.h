@@ -23,9 +23,9 @@
 namespace kvcheck {
 
 // How far a stored key's elements may be from the key the cache was given, relative to its
-// largest element: the storage's unit roundoff, or a quantized format's worst step.
-double key_roundoff(const Scenario& scenario);
-double value_roundoff(const Scenario& scenario);
+// largest element: the storage's unit roundoff, or the layer's quantized format's worst step.
+double key_roundoff(const Scenario& scenario, int layer);
+double value_roundoff(const Scenario& scenario, int layer);
 
 // The optimized caches' row format for a scenario's quantized tensor.
 optimized::RowFormat row_format(const TensorQuant& quant, QuantTransform transform);

@@ -487,22 +487,26 @@ KvQuant parse_kv_quant(const Reader& r, const json& j, const Dims& dims, const s
 }
 
 // A per-layer `kv_quant` list: each layer's "k" and "v" its own (formats, scales, static
-// values); what the caches share across layers (the residual and when it flushes, what a
-// chunk reads, the transform, the query) must be layer 0's.
+// values; null: the layer stored in kv_dtype); what the caches share across layers (the
+// residual and when it flushes, what a chunk reads, the transform, the query) must be the
+// first quantized layer's, which a null layer takes.
 std::vector<KvQuant> parse_layer_quants(const Reader& r, const json& j, const Dims& dims) {
   if (j.size() != static_cast<std::size_t>(dims.layers))
     r.fail("/kv_quant", fmt::format("expected one kv_quant per layer ({}), got {}", dims.layers, j.size()));
-  std::vector<KvQuant> layers;
+  std::vector<KvQuant> layers(j.size());
+  std::optional<std::size_t> first_at;
   for (std::size_t l = 0; l < j.size(); ++l) {
+    if (j[l].is_null()) continue;
     const std::string p = "/kv_quant/" + std::to_string(l);
-    layers.push_back(parse_kv_quant(r, j[l], dims, p));
-    const KvQuant &first = layers.front(), &q = layers.back();
+    layers[l] = parse_kv_quant(r, j[l], dims, p);
+    if (!first_at) first_at = l;
+    const KvQuant &first = layers[*first_at], &q = layers[l];
     const auto same = [&](const char* field, bool equal, const std::string& first_value) {
       if (!equal)
         r.fail(j[l].contains(field) ? p + "/" + field : p,
-               fmt::format("expected layer 0's \"{}\" ({}): kvcheck's caches keep one {} rule for every layer; "
+               fmt::format("expected layer {}'s \"{}\" ({}): kvcheck's caches keep one {} rule for every layer; "
                            "per layer, only \"k\" and \"v\" may differ",
-                           field, first_value, field));
+                           *first_at, field, first_value, field));
     };
     same("residual", q.residual == first.residual, std::to_string(first.residual));
     same("flush", q.flush == first.flush, to_string(first.flush));
@@ -510,7 +514,22 @@ std::vector<KvQuant> parse_layer_quants(const Reader& r, const json& j, const Di
     same("chunk_reads", q.chunk_reads == first.chunk_reads, to_string(first.chunk_reads));
     same("transform", q.transform == first.transform, to_string(first.transform));
     same("query", q.query == first.query, first.query ? "q8_0" : "none");
+    // A quantized query follows K's format (ggml converts it to K's dot-product type).
+    if (q.query && (q.k.has_value() != first.k.has_value() || (q.k && q.k->format != first.k->format)))
+      not_yet(r, p + "/k", "a quantized query (\"query\") with layers whose keys are stored in different formats");
   }
+  if (!first_at)
+    r.fail("/kv_quant", "expected at least one layer quantized (null keeps a layer in kv_dtype); leave kv_quant out "
+                        "to quantize none");
+  for (std::size_t l = 0; l < j.size(); ++l)
+    if (j[l].is_null()) {  // the shared rules, nothing quantized
+      layers[l] = layers[*first_at];
+      layers[l].k.reset();
+      layers[l].v.reset();
+      if (layers[l].query)
+        not_yet(r, "/kv_quant/" + std::to_string(l),
+                "a quantized query (\"query\") with layers whose keys are stored in different formats");
+    }
   return layers;
 }
 

@@ -92,8 +92,9 @@ struct Scenario {
   KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
   std::optional<KvQuant> kv_quant;      // quantized storage (SPEC 9), layer 0's; kv_dtype holds what is not quantized
   // One per layer when `kv_quant` was a list (vLLM's per-layer k_scale, mixed-precision layers):
-  // the layers' "k" and "v" may differ, their residual, flush, read and transform rules do not
-  // (kv_quant holds those). Empty: every layer is kv_quant.
+  // the layers' "k" and "v" may differ (a null entry: neither, the layer kept in kv_dtype),
+  // their residual, flush, read, transform and query rules do not (kv_quant holds those).
+  // Empty: every layer is kv_quant.
   std::vector<KvQuant> layer_quants;
   Policy policy;                        // layer 0's (every layer's unless `policy` was a list)
   std::vector<Policy> layer_policies;   // one per layer (SPEC 7): Gemma- and gpt-oss-style hybrids

@@ -87,6 +87,13 @@ double rotation_tolerance(const float* raw, int d, double roundoff) {
   return (1e-3 + 8.0 * roundoff) * largest;
 }
 
+// How far layer l's stored keys may be from the keys given, relative to their largest
+// element: the view's storage and files, or the layer's quantized format (SPEC 9).
+double key_roundoff_in(const CacheView& view, int l) {
+  const auto at = static_cast<std::size_t>(l);
+  return std::max(view.roundoff, at < view.layers.size() ? view.layers[at].key_roundoff : 0.0);
+}
+
 // How far a stored key, rotated back by `position`, is from its raw key: the largest
 // element difference (infinite for NaN). Every slot is checked at every step, so cos and
 // sin come from a table (the values of reference::rotate's formula) grown on demand up to
@@ -389,7 +396,7 @@ class StepChecker::Impl {
     paged_.check(rec, view, evidence);  // first: it names shared and hit slots by the row's own uids
     uncomputed_ = view.uncomputed;
     if (quant_) quant_->check_codes(rec, view, evidence);
-    if (quant_) precision_.check(rec, view, evidence);
+    if (quant_) precision_.check(s_, rec, view, evidence);
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
@@ -455,7 +462,8 @@ class StepChecker::Impl {
 
       // A residual's precision of each retained token, for the slot table (SPEC 9.2.4).
       std::map<std::int64_t, bool> raw_expected;
-      const bool shows_precision = s_.kv_quant && s_.kv_quant->holds_raw() && !rec.stored.empty();
+      const bool shows_precision = s_.kv_quant && s_.kv_quant->holds_raw() && !rec.stored.empty() &&
+                                   (s_.quant(l).k || s_.quant(l).v);
       if (shows_precision) {
         const auto& keys = rec.retained_in(l, b).keys;
         for (std::size_t i = 0; i < keys.size() && i < rec.stored[static_cast<std::size_t>(l)][b].size(); ++i)
@@ -580,7 +588,7 @@ class StepChecker::Impl {
       const auto lazy = sets.lazy_position(v.uid), eager = sets.eager_position(v.uid);
       if (!lazy) continue;
       const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
-      const double tol = rotation_tolerance(raw, D, view.roundoff);
+      const double tol = rotation_tolerance(raw, D, key_roundoff_in(view, l));
       const bool lazy_misfit = rotations_.error(v.key, raw, *lazy) > tol;
       lazy_misfits += lazy_misfit;
       eager_misfits += *eager == *lazy ? lazy_misfit : rotations_.error(v.key, raw, *eager) > tol;
@@ -675,11 +683,12 @@ class StepChecker::Impl {
     if (near_simulated && !*near_simulated) {
       // fall through: not at its claim
     } else if (near_simulated ||
-               error <= rotation_tolerance(raw, D, view.roundoff) + simulated_drift(rec, l, b, g, v.uid, claim, raw)) {
+               error <= rotation_tolerance(raw, D, key_roundoff_in(view, l)) +
+                            simulated_drift(rec, l, b, g, v.uid, claim, raw)) {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
     }
-    const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope, max_position_, view.roundoff);
+    const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope, max_position_, key_roundoff_in(view, l));
     if (g == 0 && r.status != RecoveredPosition::Status::not_rotation) state.key_position[v.uid] = r.position + shift;
     // Rotated back by its claim the key is still closest to its raw key, by far: the right
     // position, carrying more rounding error than one rounding to the storage explains.
@@ -1015,7 +1024,7 @@ class StepChecker::Impl {
         if (const auto it = state.keys.find(r.uid); it != state.keys.end())
           r.position_recovered =
               describe(recover_position(inputs_.k_at(d.layer, static_cast<std::uint64_t>(r.uid), 0), it->second,
-                                        s_.dims.head_dim, s_.rope, max_position_, view.roundoff));
+                                        s_.dims.head_dim, s_.rope, max_position_, key_roundoff_in(view, d.layer)));
     }
     return d;
   }

@@ -274,7 +274,7 @@ class TraceSource {
     view.batch = static_cast<int>(B);
     // A bfloat16 cache dumps float32 tensors (exactly): the scenario's kv_dtype says how far
     // its values may be from the raw ones, whatever the file's word size.
-    view.roundoff = key_roundoff(s_);
+    view.roundoff = unit_roundoff(s_.kv_dtype);
     view.storage.reserve(4 * step.layers.size());
     for (std::size_t l = 0; l < step.layers.size(); ++l) {
       const TraceFiles& f = step.layers[l];
@@ -289,6 +289,7 @@ class TraceSource {
         read_paged_layer(*f.paged, lengths, Hkv, D, s_.kv_quant ? &s_.quant(static_cast<int>(l)) : nullptr, id, layer,
                          *view.paged, l, view.storage, view.roundoff);
         outputs_and_queries(rec, f, layer, view);
+        layer.key_roundoff = key_roundoff(s_, static_cast<int>(l));
         view.layers.push_back(std::move(layer));
         continue;
       }
@@ -346,6 +347,7 @@ class TraceSource {
             layer.slots[b][g].push_back(s);
           }
       outputs_and_queries(rec, f, layer, view);
+      layer.key_roundoff = key_roundoff(s_, static_cast<int>(l));
       view.layers.push_back(std::move(layer));
     }
     return view;
@@ -380,7 +382,7 @@ class TraceSource {
     // A quantized value is off by up to a step of its group, relative to the row's largest
     // element (its norm under a transform), not to each element.
     const bool quantized = s_.kv_quant && s_.quant(layer).v;
-    const double step = quantized ? value_roundoff(s_) : roundoff;
+    const double step = quantized ? value_roundoff(s_, layer) : roundoff;
     // How far the value is from uid's, relative to what the storage allows (> 1: no match).
     auto misfit = [&](std::uint64_t uid) {
       const float* raw = inputs_.v_at(layer, uid, g);
