@@ -28,12 +28,13 @@ PagedCache::PagedCache(const CacheConfig& config)
       rope_(config.rope),
       kernel_(config.threads),
       frozen_(config.kv_heads, config.head_dim, store_formats(config)) {
+  const std::vector<LayerFormats> formats = store_formats(config);
   for (int l = 0; l < config.layers; ++l) {
     policies_.push_back(layer_policy(config, l));
     // One row of every block's slots: a kv head's blocks lie end to end, as a contiguous
     // cache's slots do, so reading a row's blocks in order streams like reading one run.
     pools_.emplace_back(config.kv_heads, config.head_dim,
-                        std::vector<LayerFormats>{store_formats(config)[static_cast<std::size_t>(l)]});
+                        std::vector<LayerFormats>{formats[static_cast<std::size_t>(l)]});
     pools_.back().reset(1, paging_.num_blocks * paging_.block_size);
     blocks_.emplace_back(paging_.num_blocks, paging_.prefix_cache);
     poisoned_.emplace_back(static_cast<std::size_t>(paging_.num_blocks), 0);

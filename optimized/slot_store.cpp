@@ -7,12 +7,10 @@
 namespace kvcheck::optimized {
 
 SlotStore::SlotStore(int layers, int kv_heads, int head_dim, Storage storage)
-    : SlotStore(layers, kv_heads, head_dim, float_format(storage), float_format(storage)) {}
-
-SlotStore::SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format)
-    : SlotStore(kv_heads, head_dim,
-                std::vector<LayerFormats>(static_cast<std::size_t>(layers),
-                                          {std::move(key_format), std::move(value_format)})) {}
+    : SlotStore(
+          kv_heads, head_dim,
+          std::vector<LayerFormats>(static_cast<std::size_t>(layers), {float_format(storage), float_format(storage)})) {
+}
 
 SlotStore::SlotStore(int kv_heads, int head_dim, std::vector<LayerFormats> formats)
     : layers_(static_cast<int>(formats.size())),

@@ -26,7 +26,6 @@ class SlotStore {
  public:
   SlotStore() = default;
   SlotStore(int layers, int kv_heads, int head_dim, Storage storage = Storage::float32);
-  SlotStore(int layers, int kv_heads, int head_dim, RowFormat key_format, RowFormat value_format);
   // One entry of `formats` per layer.
   SlotStore(int kv_heads, int head_dim, std::vector<LayerFormats> formats);
 
