@@ -1,7 +1,8 @@
 """tools/kvtrace.py driving PyTorch caches the way Hugging Face transformers does, checked by
 `kvcheck verify`. transformers itself is not installed: the caches below are written here
 to behave as transformers' caches do (4.46 unless said otherwise), so each test pins down
-what kvcheck says about one real cache design. Needs torch (Debian: python3-torch)."""
+what kvcheck says about one real cache design. Runs in the venv build/venvs/torch (PyTorch
+2.13.0, CPU), which tools/test makes."""
 
 import json
 import os
@@ -451,6 +452,20 @@ class KvtraceTorchTest(unittest.TestCase):
         options.setdefault("as_tensor", "torch")
         result = kvtrace.drive_hf_cache(exp, make_cache, self.trace, **options)
         return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
+
+    def test_the_paged_block_manager_with_torch_pools_passes(self):
+        # test_paged_trace.py's vLLM-style block manager, its pools torch tensors.
+        import test_paged_trace
+        work = os.path.join(self.work, "paged")
+        os.mkdir(work)
+        trace = test_paged_trace.trace_of("paged_fork_then_prefix_hit", work, "HND", "torch")
+        done = test_paged_trace.verify("paged_fork_then_prefix_hit", trace)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("no divergence", done.stdout)
+
+    def test_a_poisoned_torch_pool_names_the_block_a_hit_never_wrote(self):
+        import test_paged_trace
+        test_paged_trace.check_poison_is_named(self, "torch")
 
     def test_a_static_fp8_cache_passes_code_for_code(self):
         # quant_fp8_e4m3_static_scale: k_scale 0.05, v_scale 0.02. The trace carries codes and

@@ -259,6 +259,52 @@ def verify(scenario, trace):
                           capture_output=True, text=True)
 
 
+def check_poison_is_named(test, tensor):
+    """The pools are poisoned as kvcheck's --poison-blocks does (optimized/poison.h: kind 2,
+    allocated and never written, epoch 0), and the hit hands out new blocks instead of the
+    indexed ones: the row reads NaNs that name the block, through NumPy's float64 attention
+    and the trace's float32 outputs, from NumPy pools or from torch ones (tensor "torch": the
+    mark set through its bits, as an engine would with a uint32 view of its pool)."""
+    class HitIntoNewBlocks(BlockManagerCache):
+        def allocate_block(self, l):
+            block = super().allocate_block(l)
+            bits = 0x7FC00000 | 2 << 20 | block
+            for pool in (self.k, self.v):
+                if isinstance(pool, np.ndarray):
+                    pool[l, block].view(np.uint32)[...] = bits
+                else:  # a torch tensor
+                    import torch
+                    pool[l, block].view(torch.int32).fill_(bits)
+            return block
+
+        def start(self, b, ids, extra):
+            hit = super().start(b, ids, extra)
+            for l in range(self.L):
+                table = self.row(b)["tables"][l]
+                for i in range(hit // self.B):
+                    self.release(l, table[i])
+                    table[i] = self.allocate_block(l)
+            return hit
+
+    with tempfile.TemporaryDirectory() as work:
+        result, done = drive("paged_fork_then_prefix_hit", work,
+                             lambda exp: HitIntoNewBlocks(exp, "NHD", tensor))
+    test.assertIsNone(result.error, result)
+    test.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+    test.assertRegex(done.stdout, r"a poison NaN: block \d+ \(epoch 0\), never written")
+
+
+def drive(scenario, work, make):
+    """drive_paged_cache over scenario with make(export) as the cache; (result, verify)."""
+    export = os.path.join(work, "export")
+    subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, scenario + ".json"), "--out", export],
+                   check=True, capture_output=True)
+    exp = kvtrace.Export(export)
+    trace = os.path.join(work, "trace")
+    result = kvtrace.drive_paged_cache(exp, lambda: make(exp), trace)
+    return result, verify(scenario, trace)
+
+
 class PagedTraceTest(unittest.TestCase):
     def test_a_vllm_style_block_manager_passes_in_nhd_and_hnd(self):
         for scenario in ("paged_fork_then_prefix_hit", "paged_gemma_hybrid_prefix", "paged_evict_then_repeat",
@@ -271,16 +317,6 @@ class PagedTraceTest(unittest.TestCase):
                     self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
                     self.assertIn("paged bookkeeping", done.stdout)
                     self.assertIn("no divergence", done.stdout)
-
-    def test_the_same_block_manager_with_torch_pools_passes(self):
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            self.fail("PyTorch is missing: tools/setup installs python3-torch")
-        with tempfile.TemporaryDirectory() as work:
-            done = verify("paged_fork_then_prefix_hit", trace_of("paged_fork_then_prefix_hit", work, "HND", "torch"))
-        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
-        self.assertIn("no divergence", done.stdout)
 
     def test_a_slot_mapping_from_the_append_not_the_row_is_named(self):
         # The runner's bug: slots from the token's place in this append, not its index in the
@@ -303,39 +339,7 @@ class PagedTraceTest(unittest.TestCase):
         self.assertIn("token 13 was written to slot", done.stdout)
 
     def test_a_poisoned_pool_names_the_block_a_hit_never_wrote(self):
-        # The pools are poisoned as kvcheck's --poison-blocks does (optimized/poison.h: kind 2,
-        # allocated and never written, epoch 0), and the hit hands out new blocks instead of the
-        # indexed ones: the row reads NaNs that name the block, through NumPy's float64 attention
-        # and the trace's float32 outputs, from NumPy pools and from torch ones (the mark set
-        # through its bits, as an engine would with a uint32 view of its pool).
-        class HitIntoNewBlocks(BlockManagerCache):
-            def allocate_block(self, l):
-                block = super().allocate_block(l)
-                bits = 0x7FC00000 | 2 << 20 | block
-                for pool in (self.k, self.v):
-                    if isinstance(pool, np.ndarray):
-                        pool[l, block].view(np.uint32)[...] = bits
-                    else:  # a torch tensor
-                        import torch
-                        pool[l, block].view(torch.int32).fill_(bits)
-                return block
-
-            def start(self, b, ids, extra):
-                hit = super().start(b, ids, extra)
-                for l in range(self.L):
-                    table = self.row(b)["tables"][l]
-                    for i in range(hit // self.B):
-                        self.release(l, table[i])
-                        table[i] = self.allocate_block(l)
-                return hit
-
-        for tensor in ("numpy", "torch"):
-            with self.subTest(tensor=tensor), tempfile.TemporaryDirectory() as work:
-                result, done = self.drive("paged_fork_then_prefix_hit", work,
-                                          lambda exp: HitIntoNewBlocks(exp, "NHD", tensor))
-                self.assertIsNone(result.error, result)
-                self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
-                self.assertRegex(done.stdout, r"a poison NaN: block \d+ \(epoch 0\), never written")
+        check_poison_is_named(self, "numpy")  # torch pools: test_kvtrace_torch.py
 
     def test_sharing_a_forked_block_without_copy_is_named(self):
         with tempfile.TemporaryDirectory() as work:
@@ -387,14 +391,7 @@ class PagedTraceTest(unittest.TestCase):
                 self.assertIn(words, done.stdout)
 
     def drive(self, scenario, work, make):
-        """drive_paged_cache over scenario with make(export) as the cache; (result, verify)."""
-        export = os.path.join(work, "export")
-        subprocess.run([KVCHECK, "export", os.path.join(SCENARIOS, scenario + ".json"), "--out", export],
-                       check=True, capture_output=True)
-        exp = kvtrace.Export(export)
-        trace = os.path.join(work, "trace")
-        result = kvtrace.drive_paged_cache(exp, lambda: make(exp), trace)
-        return result, verify(scenario, trace)
+        return drive(scenario, work, make)
 
     def test_a_cache_that_raises_or_lacks_an_op_fails_at_that_step(self):
         class ThreeBlocks(BlockManagerCache):  # the scenario's first step needs five

@@ -1,0 +1,46 @@
+# Sourced after build.sh by tools/test: the Python virtual environments the tests of real
+# Python caches run in. kvcheck itself needs no Python; the NumPy-only tests and scripts
+# use Debian's /usr/bin/python3 with python3-numpy (build.sh installs it), which is what a
+# user who only runs kvtrace.py has. Anything from PyPI lives in a venv of its own:
+#   build/venvs/NAME   made with /usr/bin/python3 -m venv from
+#                      tools/setup/requirements/NAME.txt, every line pinned with its hash
+#                      (pip --require-hashes), so two machines hold the same files.
+# PyTorch is always torch.txt, installed first and alone: pinned to the 2.13.0 CPU build,
+# a later package can then never bring a CUDA build (about 3 GB) in its place.
+KVCHECK_VENVS="$KVCHECK_ROOT/build/venvs"
+
+# kvcheck_venv NAME [REQUIREMENTS...]: makes build/venvs/NAME (once, and again when a
+# requirements file changed) and installs the files in order (default: NAME.txt).
+kvcheck_venv() {
+  local name="$1"; shift
+  local files=("$@") f
+  [ ${#files[@]} -gt 0 ] || files=("$name.txt")
+  local venv="$KVCHECK_VENVS/$name" stamp wanted=""
+  for f in "${files[@]}"; do
+    wanted+="$f $(sha256sum <"$KVCHECK_ROOT/tools/setup/requirements/$f" | cut -c1-64); "
+  done
+  stamp="$venv/kvcheck-requirements"
+  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] && return 0
+  command -v /usr/bin/python3 >/dev/null && /usr/bin/python3 -c 'import ensurepip' 2>/dev/null ||
+    kvcheck_install_packages python3-venv
+  local start=$SECONDS log
+  echo "kvcheck: installing the Python venv $venv (${files[*]})" >&2
+  rm -rf "$venv"
+  mkdir -p "$KVCHECK_VENVS"
+  log="$KVCHECK_VENVS/$name.log"
+  if ! /usr/bin/python3 -m venv "$venv" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "kvcheck: could not make the venv $venv (see above)" >&2
+    exit 2
+  fi
+  for f in "${files[@]}"; do
+    if ! "$venv/bin/pip" install --no-input --disable-pip-version-check --require-hashes \
+        -r "$KVCHECK_ROOT/tools/setup/requirements/$f" >>"$log" 2>&1; then
+      grep -v "is ignored: it is neither a file nor a directory" "$log" | tail -n 30 >&2
+      echo "kvcheck: pip could not install tools/setup/requirements/$f into $venv (log: $log)" >&2
+      exit 2
+    fi
+  done
+  printf '%s' "$wanted" >"$stamp"
+  echo "kvcheck: venv $name ready in $((SECONDS - start)) s" >&2
+}
