@@ -11,10 +11,14 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <string>
 #include <vector>
+#include <algorithm>
 
 #include "tools/harness/atomic_dir.h"
 #include "tools/harness/diagnose_report.h"
+#include "tools/harness/output_guard.h"
 #include "tools/harness/divergence_report.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
@@ -136,10 +140,47 @@ bool write_prefix(const Scenario& s, std::size_t steps, const fs::path& file) {
 
 }  // namespace
 
+// The relative paths of everything under `dir` (folders too, links not followed), sorted.
+static std::vector<std::string> entries_under(const fs::path& dir) {
+  std::vector<std::string> entries;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec))
+    entries.push_back(it->path().lexically_relative(dir).generic_string());
+  std::sort(entries.begin(), entries.end());
+  return entries;
+}
+
+// What an earlier capture in `dir` wrote, as its marker lists it (one path a line after the
+// first); the marker alone when it lists nothing (a run killed before it could list).
+static std::set<std::string> capture_listed_files(const fs::path& dir) {
+  std::set<std::string> owned = {kMarker};
+  std::ifstream in(dir / kMarker);
+  std::string line;
+  std::getline(in, line);  // the sentence
+  while (std::getline(in, line))
+    if (!line.empty()) owned.insert(line);
+  return owned;
+}
+
 int run_llamacpp(const LlamacppOptions& o) {
   const Scenario scenario = load_scenario(o.scenario);  // bad input is reported before any work
-  const std::string lib = library_folder();
+  std::vector<std::string> read = scenario_input_files(scenario);
+  if (!o.keep.empty())
+    for (std::string& f : files_under(o.keep)) read.push_back(std::move(f));  // replaced whole by this run
+  check_report_paths({{"--html", o.html, ReportKind::html}, {"--junit", o.junit, ReportKind::junit},
+                      {"--json", o.json, ReportKind::json}},
+                     read, o.force);
   std::error_code ec;
+  if (!o.keep.empty()) {
+    check_output_folder(o.keep, "--trace");
+    const fs::path out = o.keep;
+    if (fs::exists(out, ec) && !(fs::is_directory(out, ec) && (fs::is_empty(out, ec) || fs::exists(out / kMarker, ec))))
+      throw InputError(o.keep, "", "--trace: refusing to write into a folder that is not a kvcheck llamacpp capture");
+    check_folder_holds_only(out, "--trace", capture_listed_files(out), "an earlier capture's",
+                            scenario_input_files(scenario));
+  }
+  const std::string lib = library_folder();
   if (!fs::is_directory(lib, ec))
     throw InputError("LLAMACPP_DIR", "",
                      fmt::format("no llama.cpp libraries in {}: `tools/kvcheck llamacpp ...` fetches the npm package "
@@ -152,10 +193,7 @@ int run_llamacpp(const LlamacppOptions& o) {
   const bool keep = !o.keep.empty();
   fs::path out;
   if (keep) {
-    check_output_folder(o.keep, "--trace");
     out = o.keep;
-    if (fs::exists(out, ec) && !(fs::is_directory(out, ec) && (fs::is_empty(out, ec) || fs::exists(out / kMarker, ec))))
-      throw InputError(o.keep, "", "--trace: refusing to write into a folder that is not a kvcheck llamacpp capture");
     fs::remove_all(out, ec);
     fs::create_directories(out);
   } else {
@@ -169,7 +207,15 @@ int run_llamacpp(const LlamacppOptions& o) {
     bool keep;
     ~Cleanup() {
       std::error_code e;
-      if (!keep) fs::remove_all(dir, e);
+      if (!keep) {
+        fs::remove_all(dir, e);
+        return;
+      }
+      // The marker lists what this run wrote: only that is replaced by the next run.
+      std::ofstream marker(dir / kMarker);
+      marker << "written by kvcheck llamacpp; replaced whole by the next run, which refuses anything not listed "
+                "here\n";
+      for (const std::string& entry : entries_under(dir)) marker << entry << "\n";
     }
   } cleanup{out, keep};
 

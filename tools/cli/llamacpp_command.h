@@ -15,6 +15,7 @@ struct LlamacppOptions {
   std::string plant;
   bool restore_after_shift = false;  // save after the first seq_add, restore into a fresh context  // --plant-fault: a fault in the driver's own shift (kvcheck's self-test)
   std::string html, junit, json;
+  bool force = false;  // --force: a report may replace a file that is not a kvcheck report
 };
 
 // Exit status as the other commands: 0 pass, 1 a finding (the engine crashing included),

@@ -23,6 +23,7 @@
 #include "tools/harness/export.h"
 #include "tools/harness/golden.h"
 #include "tools/harness/inputs.h"
+#include "tools/harness/output_guard.h"
 #include "tools/harness/progress.h"
 #include "tools/harness/reference_run.h"
 #include "tools/harness/report.h"
@@ -51,22 +52,32 @@ std::vector<std::string> collect(const std::vector<std::string>& paths) {
   return files;
 }
 
-// Writes the HTML page of one diagnosis: page.html for one target, page.<tag>.html for several.
-void write_html(const std::string& html, const std::string& tag_name, bool several, const Scenario& scenario,
-                const std::string& target, const CacheTrace& trace) {
+// The HTML page of one diagnosis: page.html for one target, page.<tag>.html for several.
+std::string page_path(const std::string& html, const std::string& tag_name, bool several) {
   std::filesystem::path page = html;
   if (several) {
     std::string tag = tag_name;
     std::replace(tag.begin(), tag.end(), '/', '_');
     page.replace_extension("." + tag + page.extension().string());
   }
+  return page.string();
+}
+
+void write_html(const std::string& html, const std::string& tag_name, bool several, const Scenario& scenario,
+                const std::string& target, const CacheTrace& trace) {
+  const std::string page = page_path(html, tag_name, several);
   write_file_atomically(page, diagnosis_html(scenario, target, trace));
-  fmt::print("wrote {}\n", page.string());
+  fmt::print("wrote {}\n", page);
 }
 
 int cmd_verify(const std::string& path, const std::string& trace_dir, const VerifyOptions& options,
-               const std::string& html, const std::string& junit, const std::string& json) {
+               const std::string& html, const std::string& junit, const std::string& json, bool force) {
   const Scenario scenario = load_scenario(path);
+  std::vector<std::string> read = scenario_input_files(scenario);
+  for (std::string& f : files_under(trace_dir)) read.push_back(std::move(f));
+  check_report_paths({{"--html", html, ReportKind::html}, {"--junit", junit, ReportKind::junit},
+                      {"--json", json, ReportKind::json}},
+                     read, force);
   const CacheTrace trace = verify_trace(scenario, trace_dir, options);
   Progress::line().clear();
   print_diagnosis(stdout, fmt::format("kvcheck verify: {} against the trace in {}", scenario.name, trace_dir), scenario,
@@ -104,12 +115,19 @@ bool in_shard(const std::string& file, const Shard& shard) {
 }
 
 int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, const std::string& junit,
-            const std::string& json, const Shard& shard) {
+            const std::string& json, const Shard& shard, bool force) {
   std::vector<Outcome> outcomes;
   bool bad_input = false;
-  std::vector<std::string> files;
-  for (const std::string& f : collect(paths))
+  std::vector<std::string> files, read;
+  for (const std::string& f : collect(paths)) {
     if (in_shard(f, shard)) files.push_back(f);
+    read.push_back(f);
+    try {  // a scenario's .npy inputs are read too; a scenario that does not parse is reported below
+      for (std::string& input : scenario_input_files(load_scenario(f))) read.push_back(std::move(input));
+    } catch (const InputError&) {
+    }
+  }
+  check_report_paths({{"--junit", junit, ReportKind::junit}, {"--json", json, ReportKind::json}}, read, force);
   if (files.empty()) {
     fmt::print("shard {}/{} holds no scenario of these paths\n\n0 passed, 0 failed\n", shard.index, shard.count);
     if (!junit.empty()) write_junit(junit, outcomes);
@@ -168,6 +186,7 @@ int cmd_run(const std::vector<std::string>& paths, const RunOptions& options, co
 int cmd_export(const std::string& path, const std::string& out) {
   check_output_folder(out, "--out");
   const Scenario scenario = load_scenario(path);
+  check_export_folder(out, "--out", scenario_input_files(scenario));
   const InputTable inputs = load_inputs(scenario);
   const ReferenceRun run = run_reference(scenario, inputs);
   write_export(scenario, inputs, run, out);
@@ -240,13 +259,17 @@ int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
 }
 
 int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const std::string& html,
-                 const std::string& json, std::optional<std::size_t> step, bool poison_blocks) {
+                 const std::string& json, std::optional<std::size_t> step, bool poison_blocks, bool force) {
   const Scenario scenario = load_scenario(path);
   if (caches.empty())
     for (const CacheEntry& c : real_caches())
       if (c.serves(scenario)) caches.push_back(c.name);
   if (caches.empty())
     throw InputError(path, "/policy", "no cache serves this policy (`kvcheck list` shows the caches)");
+  std::vector<ReportPath> reports = {{"--json", json, ReportKind::json}};
+  if (!html.empty())
+    for (const std::string& name : caches) reports.push_back({"--html", page_path(html, name, caches.size() > 1), ReportKind::html});
+  check_report_paths(reports, scenario_input_files(scenario), force);
   const InputTable inputs = load_inputs(scenario);
   const ReferenceRun run = run_reference(scenario, inputs);
   // A wrong expectation in the scenario is not the cache's fault, but it is a failure.
@@ -334,6 +357,10 @@ int main(int argc, char** argv) {
   run->add_option("paths", run_paths, "scenario files or folders");
   run->add_option("--junit", junit, "write a JUnit XML report to FILE (- for standard output)");
   run->add_option("--json", json, "write a JSON report to FILE (- for standard output)");
+  bool force_reports = false;
+  const char* force_help = "let a report replace an existing file that is not a kvcheck report of its kind (never "
+                           "a file the command reads)";
+  run->add_flag("--force", force_reports, force_help);
   // One value per --cache, so scenario paths after it stay paths.
   run->add_option("--cache", run_caches, "only this cache (repeat for more; zoo/NAME for a mutant)")
       ->allow_extra_args(false);
@@ -393,6 +420,7 @@ int main(int argc, char** argv) {
   diagnose->add_option("--json", diagnose_json,
                        "write a JSON report to FILE (- for standard output; per cache: the checks and the first divergence as fields)");
   std::optional<std::size_t> diagnose_step, verify_step;
+  diagnose->add_flag("--force", force_reports, force_help);
   diagnose->add_option("--step", diagnose_step, "also show step N's evidence and slot table (as numbered in reports)");
   diagnose->add_flag("--poison-blocks", poison_blocks, "as run's: paged caches poison new and freed blocks");
 
@@ -418,6 +446,7 @@ int main(int argc, char** argv) {
   verify->add_option("--html", verify_html, "also write a self-contained HTML page with a picture of the slots");
   verify->add_option("--junit", verify_junit, "write a JUnit XML report to FILE (- for standard output)");
   verify->add_option("--json", verify_json, "write a JSON report to FILE (- for standard output)");
+  verify->add_flag("--force", force_reports, force_help);
   verify->add_option("--step", verify_step, "also show step N's evidence and slot table (as numbered in reports)");
 
   LlamacppOptions llamacpp_options;
@@ -450,6 +479,7 @@ int main(int argc, char** argv) {
   llamacpp->add_option("--html", llamacpp_options.html, "also write a self-contained HTML page");
   llamacpp->add_option("--junit", llamacpp_options.junit, "write a JUnit XML report to FILE (- for standard output)");
   llamacpp->add_option("--json", llamacpp_options.json, "write a JSON report to FILE (- for standard output)");
+  llamacpp->add_flag("--force", force_reports, force_help);
 
   std::vector<std::string> zoo_only;
   CLI::App* zoo = app.add_subcommand("zoo", "run the bug zoo: deliberately broken caches kvcheck must catch");
@@ -507,23 +537,26 @@ int main(int argc, char** argv) {
         poisoned.reserve(options.caches.size());
         for (const CacheEntry*& c : options.caches) c = &poisoned.emplace_back(with_poisoned_blocks(*c));
       }
-      return cmd_run(run_paths, options, junit, json, parse_shard(shard_text));
+      return cmd_run(run_paths, options, junit, json, parse_shard(shard_text), force_reports);
     }
     if (*exp) return cmd_export(export_path, export_out);
     if (*diagnose) {
       validate_cache_names(diagnose_caches);
-      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step, poison_blocks);
+      return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step, poison_blocks,
+                          force_reports);
     }
     if (*zoo) return cmd_zoo(zoo_only, zoo_dtype);
     if (*llamacpp) {
       llamacpp_options.flash_attn = flash == "on";
+      llamacpp_options.force = force_reports;
       return run_llamacpp(llamacpp_options);
     }
     if (*verify) {
       VerifyOptions verify_options;
       verify_options.picture = !verify_html.empty();
       verify_options.focus_step = verify_step;
-      return cmd_verify(verify_path, trace_dir, verify_options, verify_html, verify_junit, verify_json);
+      return cmd_verify(verify_path, trace_dir, verify_options, verify_html, verify_junit, verify_json,
+                        force_reports);
     }
     if (*golden) {
       golden_options.scenario_files = collect(golden_paths);

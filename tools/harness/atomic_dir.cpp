@@ -158,9 +158,9 @@ void reserve_stdout_for_report() {
     throw std::runtime_error(std::string("cannot set standard output apart for the report: ") + std::strerror(errno));
 }
 
-void write_file_atomically(const fs::path& given, const std::string& text) {
+OutputTarget resolve_output(const fs::path& given) {
   std::error_code ec;
-  if (given == "-") return write_through(given, report_fd, text);
+  if (given == "-") return {given, true};
   // A link is followed: renaming a file over it would replace the link (/dev/stdout is one).
   // A link into /dev or /proc (/dev/stdout -> /proc/self/fd/1 -> the file standard output
   // was redirected to) is a stream: renaming over its end would hide what was printed.
@@ -175,8 +175,16 @@ void write_file_atomically(const fs::path& given, const std::string& text) {
     stream = stream || under_special_tree(path);
   }
   const fs::file_status target = fs::status(path, ec);
-  if (stream || (fs::exists(target) && !fs::is_regular_file(target) && !fs::is_directory(target)))
-    return write_through(given, -1, text);
+  stream = stream || (fs::exists(target) && !fs::is_regular_file(target) && !fs::is_directory(target));
+  return {path, stream};
+}
+
+void write_file_atomically(const fs::path& given, const std::string& text) {
+  std::error_code ec;
+  if (given == "-") return write_through(given, report_fd, text);
+  const auto [path, stream] = resolve_output(given);
+  if (stream) return write_through(given, -1, text);
+  const fs::file_status target = fs::status(path, ec);
   if (fs::is_directory(target)) throw InputError(given.string(), "", "is a folder; expected a file name to write");
   if (!path.parent_path().empty() && !fs::is_directory(path.parent_path(), ec))
     throw InputError(given.string(), "", "no such folder to write into: " + path.parent_path().string());

@@ -33,6 +33,15 @@ void recover_interrupted(const std::filesystem::path& target);
 // not: the link would be replaced, not followed). `option` names the argument (--out).
 void check_output_folder(const std::filesystem::path& target, const std::string& option);
 
+// Where a report named `given` ends up: symbolic links followed to the file they name, and
+// whether that is a stream ("-", anything under /dev or /proc, a FIFO, a terminal), which is
+// written through rather than replaced.
+struct OutputTarget {
+  std::filesystem::path path;
+  bool stream = false;
+};
+OutputTarget resolve_output(const std::filesystem::path& given);
+
 // Writes `text` to `path` through a temporary file and a rename. "-" is standard output (as
 // reserve_stdout_for_report left it); a stream (/dev/stdout, anything under /dev or /proc, a
 // FIFO, a terminal) is written straight through, appended, never replaced by a renamed file;

@@ -13,6 +13,7 @@
 #include "tools/harness/content_keys.h"
 #include "tools/harness/json_input.h"
 #include "tools/harness/npy.h"
+#include "tools/harness/output_guard.h"
 #include "tools/harness/safe_file.h"
 
 namespace kvcheck {
@@ -214,14 +215,41 @@ bool is_export_folder(const std::string& dir) {
   }
 }
 
-void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const std::string& out_dir) {
+std::set<std::string> export_listed_files(const std::string& dir) {
+  std::set<std::string> files;
+  if (!is_export_folder(dir)) return files;
+  const std::string path = (std::filesystem::path(dir) / "manifest.json").string();
+  const json manifest = parse_json(read_file_checked(path, kMaxJsonBytes, "export manifest"), path);
+  files.insert("manifest.json");
+  // Every string under "inputs" and "steps" that is a plain file name the export writes.
+  const auto collect = [&](const json& j, const auto& self) -> void {
+    if (j.is_string()) {
+      const std::string name = j.get<std::string>();
+      if (!name.empty() && name.find('/') == std::string::npos && name != "." && name != ".." &&
+          (name.size() > 4 && (name.ends_with(".npy") || name.ends_with(".json"))))
+        files.insert(name);
+    } else if (j.is_structured()) {
+      for (const json& e : j) self(e, self);
+    }
+  };
+  if (manifest.contains("inputs")) collect(manifest["inputs"], collect);
+  if (manifest.contains("steps")) collect(manifest["steps"], collect);
+  return files;
+}
+
+void check_export_folder(const std::string& dir, const std::string& option, const std::vector<std::string>& inputs) {
   std::error_code ec;
-  if (std::filesystem::exists(out_dir, ec) &&
-      (!std::filesystem::is_directory(out_dir, ec) || !std::filesystem::is_empty(out_dir, ec)) &&
-      !is_export_folder(out_dir))
-    throw InputError(out_dir, "",
+  if (!std::filesystem::exists(dir, ec)) return;
+  if (std::filesystem::is_directory(dir, ec) && std::filesystem::is_empty(dir, ec)) return;
+  if (!std::filesystem::is_directory(dir, ec) || !is_export_folder(dir))
+    throw InputError(dir, "",
                      "refusing to replace it: not a kvcheck export folder (no manifest.json with "
                      "format kvcheck-export-1); choose a new or empty folder");
+  check_folder_holds_only(dir, option, export_listed_files(dir), "an earlier export's", inputs);
+}
+
+void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRun& run, const std::string& out_dir) {
+  check_export_folder(out_dir, "--out", scenario_input_files(s));
   AtomicDir dir(out_dir);
   const auto L = static_cast<std::size_t>(s.dims.layers), U = static_cast<std::size_t>(inputs.uids),
              H = static_cast<std::size_t>(s.dims.heads), Hkv = static_cast<std::size_t>(s.dims.kv_heads),

@@ -112,8 +112,12 @@ int generate_goldens(const GoldenOptions& o) {
   std::error_code ec;
   if (fs::is_directory(dir, ec))
     for (const auto& e : fs::directory_iterator(dir))
-      if (e.path().filename().string()[0] != '.' && !is_export_folder(e.path().string()))
-        throw InputError(e.path().string(), "", "not a golden (export) folder; refusing to replace " + dir.string());
+      if (e.path().filename().string()[0] != '.') {
+        if (!is_export_folder(e.path().string()))
+          throw InputError(e.path().string(), "", "not a golden (export) folder; refusing to replace " + dir.string());
+        // A golden is replaced or removed whole: it may hold only what its export wrote.
+        check_export_folder(e.path().string(), "--out", o.scenario_files);
+      }
 
   // First every export, so an error in any scenario leaves nothing written and nothing said.
   const AtomicDir scratch(dir.parent_path() / ".kvcheck-golden-scratch");
@@ -164,7 +168,8 @@ int generate_goldens(const GoldenOptions& o) {
 
   // Last, one swap: the old folder with the changes applied replaces the old folder.
   AtomicDir staging(dir);
-  if (fs::is_directory(dir)) fs::copy(dir, staging.path(), fs::copy_options::recursive);
+  // The user's dotfiles beside the goldens come along as they are, links as links.
+  if (fs::is_directory(dir)) fs::copy(dir, staging.path(), fs::copy_options::recursive | fs::copy_options::copy_symlinks);
   for (const std::string& name : to_remove) fs::remove_all(staging.path() / name);
   for (const std::string& name : to_write) {
     fs::remove_all(staging.path() / name);
