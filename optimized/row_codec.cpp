@@ -174,12 +174,22 @@ void affine_params(const RowFormat& f, float lo, float hi, float& s, int& z) {
   z = s != 0.0f ? static_cast<int>(std::round(-lo / s)) : 0;
 }
 
+// A code from a rounded float: saturated in float before the conversion to int, which is
+// undefined out of int's range (x over a tiny static scale) and for NaN (`nan_code`).
+int saturated(float rounded, int lo, int hi, int nan_code = 0) {
+  if (std::isnan(rounded)) return nan_code;
+  return static_cast<int>(std::clamp(rounded, static_cast<float>(lo), static_cast<float>(hi)));
+}
+
+// x * inv as ggml computes it, or x / s where 1 / s overflowed (s below about 2^-127).
+float times_inverse(float x, float s, float inv) { return std::isinf(inv) ? x / s : x * inv; }
+
 // The code of x under scale s (and zero point z) for affine, int8 and fp8.
 int scaled_code(const RowFormat& f, float x, float s, int z) {
   if (affine(f.codec))
     return std::clamp(static_cast<int>(s != 0.0f ? std::round(x / s) : 0.0f) + z, 0, (1 << code_bits(f.codec)) - 1);
   const float y = s != 0.0f ? x / s : 0.0f;
-  return f.codec == Codec::int8 ? std::clamp(static_cast<int>(std::round(y)), -127, 127) : fp8_encode(fp8_of(f.codec), y);
+  return f.codec == Codec::int8 ? saturated(std::round(y), -127, 127) : fp8_encode(fp8_of(f.codec), y);
 }
 
 // An affine group's int32 zero point, after its scale, advancing p.
@@ -259,7 +269,7 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
     if (f.codec == Codec::q8_0) {  // as ggml's quantize_row_q8_0
       const float s = amax / 127.0f, inv = s != 0.0f ? 1.0f / s : 0.0f;
       put_scale(f, s, p);
-      for (int i = 0; i < g; ++i) put_code(f, p, i, g, static_cast<int>(std::round(xs[i] * inv)));
+      for (int i = 0; i < g; ++i) put_code(f, p, i, g, saturated(std::round(times_inverse(xs[i], s, inv)), -127, 127));
     } else if (f.codec == Codec::q4_0) {  // as ggml's quantize_row_q4_0
       float m = 0.0f;
       for (int i = 0; i < g; ++i)
@@ -267,7 +277,7 @@ void encode_row(const RowFormat& f, int kv_head, const float* x, int d, std::byt
       const float s = m / -8.0f, inv = s != 0.0f ? 1.0f / s : 0.0f;
       put_scale(f, s, p);
       for (int i = 0; i < g; ++i)
-        put_code(f, p, i, g, std::min(15, static_cast<int>(static_cast<std::int8_t>(xs[i] * inv + 8.5f))));
+        put_code(f, p, i, g, saturated(std::trunc(times_inverse(xs[i], s, inv) + 8.5f), 0, 15, 8));
     } else if (affine(f.codec)) {
       float s = 0.0f;
       int z = 0;

@@ -135,6 +135,23 @@ double boundary_window(std::int64_t position) {
   return kBoundaryWindow + kWindowPerPosition * static_cast<double>(position < 0 ? -position : position);
 }
 
+namespace {
+
+// A code from a rounded real: saturated to [lo, hi] in double before the conversion to int,
+// which is undefined for |r| >= 2^31 (a tiny static scale: x / 1e-30) and for NaN (mapped to
+// `nan_code`). Converting first and clamping after stored large positive values as -127.
+int saturated(double rounded, int lo, int hi, int nan_code = 0) {
+  if (std::isnan(rounded)) return nan_code;
+  return static_cast<int>(std::clamp(rounded, static_cast<double>(lo), static_cast<double>(hi)));
+}
+
+// x * id as ggml computes it, or x / d where 1 / d overflowed float32 (d below about 2^-127):
+// there ggml's own product is infinite and its conversion undefined; x / d is the code the
+// rule round(x / d) means.
+float times_inverse(float x, float d, float id) { return std::isinf(id) ? x / d : x * id; }
+
+}  // namespace
+
 QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_head, double window_relative) {
   if (quant.scale.granularity == ScaleGranularity::channel)
     throw std::logic_error("quantize: scales along the token axis quantize rows together (quantize_along_tokens)");
@@ -157,8 +174,8 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       row.scales.push_back(round_to_float16(d));
       row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative));
       for (int i = 0; i < group; ++i) {
-        const float y = xs[i] * id;
-        row.codes[static_cast<std::size_t>(g0 + i)] = static_cast<int>(std::round(y));
+        const float y = times_inverse(xs[i], d, id);
+        row.codes[static_cast<std::size_t>(g0 + i)] = saturated(std::round(y), -127, 127);
         mark(i, y, d);
       }
     } else if (f == QuantFormat::q4_0) {
@@ -172,8 +189,8 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       row.scales.push_back(round_to_float16(d));
       row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative));
       for (int i = 0; i < group; ++i) {
-        const float y = xs[i] * id + 8.5f;
-        row.codes[static_cast<std::size_t>(g0 + i)] = std::min(15, static_cast<int>(std::trunc(y)));
+        const float y = times_inverse(xs[i], d, id) + 8.5f;
+        row.codes[static_cast<std::size_t>(g0 + i)] = saturated(std::trunc(y), 0, 15, 8);
         row.near_boundary[static_cast<std::size_t>(g0 + i)] =
             d != 0.0f && std::abs(y - std::round(y)) <= window / std::abs(d);
       }
@@ -213,7 +230,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
         const double y = s != 0.0 ? xs[i] / s : 0.0;
         int& c = row.codes[static_cast<std::size_t>(g0 + i)];
         if (f == QuantFormat::int8) {
-          c = std::clamp(static_cast<int>(std::round(y)), -127, 127);
+          c = saturated(std::round(y), -127, 127);
           mark(i, y, s);
         } else {
           c = fp8_code(f, y);
@@ -304,7 +321,8 @@ double quantize_activation_q8_0(const float* x, int n, double* out, double windo
     const double other = round_to_float16(d32 * (d32 > d ? 1.0 + window_relative : 1.0 - window_relative));
     double codes = 0.0;
     for (int i = 0; i < 32; ++i) {
-      const float y = x[g0 + i] * id;
+      // 127 / amax overflows for amax below about 2^-120: then x / d32, the rule's own value.
+      const float y = std::isinf(id) ? (d32 != 0.0f ? x[g0 + i] / d32 : 0.0f) : x[g0 + i] * id;
       out[g0 + i] = std::nearbyint(y) * d;  // ties to even
       codes += std::nearbyint(y) * std::nearbyint(y);
       if (near_half_integer(y, window)) slack += d * d;

@@ -117,6 +117,73 @@ TEST(ReferenceQuantize, Int8StaticScaleSaturates) {
   EXPECT_EQ(r.codes, (std::vector<int>{3, -3, 127, -127}));
 }
 
+// Tiny scales: x / s far beyond int's range (or 1 / d beyond float32's) must saturate toward
+// x's sign. Converting to int first and clamping after stored positive values as -127 in
+// both the reference and the caches, so they agreed and `run` passed the wrong answer. Every
+// integer format, values of both signs, worked by hand; the reference and the codec alike.
+struct TinyScaleCase {
+  const char* name;
+  TensorQuant ref;
+  optimized::RowFormat opt;
+  std::vector<float> x;
+  std::vector<int> codes;
+};
+
+std::vector<TinyScaleCase> tiny_scale_cases() {
+  using optimized::Codec;
+  const auto opt = [](Codec c, std::vector<float> fixed = {}) {
+    optimized::RowFormat f;
+    f.codec = c;
+    f.static_scales = fixed;
+    return f;
+  };
+  std::vector<float> tiny(32, 0.0f);
+  tiny[0] = std::ldexp(1.0f, -130), tiny[1] = -std::ldexp(1.0f, -130);  // subnormal
+  // Affine groups of tiny range, chosen so that S is exact: int4 [-2^-121, 7 * 2^-124] gives
+  // S = 2^-124; int2 [-2^-123, 2^-124] gives S = 2^-124 too.
+  std::vector<float> wide4(32, 0.0f), wide2(32, 0.0f);
+  wide4[0] = -std::ldexp(1.0f, -121), wide4[1] = 7 * std::ldexp(1.0f, -124);
+  wide2[0] = -std::ldexp(1.0f, -123), wide2[1] = std::ldexp(1.0f, -124);
+  std::vector<int> q8 = std::vector<int>(32, 0), q4 = std::vector<int>(32, 8);
+  // q8_0: d = 2^-130 / 127 is the subnormal 4128 * 2^-149, 1 / d overflows; x / d = 127.008.
+  q8[0] = 127, q8[1] = -127;
+  // q4_0: m = 2^-130 (the first of largest magnitude), d = -2^-133 exactly, 1 / d overflows;
+  // x / d + 8.5: 0.5 -> 0, 16.5 -> 15 (clamped), 8.5 -> 8 for the zeros.
+  q4[0] = 0, q4[1] = 15;
+  // int4: Z = round(2^-121 / 2^-124) = 8; codes -8 + 8 = 0, 7 + 8 = 15, zeros 8.
+  std::vector<int> i4(32, 8);
+  i4[0] = 0, i4[1] = 15;
+  std::vector<int> i2(32, 2);  // int2: Z = 2; codes -2 + 2 = 0, 1 + 2 = 3, zeros 2
+  i2[0] = 0, i2[1] = 3;
+  return {
+      {"int8, static scale 1e-30", format(QuantFormat::int8, ScaleGranularity::tensor, 0, ScaleDtype::float32, {1e-30}),
+       opt(Codec::int8, {1e-30f}), {1.0f, -1.0f, 0.5f, -3e-30f, 1e-30f, 0.0f, 2e-31f, -2e-31f},
+       {127, -127, 127, -3, 1, 0, 0, 0}},
+      {"q8_0, subnormal block", format(QuantFormat::q8_0), opt(Codec::q8_0), tiny, q8},
+      {"q4_0, subnormal block", format(QuantFormat::q4_0), opt(Codec::q4_0), tiny, q4},
+      {"int4, scale 2^-124", format(QuantFormat::int4, ScaleGranularity::group, 32), opt(Codec::int4), wide4, i4},
+      {"int2, scale 2^-124", format(QuantFormat::int2, ScaleGranularity::group, 32), opt(Codec::int2), wide2, i2},
+  };
+}
+
+TEST(ReferenceQuantize, TinyScalesSaturateTowardTheValuesSign) {
+  for (const TinyScaleCase& c : tiny_scale_cases()) {
+    const QuantizedRow r = reference::quantize(c.ref, c.x.data(), static_cast<int>(c.x.size()), 0);
+    EXPECT_EQ(r.codes, c.codes) << c.name;
+  }
+}
+
+TEST(QuantCodec, TinyScalesSaturateTowardTheValuesSign) {
+  for (TinyScaleCase c : tiny_scale_cases()) {
+    const int d = static_cast<int>(c.x.size());
+    if (c.opt.codec == optimized::Codec::int4 || c.opt.codec == optimized::Codec::int2) c.opt.group = 32;
+    std::vector<std::byte> bytes(optimized::row_bytes(c.opt, d));
+    std::vector<float> scratch(static_cast<std::size_t>(d));
+    optimized::encode_row(c.opt, 0, c.x.data(), d, bytes.data(), scratch.data());
+    EXPECT_EQ(optimized::unpack_row(c.opt, 0, bytes.data(), d).codes, c.codes) << c.name;
+  }
+}
+
 TEST(ReferenceQuantize, Fp8KnownPatternsTiesAndSaturation) {
   const QuantFormat e4 = QuantFormat::fp8_e4m3, e5 = QuantFormat::fp8_e5m2;
   EXPECT_EQ(reference::fp8_value(e4, 0x7E), 448.0);

@@ -192,7 +192,13 @@ FIELD_CASES = [
     ("/kv_quant", {"k": {"format": "fp8_e4m3", "scale": {"value": 1e31}}},
      "/kv_quant/k/scale/value: expected a scale up to 1e30"),
     ("/kv_quant", {"k": {"format": "fp8_e4m3", "scale": {"dtype": "float16", "value": 100000}}},
-     "/kv_quant/k/scale/value: a float16 scale must be between 2\\^-24 and 65504, got 100000"),
+     "/kv_quant/k/scale/value: a float16 scale must be between 2\\^-24 and 65504 once stored in float16, got 100000"),
+    # 2^-25 is a tie that float16 rounds to 0, and a hair above it rounds there too as float32.
+    ("/kv_quant", {"k": {"format": "int8", "scale": {"granularity": "tensor", "dtype": "float16", "value": 2.0 ** -25}}},
+     "/kv_quant/k/scale/value: a float16 scale must be between 2\\^-24 and 65504 once stored in float16, "
+     "got 2.9802322387695312e-08 \\(stored as 0\\)"),
+    ("/kv_quant", {"k": {"format": "int8", "scale": {"granularity": "tensor", "dtype": "float16", "value": 2.0 ** -25 * (1 + 2.0 ** -30)}}},
+     "/kv_quant/k/scale/value: a float16 scale must be between .* got 2.98023224154.*e-08 \\(stored as 0\\)"),
     ("/kv_quant", {"k": {"format": "int8", "scale": {"granularity": "tensor", "value": 1e-50}}},
      "/kv_quant/k/scale/value: a float32 scale must be at least 2\\^-149"),
     ("/kv_quant", {"k": {"format": "fp8_e4m3", "scale": {"value": "nan"}}},

@@ -412,9 +412,16 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
       auto positive = [&](const json& x, const std::string& path) {
         const double s = r.number(x, path, false);
         if (s > 1e30) r.fail(path, fmt::format("expected a scale up to 1e30, got {}", s));
-        if (half && (s > 65504.0 || s < 0x1p-25))
-          r.fail(path, fmt::format("a float16 scale must be between 2^-24 and 65504, got {}", s));
-        if (!half && s < 0x1p-149) r.fail(path, fmt::format("a float32 scale must be at least 2^-149, got {}", s));
+        // Judged as stored (the caches round through float32, then to float16): 2^-25 is
+        // a tie that rounds to 0, and so does anything a hair above it.
+        const double stored =
+            half ? reference::round_to_float16(static_cast<float>(s)) : static_cast<double>(static_cast<float>(s));
+        if (half && (s > 65504.0 || !(stored >= 0x1p-24)))
+          r.fail(path, fmt::format("a float16 scale must be between 2^-24 and 65504 once stored in float16, got {} "
+                                   "(stored as {})",
+                                   s, stored));
+        if (!half && !(stored >= 0x1p-149))
+          r.fail(path, fmt::format("a float32 scale must be at least 2^-149 once stored in float32, got {}", s));
         return s;
       };
       if (v.is_array()) {
