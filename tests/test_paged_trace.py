@@ -341,6 +341,44 @@ class PagedTraceTest(unittest.TestCase):
     def test_a_poisoned_pool_names_the_block_a_hit_never_wrote(self):
         check_poison_is_named(self, "numpy")  # torch pools: test_kvtrace_torch.py
 
+    def test_a_picture_of_block_ids_near_the_pool_end_stays_small(self):
+        # A valid trace from a pool of 2^17 blocks whose manager hands out its highest ids
+        # first: slot ids pass a million. verify --html must draw the slots held, not a
+        # column as tall as the largest id (that took gigabytes), and label them by id.
+        class HighIdsFirst(BlockManagerCache):
+            def __init__(self, exp):
+                super().__init__(exp)
+                self.free_blocks = [list(range(self.N)) for _ in range(self.L)]  # highest id on top
+
+        with open(os.path.join(SCENARIOS, "paged_fork_then_prefix_hit.json")) as f:
+            scenario = json.load(f)
+        scenario["paging"]["num_blocks"] = 1 << 17  # ids to 2^20: a column that tall took about a GB
+        with tempfile.TemporaryDirectory() as work:
+            path = os.path.join(work, "big_pool.json")
+            with open(path, "w") as f:
+                json.dump(scenario, f)
+            export = os.path.join(work, "export")
+            subprocess.run([KVCHECK, "export", path, "--out", export], check=True, capture_output=True)
+            exp = kvtrace.Export(export)
+            trace = os.path.join(work, "trace")
+            result = kvtrace.drive_paged_cache(exp, lambda: HighIdsFirst(exp), trace)
+            self.assertIsNone(result.error, result)
+            page = os.path.join(work, "page.html")
+            # Measured from a small Python of its own: a child forked from this one, which holds
+            # the pools, would count their pages.
+            measure = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+                       "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+                       "sys.exit(done.returncode)")
+            done = subprocess.run([sys.executable, "-c", measure, KVCHECK, "verify", path, "--trace", trace,
+                                   "--html", page], capture_output=True, text=True)
+            self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+            rss_kb = int(done.stderr.split()[-1])
+            self.assertLess(rss_kb, 150_000, "verify --html took %d MB" % (rss_kb // 1000))
+            with open(page) as f:
+                html = f.read()
+            self.assertLess(len(html), 200_000)
+            self.assertRegex(html, r"slot 10485[0-9]{2}: uid")  # in the top blocks: up to 2^17 * 8 - 1
+
     def test_sharing_a_forked_block_without_copy_is_named(self):
         with tempfile.TemporaryDirectory() as work:
             done = verify("paged_fork_then_prefix_hit", trace_of("paged_fork_then_prefix_hit", work,

@@ -153,6 +153,10 @@ FIELD_CASES = [
     ("/paging", {"block_size": 1, "num_blocks": 2},
      "/paging/num_blocks: the pool holds 2 blocks, but /steps/[0-9]+ needs up to [0-9]+ \\(every row's blocks"),
     ("/paging", {"block_size": 0, "num_blocks": 8}, "/paging/block_size: expected an integer >= 1"),
+    # A pool allocated up front is estimated first: never bad_alloc.
+    ("/paging", {"block_size": 65536, "num_blocks": 1 << 20},
+     "/paging/num_blocks: the paged cache's pool would take about [0-9.]+ GB \\(.* layers x 1048576 blocks x "
+     "65536 tokens .*\\); kvcheck accepts up to 8.0 GB"),
     ("/paging", {"block_size": 4}, "/paging/num_blocks: missing required field"),
     ("/paging", {"block_size": 4, "num_blocks": 8, "reuse": "radix"},
      "/paging/reuse: expected one of full, token"),

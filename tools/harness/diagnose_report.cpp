@@ -131,9 +131,17 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
       body += fmt::format("<p><b>After it:</b> {}</p>\n", escape(trace.drift.to_string()));
   }
 
-  // The picture: steps across, slots down.
-  std::size_t slots = 0;
-  for (const auto& column : trace.picture) slots = std::max(slots, column.size());
+  // The picture: steps across, slots down; one line per slot id held at any step, in order
+  // (ids can be far apart: a paged cache's block ids), labelled with its id.
+  std::vector<std::int64_t> ids;
+  for (const auto& column : trace.picture)
+    for (const PictureCell& c : column) ids.push_back(c.slot);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const auto line_of = [&](std::int64_t slot) {
+    return static_cast<std::size_t>(std::lower_bound(ids.begin(), ids.end(), slot) - ids.begin());
+  };
+  const std::size_t slots = ids.size();
   const int cell = 16, left = 60, top = 30;
   const std::size_t width = left + trace.picture.size() * cell + 20, height = top + slots * cell + 30;
   std::string svg = fmt::format(
@@ -144,17 +152,17 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
   svg += fmt::format("<text x=\"2\" y=\"{}\">slots &#8595;</text>\n", top + 10);
   for (std::size_t step = 0; step < trace.picture.size(); ++step) {
     if (step % 5 == 0) svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left + step * cell, top - 4, step);
-    for (std::size_t slot = 0; slot < trace.picture[step].size(); ++slot) {
-      const PictureCell& c = trace.picture[step][slot];
+    for (const PictureCell& c : trace.picture[step]) {
+      if (c.state == PictureCell::State::empty) continue;
       svg += fmt::format(
           "<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"{}\" stroke=\"#ffffff\"><title>step {} slot {}: "
           "uid {}{}</title></rect>\n",
-          left + step * cell, top + slot * cell, cell, cell, colour(c), step, slot, c.uid,
+          left + step * cell, top + line_of(c.slot) * cell, cell, cell, colour(c), step, c.slot, c.uid,
           c.state == PictureCell::State::wrong_position ? fmt::format(", distance off by {}", c.error) : "");
     }
   }
-  for (std::size_t slot = 0; slot < slots; slot += 4)
-    svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left - 20, top + slot * cell + 12, slot);
+  for (std::size_t line = 0; line < slots; line += 4)
+    svg += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", 2, top + line * cell + 12, ids[line]);
   if (divergent_step < trace.picture.size())
     svg += fmt::format(
         "<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#000000\" stroke-width=\"2\"/>\n",

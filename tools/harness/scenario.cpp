@@ -560,9 +560,27 @@ Paging parse_paging(const Reader& r, const json& j, const Scenario& s) {
   return paging;
 }
 
+std::string bytes_text(double bytes) {
+  if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  return fmt::format("{:.0f} kB", bytes / 1e3);
+}
+
 // The pool must hold every row's blocks at every step, counted without sharing (so any
 // correct cache fits): SPEC 8.6 makes room by preemption, which kvcheck does not run yet.
 void require_pool_fits(const Reader& r, const Scenario& s) {
+  // The paged cache allocates its whole pool up front: keys and values of every block in
+  // every layer (float32 at most), and each slot's bookkeeping, about 192 bytes (measured:
+  // 4.9 GB peak for 2 layers of 2^20 blocks of 8 with 2 kv heads of 8, 128 bytes of KV a slot).
+  const double slots = static_cast<double>(s.paging->num_blocks) * static_cast<double>(s.paging->block_size);
+  const double pool = static_cast<double>(s.dims.layers) * slots *
+                      (2.0 * s.dims.kv_heads * s.dims.head_dim * 4 + 192);
+  if (pool > kMemoryBudget)
+    r.fail("/paging/num_blocks",
+           fmt::format("the paged cache's pool would take about {} ({} layers x {} blocks x {} tokens x {} kv heads x "
+                       "head_dim {}, keys and values); kvcheck accepts up to {}",
+                       bytes_text(pool), s.dims.layers, s.paging->num_blocks, s.paging->block_size, s.dims.kv_heads,
+                       s.dims.head_dim, bytes_text(kMemoryBudget)));
   const PoolNeed need = largest_pool_need(s, s.paging->block_size);
   if (need.blocks > s.paging->num_blocks)
     r.fail("/paging/num_blocks", fmt::format("the pool holds {} blocks, but /steps/{} needs up to {} (every row's "
@@ -894,11 +912,6 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
 
 namespace {
 
-std::string bytes_text(double bytes) {
-  if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
-  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
-  return fmt::format("{:.0f} kB", bytes / 1e3);
-}
 
 std::string duration_text(double seconds) {
   if (seconds >= 7200) return fmt::format("{:.0f} hours", seconds / 3600);

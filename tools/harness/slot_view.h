@@ -55,6 +55,7 @@ std::string verdict_text(const SlotRow& row);
 struct PictureCell {
   enum class State { empty, ok, dead, wrong_position, not_retained, duplicated, stale, wrong_precision } state =
       State::empty;
+  std::int64_t slot = -1;  // the slot's own id (a paged slot: block * block_size + offset)
   std::int64_t uid = -1;
   std::int64_t error = 0;  // actual - expected distance, for wrong_position
 };

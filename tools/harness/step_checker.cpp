@@ -1029,13 +1029,16 @@ class StepChecker::Impl {
     return d;
   }
 
+  // The slots a row holds at a step, by id: as many cells as slots held, however large the
+  // ids (a paged trace's block ids), so the picture grows with what is drawn.
   static std::vector<PictureCell> picture_column(const std::vector<SlotRow>& table) {
     std::vector<PictureCell> column;
     for (const SlotRow& r : table) {
       if (r.slot < 0) continue;
-      if (static_cast<std::size_t>(r.slot) >= column.size()) column.resize(static_cast<std::size_t>(r.slot) + 1);
-      column[static_cast<std::size_t>(r.slot)] = picture_cell(r);
+      column.push_back(picture_cell(r));
+      column.back().slot = r.slot;
     }
+    std::sort(column.begin(), column.end(), [](const PictureCell& a, const PictureCell& b) { return a.slot < b.slot; });
     return column;
   }
 

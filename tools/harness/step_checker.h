@@ -41,7 +41,7 @@ struct CacheTrace {
   std::optional<StepDiagnosis> first;
   std::optional<StepDiagnosis> focus;             // the step asked for (--step), divergent or not
   Drift drift;                                    // from the first divergence on, for its row
-  std::vector<std::vector<PictureCell>> picture;  // [step][slot] of first->row (when asked)
+  std::vector<std::vector<PictureCell>> picture;  // [step][the slots held, by id] of first->row (when asked)
 };
 
 struct CheckOptions {
