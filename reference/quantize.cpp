@@ -204,9 +204,17 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const double s = in_dtype(quant.scale.dtype, (hi - lo) / top);
       const int z = s != 0.0 ? static_cast<int>(std::round(-lo / s)) : 0;
       row.scales.push_back(s);
+      // Each element may be off by the window in another's float32 arithmetic: the range by
+      // twice that, and S with it, amplified by |x| / (max - min) in a narrow group.
+      const double s_min = in_dtype(quant.scale.dtype, std::max(0.0, hi - lo - 2 * window) / top),
+                   s_max = in_dtype(quant.scale.dtype, (hi - lo + 2 * window) / top);
+      row.scale_min.push_back(s_min);
+      row.scale_max.push_back(s_max);
+      row.lows.push_back(lo);
+      row.windows.push_back(window);
       // A zero point -lo / S near a tie may round either way in another's float32 arithmetic.
       row.scale_near_boundary.push_back(
-          scale_ambiguous(quant.scale.dtype, static_cast<float>((hi - lo) / top), window_relative) ||
+          s_min != s_max || scale_ambiguous(quant.scale.dtype, static_cast<float>((hi - lo) / top), window_relative) ||
           (s != 0.0 && near_half_integer(-lo / s, window / s)));
       row.zeros.push_back(z);
       for (int i = 0; i < group; ++i) {
@@ -262,7 +270,13 @@ std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const 
     row.scales.resize(static_cast<std::size_t>(d));
     row.near_boundary.resize(static_cast<std::size_t>(d));
     row.scale_near_boundary.resize(static_cast<std::size_t>(d));
-    if (quant.format == QuantFormat::int4 || quant.format == QuantFormat::int2) row.zeros.resize(static_cast<std::size_t>(d));
+    if (quant.format == QuantFormat::int4 || quant.format == QuantFormat::int2) {
+      row.zeros.resize(static_cast<std::size_t>(d));
+      row.scale_min.resize(static_cast<std::size_t>(d));
+      row.scale_max.resize(static_cast<std::size_t>(d));
+      row.lows.resize(static_cast<std::size_t>(d));
+      row.windows.resize(static_cast<std::size_t>(d));
+    }
   }
   std::vector<float> column;
   for (int t0 = 0; t0 < n; t0 += run) {
@@ -279,6 +293,12 @@ std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const 
         row.scales[at] = q.scales[0];
         row.scale_near_boundary[at] = q.scale_near_boundary[0];
         if (!q.zeros.empty()) row.zeros[at] = q.zeros[0];
+        if (!q.scale_min.empty()) {
+          row.scale_min[at] = q.scale_min[0];
+          row.scale_max[at] = q.scale_max[0];
+          row.lows[at] = q.lows[0];
+          row.windows[at] = q.windows[0];
+        }
       }
     }
   }

@@ -26,6 +26,12 @@ struct QuantizedRow {
   // any computed float32 scale: another amax a few ulps away may give the neighbouring one.
   // Static scales never are.
   std::vector<bool> scale_near_boundary;
+  // Affine int4 / int2, per group: the range of stored scales (in the scale dtype) a cache
+  // may compute when each element is off by at most `windows` (absolute), [scale_min,
+  // scale_max] from (max - min -+ 2 window) / top, and the group's minimum `lows` (the zero
+  // point round(-min / S) is checked against the stored S over min -+ window). Empty for
+  // the other formats, and for codes read back from a cache.
+  std::vector<double> scale_min, scale_max, lows, windows;
   bool operator==(const QuantizedRow&) const = default;
 };
 

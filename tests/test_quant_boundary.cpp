@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
+#include <utility>
 #include <vector>
 
 #include "reference/stored_kv.h"
@@ -85,4 +87,93 @@ TEST(QuantBoundary, AFlipAwayFromAnyBoundaryIsNotExcused) {
   other.codes[15] = 2;
   EXPECT_FALSE(codes_through_write_boundary(q8_0(), QuantTransform::none, Rope{}, kRaw.data(), kDim, 0, {0, 6},
                                             shifted(other, path)));
+}
+
+// Affine int4 with scales per group of 2 (stored_scale_accepted, stored_zero_accepted): S =
+// (max - min) / 15 of a narrow group moves by |x| / (max - min) times an element's error, so
+// the float32 ulp a cache's FMA rotation moves an element by may move S beyond any fixed
+// relative allowance, and the zero point round(-min / S) by several. Accepted: the scales
+// and zero points within the boundary window of each element; not: another rule's scale,
+// a scale off by 1%, another group's, one not in the scale dtype, a zero point off by one.
+namespace {
+
+TensorQuant int4_group2(ScaleDtype dtype) {
+  TensorQuant q;
+  q.format = QuantFormat::int4;
+  q.scale.granularity = ScaleGranularity::group;
+  q.scale.group = 2;
+  q.scale.dtype = dtype;
+  return q;
+}
+
+// A row whose group 0 is {a, b}, its largest element about 1 elsewhere.
+std::vector<float> affine_row(float a, float b) {
+  std::vector<float> x(kDim);
+  for (int i = 0; i < kDim; ++i) x[static_cast<std::size_t>(i)] = static_cast<float>(((i * 7) % 13) - 6) / 6.25f;
+  x[0] = a;
+  x[1] = b;
+  return x;
+}
+
+// Group 0's scale and zero point as the optimized caches compute them (optimized/row_codec.cpp).
+std::pair<double, int> cache_params(ScaleDtype dtype, float lo, float hi) {
+  float s = static_cast<float>((static_cast<double>(hi) - lo) / 15);
+  if (dtype == ScaleDtype::float16) s = static_cast<float>(reference::round_to_float16(s));
+  return {s, static_cast<int>(std::round(-lo / s))};
+}
+
+}  // namespace
+
+TEST(QuantBoundary, AnAffineScaleMovedByAnElementsUlpIsAccepted) {
+  // kvcheck run tests/data/quant_int4_group2_scale_window.json: uid 1's group 8.
+  const TensorQuant q = int4_group2(ScaleDtype::float32);
+  const std::vector<float> x = affine_row(-0.2756439447402954f, -0.28807175159454346f);
+  const QuantizedRow want = reference::quantize(q, x.data(), kDim, 0, reference::boundary_window(1));
+  const float moved = std::nextafter(x[1], -1.0f);  // the cache's element, one ulp away
+  const auto [s, z] = cache_params(q.scale.dtype, moved, x[0]);
+  ASSERT_GT(std::abs(s - want.scales[0]), 0x1p-19 * want.scales[0]) << "beyond the old fixed allowance";
+  EXPECT_TRUE(stored_scale_accepted(q, want, 0, s));
+  EXPECT_TRUE(stored_zero_accepted(q, want, 0, s, z, true));
+}
+
+TEST(QuantBoundary, AFloat16AffineScaleAndZeroPointMovedByAnElementsUlpAreAccepted) {
+  // kvcheck run tests/data/quant_int4_group2_float16_zero_point.json: uid 2's group 15.
+  const TensorQuant q = int4_group2(ScaleDtype::float16);
+  const std::vector<float> x = affine_row(-0.9659978151321411f, -0.9700443744659424f);
+  const QuantizedRow want = reference::quantize(q, x.data(), kDim, 0, reference::boundary_window(2));
+  const float moved = std::nextafter(x[0], -1.0f);
+  const auto [s, z] = cache_params(q.scale.dtype, x[1], moved);
+  ASSERT_NE(s, want.scales[0]);
+  ASSERT_GE(std::abs(z - want.zeros[0]), 2) << "the zero point moves by more than one";
+  EXPECT_TRUE(stored_scale_accepted(q, want, 0, s));
+  EXPECT_TRUE(stored_zero_accepted(q, want, 0, s, z, true));
+}
+
+TEST(QuantBoundary, AnAffineScaleOutsideTheWindowIsStillWrong) {
+  for (const ScaleDtype dtype : {ScaleDtype::float32, ScaleDtype::float16}) {
+    const TensorQuant q = int4_group2(dtype);
+    const std::vector<float> x = affine_row(-0.2756439447402954f, -0.28807175159454346f);
+    const QuantizedRow want = reference::quantize(q, x.data(), kDim, 0, reference::boundary_window(1));
+    const double s = want.scales[0];
+    const auto in_dtype = [&](double v) {
+      const double f = static_cast<float>(v);
+      return dtype == ScaleDtype::float16 ? reference::round_to_float16(f) : f;
+    };
+    EXPECT_FALSE(stored_scale_accepted(q, want, 0, in_dtype(0.28807175159454346 / 15))) << "amax / 15";
+    EXPECT_FALSE(stored_scale_accepted(q, want, 0, in_dtype(s * 1.01))) << "1% off";
+    EXPECT_FALSE(stored_scale_accepted(q, want, 0, want.scales[1])) << "group 1's";
+    // A zero point off by one under the expected scale (nowhere near a tie here).
+    EXPECT_FALSE(stored_zero_accepted(q, want, 0, s, want.zeros[0] + 1, false));
+    EXPECT_FALSE(stored_zero_accepted(q, want, 0, s, want.zeros[0] - 1, true));
+    // Another scale's zero point with this one.
+    EXPECT_FALSE(stored_zero_accepted(q, want, 0, s, static_cast<int>(std::round(0.28807175 / (s * 1.01))), true));
+  }
+  // A float16 format's scale left in float32, though inside the window's float16 values.
+  const TensorQuant q = int4_group2(ScaleDtype::float16);
+  const std::vector<float> x = affine_row(-0.9659978151321411f, -0.9700443744659424f);
+  const QuantizedRow want = reference::quantize(q, x.data(), kDim, 0, reference::boundary_window(2));
+  const double unrounded = static_cast<float>((static_cast<double>(x[0]) - x[1]) / 15);
+  ASSERT_NE(unrounded, reference::round_to_float16(unrounded));
+  ASSERT_TRUE(want.scale_min[0] < unrounded && unrounded < want.scale_max[0]) << "between the window's float16 scales";
+  EXPECT_FALSE(stored_scale_accepted(q, want, 0, unrounded));
 }

@@ -262,6 +262,46 @@ std::vector<std::int64_t> QuantChecks::positions_seen(const StepRecord& rec, std
   return path;
 }
 
+namespace {
+bool affine(const TensorQuant& format) {
+  return format.format == QuantFormat::int4 || format.format == QuantFormat::int2;
+}
+}  // namespace
+
+bool stored_scale_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
+                           double actual) {
+  const double e = expected.scales.at(g);
+  if (e == actual) return true;
+  const bool ambiguous = g < expected.scale_near_boundary.size() && expected.scale_near_boundary[g];
+  if (affine(format) && g < expected.scale_min.size()) {
+    // S = (max - min) / top moves by |x| / (max - min) times an element's error: any value of
+    // the scale dtype a range within twice the window of the reference's gives.
+    const double representable = format.scale.dtype == ScaleDtype::float16
+                                     ? reference::round_to_float16(actual)
+                                     : static_cast<double>(static_cast<float>(actual));
+    const bool in_dtype = representable == actual;
+    return ambiguous && in_dtype && expected.scale_min[g] <= actual && actual <= expected.scale_max[g];
+  }
+  const bool half = format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
+                    format.format == QuantFormat::q4_0;
+  return ambiguous && std::abs(e - actual) <= (half ? 0x1p-10 : 0x1p-19) * std::abs(e);
+}
+
+bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
+                          double actual_scale, int actual_zero, bool scale_moved) {
+  const int e = expected.zeros.at(g);
+  if (e == actual_zero) return true;
+  if (affine(format) && g < expected.lows.size()) {
+    // The reference's rule over the stored scale: Z = round(-min / S), halves away from zero
+    // (std::round), not clamped; min anywhere within the window.
+    if (!(actual_scale > 0.0)) return false;
+    const double lo = expected.lows[g], w = expected.windows[g];
+    return std::round(-(lo + w) / actual_scale) <= actual_zero && actual_zero <= std::round(-(lo - w) / actual_scale);
+  }
+  const bool ambiguous = g < expected.scale_near_boundary.size() && expected.scale_near_boundary[g];
+  return (scale_moved || ambiguous) && std::abs(e - actual_zero) <= 1;
+}
+
 std::optional<reference::QuantizedRow> codes_through_write_boundary(const TensorQuant& format, QuantTransform transform,
                                                                     const Rope& rope, const float* raw, int head_dim,
                                                                     int kv_head, const std::vector<std::int64_t>& path,
@@ -432,24 +472,20 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       if (evidence.codes.size() < 64) evidence.codes.push_back(where);
       return false;
     }
-    // A computed scale may land on its dtype's neighbouring value only where the reference
-    // found it near a rounding boundary; the codes of that group may then differ by one.
-    const bool half = format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
-                      format.format == QuantFormat::q4_0;
+    // A computed scale (and an affine zero point) may move only where the reference found it
+    // near a rounding boundary, as far as stored_scale_accepted and stored_zero_accepted allow;
+    // the codes of that group may then differ by one.
     const int group = std::max(1, reference::scale_group(format, D));
     std::vector<bool> scale_moved(expected.scales.size(), false);
     for (std::size_t g = 0; g < expected.scales.size(); ++g) {
       const double e = expected.scales[g], a = actual.scales[g];
       if (e == a) continue;
       scale_moved[g] = true;
-      const bool ambiguous = g < expected.scale_near_boundary.size() && expected.scale_near_boundary[g];
-      if (!(ambiguous && std::abs(e - a) <= (half ? 0x1p-10 : 0x1p-19) * std::abs(e)))
-        fail(-1, static_cast<int>(g), e, a);
+      if (!stored_scale_accepted(format, expected, g, a)) fail(-1, static_cast<int>(g), e, a);
     }
     for (std::size_t g = 0; g < expected.zeros.size(); ++g) {
       if (expected.zeros[g] == actual.zeros[g]) continue;
-      const bool ambiguous = g < expected.scale_near_boundary.size() && expected.scale_near_boundary[g];
-      if (!(scale_moved[g] || ambiguous) || std::abs(expected.zeros[g] - actual.zeros[g]) > 1)
+      if (!stored_zero_accepted(format, expected, g, actual.scales[g], actual.zeros[g], scale_moved[g]))
         fail(-2, static_cast<int>(g), expected.zeros[g], actual.zeros[g]);
       scale_moved[g] = true;  // its codes move with it
     }

@@ -40,6 +40,20 @@ std::optional<reference::QuantizedRow> codes_through_write_boundary(const Tensor
                                                                     int kv_head, const std::vector<std::int64_t>& path,
                                                                     const reference::QuantizedRow& stored);
 
+// 9.2.1's allowance for a computed scale: whether `actual`, stored for group g where the
+// reference expected expected.scales[g], is one a cache's float32 arithmetic may compute.
+// Affine int4 / int2 (when the reference gave the group's window): a value of the scale
+// dtype within [scale_min, scale_max], in a group flagged near a boundary; else, where
+// flagged, its dtype's last bit (float16: 2^-10 relative, float32: 2^-19).
+bool stored_scale_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
+                           double actual);
+// The same for an affine group's zero point, stored with the scale `actual_scale`: the
+// reference's round(-min / S) over that S, for every min within the group's window (codes
+// read back from a cache carry no window: then one off, where the scale moved
+// (`scale_moved`) or was flagged).
+bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
+                          double actual_scale, int actual_zero, bool scale_moved);
+
 // SPEC 9.2.3's error of a row stored `times` over (its write, each shift through the
 // format, each flush), each store adding the format's error for the row as it then is.
 // Keys: a bound on the error vector's 2-norm (sqrt(sum_d e(k_d)^2)); values: on one
