@@ -353,6 +353,23 @@ class KvtraceTest(unittest.TestCase):
             kvtrace.TraceWriter(precious, "x", "test", "absolute")
         self.assertTrue(os.path.exists(os.path.join(precious, "notes.txt")))
 
+    def test_trace_writer_replaces_only_what_the_earlier_trace_listed(self):
+        # A trace folder holding the user's notes (or a subfolder) is not replaced whole;
+        # one holding only an earlier trace's files is.
+        folder = os.path.join(self.work, "trace")
+        with kvtrace.TraceWriter(folder, "x", "test", "absolute"):
+            pass
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("mine")
+        with self.assertRaisesRegex(FileExistsError, "notes.txt is not one of the earlier trace's files"):
+            kvtrace.TraceWriter(folder, "x", "test", "absolute")
+        with open(os.path.join(folder, "notes.txt")) as f:
+            self.assertEqual(f.read(), "mine")
+        os.remove(os.path.join(folder, "notes.txt"))
+        with kvtrace.TraceWriter(folder, "x", "test", "absolute"):
+            pass
+        self.assertEqual(os.listdir(folder), ["manifest.json"])
+
     def test_a_failing_cache_leaves_no_partial_trace(self):
         # An exception from the cache is a finding: the trace is complete, with the error at
         # its step and nothing after it. (A failing driver leaves nothing: the next test.)

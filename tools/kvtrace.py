@@ -196,6 +196,28 @@ def _is_trace(path):
         return False
 
 
+def _foreign_entries(path):
+    """What `path` holds besides what the earlier trace there listed as its own (its manifest
+    and the .npy files the manifest names), sorted: a user's notes, subfolders, dotfiles.
+    Only what a trace wrote may be replaced."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    owned = {"manifest.json"}
+
+    def walk(x):
+        if isinstance(x, str):
+            if "/" not in x and x.endswith(".npy"):
+                owned.add(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(manifest.get("steps", []))
+    return sorted(name for name in os.listdir(path) if name not in owned)
+
+
 _CODE_NAMES = ("k_codes", "k_scales", "k_zero", "v_codes", "v_scales", "v_zero")  # SPEC 9.3
 
 
@@ -222,6 +244,12 @@ class TraceWriter:
         if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)) \
                 and not _is_trace(self.path):
             raise FileExistsError("%s exists and is not a kvcheck trace; refusing to replace it" % self.path)
+        if _is_trace(self.path):
+            foreign = _foreign_entries(self.path)
+            if foreign:
+                raise FileExistsError("%s: refusing to replace this trace folder: %s is not one of the earlier "
+                                      "trace's files (move it away, or choose a new or empty folder)"
+                                      % (self.path, foreign[0]))
         self.dtype = self.DTYPES[dtype]
         parent = os.path.dirname(self.path)
         os.makedirs(parent, exist_ok=True)
