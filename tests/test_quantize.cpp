@@ -121,6 +121,8 @@ TEST(ReferenceQuantize, Int8StaticScaleSaturates) {
 // x's sign. Converting to int first and clamping after stored positive values as -127 in
 // both the reference and the caches, so they agreed and `run` passed the wrong answer. Every
 // integer format, values of both signs, worked by hand; the reference and the codec alike.
+namespace {
+
 struct TinyScaleCase {
   const char* name;
   TensorQuant ref;
@@ -165,6 +167,8 @@ std::vector<TinyScaleCase> tiny_scale_cases() {
       {"int2, scale 2^-124", format(QuantFormat::int2, ScaleGranularity::group, 32), opt(Codec::int2), wide2, i2},
   };
 }
+
+}  // namespace
 
 TEST(ReferenceQuantize, TinyScalesSaturateTowardTheValuesSign) {
   for (const TinyScaleCase& c : tiny_scale_cases()) {
