@@ -95,6 +95,7 @@ void print_diagnosis(std::FILE* out, const std::string& title, const Scenario& s
     fmt::print(out, "no divergence: every check passed (max abs error {:.3g}, NMSE {:.3g})\n",
                trace.outcome.max_abs_error, trace.outcome.nmse);
     for (const Check& c : trace.outcome.checks) fmt::print(out, "  {}: {}\n", c.name, c.detail);
+    if (!trace.drift.empty()) fmt::print(out, "drift: {}\n", trace.drift.to_string());
   } else {
     const StepDiagnosis& f = *trace.first;
     std::string failed;
@@ -119,6 +120,7 @@ std::string diagnosis_html(const Scenario& s, const std::string& cache, const Ca
   int row = 0;
   if (!trace.first) {
     body += "<p class=\"ok\">No divergence: every check passed.</p>\n";
+    if (!trace.drift.empty()) body += fmt::format("<p><b>Drift:</b> {}</p>\n", escape(trace.drift.to_string()));
   } else {
     const StepDiagnosis& f = *trace.first;
     divergent_step = f.evidence.step;

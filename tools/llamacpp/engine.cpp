@@ -94,6 +94,29 @@ void require_supported(const Scenario& s) {
     no("/scale", "the llama arch scales by 1/sqrt(head_dim)");
   if (s.inputs.kind != InputSource::Kind::seed)
     no("/inputs", "llama.cpp computes q, k and v itself: give a seed (it seeds the embeddings and weights)");
+  if (s.content == Content::prefix)
+    no("/content", "content \"prefix\" is SPEC 8's paged prefix reuse; llama.cpp's cache has no blocks");
+  if (s.paging) no("/paging", "llama.cpp's unified cache has no block pool (SPEC 8 is for paged engines)");
+  // Steps the driver cannot express are refused here, naming the step, never run into.
+  for (const Step& step : s.steps)
+    if (step.op == StepOp::free_rows || step.op == StepOp::evict || step.op == StepOp::preempt ||
+        step.op == StepOp::resume)
+      no(fmt::format("/steps/{}/op", step.source_index),
+         fmt::format("\"{}\": the llama.cpp driver runs append, decode, reorder, reset and crop only",
+                     to_string(step.op)));
+}
+
+// The memory the toy model costs before llama.cpp runs it: its float32 weights (written
+// once into memory and once as the GGUF file's bytes), the KV cache of n_ctx cells, and the
+// attention scores of a whole context at once (no flash attention). An estimate, so a
+// scenario too large for the machine is refused with exit 2 rather than dying of bad_alloc.
+double toy_model_bytes(const Scenario& s, std::int64_t n_ctx) {
+  const double L = s.dims.layers, embd = static_cast<double>(s.dims.heads) * s.dims.head_dim,
+               kv = static_cast<double>(s.dims.kv_heads) * s.dims.head_dim, ctx = static_cast<double>(n_ctx);
+  const double weights = 4 * (L * (2 * embd * embd + 2 * embd * kv + 50 * embd) + 17 * embd);
+  const double cache = 2 * L * (ctx + 256) * kv * 4;
+  const double scores = 4.0 * s.dims.heads * (ctx + 256) * ctx + 4 * ctx * 10 * embd;
+  return 3 * weights + cache + scores;
 }
 
 // Deterministic weights: the scenario's generator under its own tags, scaled.
@@ -334,6 +357,16 @@ int run(const Options& o) {
       policy.kind == PolicyKind::sink ? policy.window : std::max<std::int64_t>(longest_row(sized), 1);
   const std::int64_t n_ctx = per_row * max_rows;
   const std::int64_t uids = count_uids(s);
+  if (const double bytes = toy_model_bytes(s, n_ctx); bytes > kMemoryBudget)
+    throw Unsupported(fmt::format("{}: /dimensions: the llama.cpp model kvcheck builds for this scenario would take about "
+                                  "{:.1f} GB ({} layers, {} heads x head_dim {}, {} context cells); kvcheck accepts up "
+                                  "to {:.1f} GB",
+                                  s.file, bytes / 1e9, L, H, D, n_ctx, kMemoryBudget / 1e9));
+  // As the scenario parser refuses a kv_quant it cannot store: the driver captures one.
+  if ((is_quantized(o.type_k) || is_quantized(o.type_v)) && D % 32 != 0)
+    throw Unsupported(fmt::format("{}: /dimensions/head_dim: q8_0 and q4_0 quantize blocks of 32 along head_dim; "
+                                  "head_dim {} is not a multiple of 32",
+                                  s.file, D));
 
   fs::create_directories(fs::path(o.out) / "trace");
   const std::string model_path = (fs::path(o.out) / "model.gguf").string();
