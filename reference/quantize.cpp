@@ -172,7 +172,13 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const float d = static_cast<float>(largest_magnitude(xs, group)) / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
       row.scales.push_back(round_to_float16(d));
-      row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative));
+      // The block's largest element may be off by the window in another's float32 arithmetic
+      // (a Hadamard row's small elements most of all): d within its scales.
+      const double amax = largest_magnitude(xs, group);
+      row.scale_min.push_back(round_to_float16(static_cast<float>(std::max(0.0, amax - window) / 127.0)));
+      row.scale_max.push_back(round_to_float16(static_cast<float>((amax + window) / 127.0)));
+      row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative) ||
+                                        row.scale_min.back() != row.scale_max.back());
       for (int i = 0; i < group; ++i) {
         const float y = times_inverse(xs[i], d, id);
         row.codes[static_cast<std::size_t>(g0 + i)] = saturated(std::round(y), -127, 127);
@@ -187,7 +193,13 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       const float d = m / -8.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
       row.scales.push_back(round_to_float16(d));
-      row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative));
+      // As q8_0's, with m's sign (a near tie of opposite signs is not allowed for).
+      const double far = (std::abs(static_cast<double>(m)) + window) / 8, near = std::max(0.0, std::abs(m) - window) / 8;
+      const double a = round_to_float16(static_cast<float>(m > 0 ? -far : far)),
+                   b = round_to_float16(static_cast<float>(m > 0 ? -near : near));
+      row.scale_min.push_back(std::min(a, b));
+      row.scale_max.push_back(std::max(a, b));
+      row.scale_near_boundary.push_back(scale_ambiguous(ScaleDtype::float16, d, window_relative) || a != b);
       for (int i = 0; i < group; ++i) {
         const float y = times_inverse(xs[i], d, id) + 8.5f;
         row.codes[static_cast<std::size_t>(g0 + i)] = saturated(std::trunc(y), 0, 15, 8);
@@ -224,14 +236,23 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       }
     } else {  // fp8 and int8: one scale per group, static or from the group's amax
       double s = 0.0;
-      if (quant.scale.rule == ScaleRule::fixed) {
+      const bool computed = quant.scale.rule != ScaleRule::fixed;
+      if (!computed) {
         const auto& v = quant.scale.values;
         s = v.size() == 1 ? v[0] : v.at(static_cast<std::size_t>(kv_head));
       } else {
         s = largest_magnitude(xs, group) / code_range(f);
       }
-      row.scale_near_boundary.push_back(quant.scale.rule != ScaleRule::fixed &&
-                                        scale_ambiguous(quant.scale.dtype, static_cast<float>(s), window_relative));
+      // A computed scale moves with its group's largest element, which may be off by the
+      // window (relative to the row's largest: a small group's scale moves the most).
+      const double amax = largest_magnitude(xs, group);
+      row.scale_min.push_back(computed ? in_dtype(quant.scale.dtype, std::max(0.0, amax - window) / code_range(f))
+                                       : in_dtype(quant.scale.dtype, s));
+      row.scale_max.push_back(computed ? in_dtype(quant.scale.dtype, (amax + window) / code_range(f))
+                                       : in_dtype(quant.scale.dtype, s));
+      row.scale_near_boundary.push_back(
+          computed && (scale_ambiguous(quant.scale.dtype, static_cast<float>(s), window_relative) ||
+                       row.scale_min.back() != row.scale_max.back()));
       s = in_dtype(quant.scale.dtype, s);
       row.scales.push_back(s);
       for (int i = 0; i < group; ++i) {
@@ -270,10 +291,10 @@ std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const 
     row.scales.resize(static_cast<std::size_t>(d));
     row.near_boundary.resize(static_cast<std::size_t>(d));
     row.scale_near_boundary.resize(static_cast<std::size_t>(d));
+    row.scale_min.resize(static_cast<std::size_t>(d));
+    row.scale_max.resize(static_cast<std::size_t>(d));
     if (quant.format == QuantFormat::int4 || quant.format == QuantFormat::int2) {
       row.zeros.resize(static_cast<std::size_t>(d));
-      row.scale_min.resize(static_cast<std::size_t>(d));
-      row.scale_max.resize(static_cast<std::size_t>(d));
       row.lows.resize(static_cast<std::size_t>(d));
       row.windows.resize(static_cast<std::size_t>(d));
     }
@@ -282,9 +303,17 @@ std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const 
   for (int t0 = 0; t0 < n; t0 += run) {
     const int length = std::min(run, n - t0);
     column.resize(static_cast<std::size_t>(length));
+    // An element may be off by the window of its own token's row (a rotation mixes a row's
+    // elements), not of its channel: the run's absolute window is its rows' largest.
+    double row_largest = 0.0;
+    for (int t = 0; t < length; ++t)
+      row_largest = std::max(row_largest, largest_magnitude(rows[static_cast<std::size_t>(t0 + t)], d));
     for (int c = 0; c < d; ++c) {
       for (int t = 0; t < length; ++t) column[static_cast<std::size_t>(t)] = rows[static_cast<std::size_t>(t0 + t)][c];
-      const QuantizedRow q = quantize(column_format, column.data(), length, 0, window);
+      // quantize() takes a window relative to what it is given (the column).
+      const double column_largest = largest_magnitude(column.data(), length);
+      const double relative = column_largest > 0.0 ? window * row_largest / column_largest : window;
+      const QuantizedRow q = quantize(column_format, column.data(), length, 0, relative);
       for (int t = 0; t < length; ++t) {
         QuantizedRow& row = out[static_cast<std::size_t>(t0 + t)];
         const auto at = static_cast<std::size_t>(c);
@@ -293,9 +322,9 @@ std::vector<QuantizedRow> quantize_along_tokens(const TensorQuant& quant, const 
         row.scales[at] = q.scales[0];
         row.scale_near_boundary[at] = q.scale_near_boundary[0];
         if (!q.zeros.empty()) row.zeros[at] = q.zeros[0];
-        if (!q.scale_min.empty()) {
-          row.scale_min[at] = q.scale_min[0];
-          row.scale_max[at] = q.scale_max[0];
+        row.scale_min[at] = q.scale_min[0];
+        row.scale_max[at] = q.scale_max[0];
+        if (!q.lows.empty()) {
           row.lows[at] = q.lows[0];
           row.windows[at] = q.windows[0];
         }

@@ -26,11 +26,12 @@ struct QuantizedRow {
   // any computed float32 scale: another amax a few ulps away may give the neighbouring one.
   // Static scales never are.
   std::vector<bool> scale_near_boundary;
-  // Affine int4 / int2, per group: the range of stored scales (in the scale dtype) a cache
-  // may compute when each element is off by at most `windows` (absolute), [scale_min,
-  // scale_max] from (max - min -+ 2 window) / top, and the group's minimum `lows` (the zero
+  // Per group, the range [scale_min, scale_max] of stored scales (in the scale dtype) a cache
+  // may compute when each element is off by at most the boundary window: from amax -+ w
+  // (int8, fp8, q8_0, q4_0: a static scale's range is itself) or from max - min -+ 2w (affine
+  // int4 / int2). Affine groups also keep their minimum `lows` and window `windows` (the zero
   // point round(-min / S) is checked against the stored S over min -+ window). Empty for
-  // the other formats, and for codes read back from a cache.
+  // codes read back from a cache.
   std::vector<double> scale_min, scale_max, lows, windows;
   bool operator==(const QuantizedRow&) const = default;
 };

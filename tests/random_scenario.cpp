@@ -168,4 +168,65 @@ std::string random_scenario_json(std::uint64_t seed) {
   return j.dump();
 }
 
+std::string random_sweep_candidate_json(std::uint64_t seed, int attempt) {
+  using json = nlohmann::json;
+  json j = json::parse(random_scenario_json(seed));
+  Bits bits(seed * 1000003ull + static_cast<std::uint64_t>(attempt) + 0x5eedull);
+  j["name"] = "sweep_" + std::to_string(seed);
+  j["description"] = "drawn by the sweep of random valid scenarios (tests/test_sweep.cpp)";
+  const int kv_heads = j["dimensions"]["kv_heads"].get<int>();
+  if (bits.chance(25)) {  // GQA and ggml's blocks want wider heads than the base draws
+    j["dimensions"]["head_dim"] = bits.pick<std::int64_t>({32, 64});
+    j["rope"].erase("rotary_dim");
+  }
+  const int d = j["dimensions"]["head_dim"].get<int>();
+  auto tensor = [&]() {
+    const std::string format = bits.pick<std::string>({"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"});
+    json t = {{"format", format}};
+    if (format == "q8_0" || format == "q4_0") return t;
+    const bool affine = format == "int4" || format == "int2";
+    json scale;
+    const auto g = bits.between(0, 5);
+    if (g == 0 && !affine) {
+      scale["granularity"] = "tensor";
+      scale["value"] = bits.pick<double>({0.02, 0.05, 0.1, 1e-12});
+    } else if (g == 1 && !affine) {
+      scale["granularity"] = "head";
+      json values = json::array();
+      for (int h = 0; h < kv_heads; ++h) values.push_back(bits.pick<double>({0.03, 0.04, 0.06}));
+      scale["value"] = bits.chance(30) ? json("first_append") : values;
+    } else if (g == 2) {
+      scale["granularity"] = "token";
+    } else if (g == 3 && affine) {
+      scale["granularity"] = "channel";
+    } else {
+      scale["granularity"] = "group";
+      scale["group"] = bits.pick<std::int64_t>({1, 2, 4, 8, 16, d});
+      if (affine && bits.chance(25)) scale["axis"] = "token";
+    }
+    if (bits.chance(40)) scale["dtype"] = "float16";
+    t["scale"] = scale;
+    return t;
+  };
+  const auto storage = bits.between(0, 9);
+  if (storage <= 5) {  // quantized
+    json q;
+    if (bits.chance(85)) q["k"] = tensor();
+    if (bits.chance(85) || !q.contains("k")) q["v"] = tensor();
+    if (bits.chance(35)) {
+      q["residual"] = bits.between(1, 8);
+      q["flush"] = bits.pick<std::string>({"append", "requantize_all", "block"});
+      if (bits.chance(30)) q["prefill"] = bits.pick<std::string>({"store", "residual"});
+      if (bits.chance(30)) q["chunk_reads"] = bits.pick<std::string>({"stored", "raw"});
+    }
+    if (bits.chance(15)) q["transform"] = "hadamard";
+    j["kv_quant"] = q;
+    j.erase("kv_dtype");
+  } else if (storage <= 7) {  // paged, over the policy drawn
+    j["paging"] = {{"block_size", bits.pick<std::int64_t>({1, 2, 4, 8, 16})}, {"num_blocks", 1024}};
+    if (bits.chance(30)) j["paging"]["prefix_cache"] = true;
+  }
+  return j.dump();
+}
+
 }  // namespace kvcheck::testing

@@ -273,17 +273,19 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
   const double e = expected.scales.at(g);
   if (e == actual) return true;
   const bool ambiguous = g < expected.scale_near_boundary.size() && expected.scale_near_boundary[g];
-  if (affine(format) && g < expected.scale_min.size()) {
-    // S = (max - min) / top moves by |x| / (max - min) times an element's error: any value of
-    // the scale dtype a range within twice the window of the reference's gives.
-    const double representable = format.scale.dtype == ScaleDtype::float16
-                                     ? reference::round_to_float16(actual)
-                                     : static_cast<double>(static_cast<float>(actual));
-    const bool in_dtype = representable == actual;
-    return ambiguous && in_dtype && expected.scale_min[g] <= actual && actual <= expected.scale_max[g];
-  }
   const bool half = format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
                     format.format == QuantFormat::q4_0;
+  if (g < expected.scale_min.size()) {
+    // A scale moves with the elements it comes from (S = amax / range, or (max - min) / top),
+    // each off by at most the window: a small group's relative move is large. Any value of
+    // the scale dtype the reference's range gives is one a cache's arithmetic may compute.
+    const double representable =
+        half ? reference::round_to_float16(actual) : static_cast<double>(static_cast<float>(actual));
+    if (ambiguous && representable == actual && expected.scale_min[g] <= actual && actual <= expected.scale_max[g])
+      return true;
+    if (affine(format)) return false;
+  }
+  // A neighbouring value of the dtype: another amax a few ulps away rounds to it.
   return ambiguous && std::abs(e - actual) <= (half ? 0x1p-10 : 0x1p-19) * std::abs(e);
 }
 
