@@ -1,4 +1,4 @@
-// kvcheck: checks KV caches against the naive reference (see README.md and SPEC.md).
+// kvcheck: checks KV caches against the naive reference (see README.md and docs/spec.md).
 // Exit status: 0 every check passed, 1 a check failed (a cache that raised included), 2 bad
 // input or usage, 3 an internal error of kvcheck itself.
 #include <fmt/format.h>
