@@ -24,6 +24,7 @@
 #include "tools/harness/report.h"
 #include "tools/harness/scenario.h"
 #include "tools/harness/trace_verify.h"
+#include "tools/llamacpp/crash_site.h"
 #include "tools/llamacpp/llama_api.h"
 
 extern char** environ;
@@ -232,6 +233,18 @@ int run_llamacpp(const LlamacppOptions& o) {
   }
   const int status = run_engine(args, lib);
   const long step = last_step(out);
+  // Only a signal raised inside llama.cpp is the engine's; one in the driver's own code is
+  // kvcheck's fault (exit 3), whatever step it was driving.
+  const std::string site = llamacpp::read_crash_site((out / "crash_site").string());
+  if (WIFSIGNALED(status) && !site.empty() && !llamacpp::crash_site_is_llamacpp(site))
+    throw std::runtime_error(fmt::format(
+        "kvcheck's llama.cpp driver ({}) crashed in its own code: signal {} ({}) at {}; {}: a bug of kvcheck's, "
+        "not of llama.cpp",
+        fs::path(engine.path).filename().string(), WTERMSIG(status), ::strsignal(WTERMSIG(status)),
+        step >= 0 && static_cast<std::size_t>(step) < scenario.steps.size()
+            ? step_label(scenario.steps[static_cast<std::size_t>(step)], static_cast<std::size_t>(step))
+            : std::string("set-up"),
+        site));
   if (WIFSIGNALED(status) &&
       (!crash_signal(WTERMSIG(status)) || step < 0 || static_cast<std::size_t>(step) >= scenario.steps.size()))
     throw std::runtime_error(fmt::format("the engine ended by signal {} ({}) outside any step", WTERMSIG(status),

@@ -471,8 +471,8 @@ int main(int argc, char** argv) {
   llamacpp->add_option("--trace", llamacpp_options.keep, "keep the captured scenario and trace in DIR");
   llamacpp->add_option("--plant-fault", llamacpp_options.plant,
                        "kvcheck's self-test: break the driver's own shift (remove-without-add: seq_rm without "
-                       "seq_add; add-short: seq_add by k - 1)")
-      ->check(CLI::IsMember({"remove-without-add", "add-short"}));
+                       "seq_add; add-short: seq_add by k - 1) or crash it in its own code (driver-crash)")
+      ->check(CLI::IsMember({"remove-without-add", "add-short", "driver-crash"}));
   llamacpp->add_flag("--restore-after-shift", llamacpp_options.restore_after_shift,
                      "save the sequence right after the first shift's seq_add and restore it into a fresh context "
                      "before the next decode (a server swapping a slot out between the two)");

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +33,7 @@
 #include "tools/harness/generator.h"
 #include "tools/harness/npy.h"
 #include "tools/harness/scenario.h"
+#include "tools/llamacpp/crash_site.h"
 #include "tools/llamacpp/gguf_writer.h"
 #include "tools/llamacpp/llama_api.h"
 #include "tools/llamacpp/state_reader.h"
@@ -51,8 +53,9 @@ struct Options {
   std::string lib, scenario, out;
   GgmlType type_k = GgmlType::f32, type_v = GgmlType::f32;
   bool flash_attn = false;
-  // A fault planted in this driver's shift (a self-test of kvcheck, not of llama.cpp):
-  // "remove-without-add" (seq_rm, no seq_add) or "add-short" (seq_add by k - 1).
+  // A fault planted in this driver (a self-test of kvcheck, not of llama.cpp): in its shift,
+  // "remove-without-add" (seq_rm, no seq_add) or "add-short" (seq_add by k - 1); or
+  // "driver-crash", a signal raised in the driver's own code at the first append.
   std::string plant;
   // Save the sequence right after the first shift's seq_add and restore it into a fresh
   // context before the next decode, as a server that swaps a slot out between the two.
@@ -331,6 +334,7 @@ void write_atomically(const fs::path& path, const std::string& text) {
 int run(const Options& o) {
   const Scenario s = load_scenario(o.scenario);
   require_supported(s);
+  record_crash_site((fs::path(o.out) / "crash_site").string());
   if (is_quantized(o.type_v) && !o.flash_attn)
     throw Unsupported(fmt::format("--type-v {}: llama.cpp quantizes V only under flash attention: add --flash-attn on",
                                   format_name(o.type_v)));
@@ -547,6 +551,7 @@ int run(const Options& o) {
       continue;
     }
     std::ofstream(fs::path(o.out) / "progress") << i << "\n";  // where a crash happens
+    if (o.plant == "driver-crash" && step.op == StepOp::append) std::raise(SIGSEGV);  // kvcheck's own fault
     if (step.op == StepOp::reset) {
       api.llama_memory_clear(memory, true);
       rows.assign(static_cast<std::size_t>(*step.batch), Row{});
@@ -771,7 +776,7 @@ int main(int argc, char** argv) {
         o.type_v = parse_type(arg, value);
       else if (arg == "--flash-attn")
         o.flash_attn = value == "on";
-      else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short"))
+      else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short" || value == "driver-crash"))
         o.plant = value;
       else if (arg == "--restore-after-shift")
         o.restore_after_shift = value == "on";
