@@ -373,7 +373,8 @@ class PagedTraceTest(unittest.TestCase):
                                    "--html", page], capture_output=True, text=True)
             self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
             rss_kb = int(done.stderr.split()[-1])
-            self.assertLess(rss_kb, 150_000, "verify --html took %d MB" % (rss_kb // 1000))
+            # The dense column took 4.5 GB; the sparse one 27 MB (about 250 under ASan's shadow).
+            self.assertLess(rss_kb, 1_000_000, "verify --html took %d MB" % (rss_kb // 1000))
             with open(page) as f:
                 html = f.read()
             self.assertLess(len(html), 200_000)
