@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 namespace kvcheck::reference {
 
@@ -15,23 +16,47 @@ double dot(const double* a, const double* b, std::size_t n) {
   return ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
 }
 
+void attend_heads(const double* const* queries, std::size_t heads, const double* const* keys,
+                  const double* const* values, std::size_t n, std::size_t head_dim, double scale, const double* const* sink_logits,
+                  double* scores, double* out) {
+  if (n == 0) throw std::invalid_argument("attend: needs at least one key");
+  // Key j is read once for every head (heads inner), so a group streams its keys and values
+  // once instead of once per head; each head's sums run in the same order as alone.
+  for (std::size_t j = 0; j < n; ++j)
+    for (std::size_t h = 0; h < heads; ++h) scores[h * n + j] = scale * dot(queries[h], keys[j], head_dim);
+  std::vector<double> totals(heads);
+  for (std::size_t h = 0; h < heads; ++h) {
+    double* x = scores + h * n;
+    const double* sink_logit = sink_logits == nullptr ? nullptr : sink_logits[h];
+    // Subtracting the maximum changes nothing mathematically and keeps exp in range.
+    double top = *std::max_element(x, x + n);
+    if (sink_logit != nullptr) top = std::max(top, *sink_logit);
+    double total = 0.0;
+    for (std::size_t j = 0; j < n; ++j) total += (x[j] = std::exp(x[j] - top));
+    if (sink_logit != nullptr) total += std::exp(*sink_logit - top);
+    totals[h] = total;
+  }
+  std::fill(out, out + heads * head_dim, 0.0);
+  for (std::size_t j = 0; j < n; ++j) {
+    const double* v = values[j];
+    for (std::size_t h = 0; h < heads; ++h) {
+      const double weight = scores[h * n + j] / totals[h];
+      double* o = out + h * head_dim;
+      for (std::size_t d = 0; d < head_dim; ++d) o[d] += weight * v[d];
+    }
+  }
+}
+
 void attend(const double* q, const double* keys, const double* values, std::size_t n, std::size_t head_dim,
             double scale, const double* sink_logit, double* scores, double* out) {
-  if (n == 0) throw std::invalid_argument("attend: needs at least one key");
-  for (std::size_t j = 0; j < n; ++j) scores[j] = scale * dot(q, keys + j * head_dim, head_dim);
-  // Subtracting the maximum changes nothing mathematically and keeps exp in range.
-  double top = *std::max_element(scores, scores + n);
-  if (sink_logit != nullptr) top = std::max(top, *sink_logit);
-  double total = 0.0;
-  for (std::size_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - top));
-  if (sink_logit != nullptr) total += std::exp(*sink_logit - top);
-
-  std::fill(out, out + head_dim, 0.0);
+  const double* sinks[1] = {sink_logit};
+  std::vector<const double*> key_rows(n), value_rows(n);
   for (std::size_t j = 0; j < n; ++j) {
-    const double weight = scores[j] / total;
-    const double* v = values + j * head_dim;
-    for (std::size_t d = 0; d < head_dim; ++d) out[d] += weight * v[d];
+    key_rows[j] = keys + j * head_dim;
+    value_rows[j] = values + j * head_dim;
   }
+  attend_heads(&q, 1, key_rows.data(), value_rows.data(), n, head_dim, scale, sink_logit == nullptr ? nullptr : sinks,
+               scores, out);
 }
 
 }  // namespace kvcheck::reference

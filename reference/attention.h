@@ -18,4 +18,13 @@ double dot(const double* a, const double* b, std::size_t n);
 void attend(const double* q, const double* keys, const double* values, std::size_t n, std::size_t head_dim,
             double scale, const double* sink_logit, double* scores, double* out);
 
+// attend() for `heads` query heads that share one set of keys and values (a GQA group):
+// queries[h] is head h's rotated query, keys[j] and values[j] point at key j's D doubles,
+// sink_logits (null, or one pointer per head, each possibly null) gives each head's sink;
+// scores holds heads * n doubles of scratch and out receives heads rows of D. Each head's
+// result is bit for bit what attend() gives it alone.
+void attend_heads(const double* const* queries, std::size_t heads, const double* const* keys,
+                  const double* const* values, std::size_t n, std::size_t head_dim, double scale, const double* const* sink_logits,
+                  double* scores, double* out);
+
 }  // namespace kvcheck::reference

@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <unordered_map>
 
 #include "reference/attention.h"
 #include "reference/rope.h"
@@ -82,34 +83,63 @@ void rotate_into(const float* x, const double* cos_sin, int d, int rotary, RopeL
 // Buffers one thread reuses for every token: nothing is allocated per query or key.
 struct ReferenceModel::Scratch {
   std::vector<double> keys, values, query, scores;
+  std::vector<const double*> query_rows, sink_rows;  // one per head of a group
+  std::vector<const double*> key_rows, value_rows;   // one per visible key
+  std::vector<std::size_t> slots;                    // one per visible key: its memo slot
 };
 
 void ReferenceModel::attend_group(int layer, int group, const std::vector<std::uint64_t>& row, std::int64_t t,
-                                  const QueryView& view, Scratch& scratch, double* out) const {
+                                  const QueryView& view, Scratch& scratch, KeyMemo& memo, double* out) const {
   const int d = dims_.head_dim;
   const std::size_t n = view.keys.size(), D = static_cast<std::size_t>(d);
-  scratch.keys.resize(n * D);
-  scratch.values.resize(n * D);
-  scratch.query.resize(D);
-  scratch.scores.resize(n);
-  // Every visible key rotated at its position Pk(t, j), once for the group's query heads.
+  const std::size_t share = kMemoBytes / memos_.size() / (2 * sizeof(double) * D);
+  if (memo.slot_of_uid.size() + n > std::max(n, share)) memo = KeyMemo{};
+  // Every visible key rotated at its position Pk(t, j), once for the group's query heads
+  // (and once for all tokens that see it at that position).
+  std::vector<std::size_t>& slots = scratch.slots;
+  slots.resize(n);
   for (std::size_t j = 0; j < n; ++j) {
     const VisibleKey& key = view.keys[j];
-    rotate_into(inputs_.k_at(layer, row[key.index], group), cos_sin(key.position), d, rotary_, rope_.layout,
-                scratch.keys.data() + j * D);
-    const float* v = inputs_.v_at(layer, row[key.index], group);
-    std::copy(v, v + d, scratch.values.begin() + static_cast<std::ptrdiff_t>(j * D));
+    const std::uint64_t uid = row[key.index];
+    auto [it, added] = memo.slot_of_uid.try_emplace(uid, memo.position.size());
+    const std::size_t slot = it->second;
+    if (added) {
+      memo.position.push_back(key.position);
+      memo.keys.resize(memo.keys.size() + D);
+      memo.values.resize(memo.values.size() + D);
+      const float* v = inputs_.v_at(layer, uid, group);
+      std::copy(v, v + d, memo.values.begin() + static_cast<std::ptrdiff_t>(slot * D));
+    } else if (memo.position[slot] == key.position) {
+      slots[j] = slot;
+      continue;
+    }
+    memo.position[slot] = key.position;
+    rotate_into(inputs_.k_at(layer, uid, group), cos_sin(key.position), d, rotary_, rope_.layout,
+                memo.keys.data() + slot * D);
+    slots[j] = slot;
+  }
+  scratch.key_rows.resize(n);
+  scratch.value_rows.resize(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    scratch.key_rows[j] = memo.keys.data() + slots[j] * D;
+    scratch.value_rows[j] = memo.values.data() + slots[j] * D;
   }
   const int heads_per_group = dims_.heads / dims_.kv_heads;
+  const std::size_t G = static_cast<std::size_t>(heads_per_group);
+  scratch.query.resize(G * D);
+  scratch.scores.resize(G * n);
+  scratch.query_rows.resize(G);
+  scratch.sink_rows.resize(G);
   for (int k = 0; k < heads_per_group; ++k) {
     const int head = group * heads_per_group + k;
     rotate_into(inputs_.q_at(layer, row[t], head), cos_sin(view.query_position), d, rotary_, rope_.layout,
-                scratch.query.data());
-    const double* sink_logit =
+                scratch.query.data() + static_cast<std::size_t>(k) * D);
+    scratch.query_rows[static_cast<std::size_t>(k)] = scratch.query.data() + static_cast<std::size_t>(k) * D;
+    scratch.sink_rows[static_cast<std::size_t>(k)] =
         attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
-    attend(scratch.query.data(), scratch.keys.data(), scratch.values.data(), n, D, scale_, sink_logit,
-           scratch.scores.data(), out + static_cast<std::size_t>(k) * D);
   }
+  attend_heads(scratch.query_rows.data(), G, scratch.key_rows.data(), scratch.value_rows.data(), n, D, scale_,
+               scratch.sink_rows.data(), scratch.scores.data(), out);
 }
 
 AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, bool attend) {
@@ -131,7 +161,8 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
   const std::int64_t n = result.chunk;
   result.out.assign(static_cast<std::size_t>(L) * B * n * H * D, std::numeric_limits<double>::quiet_NaN());
   // The views first (what each token sees), then the attention of every (token, layer,
-  // kv head) as a unit of work: units are independent, so threads may share them freely.
+  // kv head) as a unit of work. Units are independent; a thread takes all of a (layer,
+  // kv head)'s, so its key memo is never shared.
   struct Unit {
     int row, layer, group;
     std::int64_t token;  // index into result.rows[row]
@@ -150,25 +181,31 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
         largest = std::max(largest, view.query_position);
         for (const VisibleKey& key : view.keys) largest = std::max(largest, key.position);
       }
-      if (attend)
-        for (int l = 0; l < L; ++l)
-          for (int g = 0; g < Hkv; ++g) units.push_back({b, l, g, t - start});
       result.rows[b].push_back(std::move(token));
     }
+    // Tokens innermost: consecutive units share a (layer, kv head) and most of their keys.
+    if (attend)
+      for (int l = 0; l < L; ++l)
+        for (int g = 0; g < Hkv; ++g)
+          for (std::int64_t i = 0; i < counts[b]; ++i) units.push_back({b, l, g, i});
   }
   ensure_positions(largest);
   const std::size_t heads_per_group = static_cast<std::size_t>(H / Hkv);
+  // Each (layer, kv head) belongs to one thread, which owns its key memo.
+  if (memos_.empty()) memos_.resize(static_cast<std::size_t>(L) * static_cast<std::size_t>(Hkv));
   auto work = [&](std::size_t first, std::size_t stride) {
     Scratch scratch;
-    for (std::size_t u = first; u < units.size(); u += stride) {
-      const Unit& unit = units[u];
+    for (const Unit& unit : units) {
+      const std::size_t owner = static_cast<std::size_t>(unit.layer) * static_cast<std::size_t>(Hkv) +
+                                static_cast<std::size_t>(unit.group);
+      if (owner % stride != first) continue;
       const AppendedToken& token = result.rows[unit.row][static_cast<std::size_t>(unit.token)];
       const std::int64_t pad = n - counts[unit.row];
       const std::size_t base = ((((static_cast<std::size_t>(unit.layer) * B + unit.row) * n + pad + unit.token) * H +
                                  unit.group * heads_per_group) *
                                 D);
       attend_group(unit.layer, unit.group, histories_[unit.row], token.index, token.view_in(unit.layer), scratch,
-                   result.out.data() + base);
+                   memos_[owner], result.out.data() + base);
     }
   };
   // Threads only where the work pays for starting them.
@@ -241,17 +278,30 @@ void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const Que
     }
   }
   if (!attend) return;
-  scratch.query.resize(D);
-  scratch.scores.resize(n);
-  for (int head = 0; head < dims_.heads; ++head) {
-    const int g = head / G;
-    rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), cos_sin(view.query_position),
-                dims_.head_dim, rotary_, rope_.layout, scratch.query.data());
-    slack[head] = stored_->quantize_query(layer, scratch.query.data(), view.query_position);
-    const double* sink_logit =
-        attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
-    reference::attend(scratch.query.data(), scratch.keys.data() + g * n * D, scratch.values.data() + g * n * D, n, D,
-                      scale_, sink_logit, scratch.scores.data(), out + static_cast<std::size_t>(head) * D);
+  scratch.query.resize(G * D);
+  scratch.scores.resize(G * n);
+  scratch.query_rows.resize(G);
+  scratch.sink_rows.resize(G);
+  for (int g = 0; g < Hkv; ++g) {
+    for (int k = 0; k < G; ++k) {
+      const int head = g * G + k;
+      double* query = scratch.query.data() + static_cast<std::size_t>(k) * D;
+      rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), cos_sin(view.query_position),
+                  dims_.head_dim, rotary_, rope_.layout, query);
+      slack[head] = stored_->quantize_query(layer, query, view.query_position);
+      scratch.query_rows[static_cast<std::size_t>(k)] = query;
+      scratch.sink_rows[static_cast<std::size_t>(k)] =
+          attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
+    }
+    scratch.key_rows.resize(n);
+    scratch.value_rows.resize(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      scratch.key_rows[j] = scratch.keys.data() + (g * n + j) * D;
+      scratch.value_rows[j] = scratch.values.data() + (g * n + j) * D;
+    }
+    attend_heads(scratch.query_rows.data(), static_cast<std::size_t>(G), scratch.key_rows.data(),
+                 scratch.value_rows.data(), n, D, scale_, scratch.sink_rows.data(), scratch.scores.data(),
+                 out + static_cast<std::size_t>(g * G) * D);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "reference/kv_quant.h"
@@ -110,8 +111,18 @@ class ReferenceModel {
   // One token's attention in one layer for the query heads of kv head `group`: writes
   // each head's output to out + head * D.
   struct Scratch;
+  // Consecutive tokens see mostly the same keys at the same positions, so each key of one
+  // (layer, kv head) is rotated (and its value widened) once and looked up by uid after,
+  // while its position stays. Only a cache of what would be recomputed from the inputs;
+  // every memo together stays under kMemoBytes.
+  struct KeyMemo {
+    std::unordered_map<std::uint64_t, std::size_t> slot_of_uid;
+    std::vector<std::int64_t> position;  // per slot: the position its key is rotated at
+    std::vector<double> keys, values;    // per slot: D doubles each
+  };
+  static constexpr std::size_t kMemoBytes = std::size_t{256} << 20;
   void attend_group(int layer, int group, const std::vector<std::uint64_t>& row, std::int64_t t, const QueryView& view,
-                    Scratch& scratch, double* out) const;
+                    Scratch& scratch, KeyMemo& memo, double* out) const;
   // m cos and m sin of every rotated pair at position p (the table grows to the largest
   // position seen): R/2 cosines, then R/2 sines.
   const double* cos_sin(std::int64_t position) const;
@@ -132,6 +143,7 @@ class ReferenceModel {
   std::vector<double> cos_sin_;  // [position][m cos of each pair, then m sin of each pair]
   std::int64_t positions_ = 0;
   std::unique_ptr<StoredKv> stored_;
+  std::vector<KeyMemo> memos_;  // per (layer, kv head); a thread owns each while it works
   // R_stored of one token in one layer, every kv head, into out (H heads of D).
   void attend_stored(int row, int layer, std::int64_t t, const QueryView& view, bool attend, Scratch& scratch,
                      double* out, double* slack);
