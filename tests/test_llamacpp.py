@@ -74,6 +74,29 @@ class LlamacppTest(unittest.TestCase):
                     ran += 1
         self.assertGreaterEqual(ran, 2)
 
+    def test_q8_0_keys_under_a_prompt_longer_than_the_window_pass_on_every_seed(self):
+        """A prompt longer than the window runs as forwards with a context shift between
+        them, each re-quantizing the kept q8_0 keys. Those states existed only inside one
+        step, so a code on a rounding boundary there was judged a wrong scale or dequantization
+        (seeds 1, 2 and 6 failed). Each forward is now a step of the captured scenario."""
+        with open(os.path.join(ROOT, "fixtures", "scenarios", "llamacpp", "llamacpp_sink_long_prompt.json")) as f:
+            base = json.load(f)
+        with tempfile.TemporaryDirectory(prefix="kvcheck-llamacpp-") as work:
+            for seed in range(1, 9):
+                scenario = dict(base, name="long_prompt_seed%d" % seed, seed=seed)
+                if seed % 2 == 0:  # two sequences, prompts of other lengths: forwards across rows
+                    scenario["dimensions"] = dict(base["dimensions"], batch=2)
+                    scenario["steps"] = [{"op": "append", "tokens": [50, 41]}, {"op": "decode", "steps": 20}]
+                path = os.path.join(work, scenario["name"] + ".json")
+                with open(path, "w") as f:
+                    json.dump(scenario, f)
+                with self.subTest(seed=seed):
+                    done = subprocess.run([KVCHECK, "llamacpp", path, "--type-k", "q8_0"], capture_output=True,
+                                          text=True, env=ENV)
+                    self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+                    self.assertIn("no divergence", done.stdout)
+                    self.assertIn("ran as forwards with a shift between them", done.stdout)
+
     def test_a_query_quantized_but_not_declared_is_named(self):
         """Without kv_quant "query", the same llama.cpp trace fails its outputs, and the
         diagnosis names the convention: the query was quantized to q8_0 as well."""

@@ -282,7 +282,9 @@ int run_llamacpp(const LlamacppOptions& o) {
                                         : fmt::format("the engine exited with status {}", WEXITSTATUS(again_status)));
         const Scenario captured = load_scenario((before / "scenario.json").string());
         VerifyOptions verify;
-        verify.focus_step = prefix - 1;
+        // The last step of the run again (the driver may have split an append into forwards,
+        // so the captured scenario can hold more steps than the prefix).
+        verify.focus_step = captured.steps.empty() ? 0 : captured.steps.size() - 1;
         const CacheTrace trace = verify_trace(captured, (before / "trace").string(), verify);
         fmt::print("\n");
         print_diagnosis(stdout,
@@ -310,10 +312,17 @@ int run_llamacpp(const LlamacppOptions& o) {
   VerifyOptions verify;
   verify.picture = !o.html.empty();
   const CacheTrace trace = verify_trace(captured, (out / "trace").string(), verify);
-  print_diagnosis(stdout,
-                  fmt::format("kvcheck llamacpp: {} through llama.cpp (K {}, V {}, flash attention {})", scenario.name,
-                              o.type_k, o.type_v, o.flash_attn ? "on" : "off"),
-                  captured, trace);
+  std::string title = fmt::format("kvcheck llamacpp: {} through llama.cpp (K {}, V {}, flash attention {})",
+                                   scenario.name, o.type_k, o.type_v, o.flash_attn ? "on" : "off");
+  // An append that evicts part-way runs as forwards with a shift between them, and the
+  // captured scenario holds each forward as a step: say so, since step numbers then differ.
+  const auto written_steps = [](const Scenario& s) { return s.steps.empty() ? 0 : s.steps.back().source_index + 1; };
+  if (written_steps(captured) > written_steps(scenario))
+    title += fmt::format("\n(appends that evict part-way ran as forwards with a shift between them: the captured "
+                         "scenario holds each forward as a step, {} steps for the scenario's {}; paths below are "
+                         "the captured scenario's)",
+                         written_steps(captured), written_steps(scenario));
+  print_diagnosis(stdout, title, captured, trace);
   if (keep) fmt::print("captured scenario and trace in {}\n", out.string());
   if (!o.html.empty()) write_file_atomically(o.html, diagnosis_html(captured, "llama.cpp", trace));
   if (!o.junit.empty()) write_junit(o.junit, {trace.outcome});

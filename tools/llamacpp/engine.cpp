@@ -402,6 +402,9 @@ int run(const Options& o) {
   std::vector<float> q_in(static_cast<std::size_t>(L * uids * H * D)), k_in(static_cast<std::size_t>(L * uids * Hkv * D)),
       v_in(k_in.size());
   json steps = json::array();
+  // Appends the driver ran as several forwards (a shift between them), by their index in the
+  // scenario's "steps": each forward's tokens per row, as the captured scenario writes them.
+  std::map<int, std::vector<std::vector<std::int64_t>>> split_appends;
   // One llama.cpp sequence per row (seq id = row). Tokens evicted and seen, per row.
   struct Row {
     std::int64_t evicted = 0, tokens = 0;
@@ -442,7 +445,8 @@ int run(const Options& o) {
   };
   // Every cell of every sequence after step i, and (an append) the rotated queries and the
   // outputs [L][B][H][n][D] (zero at left padding).
-  const auto record = [&](std::size_t i, std::int64_t n, const std::vector<float>* out, const std::vector<float>* q_rot) {
+  const auto record = [&](std::int64_t n, const std::vector<float>* out, const std::vector<float>* q_rot) {
+    const std::size_t i = steps.size();  // the captured scenario's step
     const auto B = rows.size();
     std::vector<Cells> held;  // per row
     std::size_t slots = 0;
@@ -569,7 +573,7 @@ int run(const Options& o) {
         row.tokens = step.length;
         row.evicted = step.length == 0 ? 0 : evicted_at(step.length - 1);
       }
-      record(i, 0, nullptr, nullptr);
+      record(0, nullptr, nullptr);
       continue;
     }
     if (step.op == StepOp::reorder) {
@@ -586,19 +590,22 @@ int run(const Options& o) {
       }
       for (std::int32_t r = 0; r < old; ++r) api.llama_memory_seq_rm(memory, temp + r, -1, -1);
       rows = std::move(next);
-      record(i, 0, nullptr, nullptr);
+      record(0, nullptr, nullptr);
       continue;
     }
     const auto B = rows.size();
     const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
-    std::vector<std::uint64_t> base(B);  // each row's first uid in this step
-    for (std::size_t b = 0; b < B; ++b) base[b] = next_uid + static_cast<std::uint64_t>(
-        std::accumulate(step.tokens.begin(), step.tokens.begin() + static_cast<std::ptrdiff_t>(b), std::int64_t{0}));
+    std::vector<std::int64_t> start_tokens(B);  // each row's tokens before this step
+    for (std::size_t b = 0; b < B; ++b) start_tokens[b] = rows[b].tokens;
     const auto pad = [&](std::size_t b) { return n - step.tokens[b]; };
-    const auto token_at = [&](std::size_t b, std::int64_t place) { return rows[b].tokens + place - pad(b); };
-    std::vector<float> out(static_cast<std::size_t>(L) * B * H * n * D, 0.0f), q_rot(out.size(), 0.0f);
+    const auto token_at = [&](std::size_t b, std::int64_t place) { return start_tokens[b] + place - pad(b); };
+    // The step runs as forwards within which no row evicts, with a shift between them. Each
+    // forward is recorded as a step of its own (the captured scenario splits the append the
+    // same way), so the checker sees every state a shift creates: a shift re-quantizes q8_0
+    // keys, and a state never shown could not be judged.
+    std::vector<std::vector<std::int64_t>> forward_counts;  // per recorded forward, per row
     std::int64_t first = 0;
-    while (first < n) {  // forwards within which no row evicts
+    while (first < n) {
       std::int64_t end = first + 1;
       const auto same_eviction = [&](std::int64_t place) {
         for (std::size_t b = 0; b < B; ++b)
@@ -611,18 +618,23 @@ int run(const Options& o) {
         std::int64_t place;
         std::uint64_t uid;
       };
+      // uids as the captured scenario gives them: forward order, then row order, then place.
       std::vector<Entry> entries;
+      std::vector<std::int64_t> counts(B, 0);
+      std::uint64_t uid = next_uid;
       for (std::size_t b = 0; b < B; ++b) {
         const std::int64_t from = std::max(first, pad(b));
         if (from >= end) continue;
         shift(static_cast<int>(b), evicted_at(token_at(b, from)));
-        for (std::int64_t place = from; place < end; ++place)
-          entries.push_back({b, place, base[b] + static_cast<std::uint64_t>(place - pad(b))});
+        for (std::int64_t place = from; place < end; ++place) entries.push_back({b, place, uid++});
+        counts[b] = end - from;
       }
       if (entries.empty()) {  // every row padded here
         first = end;
         continue;
       }
+      const std::int64_t nf = end - first;  // this forward's places; a row's tokens end at `end`
+      std::vector<float> out(static_cast<std::size_t>(L) * B * H * nf * D, 0.0f), q_rot(out.size(), 0.0f);
       const auto count = static_cast<std::int32_t>(entries.size());
       Batch batch = api.llama_batch_init(count, static_cast<std::int32_t>(embd), 1);
       batch.n_tokens = count;
@@ -661,11 +673,11 @@ int run(const Options& o) {
         if (capture.values_hadamard) unrotate_hadamard(kqv, static_cast<std::size_t>(capture.rotation_size[1]));
         for (std::int32_t j = 0; j < count; ++j) {
           const Entry& e = entries[static_cast<std::size_t>(j)];
-          const auto ls = static_cast<std::size_t>(l), place = static_cast<std::size_t>(e.place);
+          const auto ls = static_cast<std::size_t>(l), place = static_cast<std::size_t>(e.place - first);
           for (int h = 0; h < H; ++h)
             for (int d = 0; d < D; ++d) {
               const std::size_t src = (static_cast<std::size_t>(j) * H + h) * D + d;  // [tokens][H][D]
-              const std::size_t dst = (((ls * B + e.row) * H + h) * n + place) * D + d;
+              const std::size_t dst = (((ls * B + e.row) * H + h) * static_cast<std::size_t>(nf) + place) * D + d;
               q_in[((ls * uids + e.uid) * H + h) * D + d] = qp[src];
               q_rot[dst] = qr[src];
               out[dst] = kqv[src];
@@ -678,17 +690,21 @@ int run(const Options& o) {
             }
         }
       }
+      for (std::size_t b = 0; b < B; ++b) rows[b].tokens += counts[b];
+      next_uid = uid;
+      record(nf, &out, &q_rot);
+      forward_counts.push_back(std::move(counts));
       first = end;
     }
     if (!failure.empty()) {
+      // The forwards before the refused one stay recorded; the rest of the append is the
+      // step llama.cpp refused.
+      std::vector<std::int64_t> rest(B);
+      for (std::size_t b = 0; b < B; ++b) rest[b] = start_tokens[b] + step.tokens[b] - rows[b].tokens;
+      forward_counts.push_back(std::move(rest));
       steps.push_back({{"error", failure}});
-      continue;
     }
-    for (std::size_t b = 0; b < B; ++b) {
-      rows[b].tokens += step.tokens[b];
-      next_uid += static_cast<std::uint64_t>(step.tokens[b]);
-    }
-    record(i, n, &out, &q_rot);
+    if (forward_counts.size() > 1) split_appends[step.source_index] = std::move(forward_counts);
   }
   std::ofstream(fs::path(o.out) / "progress") << "done\n";  // a crash from here on is no step's
   api.llama_free(ctx);
@@ -702,6 +718,18 @@ int run(const Options& o) {
   // interleaved pairs), and the precision its outputs carry.
   json scenario = json::parse(s.source_json);
   scenario.erase("seed");
+  if (!split_appends.empty()) {
+    json written = json::array();
+    for (std::size_t k = 0; k < scenario["steps"].size(); ++k) {
+      const auto split = split_appends.find(static_cast<int>(k));
+      if (split == split_appends.end()) {
+        written.push_back(scenario["steps"][k]);
+        continue;
+      }
+      for (const std::vector<std::int64_t>& counts : split->second) written.push_back({{"op", "append"}, {"tokens", counts}});
+    }
+    scenario["steps"] = written;
+  }
   scenario["inputs"] = {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}};
   scenario["rope"]["layout"] = "interleaved";
   // A q8_0 or q4_0 cache is declared as SPEC 9 describes it (blocks of 32, float16 scales,
