@@ -1,6 +1,6 @@
 // Paged-cache mutants (SPEC 8): kvcheck's real paged cache with one bookkeeping decision
-// made wrongly, each modelled on a bug that shipped (../shared/peers/paged-quantized-bugs.md,
-// section 8.1). For tests and demonstration only.
+// made wrongly, each modelled on a bug that shipped (named beside each fault below). For
+// tests and demonstration only.
 #pragma once
 
 #include <memory>
