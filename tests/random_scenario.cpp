@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "reference/policy.h"
-#include "tools/harness/generator.h"
+#include "tools/harness/scenario/generator.h"
 
 namespace kvcheck::testing {
 namespace {

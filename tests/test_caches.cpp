@@ -10,8 +10,8 @@
 #include "optimized/rope_table.h"
 #include "tests/random_scenario.h"
 #include "tools/catalog/catalog.h"
-#include "tools/harness/cache_checks.h"
-#include "tools/harness/inputs.h"
+#include "tools/harness/sources/in_process_source.h"
+#include "tools/harness/scenario/inputs.h"
 
 using namespace kvcheck;
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <tuple>
 
-#include "tools/harness/diagnosis.h"
+#include "tools/harness/check/diagnosis.h"
 
 using namespace kvcheck;
 

@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "tools/harness/export.h"
-#include "tools/harness/inputs.h"
-#include "tools/harness/npy.h"
+#include "tools/harness/outputs/export.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/io/npy.h"
 
 using namespace kvcheck;
 namespace fs = std::filesystem;

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "tools/harness/forward_record.h"
-#include "tools/harness/inputs.h"
-#include "tools/harness/reference_run.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/run/forward_record.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/run/reference_run.h"
+#include "tools/harness/scenario/scenario.h"
 
 namespace kvcheck {
 namespace {

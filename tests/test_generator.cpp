@@ -2,7 +2,7 @@
 // README's formula (integer arithmetic mod 2^64, then (h >> 40) / 2^23 - 1).
 #include <gtest/gtest.h>
 
-#include "tools/harness/generator.h"
+#include "tools/harness/scenario/generator.h"
 
 using namespace kvcheck;
 

@@ -10,9 +10,9 @@
 #include "optimized/paged_cache.h"
 #include "reference/prefix_reuse.h"
 #include "tools/catalog/catalog.h"
-#include "tools/harness/cache_checks.h"
-#include "tools/harness/cache_entry.h"
-#include "tools/harness/inputs.h"
+#include "tools/harness/sources/in_process_source.h"
+#include "tools/harness/sources/cache_entry.h"
+#include "tools/harness/scenario/inputs.h"
 
 using namespace kvcheck;
 

@@ -7,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "tools/harness/path_checks.h"
+#include "tools/harness/check/path_checks.h"
 
 using namespace kvcheck;
 

@@ -12,9 +12,9 @@
 #include "optimized/poison.h"
 #include "optimized/row_codec.h"
 #include "tools/catalog/catalog.h"
-#include "tools/harness/cache_checks.h"
-#include "tools/harness/cache_entry.h"
-#include "tools/harness/inputs.h"
+#include "tools/harness/sources/in_process_source.h"
+#include "tools/harness/sources/cache_entry.h"
+#include "tools/harness/scenario/inputs.h"
 
 using namespace kvcheck;
 using optimized::PoisonKind;

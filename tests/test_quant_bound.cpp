@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "reference/rope.h"
-#include "tools/harness/inputs.h"
-#include "tools/harness/quant_checks.h"
-#include "tools/harness/reference_run.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/check/quant_checks.h"
+#include "tools/harness/run/reference_run.h"
+#include "tools/harness/scenario/scenario.h"
 
 namespace kvcheck {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "reference/stored_kv.h"
-#include "tools/harness/quant_checks.h"
+#include "tools/harness/check/quant_checks.h"
 
 using namespace kvcheck;
 using reference::QuantizedRow;

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "reference/rope.h"
-#include "tools/harness/generator.h"
-#include "tools/harness/recovery.h"
+#include "tools/harness/scenario/generator.h"
+#include "tools/harness/check/recovery.h"
 
 using namespace kvcheck;
 

@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "tools/harness/inputs.h"
-#include "tools/harness/reference_checks.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/check/reference_checks.h"
 
 using namespace kvcheck;
 

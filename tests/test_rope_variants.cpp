@@ -11,7 +11,7 @@
 #include "optimized/rope_table.h"
 #include "reference/attention.h"
 #include "reference/rope.h"
-#include "tools/harness/cache_entry.h"
+#include "tools/harness/sources/cache_entry.h"
 
 using namespace kvcheck;
 

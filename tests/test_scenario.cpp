@@ -4,8 +4,8 @@
 #include <cmath>
 #include <string>
 
-#include "tools/harness/inputs.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/scenario/scenario.h"
 
 using kvcheck::InputError;
 using kvcheck::parse_scenario;

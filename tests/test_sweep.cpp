@@ -18,11 +18,11 @@
 
 #include "tests/random_scenario.h"
 #include "tools/catalog/catalog.h"
-#include "tools/harness/cache_checks.h"
-#include "tools/harness/inputs.h"
-#include "tools/harness/reference_run.h"
-#include "tools/harness/scenario.h"
-#include "tools/harness/scenario_features.h"
+#include "tools/harness/sources/in_process_source.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/run/reference_run.h"
+#include "tools/harness/scenario/scenario.h"
+#include "tools/harness/scenario/scenario_features.h"
 
 using namespace kvcheck;
 

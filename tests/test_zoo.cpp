@@ -3,9 +3,9 @@
 #include <gtest/gtest.h>
 
 #include "tools/catalog/catalog.h"
-#include "tools/harness/cache_checks.h"
-#include "tools/harness/diagnose_report.h"
-#include "tools/harness/inputs.h"
+#include "tools/harness/sources/in_process_source.h"
+#include "tools/harness/outputs/diagnose_report.h"
+#include "tools/harness/scenario/inputs.h"
 #include "tools/zoo/zoo.h"
 
 using namespace kvcheck;

@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <string>
 
-#include "tools/harness/npy.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/io/npy.h"
+#include "tools/harness/scenario/scenario.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   static const std::string path = "/tmp/kvcheck-fuzz-npy-" + std::to_string(::getpid()) + ".npy";

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <string>
 
-#include "tools/harness/scenario.h"
+#include "tools/harness/scenario/scenario.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   try {

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "tools/harness/npy.h"
-#include "tools/harness/scenario.h"
-#include "tools/harness/trace_verify.h"
+#include "tools/harness/io/npy.h"
+#include "tools/harness/scenario/scenario.h"
+#include "tools/harness/sources/trace_verify.h"
 
 namespace {
 

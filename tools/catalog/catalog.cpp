@@ -8,7 +8,7 @@
 #include "optimized/sink_ring_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/scenario/scenario.h"
 #include "tools/zoo/zoo.h"
 
 namespace kvcheck {

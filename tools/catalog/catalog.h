@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/harness/cache_entry.h"
+#include "tools/harness/sources/cache_entry.h"
 
 namespace kvcheck {
 

@@ -16,14 +16,14 @@
 #include <vector>
 #include <algorithm>
 
-#include "tools/harness/atomic_dir.h"
-#include "tools/harness/diagnose_report.h"
-#include "tools/harness/output_guard.h"
-#include "tools/harness/divergence_report.h"
-#include "tools/harness/reference_run.h"
-#include "tools/harness/report.h"
-#include "tools/harness/scenario.h"
-#include "tools/harness/trace_verify.h"
+#include "tools/harness/io/atomic_dir.h"
+#include "tools/harness/outputs/diagnose_report.h"
+#include "tools/harness/outputs/output_guard.h"
+#include "tools/harness/check/divergence_report.h"
+#include "tools/harness/run/reference_run.h"
+#include "tools/harness/check/report.h"
+#include "tools/harness/scenario/scenario.h"
+#include "tools/harness/sources/trace_verify.h"
 #include "tools/llamacpp/crash_site.h"
 #include "tools/llamacpp/llama_api.h"
 

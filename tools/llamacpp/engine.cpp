@@ -30,9 +30,9 @@
 
 #include "reference/policy.h"
 #include "reference/rope.h"
-#include "tools/harness/generator.h"
-#include "tools/harness/npy.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/scenario/generator.h"
+#include "tools/harness/io/npy.h"
+#include "tools/harness/scenario/scenario.h"
 #include "tools/llamacpp/crash_site.h"
 #include "tools/llamacpp/gguf_writer.h"
 #include "tools/llamacpp/llama_api.h"

@@ -7,7 +7,7 @@
 #include "optimized/paged_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
-#include "tools/harness/scenario.h"
+#include "tools/harness/scenario/scenario.h"
 #include "tools/zoo/faulty_cache.h"
 #include "tools/zoo/paged_faulty_cache.h"
 #include "tools/zoo/quant_faulty_cache.h"

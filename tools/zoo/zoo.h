@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "tools/harness/cache_entry.h"
-#include "tools/harness/diagnosis.h"
+#include "tools/harness/sources/cache_entry.h"
+#include "tools/harness/check/diagnosis.h"
 
 namespace kvcheck {
 

@@ -1,0 +1,65 @@
+#include "tools/harness/check/hypotheses.h"
+
+#include "reference/attention.h"
+#include "reference/rope.h"
+
+namespace kvcheck {
+namespace {
+
+struct KeyAt {
+  std::uint64_t uid;
+  std::int64_t position;
+};
+
+// One query head's attention in double over the given keys at the given positions.
+std::vector<double> attend_over(const Scenario& s, const InputTable& inputs, int layer, int head, std::uint64_t query,
+                                std::int64_t query_position, const std::vector<KeyAt>& keys_at, bool learned_sinks) {
+  const int D = s.dims.head_dim, group = head / (s.dims.heads / s.dims.kv_heads);
+  const auto rotated = [&](const float* x, std::int64_t position) {
+    return reference::rotate(std::vector<double>(x, x + D), static_cast<double>(position), s.rope);
+  };
+  const std::vector<double> q = rotated(inputs.q_at(layer, query, head), query_position);
+  std::vector<double> keys, values;
+  for (const KeyAt& key : keys_at) {
+    const std::vector<double> k = rotated(inputs.k_at(layer, key.uid, group), key.position);
+    keys.insert(keys.end(), k.begin(), k.end());
+    const float* v = inputs.v_at(layer, key.uid, group);
+    values.insert(values.end(), v, v + D);
+  }
+  const double* sink = nullptr;
+  if (learned_sinks && !s.attention.sink_logits.empty())
+    sink = &s.attention.sink_logits[static_cast<std::size_t>(layer)][static_cast<std::size_t>(head)];
+  std::vector<double> scores(keys_at.size()), out(static_cast<std::size_t>(D));
+  reference::attend(q.data(), keys.data(), values.data(), keys_at.size(), static_cast<std::size_t>(D),
+                    s.softmax_scale(), sink, scores.data(), out.data());
+  return out;
+}
+
+std::vector<KeyAt> visible_keys(std::span<const std::uint64_t> history, const reference::QueryView& view) {
+  std::vector<KeyAt> keys;
+  for (const reference::VisibleKey& key : view.keys)
+    keys.push_back({history[static_cast<std::size_t>(key.index)], key.position});
+  return keys;
+}
+
+}  // namespace
+
+std::vector<double> output_without_learned_sinks(const Scenario& s, const InputTable& inputs,
+                                                 std::span<const std::uint64_t> history,
+                                                 const reference::AppendedToken& token, int layer, int head) {
+  const reference::QueryView& view = token.view_in(layer);
+  return attend_over(s, inputs, layer, head, token.uid, view.query_position, visible_keys(history, view), false);
+}
+
+std::vector<double> output_with_later_chunk_keys(const Scenario& s, const InputTable& inputs,
+                                                 std::span<const std::uint64_t> history,
+                                                 std::span<const reference::AppendedToken> chunk, std::size_t i,
+                                                 int layer, int head) {
+  const reference::QueryView& view = chunk[i].view_in(layer);
+  std::vector<KeyAt> keys = visible_keys(history, view);
+  for (std::size_t later = i + 1; later < chunk.size(); ++later)
+    keys.push_back({chunk[later].uid, chunk[later].view_in(layer).query_position});
+  return attend_over(s, inputs, layer, head, chunk[i].uid, view.query_position, keys, true);
+}
+
+}  // namespace kvcheck

@@ -1,0 +1,28 @@
+// What the reference would have computed under a named mistake, to tell which one a cache
+// made when its outputs are off while every position is right.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "reference/reference_model.h"
+#include "tools/harness/scenario/scenario.h"
+
+namespace kvcheck {
+
+// The output of `token`'s query head `head` in `layer` with the learned sink logits left
+// out of the softmax (SPEC 7's sinks dropped), from the same visible keys and positions.
+std::vector<double> output_without_learned_sinks(const Scenario& scenario, const InputTable& inputs,
+                                                 std::span<const std::uint64_t> history,
+                                                 const reference::AppendedToken& token, int layer, int head);
+
+// The output of the chunk's token i with the chunk's later tokens visible too, each key at
+// the position its own token's query had (a causal mask missing inside the chunk: a
+// model's mask built from slot indices and cache_position over a cache that shifts).
+std::vector<double> output_with_later_chunk_keys(const Scenario& scenario, const InputTable& inputs,
+                                                 std::span<const std::uint64_t> history,
+                                                 std::span<const reference::AppendedToken> chunk, std::size_t i,
+                                                 int layer, int head);
+
+}  // namespace kvcheck

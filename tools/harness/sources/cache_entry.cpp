@@ -1,0 +1,124 @@
+#include "tools/harness/sources/cache_entry.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "tools/harness/check/quant_checks.h"
+#include "tools/harness/scenario/scenario.h"
+
+namespace kvcheck {
+
+using optimized::CacheConfig;
+using optimized::PairLayout;
+
+namespace {
+
+optimized::LayerPolicy layer_policy(const Policy& p) {
+  optimized::LayerPolicy l;
+  l.kind = p.kind == PolicyKind::full      ? optimized::LayerPolicy::Kind::full
+           : p.kind == PolicyKind::sliding ? optimized::LayerPolicy::Kind::sliding
+                                           : optimized::LayerPolicy::Kind::sink;
+  l.window = p.window;
+  l.sinks = p.sinks;
+  l.evict = p.evict;
+  // A sliding window keeps absolute positions: it is a sink cache without sinks that never shifts.
+  l.shift_positions = p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
+  l.dense_prefill = p.prefill == Prefill::dense;
+  return l;
+}
+
+}  // namespace
+
+optimized::RopeSpec rope_spec(const Rope& r, int head_dim) {
+  optimized::RopeSpec spec;
+  spec.head_dim = head_dim;
+  spec.theta = r.theta;
+  spec.layout = r.layout == RopeLayout::half ? PairLayout::half : PairLayout::interleaved;
+  spec.position_divisor = r.scaling == RopeScaling::linear ? r.factor : 1.0;
+  spec.rotary_dim = r.rotary_dim;
+  spec.map = r.scaling == RopeScaling::llama3 ? optimized::FrequencyMap::llama3
+             : r.scaling == RopeScaling::yarn ? optimized::FrequencyMap::yarn
+                                              : optimized::FrequencyMap::plain;
+  spec.factor = r.factor;
+  spec.low_freq_factor = r.low_freq_factor;
+  spec.high_freq_factor = r.high_freq_factor;
+  spec.original_context = r.original_max_position_embeddings;
+  spec.beta_fast = r.beta_fast;
+  spec.beta_slow = r.beta_slow;
+  spec.magnitude = r.scaling == RopeScaling::yarn ? r.attention_factor : 1.0;
+  return spec;
+}
+
+optimized::PagedLayout paged_layout(const Scenario& s) {
+  optimized::PagedLayout layout;
+  if (s.paging) {
+    layout.block_size = s.paging->block_size;
+    layout.num_blocks = s.paging->num_blocks;
+    layout.prefix_cache = s.paging->prefix_cache;
+    layout.token_reuse = s.paging->token_reuse;
+    return layout;
+  }
+  // A scenario without paging: vLLM's block size (4 for toy rows, so blocks still turn
+  // over), a pool no step can exhaust plus a block per row for copy-on-write.
+  layout.block_size = longest_row(s) >= 256 ? 16 : 4;
+  std::int64_t most_rows = s.dims.batch;
+  for (const Step& step : s.steps)
+    if (step.op == StepOp::reorder || step.op == StepOp::reset)
+      most_rows = std::max<std::int64_t>(most_rows, step.op == StepOp::reset ? *step.batch : static_cast<std::int64_t>(step.rows.size()));
+  layout.num_blocks = largest_pool_need(s, layout.block_size).blocks + 2 * most_rows + 1;
+  return layout;
+}
+
+CacheEntry with_poisoned_blocks(CacheEntry entry) {
+  entry.make = [make = std::move(entry.make)](CacheConfig config) {
+    config.poison_blocks = true;
+    return make(config);
+  };
+  return entry;
+}
+
+CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
+  CacheConfig c;
+  c.layers = s.dims.layers;
+  c.heads = s.dims.heads;
+  c.kv_heads = s.dims.kv_heads;
+  c.head_dim = s.dims.head_dim;
+  c.batch = s.dims.batch;
+  c.rope = rope_spec(s.rope, s.dims.head_dim);
+  for (const std::vector<double>& layer : s.attention.sink_logits)
+    c.sink_logits.emplace_back(layer.begin(), layer.end());
+  c.softmax_scale = static_cast<float>(s.softmax_scale());
+  if (s.hybrid())
+    for (const Policy& p : s.layer_policies) c.layer_policies.push_back(layer_policy(p));
+  const optimized::LayerPolicy first = layer_policy(s.policy);
+  c.kind = first.kind;
+  c.window = first.window;
+  c.sinks = first.sinks;
+  c.evict = first.evict;
+  c.shift_positions = first.shift_positions;
+  c.dense_prefill = first.dense_prefill;
+  c.capacity = capacity;
+  c.storage = s.kv_dtype == KvDtype::float32   ? optimized::Storage::float32
+              : s.kv_dtype == KvDtype::float16 ? optimized::Storage::float16
+                                               : optimized::Storage::bfloat16;
+  if (s.kv_quant) {
+    for (int l = 0; l < s.dims.layers; ++l) {
+      const KvQuant& q = s.quant(l);
+      optimized::LayerQuant& formats = c.quant.emplace_back();
+      if (q.k) formats.key = row_format(*q.k, q.transform);
+      if (q.v) formats.value = row_format(*q.v, q.transform);
+    }
+    if (s.kv_quant->holds_raw())
+      c.residual = optimized::Residual{s.kv_quant->residual, s.kv_quant->flush == Flush::requantize_all,
+                                       s.kv_quant->prefill == PrefillRule::store,
+                                       s.kv_quant->chunk_reads == ChunkReads::raw,
+                                       s.kv_quant->flush == Flush::block};
+  }
+  c.paging = paged_layout(s);
+  // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so
+  // every check also runs the threaded path.
+  c.threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 4);
+  return c;
+}
+
+}  // namespace kvcheck

@@ -1,0 +1,85 @@
+#include "tools/harness/sources/runner.h"
+
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "tools/harness/sources/in_process_source.h"
+#include "tools/harness/scenario/inputs.h"
+#include "tools/harness/io/progress.h"
+#include "tools/harness/check/reference_checks.h"
+#include "tools/harness/run/reference_run.h"
+#include "tools/harness/check/step_checker.h"
+
+namespace kvcheck {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// One cache under test beside the reference: fed each step as the reference makes it.
+struct Target {
+  Target(const Scenario& s, const InputTable& inputs, const CacheEntry& entry, const CheckOptions& options)
+      : cache(s, inputs, entry), checker(s, inputs, options) {
+    cache.check_forwards_with(checker);
+  }
+  InProcessCache cache;
+  StepChecker checker;
+  bool going = true;
+  double seconds = 0.0;
+};
+
+}  // namespace
+
+// The reference makes one step at a time and every check takes it before the next, so
+// memory holds one step's outputs and views, not the whole run's.
+std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& options) {
+  const auto start = Clock::now();
+  const InputTable inputs = load_inputs(scenario);
+  double reference_seconds = seconds_since(start);
+  std::optional<ReferenceChecks> reference_checks;
+  if (options.reference_checks) reference_checks.emplace(scenario, inputs);
+  std::vector<std::unique_ptr<Target>> targets;
+  for (const CacheEntry* cache : options.caches) {
+    if (cache == nullptr || !cache->serves(scenario)) continue;
+    CheckOptions check;
+    check.target = cache->name;
+    check.eviction = cache->eviction;
+    targets.push_back(std::make_unique<Target>(scenario, inputs, *cache, check));
+  }
+
+  ReferenceStepper reference(scenario, inputs);
+  Progress& progress = Progress::line();
+  progress.begin(scenario.name, scenario.steps.size(), count_uids(scenario));
+  std::int64_t tokens = 0;
+  for (std::size_t i = 0; !reference.done(); ++i) {
+    auto t0 = Clock::now();
+    const StepRecord record = reference.next();
+    if (reference_checks) reference_checks->step(i, record);
+    reference_seconds += seconds_since(t0);
+    for (auto& target : targets) {
+      if (!target->going) continue;
+      t0 = Clock::now();
+      target->going = target->checker.step(i, record, target->cache(i, record));
+      target->seconds += seconds_since(t0);
+    }
+    if (record.append)
+      for (const auto& row : record.append->rows) tokens += static_cast<std::int64_t>(row.size());
+    progress.advance(i, tokens);
+  }
+
+  std::vector<Outcome> outcomes;
+  if (reference_checks) {
+    outcomes.push_back(reference_checks->finish(reference.problems()));
+    outcomes.back().seconds = reference_seconds;
+  }
+  for (auto& target : targets) {
+    outcomes.push_back(target->checker.finish().outcome);
+    outcomes.back().seconds = target->seconds;
+  }
+  return outcomes;
+}
+
+}  // namespace kvcheck

@@ -1,0 +1,24 @@
+// Runs scenarios: the reference's own invariants, then every cache that serves the policy.
+#pragma once
+
+#include <string>
+#include <optional>
+#include <vector>
+
+#include "tools/harness/sources/cache_entry.h"
+#include "tools/harness/check/report.h"
+#include "tools/harness/scenario/scenario.h"
+
+namespace kvcheck {
+
+struct RunOptions {
+  std::vector<const CacheEntry*> caches;  // the caches to run, each where it serves the policy
+  bool reference_checks = true;
+  std::optional<KvDtype> kv_dtype;  // every scenario's caches store in this format instead
+  std::optional<QuantFormat> kv_quant;  // or K and V quantized in this format (SPEC 9)
+};
+
+// Throws InputError for bad inputs (a missing or malformed .npy file).
+std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& options);
+
+}  // namespace kvcheck
