@@ -266,6 +266,103 @@ namespace {
 bool affine(const TensorQuant& format) {
   return format.format == QuantFormat::int4 || format.format == QuantFormat::int2;
 }
+
+// A row as the reference quantizes it (SPEC 9.5, rule 2): rounded to float32, then under
+// "hadamard" transformed in double (blocks of transform_block) and rounded to float32 again.
+std::vector<float> held_row(std::vector<double> x, const TensorQuant& format, QuantTransform transform) {
+  const int d = static_cast<int>(x.size());
+  for (double& e : x) e = static_cast<float>(e);
+  if (transform == QuantTransform::hadamard) {
+    const int width = format.transform_block > 0 ? format.transform_block : d;
+    for (int at = 0; at + width <= d; at += width) reference::hadamard(x.data() + at, width);
+  }
+  std::vector<float> held(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) held[i] = static_cast<float>(x[i]);
+  return held;
+}
+
+// SPEC 9.2.1 for a row a cache wrote and dropped within one step, whose codes no view shows:
+// how far (2-norm) what its codes stand for may be from the reference's when the cache's
+// float32 arithmetic moved each element of `held` (the float32 row as quantized) by at most
+// the boundary window w, and it took any code and scale 9.2.1 accepts. Per element:
+//  - where its code (or its group's affine zero point) may move, both are the format's
+//    roundings of values at most w apart: at most e(x, s) + e(x', s') + w apart (SPEC 9's e);
+//  - where only its group's scale may move, to s' among those stored_scale_accepted takes,
+//    the code stands for c s': |x_hat| |s' - s| / s from the reference's;
+//  - elsewhere nothing moves.
+// A code may move where x / s lies within w / s' + |x / s| |s / s' - 1| of a rounding
+// boundary: the reference's own marking (quantize) with that window.
+double unseen_row_deviation(const TensorQuant& format, const std::vector<float>& held, int kv_head,
+                            double window_relative) {
+  const int d = static_cast<int>(held.size());
+  const reference::QuantizedRow r = reference::quantize(format, held.data(), d, kv_head, window_relative);
+  std::vector<double> x_hat(held.size());
+  reference::dequantize(format, r, x_hat.data());
+  const int group = std::max(1, reference::scale_group(format, d));
+  double largest = 0.0;
+  for (const float x : held) largest = std::max(largest, std::abs(static_cast<double>(x)));
+  const double w = window_relative * largest;
+  const bool half = format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
+                    format.format == QuantFormat::q4_0;
+  double sum = 0.0;
+  for (int g0 = 0; g0 < d; g0 += group) {
+    const auto at = static_cast<std::size_t>(g0 / group);
+    const double s = std::abs(r.scales.at(at));
+    // The scales stored_scale_accepted takes for the group: its own; where flagged, any in
+    // [scale_min, scale_max], and (not affine) a neighbouring value of the dtype.
+    const bool scale_moves = at < r.scale_near_boundary.size() && r.scale_near_boundary[at];
+    double lo = s, hi = s;
+    if (scale_moves) {
+      if (at < r.scale_min.size()) {
+        const double a = std::abs(r.scale_min[at]), b = std::abs(r.scale_max[at]);
+        lo = std::min({lo, a, b}), hi = std::max({hi, a, b});
+      }
+      if (!affine(format)) {
+        const double neighbour = (half ? 0x1p-10 : 0x1p-19) * s;
+        lo = std::min(lo, s - neighbour), hi = std::max(hi, s + neighbour);
+      }
+    }
+    // An affine zero point round(-min' / S') over min' within the window and S' as above
+    // (stored_zero_accepted); monotone in both, so the corners decide.
+    bool zero_moves = false;
+    if (scale_moves && affine(format) && at < r.lows.size() && lo > 0.0)
+      for (const double scale : {lo, hi})
+        for (const double low : {r.lows[at] - r.windows[at], r.lows[at] + r.windows[at]})
+          zero_moves = zero_moves || std::round(-low / scale) != r.zeros.at(at);
+    // The codes of a group whose scale moves that may move with it: x / s' is within
+    // w / s' + |x / s| |s / s' - 1| of x / s. q8_0 and q4_0 take their codes from the float32
+    // d = amax / range (rule 1), which moves only with amax, by w: x / d' is within
+    // 2 w amax / (amax - w) / d of x / d.
+    std::vector<bool> wide;
+    if (scale_moves && !zero_moves && lo > 0.0) {
+      double amax = 0.0;
+      for (int i = g0; i < g0 + group; ++i)
+        amax = std::max(amax, std::abs(static_cast<double>(held[static_cast<std::size_t>(i)])));
+      const bool ggml = format.format == QuantFormat::q8_0 || format.format == QuantFormat::q4_0;
+      double window = INFINITY;
+      if (!ggml)
+        window = s * w / lo + amax * std::max((s - lo) / lo, (hi - s) / hi);
+      else if (amax > w)
+        window = 2.0 * w * amax / (amax - w);
+      if (!std::isfinite(window))
+        wide.assign(static_cast<std::size_t>(group), true);
+      else if (amax > 0.0)
+        wide = reference::quantize(format, held.data() + g0, group, kv_head, window / amax).near_boundary;
+    }
+    for (int i = g0; i < g0 + group; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const bool code_moves = zero_moves || (k < r.near_boundary.size() && r.near_boundary[k]) ||
+                              (static_cast<std::size_t>(i - g0) < wide.size() && wide[static_cast<std::size_t>(i - g0)]);
+      const double x = std::abs(static_cast<double>(held[k]));
+      const double delta = code_moves ? reference::element_bound(format.format, x, s) +
+                                            reference::element_bound(format.format, x + w, hi) + w
+                           : s > 0.0  ? std::abs(x_hat[k]) * std::max(hi - s, s - lo) / s
+                                      : 0.0;
+      sum += delta * delta;
+    }
+  }
+  return std::sqrt(sum);
+}
 }  // namespace
 
 bool stored_scale_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
@@ -409,25 +506,60 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               frozen_scale_of(now.heads[g].value_codes, s_.quant(static_cast<int>(l)).v)};
       }
     }
-  // Keys this cache holds with codes not the reference's, which the step's queries saw and
-  // the step then evicted: their outputs were over the held codes.
+  // Keys and values this cache holds with codes not the reference's, which the step's queries
+  // saw and the step then evicted: their outputs were over the held codes. A token the step
+  // wrote and evicted shows its codes in no view: its queries' outputs may be over any codes
+  // 9.2.1 accepts for it, as far as unseen_row_deviation says (a key whose queries saw it at
+  // one position; nothing held raw, no frozen scale).
   if (rec.append)
     for (std::size_t l = 0; l < rec.stored.size(); ++l)
       for (std::size_t b = 0; b < rec.append->rows.size(); ++b) {
-        std::set<std::uint64_t> kept, seen;
+        const KvQuant& rules = s_.quant(static_cast<int>(l));
+        std::set<std::uint64_t> kept, written;
+        std::map<std::uint64_t, std::set<std::int64_t>> seen;  // uid -> where the queries saw its key
         for (const auto& key : rec.retained_in(static_cast<int>(l), static_cast<int>(b)).keys) kept.insert(key.uid);
         const auto& history = rec.histories[b];
-        for (const auto& token : rec.append->rows[b])
+        for (const auto& token : rec.append->rows[b]) {
+          written.insert(token.uid);
           for (const reference::VisibleKey& key : token.view_in(static_cast<int>(l)).keys)
-            seen.insert(history[static_cast<std::size_t>(key.index)]);
-        for (std::uint64_t uid : seen) {
+            seen[history[static_cast<std::size_t>(key.index)]].insert(key.position);
+        }
+        const int d = s_.dims.head_dim;
+        const auto computed = [](const std::optional<TensorQuant>& t) {
+          return t && t->scale.rule != ScaleRule::first_append;
+        };
+        // Unseen rows together: an output is a weighted mean of values (weights summing to at
+        // most 1), so it moves by at most the largest value deviation; and every score by at
+        // most scale |q| times the largest key deviation.
+        double moved = 0.0, unseen_value = 0.0, unseen_key = 0.0;
+        for (const auto& [uid, positions] : seen) {
           if (kept.count(uid)) continue;
           for (int g = 0; g < s_.dims.kv_heads; ++g) {
-            const auto held = held_.find({static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(uid), g});
-            if (held != held_.end() && !held->second.as_reference)
-              diverged_[{static_cast<int>(l), static_cast<int>(b)}] += held->second.weight;
+            const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(uid), g};
+            const auto held = held_.find(id);
+            if (held != held_.end() && !held->second.as_reference) moved += held->second.weight;
+            const auto held_value = held_values_.find(id);
+            if (held_value != held_values_.end()) moved += held_value->second.weight;
+            if (!written.count(uid) || rules.holds_raw()) continue;
+            if (computed(rules.v)) {
+              const float* v = inputs_.v_at(static_cast<int>(l), uid, g);
+              unseen_value = std::max(
+                  unseen_value, unseen_row_deviation(*rules.v, held_row(std::vector<double>(v, v + d), *rules.v,
+                                                                        rules.transform),
+                                                     g, reference::boundary_window(0)));
+            }
+            if (computed(rules.k) && positions.size() == 1) {
+              const float* k = inputs_.k_at(static_cast<int>(l), uid, g);
+              const std::int64_t position = *positions.begin();
+              const std::vector<double> rotated =
+                  reference::rotate(std::vector<double>(k, k + d), static_cast<double>(position), s_.rope);
+              unseen_key = std::max(unseen_key, unseen_row_deviation(*rules.k, held_row(rotated, *rules.k, rules.transform),
+                                                                     g, reference::boundary_window(position)));
+            }
           }
         }
+        moved += unseen_value + std::expm1(2.0 * s_.softmax_scale() * q_norm_ * unseen_key) * v_range_ / 2.0;
+        if (moved > 0.0) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += moved;
       }
   const QuantTransform transform = s_.kv_quant->transform;  // every layer's
   const int D = s_.dims.head_dim;
@@ -560,8 +692,9 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           const auto found = by_uid.find(static_cast<std::int64_t>(retained[i].uid));
           if (found == by_uid.end()) continue;  // the retained-set check reports it
           const ViewSlot& slot = *found->second;
-          // A key stored at another position than the reference's is the rotation check's.
-          if (slot.claimed_position && *slot.claimed_position != retained[i].position) continue;
+          // A key stored at another position than the reference's is the rotation check's; its
+          // value, never rotated, is compared all the same (a ring keeps keys at their index).
+          const bool key_at_reference = !slot.claimed_position || *slot.claimed_position == retained[i].position;
           const reference::StoredLayer& token = rec.stored[l][b][i];
           const HeldId id{static_cast<int>(l), static_cast<int>(b), static_cast<std::int64_t>(retained[i].uid), g};
           if (raw_reads) {
@@ -586,7 +719,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           const reference::StoredHead& h = token.heads[static_cast<std::size_t>(g)];
           const CodeMismatch where{static_cast<int>(l), static_cast<int>(b), g, false,
                                    static_cast<std::int64_t>(retained[i].uid), slot.slot, 0, 0, 0.0, 0.0};
-          if (q.k && slot.key_codes) {
+          if (q.k && slot.key_codes && key_at_reference) {
             // Expected: a new key as the reference stores it; a kept one unchanged; a shifted
             // one as the reference re-quantized it (every shift of the step), or, once this
             // cache took the other side of a rounding boundary, re-quantized from the codes it
