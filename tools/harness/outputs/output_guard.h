@@ -1,5 +1,5 @@
 // kvcheck never destroys or overwrites a file it did not write. Every command that writes
-// checks its outputs here, before any work (README, "Files kvcheck writes"):
+// checks its outputs here, before any work (docs/trust.md, "Files kvcheck writes"):
 // - a report (--json, --junit, --html) may not be, or link to, a file the command reads,
 //   and may replace an existing file only when that file is a previous kvcheck report of
 //   the same kind, or with --force;
