@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/harness/check/sub_check.h"
 #include "tools/harness/check/cache_view.h"
 #include "tools/harness/check/diagnosis.h"
 #include "tools/harness/run/reference_run.h"
@@ -18,7 +19,7 @@
 
 namespace kvcheck {
 
-class PagedChecks {
+class PagedChecks : public SubCheck {
  public:
   explicit PagedChecks(const Scenario& scenario) : s_(scenario) {}
 
@@ -27,8 +28,8 @@ class PagedChecks {
   // at that index (SPEC 8.1, value identity by context key), the slot's uid and the log's
   // become the row's own, so the checker's other checks see the row's tokens. Sets
   // view.uncomputed to the rows' hits.
-  void check(const StepRecord& record, CacheView& view, StepEvidence& evidence);
-  void add_checks(Outcome& outcome) const;
+  void check(const StepRecord& record, CacheView& view, StepEvidence& evidence) override;
+  void add_checks(Outcome& outcome) const override;
 
  private:
   struct Tally {

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "tools/harness/check/sub_check.h"
 #include "tools/harness/check/diagnosis.h"
 #include "tools/harness/check/report.h"
 #include "tools/harness/scenario/scenario.h"
@@ -35,7 +36,7 @@ struct PathToken {
   std::span<const double> allowed;  // [H * D], the error check 2 allowed each element
 };
 
-class PathChecks {
+class PathChecks : public SubCheck {
  public:
   explicit PathChecks(const Scenario& scenario);
   // Worth feeding: some token may be computed on both paths.
@@ -46,7 +47,9 @@ class PathChecks {
   // Disagreements found at a later step whose other side is at `step`, told from `step`'s
   // side: the earlier step's diagnosis learns of them only when the later one runs.
   std::vector<PathIssue> found_later_for(std::size_t step) const;
-  void add_checks(Outcome& outcome) const;
+  // Its evidence comes from the output comparison (record): nothing to look at before it.
+  void check(const StepRecord&, CacheView&, StepEvidence&) override {}
+  void add_checks(Outcome& outcome) const override;
 
  private:
   struct Seen {

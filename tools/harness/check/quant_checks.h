@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "reference/quantize.h"
+#include "tools/harness/check/sub_check.h"
 #include "tools/harness/check/cache_view.h"
 #include "tools/harness/check/diagnosis.h"
 #include "tools/harness/run/reference_run.h"
@@ -67,7 +68,7 @@ double stored_key_error(const std::optional<TensorQuant>& format, bool transform
 double stored_value_error(const std::optional<TensorQuant>& format, bool transformed, KvDtype kv_dtype, int head_dim,
                           double element, double norm, int times, std::string& saturation, double scale = 0.0);
 
-class QuantChecks {
+class QuantChecks : public SubCheck {
  public:
   QuantChecks(const Scenario& scenario, const InputTable& inputs);
 
@@ -105,7 +106,10 @@ class QuantChecks {
   // How far an output may move when a quantized query (kv_quant "query") is `slack` (2-norm)
   // from the reference's: its codes on a tie may round either way.
   double query_allowance(double slack) const;
-  void add_checks(Outcome& outcome) const;
+  void add_checks(Outcome& outcome) const override;
+  void check(const StepRecord& record, CacheView& view, StepEvidence& evidence) override {
+    check_codes(record, view, evidence);
+  }
 
  private:
   struct Tally {

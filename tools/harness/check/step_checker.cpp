@@ -229,8 +229,14 @@ class StepChecker::Impl {
         max_position_(largest_position(s)),
         rotations_(s.dims.head_dim, s.rope, largest_position(s)),
         paged_(s),
+        precision_(s),
         paths_(s) {
     if (s.kv_quant) quant_.emplace(s, inputs);
+    // The list, in its order: paged first (it names shared and hit slots by the row's own
+    // uids), then the codes, then the precision map (both SPEC 9: a quantized cache only).
+    checks_ = {&paged_};
+    if (quant_) checks_.insert(checks_.end(), {&*quant_, &precision_});
+    checks_.push_back(&paths_);
     rotations_.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
@@ -399,10 +405,8 @@ class StepChecker::Impl {
     // cache must hold, so float32's tolerance, plus what codes a cache may round the other
     // way at a boundary can move.
     Tolerance tolerance = output_tolerance(s_, inputs_, quant_ ? view.query_roundoff : view.roundoff);
-    paged_.check(rec, view, evidence);  // first: it names shared and hit slots by the row's own uids
-    uncomputed_ = view.uncomputed;
-    if (quant_) quant_->check_codes(rec, view, evidence);
-    if (quant_) precision_.check(s_, rec, view, evidence);
+    for (SubCheck* c : checks_) c->check(rec, view, evidence);
+    uncomputed_ = view.uncomputed;  // as the paged check left it (prefix hits)
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
     rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
@@ -1105,10 +1109,7 @@ class StepChecker::Impl {
             ? std::string("every stored key is its raw key rotated by its claimed position")
             : fmt::format("every stored key is its raw key rotated at its {} position",
                           to_string(options_.key_positions)));
-    if (quant_) quant_->add_checks(o);
-    precision_.add_checks(o);
-    paths_.add_checks(o);
-    paged_.add_checks(o);
+    for (const SubCheck* c : checks_) c->add_checks(o);
     o.max_abs_error = max_abs_;
     o.nmse = sum_sq_ref_ > 0 ? sum_sq_err_ / sum_sq_ref_ : 0.0;
     o.position_mismatches = positions_.failures + rotation_.failures;
@@ -1133,6 +1134,7 @@ class StepChecker::Impl {
   PagedChecks paged_;                 // SPEC 8: the cache shows block tables
   PrecisionChecks precision_;         // SPEC 9.2.4: quantized caches with a residual
   PathChecks paths_;                  // SPEC 9.2.6: tokens computed both in a decode step and inside a chunk
+  std::vector<SubCheck*> checks_;     // the list the one loop runs (the members above)
   std::vector<std::int64_t> uncomputed_;  // the step's, per row (prefix hits)
   std::size_t uncomputed(int row) const {
     return static_cast<std::size_t>(row) < uncomputed_.size()
