@@ -185,54 +185,6 @@ class HybridCache(StaticCache):
         return rolled_keys, rolled_values
 
 
-class SinkCache:
-    """transformers 4.46's SinkCache(window_length, num_sink_tokens): the window counts the
-    sinks. It grows while held + n < window_length, else shifts: keeps the sinks and the
-    last window_length - sinks - n tokens, re-rotated back by n positions with cos/sin it
-    tabulates from cache_kwargs (row 0, positions in the order they came, up to the window),
-    and appends the new keys as they come. So it shifts one token early (when held + n ==
-    window_length nothing needs to go), and with generate()'s absolute positions the new
-    keys are not shifted. A second chunk of several tokens that crosses the window makes
-    the kept keys and the re-rotation table differ in length: torch raises."""
-
-    def __init__(self, window_length, num_sink_tokens):
-        self.window_length, self.num_sink_tokens = window_length, num_sink_tokens
-        self.key_cache, self.value_cache = [], []
-        self.cos_table = self.sin_table = None
-
-    def get_seq_length(self, layer_idx=0):
-        return self.key_cache[layer_idx].shape[-2] if layer_idx < len(self.key_cache) else 0
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs):
-        cos, sin = cache_kwargs.get("cos"), cache_kwargs.get("sin")
-        if layer_idx == 0:
-            if self.cos_table is None:
-                self.cos_table, self.sin_table = cos[0], sin[0]
-            elif self.cos_table.shape[0] < self.window_length:
-                self.cos_table = torch.cat([self.cos_table, cos[0]])
-                self.sin_table = torch.cat([self.sin_table, sin[0]])
-        n = key_states.shape[-2]
-        if layer_idx == len(self.key_cache):
-            self.key_cache.append(key_states)
-            self.value_cache.append(value_states)
-        elif self.get_seq_length(layer_idx) + n < self.window_length:
-            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
-        else:
-            s, w = self.num_sink_tokens, self.window_length
-            keys, values = self.key_cache[layer_idx], self.value_cache[layer_idx]
-            kept_keys, kept_values = keys[:, :, -w + s + n:], values[:, :, -w + s + n:]
-            # Angle from where the kept keys are (positions s + n ..) to where they go (s ..).
-            cos_w, sin_w = self.cos_table[:w], self.sin_table[:w]
-            cos_from, sin_from, cos_to, sin_to = cos_w[s + n:], sin_w[s + n:], cos_w[s:w - n], sin_w[s:w - n]
-            back_cos = cos_from * cos_to + sin_from * sin_to
-            back_sin = cos_from * sin_to - sin_from * cos_to
-            kept_keys = kept_keys * back_cos + rotate_half(kept_keys) * back_sin
-            self.key_cache[layer_idx] = torch.cat([keys[:, :, :s], kept_keys, key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([values[:, :, :s], kept_values, value_states], dim=-2)
-        return self.key_cache[layer_idx], self.value_cache[layer_idx]
-
-
 def manifest(trace):
     with open(os.path.join(trace, "manifest.json")) as f:
         return json.load(f)
@@ -686,60 +638,6 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertIsNone(result.error)
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
-    def test_sink_cache_shifts_one_token_early(self):
-        # sink_decode_through_windows: S = 2, W = 6, a 3-token prompt (step 0), then one token
-        # per step: token 3 at step 1, 4 at step 2, 5 at step 3. At step 3 the cache holds 5
-        # and 5 + 1 == W, so SinkCache shifts: tokens 2..4 are re-rotated back by one though
-        # the window has just filled and nothing is evicted (E(5) = 0).
-        _, verify = self.drive("sink_decode_through_windows", lambda: SinkCache(6, 2), positions="absolute",
-                               key_positions="cache-relative")
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        self.assertIn("first divergence: step 3 (decode, /steps/1)", verify.stdout)
-        self.assertIn("class: shift one token early", verify.stdout)
-
-    def test_verify_json_carries_the_first_divergence_as_fields(self):
-        # The same SinkCache run as above: step 3 (the first decode after the window fills),
-        # query token 5, slot 2 holding token 2 (uid 2), re-rotated back by one too early.
-        exp = export(self.work, "sink_decode_through_windows")
-        kvtrace.drive_hf_cache(exp, lambda: SinkCache(6, 2), self.trace, positions="absolute",
-                               key_positions="cache-relative", as_tensor="torch")
-        report = os.path.join(self.work, "report.json")
-        verify = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", self.trace,
-                         "--json", report)
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        with open(report) as f:
-            first = json.load(f)["results"][0]["first_divergence"]
-        self.assertEqual({k: first[k] for k in ("step", "op", "source", "row", "layer", "query_token", "slot", "uid",
-                                                 "token", "class")},
-                         {"step": 3, "op": "decode", "source": "/steps/1", "row": 0, "layer": 0, "query_token": 5,
-                          "slot": 2, "uid": 2, "token": 2, "class": "shift_one_token_early"})
-        self.assertEqual((first["expected_distance"], first["actual_distance"]), (3, 4))
-        self.assertIn(first["where"], verify.stdout)
-
-    def test_sink_cache_keeps_a_long_prompt_whole(self):
-        # sink_prompt_longer_than_window: S = 4, W = 12, a 30-token prompt. SinkCache stores
-        # a first chunk as it comes, so all 30 tokens stay after the forward.
-        _, verify = self.drive("sink_prompt_longer_than_window", lambda: SinkCache(12, 4), positions="absolute",
-                               key_positions="cache-relative")
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
-        self.assertIn("class: prompt longer than the window kept whole", verify.stdout)
-
-    def test_sink_cache_raising_on_a_second_chunk_is_recorded(self):
-        # sink_chunk_crosses_window: S = 2, W = 8, 5 tokens, then a chunk of 6: 5 + 6 >= 8
-        # shifts, keeping keys[-8 + 2 + 6:] (all 5) against a re-rotation table of 8 - 2 - 6 = 0.
-        error = ("RuntimeError: The size of tensor a (5) must match the size of tensor b (0) at non-singleton "
-                 "dimension 2")
-        result, verify = self.drive("sink_chunk_crosses_window", lambda: SinkCache(8, 2), positions="absolute",
-                                    key_positions="cache-relative")
-        self.assertEqual((result.error_step, result.error), (1, error))
-        steps = manifest(self.trace)["steps"]
-        self.assertIn("layers", steps[0])
-        self.assertEqual(steps[1], {"error": error})
-        self.assertEqual(steps[2:], [{}] * 3)
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        self.assertIn(error, verify.stdout)
-
     def test_cache_without_crop_is_an_error_entry(self):
         # full_crop_accepted: 10 tokens (step 0), 3 decodes (1..3), then the crop (step 4).
         result, _ = self.drive("full_crop_accepted", lambda batch: StaticCache(batch, 32), positions="absolute")
@@ -866,13 +764,8 @@ class KvtraceTorchTest(unittest.TestCase):
             drive(exp, lambda: DynamicCache(), self.trace)
         with self.assertRaisesRegex(TypeError, "as_tensor=\"torch\""):
             drive(exp, lambda batch: StaticCache(batch, 32), self.trace)
-        # An interleaved scenario and a cache that re-rotates with Hugging Face's cos/sin.
-        os.makedirs(os.path.join(self.work, "i"))
-        interleaved = export(os.path.join(self.work, "i"), "interleaved_sink")
-        with self.assertRaisesRegex(ValueError, "interleaved RoPE layout, but cache_kwargs cos/sin follow"):
-            drive(interleaved, lambda: SinkCache(8, 2), self.trace, as_tensor="torch")
         self.assertFalse(os.path.exists(self.trace))
-        self.assertEqual(sorted(os.listdir(self.work)), ["export", "i"])  # no temporary folder left
+        self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no temporary folder left
 
     def test_float16_trace_files(self):
         _, verify = self.drive("full_baseline", lambda batch: StaticCache(batch, 32), positions="absolute",
