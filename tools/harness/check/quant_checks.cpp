@@ -61,6 +61,15 @@ reference::QuantizedRow as_row(const optimized::UnpackedRow& u) {
   return r;
 }
 
+// Whether two rows store the same thing: codes, scales and (affine) zero points. An affine
+// group whose zero point took the other side of a boundary (-min / S on a tie) keeps the
+// code of its smallest element (0 either way) while that element dequantizes a whole step
+// lower or higher; under scales along the token axis that element is the row's only one in
+// the group, so codes and scales alone would call the row the reference's.
+bool same_stored(const reference::QuantizedRow& a, const reference::QuantizedRow& b) {
+  return a.codes == b.codes && a.scales == b.scales && a.zeros == b.zeros;
+}
+
 }  // namespace
 
 namespace {
@@ -417,7 +426,7 @@ std::optional<reference::QuantizedRow> codes_through_write_boundary(const Tensor
       codes.codes[i] += step;
       for (std::size_t k = 1; k < path.size(); ++k)
         codes = reference::requantize_shifted(format, transform, rope, codes, kv_head, path[k - 1], path[k]);
-      if (codes.codes == stored.codes && codes.scales == stored.scales) return codes;
+      if (same_stored(codes, stored)) return codes;
     }
   }
   return std::nullopt;
@@ -753,7 +762,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               }
             }
             const reference::QuantizedRow stored_now = as_row(*slot.key_codes);
-            if (held == held_.end() && rec.append && !(stored_now.codes == expected.codes && stored_now.scales == expected.scales)) {
+            if (held == held_.end() && rec.append && !same_stored(stored_now, expected)) {
               const std::vector<std::int64_t> path = positions_seen(rec, l, b, retained[i]);
               if (path.size() > 1)
                 if (auto other = through_write_boundary(static_cast<int>(l), g,
@@ -763,7 +772,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
                 }
             }
             if (compare(*q.k, expected, *slot.key_codes, where, false)) {
-              const bool as_reference = stored_now.codes == h.key_codes.codes && stored_now.scales == h.key_codes.scales;
+              const bool as_reference = same_stored(stored_now, h.key_codes);
               const double w = as_reference ? 0.0 : weigh(*q.k, h.key_codes, *slot.key_codes, false);
               held_[id] = {retained[i].position, stored_now, as_reference, w, token.flushes};
               if (!as_reference) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
@@ -783,7 +792,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           if (q.v && slot.value_codes && !value_right) wrong_row(*q.v, expected_value, *slot.value_codes);
           if (value_right) {
             const reference::QuantizedRow stored = as_row(*slot.value_codes);
-            if (stored.codes == h.value_codes.codes && stored.scales == h.value_codes.scales) {
+            if (same_stored(stored, h.value_codes)) {
               held_values_.erase(id);
             } else {  // a value code on a boundary taken the other way: outputs are over it
               const double w = weigh(*q.v, h.value_codes, *slot.value_codes, true);
