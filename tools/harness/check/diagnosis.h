@@ -74,6 +74,7 @@ enum class BugClass {
   path_inconsistency,  // SPEC 9.2.6: decode and chunk paths disagree
 };
 
+// Both from the one table of bug classes (bug_classes.cpp).
 const char* class_name(BugClass c);
 // One sentence: what the class means and where such bugs usually hide.
 const char* class_explanation(BugClass c);

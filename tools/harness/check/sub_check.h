@@ -4,7 +4,7 @@
 //
 // Recipe, a new check: one class behind this interface (its own file in check/), one entry
 // in StepChecker's list (step_checker.cpp, the constructor), and, if it names a new class
-// of bug, one row in diagnosis.cpp's table with a rule in classify().
+// of bug, one row in bug_classes.cpp's table with a rule in classify() (diagnosis.cpp).
 #pragma once
 
 #include "tools/harness/check/cache_view.h"
