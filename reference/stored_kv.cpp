@@ -36,14 +36,24 @@ void hadamard_blocks(double* x, int d, int block) {
   for (int at = 0; at + width <= d; at += width) hadamard(x + at, width);
 }
 
+}  // namespace
+
+std::vector<float> held_row(const TensorQuant& format, QuantTransform transform, std::vector<double> x) {
+  const int d = static_cast<int>(x.size());
+  for (double& e : x) e = static_cast<float>(e);
+  if (transform == QuantTransform::hadamard) hadamard_blocks(x.data(), d, format.transform_block);
+  std::vector<float> held(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) held[i] = static_cast<float>(x[i]);
+  return held;
+}
+
+namespace {
+
 // The row held as float32, transformed, quantized; x becomes what the codes stand for.
 QuantizedRow quantize_held(const TensorQuant& format, QuantTransform transform, int kv_head, std::vector<double>& x,
                            std::int64_t position) {
   const int d = static_cast<int>(x.size());
-  std::vector<float> held(x.size());
-  for (double& e : x) e = static_cast<float>(e);
-  if (transform == QuantTransform::hadamard) hadamard_blocks(x.data(), d, format.transform_block);
-  for (int i = 0; i < d; ++i) held[static_cast<std::size_t>(i)] = static_cast<float>(x[static_cast<std::size_t>(i)]);
+  const std::vector<float> held = held_row(format, transform, x);
   QuantizedRow codes = quantize(format, held.data(), d, kv_head, boundary_window(position));
   dequantize_stored(format, transform, codes, x.data());
   return codes;

@@ -56,6 +56,9 @@ QuantizedRow quantize_key_at(const TensorQuant& format, QuantTransform transform
 
 // What a stored row stands for: its codes dequantized, the transform undone.
 void dequantize_stored(const TensorQuant& format, QuantTransform transform, const QuantizedRow& codes, double* out);
+// The float32 row a key or value is quantized from (SPEC 9.5, rule 2): x rounded to float32,
+// then under "hadamard" transformed in double (blocks of transform_block) and rounded again.
+std::vector<float> held_row(const TensorQuant& format, QuantTransform transform, std::vector<double> x);
 
 // A query (d doubles, rotated) as an attention that quantizes it to q8_0 uses it (kv_quant
 // "query"): rounded to float32, transformed (K's transform, blocks of `block`; 0: the whole

@@ -22,7 +22,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <numeric>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>

@@ -276,18 +276,16 @@ bool affine(const TensorQuant& format) {
   return format.format == QuantFormat::int4 || format.format == QuantFormat::int2;
 }
 
-// A row as the reference quantizes it (SPEC 9.5, rule 2): rounded to float32, then under
-// "hadamard" transformed in double (blocks of transform_block) and rounded to float32 again.
-std::vector<float> held_row(std::vector<double> x, const TensorQuant& format, QuantTransform transform) {
-  const int d = static_cast<int>(x.size());
-  for (double& e : x) e = static_cast<float>(e);
-  if (transform == QuantTransform::hadamard) {
-    const int width = format.transform_block > 0 ? format.transform_block : d;
-    for (int at = 0; at + width <= d; at += width) reference::hadamard(x.data() + at, width);
-  }
-  std::vector<float> held(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) held[i] = static_cast<float>(x[i]);
-  return held;
+// Scales stored as float16: declared so, or ggml's q8_0 and q4_0 d.
+bool scale_is_float16(const TensorQuant& format) {
+  return format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
+         format.format == QuantFormat::q4_0;
+}
+
+// How far (relative) a computed scale may sit from the reference's when another amax a few
+// ulps away rounds to the neighbouring value of its dtype: a float16 ulp, or a float32 one.
+double neighbouring_scale_move(const TensorQuant& format) {
+  return scale_is_float16(format) ? 0x1p-10 : 0x1p-19;
 }
 
 // SPEC 9.2.1 for a row a cache wrote and dropped within one step, whose codes no view shows:
@@ -311,8 +309,6 @@ double unseen_row_deviation(const TensorQuant& format, const std::vector<float>&
   double largest = 0.0;
   for (const float x : held) largest = std::max(largest, std::abs(static_cast<double>(x)));
   const double w = window_relative * largest;
-  const bool half = format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
-                    format.format == QuantFormat::q4_0;
   double sum = 0.0;
   for (int g0 = 0; g0 < d; g0 += group) {
     const auto at = static_cast<std::size_t>(g0 / group);
@@ -327,7 +323,7 @@ double unseen_row_deviation(const TensorQuant& format, const std::vector<float>&
         lo = std::min({lo, a, b}), hi = std::max({hi, a, b});
       }
       if (!affine(format)) {
-        const double neighbour = (half ? 0x1p-10 : 0x1p-19) * s;
+        const double neighbour = neighbouring_scale_move(format) * s;
         lo = std::min(lo, s - neighbour), hi = std::max(hi, s + neighbour);
       }
     }
@@ -379,8 +375,7 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
   const double e = expected.scales.at(g);
   if (e == actual) return true;
   const bool ambiguous = g < expected.scale_near_boundary.size() && expected.scale_near_boundary[g];
-  const bool half = format.scale.dtype == ScaleDtype::float16 || format.format == QuantFormat::q8_0 ||
-                    format.format == QuantFormat::q4_0;
+  const bool half = scale_is_float16(format);
   if (g < expected.scale_min.size()) {
     // A scale moves with the elements it comes from (S = amax / range, or (max - min) / top),
     // each off by at most the window: a small group's relative move is large. Any value of
@@ -392,7 +387,7 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
     if (affine(format)) return false;
   }
   // A neighbouring value of the dtype: another amax a few ulps away rounds to it.
-  return ambiguous && std::abs(e - actual) <= (half ? 0x1p-10 : 0x1p-19) * std::abs(e);
+  return ambiguous && std::abs(e - actual) <= neighbouring_scale_move(format) * std::abs(e);
 }
 
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
@@ -553,8 +548,9 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             if (computed(rules.v)) {
               const float* v = inputs_.v_at(static_cast<int>(l), uid, g);
               unseen_value = std::max(
-                  unseen_value, unseen_row_deviation(*rules.v, held_row(std::vector<double>(v, v + d), *rules.v,
-                                                                        rules.transform),
+                  unseen_value, unseen_row_deviation(*rules.v,
+                                                     reference::held_row(*rules.v, rules.transform,
+                                                                         std::vector<double>(v, v + d)),
                                                      g, reference::boundary_window(0)));
             }
             if (computed(rules.k) && positions.size() == 1) {
@@ -562,7 +558,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               const std::int64_t position = *positions.begin();
               const std::vector<double> rotated =
                   reference::rotate(std::vector<double>(k, k + d), static_cast<double>(position), s_.rope);
-              unseen_key = std::max(unseen_key, unseen_row_deviation(*rules.k, held_row(rotated, *rules.k, rules.transform),
+              unseen_key = std::max(unseen_key, unseen_row_deviation(*rules.k, reference::held_row(*rules.k, rules.transform, rotated),
                                                                      g, reference::boundary_window(position)));
             }
           }
