@@ -94,6 +94,11 @@ struct Chunk {
   // number of them: the cache's view then shows the state the next forward starts from, so
   // a checker can take each forward as a step (SPEC 8.7). Empty: nobody looks.
   std::function<void()> between_forwards;
+  // Called after a cache that re-rotates kept keys stores a key (its write, and each shift's
+  // re-rotation) in layer, row, kv head and slot, rotated to `position`. A quantized key
+  // shifted twice in one append is re-quantized each time, and only the last codes are left
+  // for a view: a checker reads the others here. Empty: nobody looks.
+  std::function<void(int layer, int row, int kv_head, std::int64_t slot, std::int64_t position)> key_stored;
 };
 
 // A step the cache must refuse; `code` is what a scenario names in `expect_error`.

@@ -14,7 +14,7 @@ SinkShiftCache::SinkShiftCache(const CacheConfig& config)
   reset(config.batch);
 }
 
-void SinkShiftCache::shift_to(int b, std::int64_t evicted) {
+void SinkShiftCache::shift_to(const Chunk& chunk, int b, std::int64_t evicted) {
   RowState& row = rows_[b];
   const std::int64_t d = evicted - row.evicted;
   if (d <= 0) return;
@@ -29,6 +29,7 @@ void SinkShiftCache::shift_to(int b, std::int64_t evicted) {
           store_.read_key(l, b, g, s - d, turned_.data());
           rope_.shift(turned_.data(), -d);
           store_.write_key(l, b, g, s - d, turned_.data());
+          if (chunk.key_stored) chunk.key_stored(l, b, g, s - d, store_.meta(b, s - d).position - d);
         }
       store_.meta(b, s - d).position -= d;
     }
@@ -62,14 +63,18 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
         group_end = end;
       else
         while (group_end < end && sink_evicted(W, k, group_end) == e) ++group_end;
-      shift_to(b, e);
+      shift_to(chunk, b, e);
 
       plans_.clear();
       for (std::int64_t j = t; j < group_end; ++j) {
         const std::int64_t pos = config_.shift_positions ? j - e : j;
         const std::int64_t chunk_pos = pad + (j - first);
-        store_token(store_, rope_, chunk, b, chunk_pos, row.used++, {chunk.uids[b * chunk.length + chunk_pos], j, pos},
+        const std::int64_t slot = row.used++;
+        store_token(store_, rope_, chunk, b, chunk_pos, slot, {chunk.uids[b * chunk.length + chunk_pos], j, pos},
                     &frozen_);
+        if (chunk.key_stored)
+          for (int l = 0; l < store_.layers(); ++l)
+            for (int g = 0; g < store_.kv_heads(); ++g) chunk.key_stored(l, b, g, slot, pos);
         plans_.push_back({chunk_pos, QueryPlan{j, S, S + e, pos, pos}});
       }
       row.length = group_end;
@@ -78,7 +83,7 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
       t = group_end;
     }
     // After a dense forward the cache keeps what the last token would see streaming.
-    if (end > 0) shift_to(b, sink_evicted(W, k, end - 1));
+    if (end > 0) shift_to(chunk, b, sink_evicted(W, k, end - 1));
   }
 }
 

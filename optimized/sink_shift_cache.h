@@ -30,8 +30,9 @@ class SinkShiftCache : public KvCache {
     std::int64_t evicted = 0;  // E applied to the stored window
   };
 
-  // Evicts and re-rotates row b's window until `evicted` tokens are gone.
-  void shift_to(int b, std::int64_t evicted);
+  // Evicts and re-rotates row b's window until `evicted` tokens are gone; tells
+  // `chunk.key_stored` of each key it stores again.
+  void shift_to(const Chunk& chunk, int b, std::int64_t evicted);
 
   CacheConfig config_;
   RopeTable rope_;

@@ -70,6 +70,16 @@ struct PagedView {
   std::vector<std::int64_t> hit_tokens;  // [row]: tokens the step's append took from the prefix index
 };
 
+// A key as a cache stored it during an append, when the source shows every store (its write,
+// each shift's re-rotation): a quantized key shifted twice within one append was quantized
+// three times, and the view after the step shows only the last codes.
+struct KeyStore {
+  int layer = 0, row = 0, kv_head = 0;
+  std::int64_t uid = -1;
+  std::int64_t position = 0;  // where the cache rotated it
+  optimized::UnpackedRow codes;
+};
+
 struct CacheView {
   bool recorded = true;  // false: the source did not record this step (nothing to check)
   std::string note;      // why not, when the source says
@@ -83,6 +93,9 @@ struct CacheView {
   // log, pairs are derived from recovered query and key positions.
   std::optional<std::vector<UsedPair>> pairs;
   std::optional<PagedView> paged;
+  // Every store of a quantized key during this append, in order; empty when the source does
+  // not show them (then only the codes after the step are judged).
+  std::vector<KeyStore> key_stores;
   // Per row: the first tokens of this append whose outputs the cache did not compute (a
   // prefix hit took their keys and values from its index); their outputs are not compared.
   std::vector<std::int64_t> uncomputed;

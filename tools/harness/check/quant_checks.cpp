@@ -241,7 +241,8 @@ double QuantChecks::value_error(int layer, const Magnitude& m, const Magnitude& 
 }
 
 void QuantChecks::follow_rows(const Step& step) {
-  if (step.op == StepOp::reset) held_.clear(), held_values_.clear(), precision_seen_.clear(), times_stored_.clear();
+  if (step.op == StepOp::reset)
+    held_.clear(), held_values_.clear(), precision_seen_.clear(), times_stored_.clear(), reference_key_codes_.clear();
   if (step.op != StepOp::reorder) return;
   // New row b holds old row rows[b]'s keys and values.
   const auto move = [&](auto& map) {
@@ -253,6 +254,7 @@ void QuantChecks::follow_rows(const Step& step) {
     map = std::move(moved);
   };
   move(held_);
+  move(reference_key_codes_);
   move(held_values_);
   move(precision_seen_);
   move(times_stored_);
@@ -515,6 +517,8 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
   // wrote and evicted shows its codes in no view: its queries' outputs may be over any codes
   // 9.2.1 accepts for it, as far as unseen_row_deviation says (a key whose queries saw it at
   // one position; nothing held raw, no frozen scale).
+  std::set<HeldId> shown_stores;  // keys whose every store this append the view shows
+  for (const KeyStore& k : view.key_stores) shown_stores.insert({k.layer, k.row, k.uid, k.kv_head});
   if (rec.append)
     for (std::size_t l = 0; l < rec.stored.size(); ++l)
       for (std::size_t b = 0; b < rec.append->rows.size(); ++b) {
@@ -553,7 +557,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
                                                                          std::vector<double>(v, v + d)),
                                                      g, reference::boundary_window(0)));
             }
-            if (computed(rules.k) && positions.size() == 1) {
+            if (computed(rules.k) && positions.size() == 1 && !shown_stores.count(id)) {
               const float* k = inputs_.k_at(static_cast<int>(l), uid, g);
               const std::int64_t position = *positions.begin();
               const std::vector<double> rotated =
@@ -676,6 +680,91 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
     untransformed_rows += fits_untransformed(format, expected, actual) ? 1 : 0;
   };
 
+  // Keys the source showed at every store of this append (in-process caches that shift): each
+  // store is judged as the one before re-quantized at its new position (the first, a new
+  // key's write, as the reference quantizes it), so a boundary taken the other way at one
+  // shift is followed into the next, and no end-of-step view hides a wrong code. Outputs
+  // may move by how far each store the step's queries read stands from the reference's own
+  // chain. `followed`: the codes a retained key's last store left, where it is kept.
+  std::map<HeldId, std::pair<std::int64_t, reference::QuantizedRow>> followed;
+  if (rec.append && !view.key_stores.empty()) {
+    std::map<HeldId, std::vector<const KeyStore*>> stores;
+    for (const KeyStore& k : view.key_stores) stores[{k.layer, k.row, k.uid, k.kv_head}].push_back(&k);
+    for (const auto& [id, list] : stores) {
+      const auto [l, b, uid, g] = id;
+      const KvQuant& q = s_.quant(l);
+      if (!q.k || q.holds_raw() || q.k->scale.rule == ScaleRule::first_append) continue;
+      if (static_cast<std::size_t>(l) >= rec.stored.size() || static_cast<std::size_t>(b) >= rec.append->rows.size())
+        continue;
+      const auto& history = rec.histories[static_cast<std::size_t>(b)];
+      std::set<std::int64_t> read;  // where the step's queries saw it
+      bool written = false;
+      for (const auto& token : rec.append->rows[static_cast<std::size_t>(b)]) {
+        written = written || static_cast<std::int64_t>(token.uid) == uid;
+        for (const reference::VisibleKey& key : token.view_in(l).keys)
+          if (static_cast<std::int64_t>(history[static_cast<std::size_t>(key.index)]) == uid) read.insert(key.position);
+      }
+      reference::QuantizedRow cache_codes, reference_codes;
+      std::int64_t at = 0;
+      if (written) {
+        reference_codes = reference::quantize_key_at(*q.k, q.transform, s_.rope,
+                                                     inputs_.k_at(l, static_cast<std::uint64_t>(uid), g), D, g,
+                                                     list.front()->position);
+      } else {
+        const auto held = held_.find(id);
+        if (held == held_.end()) continue;  // never judged before: the codes after the step alone
+        at = held->second.position;
+        cache_codes = held->second.codes;
+        if (held->second.as_reference) {
+          reference_codes = held->second.codes;
+        } else {
+          const auto theirs = reference_key_codes_.find(id);
+          if (theirs == reference_key_codes_.end()) continue;
+          reference_codes = theirs->second;
+        }
+      }
+      // Where it is kept after the step, if it is.
+      std::optional<std::int64_t> kept_at;
+      std::optional<std::size_t> kept_index;
+      const auto& retained = rec.retained_in(l, b).keys;
+      for (std::size_t r = 0; r < retained.size(); ++r)
+        if (static_cast<std::int64_t>(retained[r].uid) == uid) kept_at = retained[r].position, kept_index = r;
+      bool right = true;
+      double moved = 0.0;
+      for (std::size_t i = 0; i < list.size() && right; ++i) {
+        const KeyStore& store = *list[i];
+        reference::QuantizedRow expected;
+        if (i == 0 && written) {
+          expected = reference_codes;
+        } else {
+          expected = reference::requantize_shifted(*q.k, q.transform, s_.rope, cache_codes, g, at, store.position);
+          reference_codes =
+              reference::requantize_shifted(*q.k, q.transform, s_.rope, reference_codes, g, at, store.position);
+        }
+        const CodeMismatch where{l, b, g, false, uid, -1, 0, 0, 0.0, 0.0};
+        right = compare(*q.k, expected, store.codes, where, false);
+        if (!right) {
+          wrong_row(*q.k, expected, store.codes);
+          break;
+        }
+        cache_codes = as_row(store.codes);
+        at = store.position;
+        const bool last_kept = i + 1 == list.size() && kept_at == at;  // judged with the kept codes below
+        if (read.count(at) && !last_kept && !same_stored(cache_codes, reference_codes))
+          moved += weigh(*q.k, reference_codes, store.codes, false);
+      }
+      if (!right) continue;
+      // The reference's chain as rebuilt here must end where the reference's own does; if not,
+      // the rebuild is not the reference's route, and the codes after the step are judged alone.
+      if (kept_at && *kept_at == at && kept_index && *kept_index < rec.stored[l][b].size()) {
+        const reference::StoredHead& h = rec.stored[l][b][*kept_index].heads[static_cast<std::size_t>(g)];
+        if (!same_stored(reference_codes, h.key_codes)) continue;
+        followed[id] = {at, cache_codes};
+      }
+      if (moved > 0.0) diverged_[{l, b}] += moved;
+    }
+  }
+
   for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
     for (std::size_t b = 0; b < rec.stored[l].size() && b < view.layers[l].slots.size(); ++b) {
       const KvQuant& q = s_.quant(static_cast<int>(l));
@@ -743,7 +832,12 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               held = held_.end();
             }
             reference::QuantizedRow expected = flushed_from_held ? *flushed_from_held : h.key_codes;
-            if (held != held_.end() && held->second.position == retained[i].position) {
+            const auto follow = followed.find(id);
+            if (follow != followed.end() && follow->second.first == retained[i].position) {
+              expected = follow->second.second;  // its last store this append: unchanged since
+              expected.near_boundary.clear();
+              expected.scale_near_boundary.clear();
+            } else if (held != held_.end() && held->second.position == retained[i].position) {
               expected = held->second.codes;  // kept: must be unchanged, exactly
               expected.near_boundary.clear();
               expected.scale_near_boundary.clear();
@@ -758,7 +852,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               }
             }
             const reference::QuantizedRow stored_now = as_row(*slot.key_codes);
-            if (held == held_.end() && rec.append && !same_stored(stored_now, expected)) {
+            if (follow == followed.end() && held == held_.end() && rec.append && !same_stored(stored_now, expected)) {
               const std::vector<std::int64_t> path = positions_seen(rec, l, b, retained[i]);
               if (path.size() > 1)
                 if (auto other = through_write_boundary(static_cast<int>(l), g,
@@ -771,6 +865,10 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               const bool as_reference = same_stored(stored_now, h.key_codes);
               const double w = as_reference ? 0.0 : weigh(*q.k, h.key_codes, *slot.key_codes, false);
               held_[id] = {retained[i].position, stored_now, as_reference, w, token.flushes};
+              if (as_reference)
+                reference_key_codes_.erase(id);
+              else
+                reference_key_codes_[id] = h.key_codes;
               if (!as_reference) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += w;
             } else {
               wrong_row(*q.k, expected, *slot.key_codes);

@@ -136,6 +136,9 @@ class QuantChecks : public SubCheck {
                                                                 const std::vector<std::int64_t>& path,
                                                                 const optimized::UnpackedRow& stored) const;
   std::map<HeldId, Held> held_;                 // the codes the cache holds, as accepted
+  // The reference's codes of a held key whose accepted codes are not the reference's: the
+  // start of the reference's chain when the key's next stores are followed one by one.
+  std::map<HeldId, reference::QuantizedRow> reference_key_codes_;
   // Value codes accepted though not the reference's, and how far outputs over them may move.
   struct HeldValue {
     reference::QuantizedRow codes;

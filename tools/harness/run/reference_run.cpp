@@ -177,8 +177,10 @@ void ReferenceStepper::record_writes(const std::vector<std::int64_t>& lengths_be
         for (std::size_t g = 0; g < layers[static_cast<std::size_t>(l)].heads.size(); ++g) {
           const auto& mine = layers[static_cast<std::size_t>(l)].heads[g];
           const auto& first = at->second.layers[static_cast<std::size_t>(l)].heads[g];
-          if (mine.key_codes.codes != first.key_codes.codes || mine.key_codes.scales != first.key_codes.scales ||
-              mine.value_codes.codes != first.value_codes.codes || mine.value_codes.scales != first.value_codes.scales)
+          const auto same = [](const reference::QuantizedRow& x, const reference::QuantizedRow& y) {
+            return x.codes == y.codes && x.scales == y.scales && x.zeros == y.zeros;
+          };
+          if (!same(mine.key_codes, first.key_codes) || !same(mine.value_codes, first.value_codes))
             at->second.ambiguous = true;
         }
     }

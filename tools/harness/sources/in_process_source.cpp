@@ -173,6 +173,8 @@ CacheView InProcessCache::operator()(std::size_t index, const StepRecord& rec) {
   CacheView view;
   log_ = {};  // a long prompt's log and outputs are large: none kept past their step
   out_ = {};
+  key_stores_ = {};
+  key_stores_complete_ = true;
   std::optional<std::string> error;
   std::string refusal_code;
   try {
@@ -190,7 +192,39 @@ CacheView InProcessCache::operator()(std::size_t index, const StepRecord& rec) {
   view.error = std::move(error);
   view.refusal_code = std::move(refusal_code);
   if (rec.append && shows) view.pairs = std::move(log_);
+  if (rec.append && shows && key_stores_complete_) view.key_stores = std::move(key_stores_);
   return view;
+}
+
+namespace {
+// Stores of quantized keys a checker follows: keys quantized with a scale computed per row
+// (a frozen one never moves across a boundary) under a policy that re-rotates kept keys.
+bool shows_key_stores(const Scenario& s) {
+  if (!s.kv_quant) return false;
+  for (int l = 0; l < s.dims.layers; ++l) {
+    const KvQuant& q = s.quant(l);
+    if (q.k && !q.holds_raw() && q.k->scale.rule != ScaleRule::first_append) return true;
+  }
+  return false;
+}
+// A long prompt re-quantizes its window at every shift: beyond this many stores the source
+// shows none (the checker then judges the codes after the step alone).
+constexpr std::size_t kMostKeyStores = std::size_t{1} << 20;
+}  // namespace
+
+void InProcessCache::record_key_store(int l, int b, int g, std::int64_t slot, std::int64_t position) {
+  if (!key_stores_complete_) return;
+  if (key_stores_.size() >= kMostKeyStores) {
+    key_stores_complete_ = false;
+    key_stores_ = {};
+    return;
+  }
+  const optimized::SlotStore& store = cache_->layer_slots(l);
+  if (!optimized::is_quantized(store.key_format(l).codec)) return;
+  key_stores_.push_back({l, b, g, store.meta(b, slot).uid, position,
+                         optimized::unpack_row(store.key_format(l), g,
+                                               static_cast<const std::byte*>(store.key(l, b, g, slot)),
+                                               store.head_dim())});
 }
 
 CacheView InProcessCache::view_now(const std::vector<std::vector<float>>& out) {
@@ -257,6 +291,10 @@ void InProcessCache::apply(std::size_t index, const StepRecord& rec) {
         begin.push_back(ref.rows[b].empty() ? 0 : ref.rows[b].front().index);
       if (forwards_to_ && rec.step.chunk > 0)
         buffers.chunk.between_forwards = [&] { between_forwards(index, rec, ++forward, begin, logged); };
+      if (shows_key_stores(s_))
+        buffers.chunk.key_stored = [&](int l, int b, int g, std::int64_t slot, std::int64_t position) {
+          record_key_store(l, b, g, slot, position);
+        };
       const std::size_t size = ref.rows.size() * static_cast<std::size_t>(ref.chunk) * s_.dims.heads * s_.dims.head_dim;
       out_.assign(static_cast<std::size_t>(s_.dims.layers),
                   std::vector<float>(size, std::numeric_limits<float>::quiet_NaN()));

@@ -26,6 +26,8 @@ class InProcessCache {
 
  private:
   void apply(std::size_t index, const StepRecord& record);
+  // Keeps the codes of a key the cache has just stored (Chunk::key_stored).
+  void record_key_store(int layer, int row, int kv_head, std::int64_t slot, std::int64_t position);
   // What the cache shows now, with `out` ([layer][B, n, H, D]) as the outputs.
   CacheView view_now(const std::vector<std::vector<float>>& out);
   // The chunked append `record` (step `index`) has just run forward number `forward`.
@@ -36,6 +38,8 @@ class InProcessCache {
   std::unique_ptr<optimized::KvCache> cache_;
   optimized::AttentionLog log_;
   std::vector<std::vector<float>> out_;
+  std::vector<KeyStore> key_stores_;  // this append's stores of quantized keys, in order
+  bool key_stores_complete_ = true;   // false: more than the cap, none handed over
   std::vector<bool> recomputed_;  // per row: its preemption was a recompute
   StepChecker* forwards_to_ = nullptr;
   std::vector<std::vector<float>> forward_out_;  // a forward's outputs, cut out of out_
