@@ -1156,6 +1156,33 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
   return true;
 }
 
+void QuantChecks::rule_outputs(const StepRecord& rec, int l, int b, const float* rotated_q, OutputRule& rule) const {
+  if (!rec.append) return;
+  std::vector<double> held, held_slack;
+  if (!rec.append->out_stored.empty() && held_outputs(rec, l, b, rotated_q, held, held_slack)) {
+    rule.expected = std::move(held);
+    rule.query_slack = std::move(held_slack);
+  } else {
+    rule.allowance += row_allowance(l, b);
+    rule.query_slack = rec.append->query_slack;
+  }
+  if (!rule.query_slack.empty()) rule.slack_allowance = [this](double slack) { return query_allowance(slack); };
+}
+
+void QuantChecks::check_outputs(const StepRecord& rec, int l, int b, const float* out, std::size_t skipped,
+                                StepEvidence& evidence) {
+  // A forward's outputs are judged on the whole step.
+  if (rec.append && !rec.append->out_stored.empty() && rec.forward == 0)
+    check_bound(rec, l, b, out, skipped, evidence.label);
+}
+
+void QuantChecks::explain_output(const StepRecord& rec, int l, int b, std::size_t token, int head, const float* out,
+                                 const Tolerance& tol, StepEvidence& evidence) const {
+  evidence.outputs_fit_unit_scale = fits(Variant::unit_scale, rec, l, b, token, head, out, tol.atol, tol.rtol);
+  evidence.outputs_fit_quantized_query =
+      !s_.kv_quant->query && fits(Variant::quantized_query, rec, l, b, token, head, out, tol.atol, tol.rtol);
+}
+
 double QuantChecks::query_allowance(double slack) const {
   return slack == 0.0 ? 0.0 : std::expm1(2.0 * s_.softmax_scale() * slack * k_norm_) * v_range_ / 2.0;
 }

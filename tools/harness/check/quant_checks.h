@@ -110,6 +110,17 @@ class QuantChecks : public SubCheck {
   void check(const StepRecord& record, CacheView& view, StepEvidence& evidence) override {
     check_codes(record, view, evidence);
   }
+  // R_stored over the codes held (held_outputs), else row_allowance(); the quantized
+  // query's slack through query_allowance().
+  void rule_outputs(const StepRecord& record, int layer, int row, const float* rotated_q,
+                    OutputRule& rule) const override;
+  // 9.2.3 (check_bound) on the whole step's outputs.
+  void check_outputs(const StepRecord& record, int layer, int row, const float* out, std::size_t skipped,
+                     StepEvidence& evidence) override;
+  // Scale plumbing (every scale read as 1) and, when the scenario does not declare it, a
+  // query quantized to q8_0.
+  void explain_output(const StepRecord& record, int layer, int row, std::size_t token, int head, const float* out,
+                      const Tolerance& tolerance, StepEvidence& evidence) const override;
 
  private:
   struct Tally {

@@ -758,16 +758,16 @@ class StepChecker::Impl {
     const std::int64_t n = ref.chunk;
     const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
     outputs_seen_ = true;
-    // A quantized cache is held to R_stored here (over the codes it holds, when it took the
-    // other side of a rounding boundary) and to the format's bound of R_ideal there.
-    std::vector<double> held, held_slack;
-    if (quant_ && !ref.out_stored.empty()) quant_->held_outputs(rec, l, b, rotated_q, held, held_slack);
-    const std::vector<double>& query_slack = !held.empty() ? held_slack : ref.query_slack;
-    const std::vector<double>& expected = !held.empty() ? held : ref.out_stored.empty() ? ref.out : ref.out_stored;
-    const double row_allowance = !held.empty() ? 0.0 : quant_ ? quant_->row_allowance(l, b) : 0.0;
+    // The reference's outputs (R_stored over a quantized cache's codes), unless a check of
+    // the list expects others (over what the cache holds) or lets them move further.
+    OutputRule rule;
+    for (SubCheck* check : checks_) check->rule_outputs(rec, l, b, rotated_q, rule);
+    const std::vector<double>& query_slack = rule.query_slack;
+    const std::vector<double>& expected =
+        !rule.expected.empty() ? rule.expected : ref.out_stored.empty() ? ref.out : ref.out_stored;
+    const double row_allowance = rule.allowance;
     const std::size_t skipped = uncomputed(b);  // a prefix hit spared their outputs
-    if (quant_ && !ref.out_stored.empty() && rec.forward == 0)  // a forward's outputs: on the whole step
-      quant_->check_bound(rec, l, b, out, skipped, evidence.label);
+    for (SubCheck* check : checks_) check->check_outputs(rec, l, b, out, skipped, evidence);
     std::optional<std::pair<std::size_t, int>> first;  // (token, head) of the first mismatch
     // SPEC 9.2.6: a token of a decode step, or inside a longer chunk, kept to compare with
     // the other path's computation of it.
@@ -788,9 +788,9 @@ class StepChecker::Impl {
           sum_sq_ref_ += want * want;
           max_abs_ = std::max(max_abs_, std::isnan(err) ? std::numeric_limits<double>::infinity() : err);
           const double slack =
-              query_slack.empty()
+              query_slack.empty() || !rule.slack_allowance
                   ? 0.0
-                  : quant_->query_allowance(query_slack[(static_cast<std::size_t>(l) * B * n * H * D + at) / D]);
+                  : rule.slack_allowance(query_slack[(static_cast<std::size_t>(l) * B * n * H * D + at) / D]);
           const double allowed = tol.atol + row_allowance + slack + tol.rtol * std::abs(want);
           if (on_a_path) {
             path_want.push_back(want);
@@ -833,12 +833,7 @@ class StepChecker::Impl {
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
           fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
-    if (quant_) {
-      using V = QuantChecks::Variant;
-      evidence.outputs_fit_unit_scale = quant_->fits(V::unit_scale, rec, l, b, i, h, out, tol.atol, tol.rtol);
-      evidence.outputs_fit_quantized_query =
-          !s_.kv_quant->query && quant_->fits(V::quantized_query, rec, l, b, i, h, out, tol.atol, tol.rtol);
-    }
+    for (const SubCheck* check : checks_) check->explain_output(rec, l, b, i, h, out, tol, evidence);
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =
           fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));
