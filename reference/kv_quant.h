@@ -6,6 +6,8 @@
 #include <optional>
 #include <vector>
 
+#include "reference/enum_names.h"
+
 namespace kvcheck {
 
 enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
@@ -87,50 +89,38 @@ struct KvQuant {
 inline QuantTransform query_transform(const KvQuant& q) { return q.k ? q.transform : QuantTransform::none; }
 inline int query_transform_block(const KvQuant& q) { return q.k ? q.k->transform_block : 0; }
 
-inline const char* to_string(QuantFormat f) {
-  switch (f) {
-    case QuantFormat::fp8_e4m3:
-      return "fp8_e4m3";
-    case QuantFormat::fp8_e5m2:
-      return "fp8_e5m2";
-    case QuantFormat::int8:
-      return "int8";
-    case QuantFormat::q8_0:
-      return "q8_0";
-    case QuantFormat::q4_0:
-      return "q4_0";
-    case QuantFormat::int4:
-      return "int4";
-    case QuantFormat::int2:
-      return "int2";
-  }
-  return "?";
-}
-inline const char* to_string(ScaleGranularity g) {
-  switch (g) {
-    case ScaleGranularity::tensor:
-      return "tensor";
-    case ScaleGranularity::head:
-      return "head";
-    case ScaleGranularity::token:
-      return "token";
-    case ScaleGranularity::group:
-      return "group";
-    case ScaleGranularity::channel:
-      return "channel";
-  }
-  return "?";
-}
+inline constexpr EnumName<QuantFormat> kQuantFormatNames[] = {
+    {QuantFormat::fp8_e4m3, "fp8_e4m3"}, {QuantFormat::fp8_e5m2, "fp8_e5m2"}, {QuantFormat::int8, "int8"},
+    {QuantFormat::q8_0, "q8_0"},         {QuantFormat::q4_0, "q4_0"},         {QuantFormat::int4, "int4"},
+    {QuantFormat::int2, "int2"}};
+inline constexpr EnumName<ScaleGranularity> kScaleGranularityNames[] = {{ScaleGranularity::tensor, "tensor"},
+                                                                        {ScaleGranularity::head, "head"},
+                                                                        {ScaleGranularity::token, "token"},
+                                                                        {ScaleGranularity::channel, "channel"},
+                                                                        {ScaleGranularity::group, "group"}};
+inline constexpr EnumName<Flush> kFlushNames[] = {
+    {Flush::append, "append"}, {Flush::requantize_all, "requantize_all"}, {Flush::block, "block"}};
+inline constexpr EnumName<PrefillRule> kPrefillRuleNames[] = {{PrefillRule::store, "store"},
+                                                              {PrefillRule::residual, "residual"}};
+inline constexpr EnumName<ChunkReads> kChunkReadsNames[] = {{ChunkReads::stored, "stored"}, {ChunkReads::raw, "raw"}};
+inline constexpr EnumName<QuantTransform> kQuantTransformNames[] = {{QuantTransform::none, "none"},
+                                                                    {QuantTransform::hadamard, "hadamard"}};
+inline constexpr EnumName<ScaleDtype> kScaleDtypeNames[] = {{ScaleDtype::float32, "float32"},
+                                                            {ScaleDtype::float16, "float16"}};
+
+static_assert(sizeof(kQuantFormatNames) / sizeof(kQuantFormatNames[0]) == static_cast<std::size_t>(QuantFormat::int2) + 1,
+              "a format without a name");
+
+inline const char* to_string(QuantFormat f) { return name_in(kQuantFormatNames, f); }
+inline const char* to_string(ScaleGranularity g) { return name_in(kScaleGranularityNames, g); }
 // Some tensor's scale is frozen per row at its first append.
 inline bool frozen_scales(const KvQuant& q) {
   return (q.k && q.k->scale.rule == ScaleRule::first_append) || (q.v && q.v->scale.rule == ScaleRule::first_append);
 }
-inline const char* to_string(ScaleDtype d) { return d == ScaleDtype::float32 ? "float32" : "float16"; }
-inline const char* to_string(QuantTransform t) { return t == QuantTransform::none ? "none" : "hadamard"; }
-inline const char* to_string(Flush f) {
-  return f == Flush::append ? "append" : f == Flush::block ? "block" : "requantize_all";
-}
-inline const char* to_string(PrefillRule p) { return p == PrefillRule::store ? "store" : "residual"; }
-inline const char* to_string(ChunkReads c) { return c == ChunkReads::stored ? "stored" : "raw"; }
+inline const char* to_string(ScaleDtype d) { return name_in(kScaleDtypeNames, d); }
+inline const char* to_string(QuantTransform t) { return name_in(kQuantTransformNames, t); }
+inline const char* to_string(Flush f) { return name_in(kFlushNames, f); }
+inline const char* to_string(PrefillRule p) { return name_in(kPrefillRuleNames, p); }
+inline const char* to_string(ChunkReads c) { return name_in(kChunkReadsNames, c); }
 
 }  // namespace kvcheck

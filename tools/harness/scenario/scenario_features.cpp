@@ -1,59 +1,45 @@
 #include "tools/harness/scenario/scenario_features.h"
 
 #include <algorithm>
+#include <iterator>
+
+#include "reference/enum_names.h"
 
 namespace kvcheck {
 
-const char* to_string(Feature f) {
-  switch (f) {
-    case Feature::left_padding:
-      return "left_padding";
-    case Feature::reorder:
-      return "reorder";
-    case Feature::crop:
-      return "crop";
-    case Feature::refused_step:
-      return "refused_step";
-    case Feature::reset:
-      return "reset";
-    case Feature::per_layer_policy:
-      return "per_layer_policy";
-    case Feature::learned_sinks:
-      return "learned_sinks";
-    case Feature::rope_scaling:
-      return "rope_scaling";
-    case Feature::partial_rotary:
-      return "partial_rotary";
-    case Feature::interleaved_rope:
-      return "interleaved_rope";
-    case Feature::half_precision:
-      return "half_precision";
-    case Feature::dense_prefill:
-      return "dense_prefill";
-    case Feature::original_positions:
-      return "original_positions";
-    case Feature::evict_block:
-      return "evict_block";
-    case Feature::gqa:
-      return "gqa";
-    case Feature::paged:
-      return "paged";
-    case Feature::quantized:
-      return "quantized";
-    case Feature::per_layer_quant:
-      return "per_layer_quant";
-  }
-  return "?";
-}
+namespace {
+// Every feature with its name, in the enum's order.
+constexpr EnumName<Feature> kFeatureNames[] = {
+    {Feature::left_padding, "left_padding"},
+    {Feature::reorder, "reorder"},
+    {Feature::crop, "crop"},
+    {Feature::refused_step, "refused_step"},
+    {Feature::reset, "reset"},
+    {Feature::per_layer_policy, "per_layer_policy"},
+    {Feature::learned_sinks, "learned_sinks"},
+    {Feature::rope_scaling, "rope_scaling"},
+    {Feature::partial_rotary, "partial_rotary"},
+    {Feature::interleaved_rope, "interleaved_rope"},
+    {Feature::half_precision, "half_precision"},
+    {Feature::dense_prefill, "dense_prefill"},
+    {Feature::original_positions, "original_positions"},
+    {Feature::evict_block, "evict_block"},
+    {Feature::gqa, "gqa"},
+    {Feature::quantized, "quantized"},
+    {Feature::per_layer_quant, "per_layer_quant"},
+    {Feature::paged, "paged"},
+};
+static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::paged) + 1, "a feature without a name");
+}  // namespace
+
+const char* to_string(Feature f) { return name_in(kFeatureNames, f); }
 
 const std::vector<Feature>& all_features() {
-  static const std::vector<Feature> all = {
-      Feature::left_padding,       Feature::reorder,         Feature::crop,
-      Feature::refused_step,       Feature::reset,           Feature::per_layer_policy,
-      Feature::learned_sinks,      Feature::rope_scaling,    Feature::partial_rotary,
-      Feature::interleaved_rope,   Feature::half_precision,  Feature::dense_prefill,
-      Feature::original_positions, Feature::evict_block,     Feature::gqa,
-      Feature::quantized,          Feature::per_layer_quant, Feature::paged};
+  static const std::vector<Feature> all = [] {
+    std::vector<Feature> features;
+    for (const EnumName<Feature>& row : kFeatureNames) features.push_back(row.value);
+    return features;
+  }();
   return all;
 }
 
