@@ -1,44 +1,68 @@
-"""transformers itself, as shipped (label peer.transformers): the real cache classes of a
-pinned release, installed by tools/test into their own venv (tools/setup/requirements/),
-driven through tools/kvtrace.py exactly as the README tells a user to, and judged by
-`kvcheck verify`. No hub model: the caches are driven with the scenario's own q, k, v.
+"""transformers itself, as shipped (label peer.transformers): the real cache classes of
+pinned releases, each installed by tools/test into a venv of its own
+(tools/setup/requirements/transformers-*.txt), driven through tools/kvtrace.py exactly as
+the README tells a user to, and judged by `kvcheck verify`. The same module runs in every
+release's venv; where releases differ, each test says which does what. No hub model: the
+caches are driven with the scenario's own q, k, v.
 
-transformers 4.52.4 is the last release whose SinkCache works (4.53 removed it). Its three
-documented behaviours, each the class kvcheck must name at the step it names:
+SinkCache (4.42.4, 4.46.3 and 4.52.4, the last release whose SinkCache works: 4.53 removed
+it) has the same update in all three, and three documented behaviours, each the class
+kvcheck must name at the step it names:
 - it shifts one token early (when held + n == window_length nothing needs to go);
 - a first chunk longer than the window is stored whole;
-- a second chunk of several tokens that crosses the window raises in torch."""
+- a second chunk of several tokens that crosses the window raises in torch.
+
+SlidingWindowCache (since 4.42, from the PR "SlidingWindowCache: reduce differences to other
+Cache classes"): before 4.52 it rolls one token early (token 0 is gone before token W - 1
+attends to it); in every release a chunk of several tokens past the window rolls once and
+writes every token at the last slot."""
 
 import json
 import os
 import shutil
+import sys
 import tempfile
 import unittest
 import warnings
 
-from test_kvtrace import SCENARIOS, export, kvcheck, kvtrace
+from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
+sys.path.insert(0, os.path.join(ROOT, "tools", "peers"))
+import hf_caches  # noqa: E402  the recipes, as the README and `tools/kvcheck peers` use them
+
+import torch
 import transformers
-from transformers import SinkCache
+from transformers import MistralConfig, SinkCache
+from transformers.cache_utils import SlidingWindowCache  # 4.42 does not export it at the top level
 
 # SinkCache warns that it is deprecated at every construction.
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
+RELEASES = ("4.42.4", "4.46.3", "4.52.4")  # tools/setup/requirements/transformers-*.txt
+RELEASE = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-class TransformersSinkCacheTest(unittest.TestCase):
+
+class PeerTest(unittest.TestCase):
     def setUp(self):
-        self.assertEqual(transformers.__version__, "4.52.4", "the venv holds another release")
+        self.assertIn(transformers.__version__, RELEASES, "the venv holds a release this module does not know")
         self.work = tempfile.mkdtemp(prefix="kvcheck-peer-transformers-")
         self.addCleanup(shutil.rmtree, self.work, True)
         self.trace = os.path.join(self.work, "trace")
 
-    def drive(self, scenario, make_cache):
-        """The README's recipe: export, drive with generate()'s absolute positions and the
-        cache's own cache-relative keys, verify."""
-        exp = export(self.work, scenario)
-        result = kvtrace.drive_hf_cache(exp, make_cache, self.trace, positions="absolute",
-                                        key_positions="cache-relative", as_tensor="torch")
-        return result, kvcheck("verify", os.path.join(SCENARIOS, scenario + ".json"), "--trace", self.trace)
+    def verify(self, scenario, folder=SCENARIOS):
+        return kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
+
+
+class TransformersSinkCacheTest(PeerTest):
+    def drive(self, scenario, make_cache, folder=SCENARIOS):
+        """The README's recipe (tools/peers/hf_caches.py): export, drive with generate()'s
+        absolute positions and the cache's own cache-relative keys, verify."""
+        with open(os.path.join(folder, scenario + ".json")) as f:
+            _, options = hf_caches.sink_cache(json.load(f))
+        exp = export(self.work, scenario, folder)
+        result = kvtrace.drive_hf_cache(exp, make_cache, self.trace, **options)
+        return result, self.verify(scenario, folder)
 
     def test_sink_cache_shifts_one_token_early(self):
         # S = 2, W = 6, a 3-token prompt, then one token per step: at step 3 the cache holds 5
@@ -65,6 +89,16 @@ class TransformersSinkCacheTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn(error, verify.stdout)
 
+    def test_partial_rotary_keys_are_re_rotated_on_their_rotary_dims_only(self):
+        # RoPE on 4 of 8 dims (Phi's partial_rotation_size, which kvtrace passes as Phi does):
+        # the same early shift as with full rotary, at the same step, and nothing raised. Without
+        # partial_rotation_size SinkCache applies 4-dim cos/sin to 8-dim keys and raises.
+        result, verify = self.drive("partial_rotary_sink_decode", lambda: SinkCache(6, 2), DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 3 (decode, /steps/1)", verify.stdout)
+        self.assertIn("class: shift one token early", verify.stdout)
+
     def test_verify_json_carries_the_first_divergence_as_fields(self):
         # The first run above: step 3 (the first decode after the window fills), query
         # token 5, slot 2 holding token 2 (uid 2), re-rotated back by one too early.
@@ -90,6 +124,89 @@ class TransformersSinkCacheTest(unittest.TestCase):
             kvtrace.drive_hf_cache(exp, lambda: SinkCache(8, 2), self.trace, as_tensor="torch")
         self.assertFalse(os.path.exists(self.trace))
         self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no temporary folder left
+
+
+class TransformersSlidingWindowCacheTest(PeerTest):
+    def drive(self, scenario, folder=SCENARIOS):
+        """The README's recipe (tools/peers/hf_caches.py): the model's config (Mistral's, the
+        family SlidingWindowCache was written for), the cache made for each batch as
+        generate() makes it, absolute positions; the cache's own cache_position mask."""
+        with open(os.path.join(folder, scenario + ".json")) as f:
+            spec = json.load(f)
+        seen = []
+
+        class Recording(SlidingWindowCache):
+            def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+                seen.append((key_states.dtype, value_states.dtype))
+                return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+        make_cache, options = hf_caches.sliding_window_cache(spec, Recording)
+        exp = export(self.work, scenario, folder)
+        result = kvtrace.drive_hf_cache(exp, make_cache, self.trace, **options)
+        dtype = DTYPES[spec.get("kv_dtype", "float32")]
+        self.assertEqual(set(seen), {(dtype, dtype)}, "kvtrace hands the cache the scenario's kv_dtype")
+        return result, self.verify(scenario, folder)
+
+    def test_two_layers_with_gqa_pass_from_4_52(self):
+        # W = 6 over two layers with GQA: the buffer is returned whole and masked by cache
+        # position. Before 4.52 the early roll (below) fails it at the same step in both layers.
+        result, verify = self.drive("gqa_sliding_uniform", DATA)
+        self.assertIsNone(result.error)
+        if RELEASE >= (4, 52):
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+            self.assertIn("steps recorded: 9 of 9 steps", verify.stdout)
+        else:
+            self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+            self.assertIn("class: token dropped before its last use", verify.stdout)
+
+    def test_a_prompt_longer_than_the_window_passes_in_every_kv_dtype(self):
+        # 21 tokens, W = 8: attended whole, the buffer keeps the last 8 (float32, float16, bfloat16).
+        for scenario in ("sliding_prompt_longer_than_window", "sliding_prompt_longer_than_window_float16",
+                         "sliding_prompt_longer_than_window_bfloat16"):
+            result, verify = self.drive(scenario)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+
+    def test_before_4_52_it_rolls_one_token_early(self):
+        # W = 6, a 4-token prompt: writing position 5, 4.42 and 4.46 roll already
+        # (cache_position >= max_cache_len - 1): token 0 is gone before token 5 attends to it.
+        # 4.52 rolls only once the buffer is passed.
+        _, verify = self.drive("sliding_baseline")
+        if RELEASE >= (4, 52):
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+            return
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 2 (decode, /steps/1), row 0, layer 0, head 0, query token 5",
+                      verify.stdout)
+        self.assertIn("token 0 (uid 0) should be visible to token 5 and is not", verify.stdout)
+        self.assertIn("class: token dropped before its last use", verify.stdout)
+
+    def test_a_custom_tensor_function_keeps_integer_tensors_integer(self):
+        # kvtrace's as_tensor given by the user (float16 tensors): cache_position stays int64.
+        seen = []
+
+        class Recording(SlidingWindowCache):
+            def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+                seen.append((key_states.dtype, cache_kwargs["cache_position"].dtype))
+                return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+        config = MistralConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                               sliding_window=8)
+        exp = export(self.work, "sliding_prompt_longer_than_window_float16")
+        kvtrace.drive_hf_cache(exp, lambda batch: Recording(config, batch, 64, "cpu", torch.float16), self.trace,
+                               positions="absolute", as_tensor=lambda x: torch.from_numpy(x).to(torch.float16))
+        self.assertEqual(set(seen), {(torch.float16, torch.int64)})
+        self.assertEqual(self.verify("sliding_prompt_longer_than_window_float16").returncode, 0)
+
+    def test_a_chunk_crossing_the_window_writes_every_token_at_the_last_slot(self):
+        # W = 8, 5 tokens, then a chunk of 6 (positions 5..10): one roll, and tokens 7..10 all
+        # clamped to slot 7, so the chunk's later tokens see the wrong keys. Every release.
+        result, verify = self.drive("sliding_chunk_crosses_window")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (append, /steps/1), row 0, layer 0, head 0, query token 10",
+                      verify.stdout)
+        self.assertIn("class: evicted the wrong token", verify.stdout)
 
 
 if __name__ == "__main__":

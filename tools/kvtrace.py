@@ -407,7 +407,8 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     convention, times yarn's attention factor), "cache_position" (the new slots' indices
     as generate() computes them: slots seen, padding included, plus arange(n); a 1-D
     LongTensor with torch tensors, else NumPy int64), "sliding_window" (the layer's window
-    when its policy is sliding, else None, as Gemma 2 passes it), plus "positions" [B, n],
+    when its policy is sliding, else None, as Gemma 2 passes it), "partial_rotation_size"
+    (R, when R < head_dim, as Phi passes it: SinkCache re-rotates only those dims), plus "positions" [B, n],
     "padding" [B, n] (True at left padding), "rope", and NumPy functions in the scenario's
     layout: "rotate"(x, p) (what the model applies to a raw vector), "unrotate"(x, p) (its
     inverse) and "rerotate"(x, delta) (a pure rotation by delta, what a shift applies to a
@@ -827,6 +828,9 @@ class _Driver:
                       "rotate": lambda x, p: rotate(x, p, exp.rope),
                       "unrotate": lambda x, p: unrotate(x, p, exp.rope),
                       "rerotate": lambda x, d: rotate(x, d, exp.rope, scaled=False)}
+            rotary_dim = int(exp.rope.get("rotary_dim") or exp.dims["head_dim"])
+            if rotary_dim < exp.dims["head_dim"]:
+                kwargs["partial_rotation_size"] = rotary_dim  # as Phi, Persimmon and StableLM pass it
             if self.cos_sin_refusal:
                 kwargs = _CacheKwargs(kwargs, self.cos_sin_refusal)
             keys, values = self.update(index, l, self.as_tensor(k_rot), self.as_tensor(v), kwargs, k.shape)

@@ -1,0 +1,130 @@
+"""transformers' own cache classes, driven through tools/kvtrace.py by the README's recipes,
+over every built-in fixture whose policy a class claims, each judged by `kvcheck verify`.
+Prints one markdown row per (release, class, fixture): what `tools/kvcheck peers` tabulates
+for docs/real-engines.md. Run in a release's venv (build/venvs/transformers-X.Y).
+
+usage: python tools/peers/hf_caches.py [FIXTURE...]   (default: every fixture that fits)
+
+The recipes are what a user writes (README, "A PyTorch cache"); tests/test_peer_transformers.py
+drives the same ones."""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import kvtrace  # noqa: E402
+
+SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
+
+
+def sink_cache(scenario):
+    """SinkCache(window_length, num_sink_tokens), as generate() drives it: absolute positions,
+    keys kept at cache-relative positions. None when the release has no working SinkCache."""
+    import transformers
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (4, 53):
+        return None
+    from transformers import SinkCache
+    policy = scenario["policy"]
+    return (lambda: SinkCache(policy["window"], policy["sinks"]),
+            dict(positions="absolute", key_positions="cache-relative", as_tensor="torch"))
+
+
+def sliding_window_cache(scenario, cls=None):
+    """SlidingWindowCache(config, batch, max_cache_len, device, dtype), made for each batch as
+    generate() makes it, with the model's config (Mistral's), absolute positions and the
+    cache's own cache_position mask. `cls`: a subclass to make instead (a test's recorder)."""
+    import torch
+    from transformers import MistralConfig
+    from transformers.cache_utils import SlidingWindowCache  # 4.42 does not export it at the top level
+    cls = cls or SlidingWindowCache
+    dims = scenario["dimensions"]
+    config = MistralConfig(hidden_size=dims["heads"] * dims["head_dim"], num_attention_heads=dims["heads"],
+                           num_key_value_heads=dims.get("kv_heads", dims["heads"]),
+                           num_hidden_layers=dims["layers"], sliding_window=scenario["policy"]["window"])
+    dtype = {"float32": torch.float32, "float16": torch.float16,
+             "bfloat16": torch.bfloat16}[scenario.get("kv_dtype", "float32")]
+    # Positional: 4.42 names the batch max_batch_size, 4.46 batch_size.
+    return (lambda batch: cls(config, batch, 64, "cpu", dtype),
+            dict(positions="absolute", as_tensor="torch"))
+
+
+def claims(cls, scenario):
+    """Why `cls` does not claim the scenario's policy, or None when it does."""
+    policy = scenario.get("policy")
+    if not isinstance(policy, dict):
+        return "a policy per layer"
+    if "kv_quant" in scenario or "paging" in scenario:
+        return "quantized or paged"
+    if cls == "SinkCache":
+        if policy.get("type") != "sink":
+            return "not a sink policy"
+        if policy.get("evict", 1) != 1 or policy.get("positions", "cache") != "cache" or \
+                policy.get("prefill", "stream") == "dense":
+            return "evicts in blocks, keeps original positions or prefills densely: not SinkCache's policy"
+        return None
+    return None if policy.get("type") == "sliding" else "not a sliding policy"
+
+
+RECIPES = {"SinkCache": sink_cache, "SlidingWindowCache": sliding_window_cache}
+
+
+def kvcheck(*args):
+    binary = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
+    return subprocess.run([binary, *args], capture_output=True, text=True)
+
+
+def verdict(name, cls, recipe, work):
+    path = os.path.join(SCENARIOS, name + ".json")
+    exported, trace = os.path.join(work, "export"), os.path.join(work, "trace")
+    done = kvcheck("export", path, "--out", exported)
+    if done.returncode != 0:
+        return "export failed: " + done.stderr.strip()[:120]
+    make, options = recipe
+    try:
+        result = kvtrace.drive_hf_cache(kvtrace.Export(exported), make, trace, **options)
+    except kvtrace.UsageError as e:
+        return "not driven: " + str(e).split(", but")[0]
+    report = kvcheck("verify", path, "--trace", trace)
+    if report.returncode == 0:
+        return "pass"
+    lines = report.stdout.splitlines()
+    first = next((l for l in lines if l.startswith("first divergence: ")), "")
+    named = next((l[len("class: "):] for l in lines if l.startswith("class: ")), "")
+    step = re.match(r"first divergence: (step \d+) \((\w+)", first)
+    text = "%s at %s" % (named or "fails", "%s (%s)" % step.groups() if step else "?")
+    if result.error is not None and not named.startswith("the cache raised"):
+        text += "; raised at step %d" % result.error_step
+    return text
+
+
+def main(names):
+    import transformers
+    warnings.filterwarnings("ignore")
+    fixtures = names or sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(SCENARIOS, "*.json")))
+    for cls, make_recipe in RECIPES.items():
+        for name in fixtures:
+            with open(os.path.join(SCENARIOS, name + ".json")) as f:
+                scenario = json.load(f)
+            if claims(cls, scenario) is not None:
+                continue
+            recipe = make_recipe(scenario)
+            if recipe is None:
+                continue
+            work = tempfile.mkdtemp(prefix="kvcheck-peers-")
+            try:
+                text = verdict(name, cls, recipe, work)
+            finally:
+                shutil.rmtree(work, True)
+            print("| %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, text), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
