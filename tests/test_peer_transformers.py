@@ -24,6 +24,7 @@ import sys
 import tempfile
 import unittest
 import warnings
+from typing import Any, Dict, Optional, Tuple
 
 from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
@@ -124,6 +125,149 @@ class TransformersSinkCacheTest(PeerTest):
             kvtrace.drive_hf_cache(exp, lambda: SinkCache(8, 2), self.trace, as_tensor="torch")
         self.assertFalse(os.path.exists(self.trace))
         self.assertEqual(sorted(os.listdir(self.work)), ["export"])  # no temporary folder left
+
+
+
+class PatchedSinkCache(SinkCache):
+    """SinkCache with transformers PR #33692 ("Sink cache: fix implementation to shift key
+    states", closed unmerged; for issue 33691) applied as written: update() and
+    _get_rerotation_cos_sin() from the PR's branch (why-in-Shanghaitech:dev-sink-cache at
+    0cdc06e1), written against 4.45.0.dev0, whose SinkCache.update is the same code as 4.42.4's
+    and 4.46.3's. Only change: `cache_kwargs or {}`. The PR grows the cache by the new keys,
+    attends over all of them, then evicts and re-rotates the kept ones (new keys included) to
+    cache positions 0..W-1. Its model-side half (positions from the cache's length) is the
+    driver's positions="cache"."""
+    # PR changes the signature: keyed by `offset` (how many positions to shift back), not by key_states
+    def _get_rerotation_cos_sin(
+        self, offset: int, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if offset not in self.cos_sin_rerotation_cache:
+            cos = cos.to(torch.float32)
+            sin = sin.to(torch.float32)
+            original_cos = cos[self.num_sink_tokens + offset :]
+            shifted_cos = cos[self.num_sink_tokens : -offset]
+            original_sin = sin[self.num_sink_tokens + offset :]
+            shifted_sin = sin[self.num_sink_tokens : -offset]
+            rerotation_cos = original_cos * shifted_cos + original_sin * shifted_sin
+            rerotation_sin = -original_sin * shifted_cos + original_cos * shifted_sin
+            self.cos_sin_rerotation_cache[offset] = (
+                rerotation_cos.to(dtype).unsqueeze(0),
+                rerotation_sin.to(dtype).unsqueeze(0),
+            )
+        return self.cos_sin_rerotation_cache[offset]
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        cache_kwargs = cache_kwargs or {}
+        sin = cache_kwargs.get("sin")
+        cos = cache_kwargs.get("cos")
+        partial_rotation_size = cache_kwargs.get("partial_rotation_size")
+        using_rope = cos is not None and sin is not None
+
+        if layer_idx == 0:
+            self._seen_tokens += key_states.shape[-2]
+
+        if using_rope and layer_idx == 0:
+            if cos.dim() == 2:
+                self._cos_cache = cos
+                self._sin_cache = sin
+            else:
+                if self._cos_cache is None:
+                    self._cos_cache = cos[0, ...]
+                    self._sin_cache = sin[0, ...]
+                elif self._cos_cache.shape[0] < self.window_length + key_states.shape[-2]:  # PR
+                    self._cos_cache = torch.cat([self._cos_cache[: self.window_length], cos[0, ...]], dim=0)  # PR
+                    self._sin_cache = torch.cat([self._sin_cache[: self.window_length], sin[0, ...]], dim=0)  # PR
+
+        if len(self.key_cache) <= layer_idx:
+            self.key_cache.append(key_states)
+            self.value_cache.append(value_states)
+        else:  # PR: always grow first (old code only grew when it fit in the window)
+            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+
+        # PR: this step attends over the full, un-evicted concatenation
+        key_cache_to_return = self.key_cache[layer_idx]
+        value_cache_to_return = self.value_cache[layer_idx]
+
+        # PR: evict + re-rotate after the fact, new keys included in keys_to_keep
+        if (seq_length := self.get_seq_length(layer_idx)) > self.window_length:
+            keys_to_keep = self.key_cache[layer_idx][:, :, -self.window_length + self.num_sink_tokens :]
+            if using_rope:
+                rerotation_cos, rerotation_sin = self._get_rerotation_cos_sin(
+                    seq_length - self.window_length,
+                    key_states.dtype,
+                    self._cos_cache[:seq_length],
+                    self._sin_cache[:seq_length],
+                )
+                if partial_rotation_size is not None:
+                    keys_to_keep, keys_pass = (
+                        keys_to_keep[..., :partial_rotation_size],
+                        keys_to_keep[..., partial_rotation_size:],
+                    )
+                keys_to_keep = self._apply_key_rotary_pos_emb(keys_to_keep, rerotation_cos, rerotation_sin)
+                if partial_rotation_size is not None:
+                    keys_to_keep = torch.cat((keys_to_keep, keys_pass), dim=-1)
+            sink_keys = self.key_cache[layer_idx][:, :, : self.num_sink_tokens]
+            self.key_cache[layer_idx] = torch.cat([sink_keys, keys_to_keep], dim=-2)
+            sink_values = self.value_cache[layer_idx][:, :, : self.num_sink_tokens]
+            values_to_keep = self.value_cache[layer_idx][:, :, -self.window_length + self.num_sink_tokens :]
+            self.value_cache[layer_idx] = torch.cat([sink_values, values_to_keep], dim=-2)
+
+        return key_cache_to_return, value_cache_to_return
+
+
+class SinkCachePR33692Test(PeerTest):
+    """The PR's claims, on the real SinkCache of 4.46.3 (a release that lacks the PR). The PR
+    attends over the held keys and the new ones before it evicts: with window_length W - 1
+    a decode step sees W tokens, kvcheck's window W (the query's own token counted)."""
+
+    def drive(self, scenario, cls, positions, folder=SCENARIOS):
+        with open(os.path.join(folder, scenario + ".json")) as f:
+            policy = json.load(f)["policy"]
+        exp = export(self.work, scenario, folder)
+        result = kvtrace.drive_hf_cache(exp, lambda: cls(policy["window"] - 1, policy["sinks"]), self.trace,
+                                        positions=positions, key_positions="cache-relative", as_tensor="torch")
+        return result, self.verify(scenario, folder)
+
+    def test_the_patch_passes_what_it_claims_to_fix_where_the_stock_class_fails(self):
+        # New keys shifted with the cached ones (issue 33691), a prompt shorter than the sinks
+        # and one exactly the window (31537, 32315), and a long prompt taken as one dense chunk
+        # (the PR crops it after attending to all of it: SPEC's prefill "dense"), driven with
+        # the positions the PR's model-side change gives (the cache's length, "cache").
+        for scenario, stock in (("sink_decode_through_windows", "shift one token early"),
+                                ("sink_prompt_shorter_than_sinks", "shift one token early"),
+                                ("sink_prompt_exactly_window", "new key not shifted"),
+                                ("sink_dense_prefill_long_prompt", "prompt longer than the window kept whole")):
+            result, verify = self.drive(scenario, PatchedSinkCache, "cache")
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+            _, verify = self.drive(scenario, SinkCache, "cache")
+            self.assertEqual(verify.returncode, 1, scenario + "\n" + verify.stdout + verify.stderr)
+            self.assertIn("class: " + stock, verify.stdout)
+
+    def test_what_the_patch_says_it_does_not_solve_is_named(self):
+        # "new key states have large positional encodings ... it still does not work with
+        # model.generate": generate()'s absolute positions put the first new key after the
+        # window fills at position 6 where the cache holds 0..5 (kvcheck: 5).
+        _, verify = self.drive("sink_decode_through_windows", PatchedSinkCache, "absolute")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 4 (decode, /steps/1)", verify.stdout)
+        self.assertIn("class: key at wrong position", verify.stdout)
+
+    def test_in_float16_the_patch_drifts_as_it_re_rotates_every_step(self):
+        # Past the window the PR re-rotates every kept key at every step, in the keys' dtype:
+        # in float16 the error grows until kvcheck names the drift at step 50 (in float32 the
+        # 30 shifts of sink_decode_through_windows pass, above).
+        _, verify = self.drive("sink_long_window_float16", PatchedSinkCache, "cache")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 50 (decode, /steps/1)", verify.stdout)
+        self.assertIn("class: re-rotation drift", verify.stdout)
 
 
 class TransformersSlidingWindowCacheTest(PeerTest):
