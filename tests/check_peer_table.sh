@@ -8,7 +8,7 @@ root=$1 venvs=$2 bin=$3
 want=$(sed -n '/<!-- kvcheck peers: begin -->/,/<!-- kvcheck peers: end -->/p' "$root/docs/real-engines.md" | sed '1d;$d')
 got="| release | class | fixture | verdict |
 |---|---|---|---|"
-for release in 4.42 4.46 4.52; do
+for release in 4.42 4.46 4.52 5.25; do
   python="$venvs/transformers-$release/bin/python"
   if [ ! -x "$python" ]; then
     echo "FAIL: no venv $venvs/transformers-$release: tools/test makes it (tools/setup/python.sh)"; exit 1

@@ -33,14 +33,19 @@ import hf_caches  # noqa: E402  the recipes, as the README and `tools/kvcheck pe
 
 import torch
 import transformers
-from transformers import MistralConfig, SinkCache
-from transformers.cache_utils import SlidingWindowCache  # 4.42 does not export it at the top level
+
+from transformers import MistralConfig
+
+RELEASE = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+if RELEASE < (5, 0):  # removed in 5 (SlidingWindowCache is StaticCache's alias there)
+    from transformers import SinkCache
+    from transformers.cache_utils import SlidingWindowCache  # 4.42 does not export it at the top level
 
 # SinkCache warns that it is deprecated at every construction.
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
-RELEASES = ("4.42.4", "4.46.3", "4.52.4")  # tools/setup/requirements/transformers-*.txt
-RELEASE = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+RELEASES = ("4.42.4", "4.46.3", "4.52.4", "5.25.0")  # tools/setup/requirements/transformers-*.txt
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -128,98 +133,99 @@ class TransformersSinkCacheTest(PeerTest):
 
 
 
-class PatchedSinkCache(SinkCache):
-    """SinkCache with transformers PR #33692 ("Sink cache: fix implementation to shift key
-    states", closed unmerged; for issue 33691) applied as written: update() and
-    _get_rerotation_cos_sin() from the PR's branch (why-in-Shanghaitech:dev-sink-cache at
-    0cdc06e1), written against 4.45.0.dev0, whose SinkCache.update is the same code as 4.42.4's
-    and 4.46.3's. Only change: `cache_kwargs or {}`. The PR grows the cache by the new keys,
-    attends over all of them, then evicts and re-rotates the kept ones (new keys included) to
-    cache positions 0..W-1. Its model-side half (positions from the cache's length) is the
-    driver's positions="cache"."""
-    # PR changes the signature: keyed by `offset` (how many positions to shift back), not by key_states
-    def _get_rerotation_cos_sin(
-        self, offset: int, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        if offset not in self.cos_sin_rerotation_cache:
-            cos = cos.to(torch.float32)
-            sin = sin.to(torch.float32)
-            original_cos = cos[self.num_sink_tokens + offset :]
-            shifted_cos = cos[self.num_sink_tokens : -offset]
-            original_sin = sin[self.num_sink_tokens + offset :]
-            shifted_sin = sin[self.num_sink_tokens : -offset]
-            rerotation_cos = original_cos * shifted_cos + original_sin * shifted_sin
-            rerotation_sin = -original_sin * shifted_cos + original_cos * shifted_sin
-            self.cos_sin_rerotation_cache[offset] = (
-                rerotation_cos.to(dtype).unsqueeze(0),
-                rerotation_sin.to(dtype).unsqueeze(0),
-            )
-        return self.cos_sin_rerotation_cache[offset]
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: Optional[Dict[str, Any]] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        cache_kwargs = cache_kwargs or {}
-        sin = cache_kwargs.get("sin")
-        cos = cache_kwargs.get("cos")
-        partial_rotation_size = cache_kwargs.get("partial_rotation_size")
-        using_rope = cos is not None and sin is not None
-
-        if layer_idx == 0:
-            self._seen_tokens += key_states.shape[-2]
-
-        if using_rope and layer_idx == 0:
-            if cos.dim() == 2:
-                self._cos_cache = cos
-                self._sin_cache = sin
-            else:
-                if self._cos_cache is None:
-                    self._cos_cache = cos[0, ...]
-                    self._sin_cache = sin[0, ...]
-                elif self._cos_cache.shape[0] < self.window_length + key_states.shape[-2]:  # PR
-                    self._cos_cache = torch.cat([self._cos_cache[: self.window_length], cos[0, ...]], dim=0)  # PR
-                    self._sin_cache = torch.cat([self._sin_cache[: self.window_length], sin[0, ...]], dim=0)  # PR
-
-        if len(self.key_cache) <= layer_idx:
-            self.key_cache.append(key_states)
-            self.value_cache.append(value_states)
-        else:  # PR: always grow first (old code only grew when it fit in the window)
-            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
-
-        # PR: this step attends over the full, un-evicted concatenation
-        key_cache_to_return = self.key_cache[layer_idx]
-        value_cache_to_return = self.value_cache[layer_idx]
-
-        # PR: evict + re-rotate after the fact, new keys included in keys_to_keep
-        if (seq_length := self.get_seq_length(layer_idx)) > self.window_length:
-            keys_to_keep = self.key_cache[layer_idx][:, :, -self.window_length + self.num_sink_tokens :]
-            if using_rope:
-                rerotation_cos, rerotation_sin = self._get_rerotation_cos_sin(
-                    seq_length - self.window_length,
-                    key_states.dtype,
-                    self._cos_cache[:seq_length],
-                    self._sin_cache[:seq_length],
+if RELEASE < (5, 0):  # SinkCache is gone in 5
+    class PatchedSinkCache(SinkCache):
+        """SinkCache with transformers PR #33692 ("Sink cache: fix implementation to shift key
+        states", closed unmerged; for issue 33691) applied as written: update() and
+        _get_rerotation_cos_sin() from the PR's branch (why-in-Shanghaitech:dev-sink-cache at
+        0cdc06e1), written against 4.45.0.dev0, whose SinkCache.update is the same code as 4.42.4's
+        and 4.46.3's. Only change: `cache_kwargs or {}`. The PR grows the cache by the new keys,
+        attends over all of them, then evicts and re-rotates the kept ones (new keys included) to
+        cache positions 0..W-1. Its model-side half (positions from the cache's length) is the
+        driver's positions="cache"."""
+        # PR changes the signature: keyed by `offset` (how many positions to shift back), not by key_states
+        def _get_rerotation_cos_sin(
+            self, offset: int, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor
+        ) -> Tuple[torch.Tensor, torch.Tensor]:
+            if offset not in self.cos_sin_rerotation_cache:
+                cos = cos.to(torch.float32)
+                sin = sin.to(torch.float32)
+                original_cos = cos[self.num_sink_tokens + offset :]
+                shifted_cos = cos[self.num_sink_tokens : -offset]
+                original_sin = sin[self.num_sink_tokens + offset :]
+                shifted_sin = sin[self.num_sink_tokens : -offset]
+                rerotation_cos = original_cos * shifted_cos + original_sin * shifted_sin
+                rerotation_sin = -original_sin * shifted_cos + original_cos * shifted_sin
+                self.cos_sin_rerotation_cache[offset] = (
+                    rerotation_cos.to(dtype).unsqueeze(0),
+                    rerotation_sin.to(dtype).unsqueeze(0),
                 )
-                if partial_rotation_size is not None:
-                    keys_to_keep, keys_pass = (
-                        keys_to_keep[..., :partial_rotation_size],
-                        keys_to_keep[..., partial_rotation_size:],
-                    )
-                keys_to_keep = self._apply_key_rotary_pos_emb(keys_to_keep, rerotation_cos, rerotation_sin)
-                if partial_rotation_size is not None:
-                    keys_to_keep = torch.cat((keys_to_keep, keys_pass), dim=-1)
-            sink_keys = self.key_cache[layer_idx][:, :, : self.num_sink_tokens]
-            self.key_cache[layer_idx] = torch.cat([sink_keys, keys_to_keep], dim=-2)
-            sink_values = self.value_cache[layer_idx][:, :, : self.num_sink_tokens]
-            values_to_keep = self.value_cache[layer_idx][:, :, -self.window_length + self.num_sink_tokens :]
-            self.value_cache[layer_idx] = torch.cat([sink_values, values_to_keep], dim=-2)
+            return self.cos_sin_rerotation_cache[offset]
 
-        return key_cache_to_return, value_cache_to_return
+        def update(
+            self,
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            layer_idx: int,
+            cache_kwargs: Optional[Dict[str, Any]] = None,
+        ) -> Tuple[torch.Tensor, torch.Tensor]:
+            cache_kwargs = cache_kwargs or {}
+            sin = cache_kwargs.get("sin")
+            cos = cache_kwargs.get("cos")
+            partial_rotation_size = cache_kwargs.get("partial_rotation_size")
+            using_rope = cos is not None and sin is not None
+
+            if layer_idx == 0:
+                self._seen_tokens += key_states.shape[-2]
+
+            if using_rope and layer_idx == 0:
+                if cos.dim() == 2:
+                    self._cos_cache = cos
+                    self._sin_cache = sin
+                else:
+                    if self._cos_cache is None:
+                        self._cos_cache = cos[0, ...]
+                        self._sin_cache = sin[0, ...]
+                    elif self._cos_cache.shape[0] < self.window_length + key_states.shape[-2]:  # PR
+                        self._cos_cache = torch.cat([self._cos_cache[: self.window_length], cos[0, ...]], dim=0)  # PR
+                        self._sin_cache = torch.cat([self._sin_cache[: self.window_length], sin[0, ...]], dim=0)  # PR
+
+            if len(self.key_cache) <= layer_idx:
+                self.key_cache.append(key_states)
+                self.value_cache.append(value_states)
+            else:  # PR: always grow first (old code only grew when it fit in the window)
+                self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
+                self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+
+            # PR: this step attends over the full, un-evicted concatenation
+            key_cache_to_return = self.key_cache[layer_idx]
+            value_cache_to_return = self.value_cache[layer_idx]
+
+            # PR: evict + re-rotate after the fact, new keys included in keys_to_keep
+            if (seq_length := self.get_seq_length(layer_idx)) > self.window_length:
+                keys_to_keep = self.key_cache[layer_idx][:, :, -self.window_length + self.num_sink_tokens :]
+                if using_rope:
+                    rerotation_cos, rerotation_sin = self._get_rerotation_cos_sin(
+                        seq_length - self.window_length,
+                        key_states.dtype,
+                        self._cos_cache[:seq_length],
+                        self._sin_cache[:seq_length],
+                    )
+                    if partial_rotation_size is not None:
+                        keys_to_keep, keys_pass = (
+                            keys_to_keep[..., :partial_rotation_size],
+                            keys_to_keep[..., partial_rotation_size:],
+                        )
+                    keys_to_keep = self._apply_key_rotary_pos_emb(keys_to_keep, rerotation_cos, rerotation_sin)
+                    if partial_rotation_size is not None:
+                        keys_to_keep = torch.cat((keys_to_keep, keys_pass), dim=-1)
+                sink_keys = self.key_cache[layer_idx][:, :, : self.num_sink_tokens]
+                self.key_cache[layer_idx] = torch.cat([sink_keys, keys_to_keep], dim=-2)
+                sink_values = self.value_cache[layer_idx][:, :, : self.num_sink_tokens]
+                values_to_keep = self.value_cache[layer_idx][:, :, -self.window_length + self.num_sink_tokens :]
+                self.value_cache[layer_idx] = torch.cat([sink_values, values_to_keep], dim=-2)
+
+            return key_cache_to_return, value_cache_to_return
 
 
 class SinkCachePR33692Test(PeerTest):
@@ -351,6 +357,53 @@ class TransformersSlidingWindowCacheTest(PeerTest):
         self.assertIn("first divergence: step 1 (append, /steps/1), row 0, layer 0, head 0, query token 10",
                       verify.stdout)
         self.assertIn("class: evicted the wrong token", verify.stdout)
+
+
+class Transformers5CacheLayersTest(PeerTest):
+    """transformers 5: a cache is a list of layers built from the model's config
+    (DynamicCache(config=...): DynamicSlidingWindowLayer / DynamicLayer; StaticCache(config=...,
+    max_cache_len=...): StaticSlidingWindowLayer / StaticLayer), driven as generate() drives
+    them (tools/peers/hf_caches.py)."""
+
+    def drive(self, scenario, recipe, folder=SCENARIOS):
+        with open(os.path.join(folder, scenario + ".json")) as f:
+            make_cache, options = recipe(json.load(f))
+        result = kvtrace.drive_hf_cache(export(self.work, scenario, folder), make_cache, self.trace, **options)
+        return result, self.verify(scenario, folder)
+
+    def test_sliding_layers_pass_where_4_x_sliding_window_cache_failed(self):
+        # The early roll of 4.42/4.46 and the chunk clamped to the last slot of every 4.x are
+        # gone: both layer kinds keep W - 1 (or W) tokens and return the held ones with the chunk.
+        for recipe in (hf_caches.dynamic_cache, hf_caches.static_cache):
+            for scenario in ("sliding_baseline", "sliding_chunk_crosses_window"):
+                result, verify = self.drive(scenario, recipe)
+                self.assertIsNone(result.error)
+                self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+
+    def test_layer_types_from_the_config_pass_a_hybrid_stack(self):
+        # Sliding W 8 and full layers alternating (config.layer_types), yarn, learned sinks, a
+        # padded 14-token prompt: what 4.x's HybridCache did, now per layer.
+        for recipe in (hf_caches.dynamic_cache, hf_caches.static_cache):
+            result, verify = self.drive("gpt_oss_hybrid_yarn_learned_sinks", recipe)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+            self.assertIn("steps recorded: 11 of 11 steps", verify.stdout)
+
+    def test_crop_takes_the_tokens_to_remove(self):
+        # 5's crop(tokens_to_remove) refuses a positive count: kvtrace calls crop(-removed), as
+        # generate() does, and crop(0) for a crop past the end (step 13 of full_crop_accepted).
+        result, verify = self.drive("full_crop_accepted", hf_caches.dynamic_cache)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_a_crop_of_left_padded_rows_removes_slots_of_every_row(self):
+        # Rows of 3, 8 and 5 tokens left-padded to 8 slots, cropped to 4: 5 removes the last 4
+        # slots of every row, so row 2 (5 tokens) loses its last live one, as every release's
+        # slot-based crop does on a padded batch.
+        _, verify = self.drive("full_crop_mixed_lengths", hf_caches.dynamic_cache)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (crop, /steps/1)", verify.stdout)
+        self.assertIn("class: dropped a live token", verify.stdout)
 
 
 if __name__ == "__main__":

@@ -441,7 +441,8 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     key_cache/value_cache or layers[l].keys/values), else what update() returned (so a
     preallocated buffer is recorded whole), with the outputs and the rotated queries (not
     with key_positions="unrotated": stored keys then carry no position to compare a query
-    with). Reorder and crop go through cache.reorder_cache(beam_idx) and cache.crop(length),
+    with). Reorder and crop go through cache.reorder_cache(beam_idx) and cache.crop(length)
+    (5.x, whose crop takes tokens_to_remove: crop(-removed), as generate() calls it),
     their state recorded when exposed.
     Findings, written into the trace instead of raised: an exception from update(),
     crop(), reorder_cache() or after_forward, or a missing crop/reorder_cache, becomes the
@@ -689,7 +690,7 @@ class _Driver:
         elif op == "crop":
             refused = "refused" in step
             try:
-                self.call(index, "crop", "crop", step["length"], refusal=refused)
+                self.call(index, "crop", "crop", self.crop_argument(step["length"]), refusal=refused)
             except _CacheFailed:
                 if not refused:
                     raise
@@ -721,6 +722,16 @@ class _Driver:
                 self.result.refusals.append((index, message))
                 raise _CacheFailed() from e
             self.fail(index, message)
+
+    def crop_argument(self, length):
+        """What cache.crop takes to keep `length` slots, as transformers' own generate() calls
+        it: the length kept (4.x, crop(max_length)), or minus the slots removed (5.x,
+        crop(tokens_to_remove), which refuses a positive count)."""
+        try:
+            names = list(inspect.signature(getattr(self.cache, "crop")).parameters)
+        except (AttributeError, TypeError, ValueError):  # no crop (call() records it), or no signature
+            names = []
+        return -max(0, self.seen - length) if names[:1] == ["tokens_to_remove"] else length
 
     def record_state(self):
         layers = self.exp.dims["layers"]

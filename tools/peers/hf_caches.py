@@ -25,12 +25,35 @@ import kvtrace  # noqa: E402
 SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
 
 
+def release():
+    import transformers
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+
+def model_config(scenario):
+    """Mistral's config at the scenario's dimensions, one layer type per policy (sliding or
+    full): what DynamicCache(config=...) and StaticCache(config=...) build their layers from."""
+    from transformers import MistralConfig
+    dims, policy = scenario["dimensions"], scenario["policy"]
+    policies = policy if isinstance(policy, list) else [policy] * dims["layers"]
+    windows = {p["window"] for p in policies if p["type"] == "sliding"}
+    config = MistralConfig(hidden_size=dims["heads"] * dims["head_dim"], num_attention_heads=dims["heads"],
+                           num_key_value_heads=dims.get("kv_heads", dims["heads"]),
+                           num_hidden_layers=dims["layers"], sliding_window=min(windows) if windows else None)
+    if isinstance(policy, list):
+        config.layer_types = ["sliding_attention" if p["type"] == "sliding" else "full_attention" for p in policies]
+    return config
+
+
+def dtype_of(scenario):
+    import torch
+    return {"float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[scenario.get("kv_dtype", "float32")]
+
+
 def sink_cache(scenario):
     """SinkCache(window_length, num_sink_tokens), as generate() drives it: absolute positions,
-    keys kept at cache-relative positions. None when the release has no working SinkCache."""
-    import transformers
-    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (4, 53):
-        return None
+    keys kept at cache-relative positions (4.42 to 4.52; 4.53 removed it)."""
     from transformers import SinkCache
     policy = scenario["policy"]
     return (lambda: SinkCache(policy["window"], policy["sinks"]),
@@ -38,31 +61,65 @@ def sink_cache(scenario):
 
 
 def sliding_window_cache(scenario, cls=None):
-    """SlidingWindowCache(config, batch, max_cache_len, device, dtype), made for each batch as
-    generate() makes it, with the model's config (Mistral's), absolute positions and the
-    cache's own cache_position mask. `cls`: a subclass to make instead (a test's recorder)."""
-    import torch
-    from transformers import MistralConfig
+    """SlidingWindowCache(config, batch, max_cache_len, device, dtype) (4.42 to 4.57), made for
+    each batch as generate() makes it, with the model's config (Mistral's), absolute positions
+    and the cache's own cache_position mask. `cls`: a subclass to make instead (a test's
+    recorder)."""
     from transformers.cache_utils import SlidingWindowCache  # 4.42 does not export it at the top level
     cls = cls or SlidingWindowCache
-    dims = scenario["dimensions"]
-    config = MistralConfig(hidden_size=dims["heads"] * dims["head_dim"], num_attention_heads=dims["heads"],
-                           num_key_value_heads=dims.get("kv_heads", dims["heads"]),
-                           num_hidden_layers=dims["layers"], sliding_window=scenario["policy"]["window"])
-    dtype = {"float32": torch.float32, "float16": torch.float16,
-             "bfloat16": torch.bfloat16}[scenario.get("kv_dtype", "float32")]
+    config, dtype = model_config(scenario), dtype_of(scenario)
     # Positional: 4.42 names the batch max_batch_size, 4.46 batch_size.
-    return (lambda batch: cls(config, batch, 64, "cpu", dtype),
-            dict(positions="absolute", as_tensor="torch"))
+    return (lambda batch: cls(config, batch, 64, "cpu", dtype), dict(positions="absolute", as_tensor="torch"))
+
+
+def dynamic_cache(scenario):
+    """DynamicCache(config=...) (5.x): a DynamicSlidingWindowLayer per sliding layer, a
+    DynamicLayer per full one, as a model's generate() builds it."""
+    from transformers import DynamicCache
+    config = model_config(scenario)
+    return (lambda: DynamicCache(config=config), dict(positions="absolute", as_tensor="torch"))
+
+
+def static_cache(scenario):
+    """StaticCache(config=..., max_cache_len=N) (5.x, also SlidingWindowCache's replacement):
+    a StaticSlidingWindowLayer per sliding layer, a StaticLayer per full one, made per batch."""
+    from transformers import StaticCache
+    config = model_config(scenario)
+    return (lambda batch: StaticCache(config=config, max_cache_len=64), dict(positions="absolute", as_tensor="torch"))
+
+
+def tokens(scenario):
+    """The longest row's slots, padding included (what a preallocated buffer must hold)."""
+    n = 0
+    for step in scenario["steps"]:
+        if step["op"] == "append":
+            t = step["tokens"]
+            n += max(t) if isinstance(t, list) else t
+        elif step["op"] == "decode":
+            n += step["steps"]
+    return n
 
 
 def claims(cls, scenario):
-    """Why `cls` does not claim the scenario's policy, or None when it does."""
+    """None when `cls` claims the scenario's policy; else why not (a reason starting "not
+    judged" is printed as a row, the others are left out)."""
     policy = scenario.get("policy")
-    if not isinstance(policy, dict):
-        return "a policy per layer"
     if "kv_quant" in scenario or "paging" in scenario:
         return "quantized or paged"
+    if cls in ("DynamicCache", "StaticCache"):
+        policies = policy if isinstance(policy, list) else [policy]
+        if any(p.get("type") not in ("full", "sliding") for p in policies):
+            return "not a full or sliding policy"
+        if len({p["window"] for p in policies if p["type"] == "sliding"}) > 1:
+            return "sliding layers of different windows"
+        if cls == "StaticCache" and tokens(scenario) > 64:
+            return "longer than the buffer"
+        if cls == "StaticCache" and any(step["op"] == "crop" for step in scenario["steps"]):
+            return ("not judged: a static layer's crop keeps the cropped slots, which the mask hides, and "
+                    "kvtrace records the whole buffer")
+        return None
+    if not isinstance(policy, dict):
+        return "a policy per layer"
     if cls == "SinkCache":
         if policy.get("type") != "sink":
             return "not a sink policy"
@@ -73,7 +130,17 @@ def claims(cls, scenario):
     return None if policy.get("type") == "sliding" else "not a sliding policy"
 
 
-RECIPES = {"SinkCache": sink_cache, "SlidingWindowCache": sliding_window_cache}
+def recipes():
+    """The classes this release ships, with their recipes."""
+    found = {}
+    if (4, 42) <= release() < (4, 53):
+        found["SinkCache"] = sink_cache
+    if (4, 42) <= release() < (5, 0):
+        found["SlidingWindowCache"] = sliding_window_cache
+    if release() >= (5, 0):
+        found["DynamicCache"] = dynamic_cache
+        found["StaticCache"] = static_cache
+    return found
 
 
 def kvcheck(*args):
@@ -109,18 +176,18 @@ def main(names):
     import transformers
     warnings.filterwarnings("ignore")
     fixtures = names or sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(SCENARIOS, "*.json")))
-    for cls, make_recipe in RECIPES.items():
+    for cls, make_recipe in recipes().items():
         for name in fixtures:
             with open(os.path.join(SCENARIOS, name + ".json")) as f:
                 scenario = json.load(f)
-            if claims(cls, scenario) is not None:
-                continue
-            recipe = make_recipe(scenario)
-            if recipe is None:
+            reason = claims(cls, scenario)
+            if reason is not None:
+                if reason.startswith("not judged"):
+                    print("| %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, reason), flush=True)
                 continue
             work = tempfile.mkdtemp(prefix="kvcheck-peers-")
             try:
-                text = verdict(name, cls, recipe, work)
+                text = verdict(name, cls, make_recipe(scenario), work)
             finally:
                 shutil.rmtree(work, True)
             print("| %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, text), flush=True)
