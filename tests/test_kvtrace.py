@@ -47,6 +47,23 @@ class SlidingWindowCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
+class TrimmedAtNextUpdateCache:
+    """A sliding window of W that trims at the start of each update, as mlx-lm's
+    RotatingKVCache does for a chunk: the W - 1 held tokens before it, then the whole chunk,
+    are returned and kept (W - 1 + n held until the next update trims them again)."""
+
+    def __init__(self, window):
+        self.window, self.keys, self.values = window, {}, {}
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx in self.keys:
+            keep = self.window - 1
+            key_states = np.concatenate([self.keys[layer_idx][:, :, -keep:], key_states], axis=2)
+            value_states = np.concatenate([self.values[layer_idx][:, :, -keep:], value_states], axis=2)
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+
 class ShiftingSinkCache:
     """A SinkCache (evict 1): when the window is full, the kept window keys are re-rotated
     back by one position; an incoming key is stored as it comes. Correct when new keys
@@ -499,6 +516,24 @@ class KvtraceTest(unittest.TestCase):
         result = kvcheck("verify", os.path.join(SCENARIOS, "sink_decode_through_windows.json"), "--trace", trace)
         self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
         self.assertIn("which the cache is declared to keep until the next token (lazy)", result.stdout)
+
+    def test_deferred_eviction_lets_a_cache_hold_what_its_chunk_saw_until_its_next_update(self):
+        # W = 8: 5 tokens, then a chunk of 6. The cache holds the 4 it kept plus the chunk's 6
+        # (10 > W) until its next update trims them: exact outputs and positions. Declared
+        # "deferred" it passes; declared "lazy", the tokens no later query needs are extra.
+        exp = export(self.work, "sliding_chunk_crosses_window")
+        trace = os.path.join(self.work, "trace")
+        scenario = os.path.join(SCENARIOS, "sliding_chunk_crosses_window.json")
+        kvtrace.drive_hf_cache(exp, lambda: TrimmedAtNextUpdateCache(8), trace, positions="absolute",
+                               eviction="deferred")
+        result = kvcheck("verify", scenario, "--trace", trace)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        shutil.rmtree(trace)
+        kvtrace.drive_hf_cache(exp, lambda: TrimmedAtNextUpdateCache(8), trace, positions="absolute",
+                               eviction="lazy")
+        result = kvcheck("verify", scenario, "--trace", trace)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("which the policy evicted", result.stdout)
 
     def test_float16_traces_are_judged_like_float32(self):
         # A correct cache passes in float16, and the buggy SinkCache is diagnosed as in

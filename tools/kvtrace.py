@@ -228,8 +228,10 @@ class TraceWriter:
 
     dtype: "float32" or "float16", the .npy type of every tensor written ("<f4" or "<f2").
     eviction: None (not declared), "eager" (the cache drops dead tokens right after the
-    forward, as StreamingLLM's StartRecentKVCache does) or "lazy" (it keeps them until the
-    next token comes); written as the manifest's top-level "eviction"."""
+    forward, as StreamingLLM's StartRecentKVCache does), "lazy" (it keeps them until the
+    next token comes) or "deferred" (lazy, and after an append it may still hold what the
+    append's queries saw, dropped at its next update, as mlx-lm's RotatingKVCache does after
+    a chunk); written as the manifest's top-level "eviction"."""
 
     DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -238,8 +240,8 @@ class TraceWriter:
             raise ValueError("key_positions must be cache-relative, absolute or unrotated, got %r" % (key_positions,))
         if dtype not in self.DTYPES:
             raise ValueError("dtype must be \"float32\" or \"float16\", got %r" % (dtype,))
-        if eviction not in (None, "eager", "lazy"):
-            raise ValueError("eviction must be None, \"eager\" or \"lazy\", got %r" % (eviction,))
+        if eviction not in (None, "eager", "lazy", "deferred"):
+            raise ValueError("eviction must be None, \"eager\", \"lazy\" or \"deferred\", got %r" % (eviction,))
         self.path = os.path.abspath(path)
         if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)) \
                 and not _is_trace(self.path):
@@ -385,6 +387,14 @@ def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_pa
     offer. Returns a DriveResult."""
     from kvtrace_paged import drive_paged_cache as drive
     return drive(export, make_cache, trace_path, producer=producer, dtype=dtype, dump=dump)
+
+
+def drive_mlx_cache(export, make_cache, trace_path, **options):
+    """Drives mlx-lm's caches (KVCache, RotatingKVCache, ...) as mlx-lm's models do, with
+    mx.arrays, rotating at cache.offset and masking with create_attention_mask, and writes a
+    trace; see kvtrace_mlx.py for the options (it needs mlx and mlx-lm). Returns a DriveResult."""
+    from kvtrace_mlx import drive_mlx_cache as drive
+    return drive(export, make_cache, trace_path, **options)
 
 
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",

@@ -130,6 +130,11 @@ constexpr BugClassRow kBugClasses[] = {
      "mask comparing slot indices with cache_position over a cache that shifts or rolls (transformers' "
      "Llama mask over SinkCache once the window is full), or a chunked prefill's kernel was given the "
      "whole append's key length and read slots later chunks had not written yet (nano-vllm PR 213)."},
+    {BugClass::sinks_masked_out, "sinks masked out",
+     "The cache holds the sink tokens at their positions, but the query attended a plain causal window "
+     "of W tokens ending at itself: the mask forgot the sinks. Typically a chunk's mask built as a "
+     "sliding window of the cache's size while single-token decodes see the sinks (mlx-lm's "
+     "RotatingKVCache.make_mask with keep > 0)."},
     {BugClass::quant_scale_wrong, "quantization scale wrong",
      "A stored scale is not the one the format's rule gives for the values it covers (SPEC 9.2.1): a scale "
      "computed once and frozen, from another batch, the wrong group, or never loaded from the checkpoint."},

@@ -27,6 +27,10 @@ enum class Eviction {
   any,    // either, per row and step
   lazy,   // at the next token: the cache holds the retained set between steps
   eager,  // right after the forward: it holds the live set
+  // Lazy, and after an append the cache may still hold tokens the append's queries saw that
+  // no later query sees: its next update drops them (mlx-lm's RotatingKVCache keeps the
+  // W - 1 tokens before a chunk beside the whole chunk).
+  deferred,
 };
 const char* to_string(Eviction e);
 

@@ -277,6 +277,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     return BugClass::quant_dequantization_layout;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
   if (e.outputs_fit_with_later_chunk_keys) return BugClass::chunk_sees_future_keys;
+  if (e.outputs_fit_plain_window) return BugClass::sinks_masked_out;
   if (!e.outputs.empty() && e.dropped_before_last_use) return BugClass::dropped_before_last_use;
   return BugClass::output_mismatch_positions_correct;
 }

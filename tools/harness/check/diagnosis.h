@@ -46,6 +46,7 @@ enum class BugClass {
   layer_policy_swapped,
   dropped_before_last_use,
   chunk_sees_future_keys,
+  sinks_masked_out,
   quant_scale_wrong,
   quant_codes_wrong,
   quant_scale_not_applied,
@@ -218,6 +219,7 @@ struct StepEvidence {
   bool hypotheses_tested = false;                  // the first output mismatch was recomputed under named mistakes:
   bool outputs_fit_without_learned_sinks = false;  // without learned sinks: it matched, the cache dropped them
   bool outputs_fit_with_later_chunk_keys = false;  // with the chunk's later tokens visible: the mask missed causality
+  bool outputs_fit_plain_window = false;  // over a plain window of W, no sinks: the mask forgot the sinks
   // The diagnosed query should see a token that is dead after the step and gone: dropping it
   // is allowed after this forward, not before it.
   bool dropped_before_last_use = false;

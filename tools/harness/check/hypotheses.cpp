@@ -1,5 +1,7 @@
 #include "tools/harness/check/hypotheses.h"
 
+#include <algorithm>
+
 #include "reference/attention.h"
 #include "reference/rope.h"
 
@@ -60,6 +62,16 @@ std::vector<double> output_with_later_chunk_keys(const Scenario& s, const InputT
   for (std::size_t later = i + 1; later < chunk.size(); ++later)
     keys.push_back({chunk[later].uid, chunk[later].view_in(layer).query_position});
   return attend_over(s, inputs, layer, head, chunk[i].uid, view.query_position, keys, true);
+}
+
+std::vector<double> output_in_a_plain_window(const Scenario& s, const InputTable& inputs,
+                                             std::span<const std::uint64_t> history,
+                                             const reference::AppendedToken& token, std::int64_t window, int layer,
+                                             int head) {
+  std::vector<KeyAt> keys;
+  for (std::int64_t t = std::max<std::int64_t>(0, token.index - window + 1); t <= token.index; ++t)
+    keys.push_back({history[static_cast<std::size_t>(t)], t});
+  return attend_over(s, inputs, layer, head, token.uid, token.index, keys, true);
 }
 
 }  // namespace kvcheck

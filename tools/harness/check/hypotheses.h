@@ -25,4 +25,12 @@ std::vector<double> output_with_later_chunk_keys(const Scenario& scenario, const
                                                  std::span<const reference::AppendedToken> chunk, std::size_t i,
                                                  int layer, int head);
 
+// The output of `token` had its query attended a plain causal window of the policy's W
+// tokens ending at itself, at their original positions, instead of the sinks plus the window
+// (a chunk's mask that forgets the sinks: mlx-lm's RotatingKVCache.make_mask with keep > 0).
+std::vector<double> output_in_a_plain_window(const Scenario& scenario, const InputTable& inputs,
+                                             std::span<const std::uint64_t> history,
+                                             const reference::AppendedToken& token, std::int64_t window, int layer,
+                                             int head);
+
 }  // namespace kvcheck

@@ -525,6 +525,9 @@ class StepChecker::Impl {
             wrong.claimed_position = v.claimed_position.value_or(0);
             evidence.slots.push_back(wrong);
           }
+        } else if (!sets.retained.count(v.uid) && options_.eviction == Eviction::deferred && !live &&
+                   seen_by_append(rec, l, b, v.uid)) {
+          row.verdict = SlotVerdict::dead_held;  // dropped at the cache's next update
         } else if (!sets.retained.count(v.uid)) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
@@ -563,7 +566,7 @@ class StepChecker::Impl {
       for (const auto& [uid, key] : sets.retained) {
         if (held.count(uid)) continue;
         const bool dead = !sets.live.count(uid);
-        const bool fine = dead && options_.eviction != Eviction::lazy;
+        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred;
         if (g == 0) {
           SlotRow row;
           row.row = b;
@@ -579,6 +582,16 @@ class StepChecker::Impl {
         evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, b, uid, key->index));
       }
     }
+  }
+
+  // Whether some query of this step's append (row b, layer l) saw the token.
+  static bool seen_by_append(const StepRecord& rec, int l, int b, std::int64_t uid) {
+    if (!rec.append) return false;
+    const auto& history = rec.histories[static_cast<std::size_t>(b)];
+    for (const auto& token : rec.append->rows[static_cast<std::size_t>(b)])
+      for (const reference::VisibleKey& key : token.view_in(l).keys)
+        if (static_cast<std::int64_t>(history[static_cast<std::size_t>(key.index)]) == uid) return true;
+    return false;
   }
 
   // Where a cache-relative key may sit: as the row's last token saw it (lazy), or as the
@@ -837,6 +850,10 @@ class StepChecker::Impl {
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =
           fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));
+    const Policy& policy = s_.layer_policies[static_cast<std::size_t>(l)];
+    if (policy.kind == PolicyKind::sink && policy.sinks > 0 && policy.positions == SinkPositions::original)
+      evidence.outputs_fit_plain_window =
+          fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b][i], policy.window, l, h));
   }
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
@@ -1165,6 +1182,8 @@ const char* to_string(Eviction e) {
       return "lazy";
     case Eviction::eager:
       return "eager";
+    case Eviction::deferred:
+      return "deferred";
   }
   return "?";
 }

@@ -1,0 +1,92 @@
+"""MLX itself, as shipped (label peer.mlx): mlx-lm's own caches (mlx[cpu] 0.32.4, mlx-lm
+0.32.2, the venv build/venvs/mlx that tools/test makes from tools/setup/requirements/mlx.txt)
+driven through kvtrace.drive_mlx_cache as mlx-lm's models drive them: mx.arrays, rotated at
+cache.offset, masked by create_attention_mask, attended by mlx's own
+scaled_dot_product_attention. Keys stay at their absolute positions (mlx-lm never
+re-rotates), so a sink cache is judged against a sink policy at original positions."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
+
+import mlx.core as mx  # noqa: F401  (the venv's MLX must import: the CPU build)
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+
+class MlxCacheTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="kvcheck-peer-mlx-")
+        self.addCleanup(shutil.rmtree, self.work, True)
+        self.trace = os.path.join(self.work, "trace")
+
+    def drive(self, scenario, make_cache, folder=SCENARIOS, **options):
+        result = kvtrace.drive_mlx_cache(export(self.work, scenario, folder), make_cache, self.trace, **options)
+        return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
+
+    def test_kv_cache_passes_full_attention_and_a_trim(self):
+        for scenario in ("full_baseline", "full_crop_accepted"):
+            result, verify = self.drive(scenario, KVCache)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+
+    def test_rotating_cache_without_sinks_passes_a_sliding_window(self):
+        # RotatingKVCache(max_size=W), as mlx-lm's make_cache gives a sliding layer: decodes
+        # through the ring (sliding_baseline), a prompt longer than the window.
+        for scenario, window in (("sliding_baseline", 6), ("sliding_prompt_longer_than_window", 8)):
+            result, verify = self.drive(scenario, lambda: RotatingKVCache(max_size=window))
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+
+    def test_a_chunk_past_the_window_is_held_until_the_next_update(self):
+        # W = 8, 5 tokens, then a chunk of 6 (11 > W): the cache keeps up to W - 1 tokens before
+        # the chunk beside the whole chunk, and trims them at its next update (eviction
+        # "deferred", which the driver declares). Declared lazy, those tokens are extra.
+        _, verify = self.drive("sliding_chunk_crosses_window", lambda: RotatingKVCache(max_size=8))
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        shutil.rmtree(self.trace)
+        _, verify = self.drive("sliding_chunk_crosses_window", lambda: RotatingKVCache(max_size=8), eviction="lazy")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("which the policy evicted", verify.stdout)
+
+    def test_rotating_cache_with_sinks_passes_decodes_at_original_positions(self):
+        # RotatingKVCache(max_size=6, keep=2): two sinks, a ring of 4, 30 decodes, keys never
+        # re-rotated: StreamingLLM at original positions.
+        result, verify = self.drive("sink_decode_original_positions", lambda: RotatingKVCache(max_size=6, keep=2),
+                                    DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_the_queries_of_a_long_prompt_lose_the_sinks(self):
+        # RotatingKVCache(12, keep=4), a 30-token prompt in one forward: make_mask gives a chunk
+        # a plain causal window of 12 columns, keep ignored, so from token 12 on the queries
+        # do not see the 4 sinks a decode would see (docs/findings/mlx/).
+        _, verify = self.drive("sink_long_prompt_original_positions", lambda: RotatingKVCache(max_size=12, keep=4),
+                               DATA)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0), row 0, layer 0, head 0, query token 12",
+                      verify.stdout)
+        self.assertIn("class: sinks masked out", verify.stdout)
+        # One token at a time the same cache passes: a decode's mask keeps the sinks.
+        shutil.rmtree(self.trace)
+        _, verify = self.drive("sink_decode_original_positions", lambda: RotatingKVCache(max_size=6, keep=2), DATA)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_the_reproduction_differs_and_the_suggested_mask_fixes_it(self):
+        # docs/findings/mlx/: MLX alone, no kvcheck. Exit 1: one forward and token by token
+        # differ from token 12 on; with the suggested make_mask (--fixed) they agree.
+        script = os.path.join(ROOT, "docs", "findings", "mlx", "rotating_cache_chunk_drops_sinks.py")
+        found = subprocess.run([sys.executable, script], capture_output=True, text=True)
+        self.assertEqual(found.returncode, 1, found.stdout + found.stderr)
+        self.assertIn("tokens whose outputs differ: [12, 13,", found.stdout)
+        fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
+        self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
+        self.assertIn("tokens whose outputs differ: none", fixed.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

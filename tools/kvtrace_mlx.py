@@ -1,0 +1,187 @@
+"""mlx-lm's KV caches driven as mlx-lm's models drive them, written as a kvcheck trace
+(kvtrace.drive_mlx_cache calls this; it needs mlx and mlx-lm, kvtrace itself only NumPy).
+
+One forward of one layer, as mlx_lm/models/llama.py does it (mlx-lm 0.32.2: Attention,
+LlamaModel):
+
+    mask = create_attention_mask(h, cache, window_size)   # before any layer runs
+    q = rope(q, offset=cache.offset); k = rope(k, offset=cache.offset)
+    keys, values = cache.update_and_fetch(k, v)           # [B, Hkv, L, D]
+    out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=..., mask=mask)
+
+Keys stay at the absolute position they were rotated at (key_positions "absolute"). What
+the cache holds after a step is cache.keys_and_values(), the slots it counts as held
+(KVCache: keys[..., :offset]; RotatingKVCache: the ring, sinks in [:keep]), in storage
+order: kvcheck allows any slot order. After a chunk a RotatingKVCache keeps the W - 1 tokens
+before it beside the whole chunk and trims them at its next update: the trace declares
+eviction "deferred" unless told otherwise."""
+
+import numpy as np
+
+from kvtrace import DriveResult, Export, TraceWriter, UsageError
+
+import mlx.core as mx
+from mlx_lm.models import base as mlx_base
+from mlx_lm.models.rope_utils import initialize_rope
+
+
+class _Failed(Exception):
+    pass
+
+
+def mlx_rope(rope, head_dim):
+    """The rotary module an mlx-lm model builds for the scenario's rope (initialize_rope):
+    traditional=True is the interleaved layout, False the half (rotate_half) one; nn.RoPE(dims)
+    rotates the first dims only."""
+    if rope["layout"] not in ("half", "interleaved"):
+        raise UsageError("unknown rope layout %r" % rope["layout"])
+    dims = int(rope.get("rotary_dim") or head_dim)
+    scaling, config = rope.get("scaling", "none"), None
+    if scaling == "linear":
+        config = {"type": "linear", "factor": rope["factor"]}
+    elif scaling == "llama3":
+        config = {"rope_type": "llama3", **{k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                                  "original_max_position_embeddings")}}
+    elif scaling == "yarn":
+        config = {"rope_type": "yarn", **{k: rope[k] for k in ("factor", "original_max_position_embeddings",
+                                                                "beta_fast", "beta_slow") if k in rope}}
+    elif scaling != "none":
+        raise UsageError("rope scaling %r has no mlx-lm counterpart" % scaling)
+    return initialize_rope(dims, float(rope["theta"]), rope["layout"] == "interleaved", config,
+                           rope.get("original_max_position_embeddings"))
+
+
+def _as_mx(x, kv_dtype):
+    dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[kv_dtype]
+    return mx.array(np.ascontiguousarray(x, dtype=np.float32)).astype(dtype)
+
+
+def _as_numpy(x):
+    return np.array(x.astype(mx.float32)).astype(np.float64)  # NumPy has no bfloat16
+
+
+def held_state(cache):
+    """What the cache holds by its own account, keys_and_values() (a quantized cache's codes
+    dequantized: mlx's affine groups have no trace row yet)."""
+    keys, values = cache.keys_and_values()
+    if isinstance(keys, (tuple, list)):  # QuantizedKVCache: (packed uint32, scales, biases)
+        keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+        values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+    return _as_numpy(keys), _as_numpy(values)
+
+
+def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks="whole", prefill_step_size=2048,
+                    producer="kvtrace.drive_mlx_cache", dtype="float32", eviction="deferred"):
+    """Drives mlx-lm caches through an export and writes a trace; returns a DriveResult.
+
+    make_cache(): a list of per-layer caches (as make_prompt_cache returns) or one cache
+    (then called once per layer); called again at a reset.
+    window_size: what the model hands create_attention_mask per layer: "policy" (the layer's
+    window when its policy is sliding, else None, as llama.py does), None, an int or a list.
+    chunks: "whole" (one forward per append) or "generate" (as generate_step: the first
+    append but its last token in forwards of prefill_step_size, then the last token alone).
+    Crops go through trim() as trim_prompt_cache does: refused when a layer is not
+    trimmable. Rows of different lengths and reorders are refused (mlx-lm pads and reorders
+    with BatchKVCache)."""
+    if not isinstance(export, Export):
+        raise TypeError("export must be a kvtrace.Export")
+    if chunks not in ("whole", "generate"):
+        raise UsageError("chunks must be \"whole\" or \"generate\", got %r" % (chunks,))
+    exp = export
+    layers, head_dim = exp.dims["layers"], exp.dims["head_dim"]
+    rope = mlx_rope(exp.rope, head_dim)
+    if window_size == "policy":
+        windows = [p.get("window") if p.get("type") == "sliding" else None
+                   for p in map(exp.layer_policy, range(layers))]
+    elif isinstance(window_size, (list, tuple)):
+        windows = list(window_size)
+    else:
+        windows = [window_size] * layers
+    logits = exp.manifest.get("attention", {}).get("sink_logits")
+    if logits and not isinstance(logits[0], list):
+        logits = [logits] * layers
+    sinks = [None if not logits else mx.array(np.asarray(logits[l], np.float32)) for l in range(layers)]
+    for step in exp.steps:
+        if step["op"] == "reorder":
+            raise UsageError("mlx-lm's single-sequence caches have no reorder (BatchKVCache has)")
+        if step["op"] in ("append", "decode") and len({len(r["uids"]) for r in step["rows"]}) > 1:
+            raise UsageError("rows of different lengths: mlx-lm pads them with BatchKVCache, not driven here")
+
+    def fresh():
+        made = make_cache()
+        caches = list(made) if isinstance(made, (list, tuple)) else [made] + [make_cache() for _ in range(layers - 1)]
+        if len(caches) != layers:
+            raise UsageError("make_cache returned %d caches for %d layers" % (len(caches), layers))
+        return caches
+
+    result = DriveResult()
+    with TraceWriter(trace_path, exp.name, producer, "absolute", dtype, eviction) as writer:
+        caches, first_append = fresh(), True
+        for index, step in enumerate(exp.steps):
+            if result.error is not None:
+                writer.skip_step()
+                continue
+            try:
+                if step["op"] == "reset":
+                    caches, first_append = fresh(), True
+                    writer.skip_step()
+                elif step["op"] == "crop":
+                    if not all(c.is_trimmable() for c in caches):
+                        message = "cache not trimmable (is_trimmable() is False): trim_prompt_cache trims nothing"
+                        writer.error_step(message)
+                        if "refused" in step:
+                            result.refusals.append((index, message))
+                        else:
+                            result.error, result.error_step = message, index
+                        continue
+                    removed = max(0, caches[0].offset - step["length"])  # a crop past the end removes nothing
+                    for c in caches:
+                        c.trim(removed)
+                    writer.step([dict(zip(("keys", "values"), held_state(c))) for c in caches])
+                else:
+                    _forward(exp, step, caches, rope, windows, sinks, writer,
+                             prefill_step_size if first_append and chunks == "generate" else None)
+                    first_append = False
+            except _Failed as e:
+                writer.error_step(str(e))
+                result.error, result.error_step = str(e), index
+        result.recorded = sum(1 for s in writer.manifest["steps"] if "layers" in s)
+    return result
+
+
+def _forward(exp, step, caches, rope, windows, sinks, writer, prefill):
+    """One append (or decode) step: its forwards, then what each layer holds."""
+    layers, kv_dtype = exp.dims["layers"], exp.manifest.get("kv_dtype", "float32")
+    uids = np.array([r["uids"] for r in step["rows"]], dtype=np.int64)  # [B, n]
+    batch, n = uids.shape
+    cuts = [(0, n)]
+    if prefill is not None and n > 1:
+        cuts = [(a, min(a + prefill, n - 1)) for a in range(0, n - 1, prefill)] + [(n - 1, n)]
+    outs, queries = [[] for _ in range(layers)], [[] for _ in range(layers)]
+    for a, b in cuts:
+        chunk = uids[:, a:b]
+        h = mx.zeros((batch, b - a, 1))  # create_attention_mask reads only its length
+        for l in range(layers):
+            cache = caches[l]
+            q = _as_mx(np.transpose(exp.q[l][chunk], (0, 2, 1, 3)), kv_dtype)  # [B, H, N, D]
+            k = _as_mx(np.transpose(exp.k[l][chunk], (0, 2, 1, 3)), kv_dtype)
+            v = _as_mx(np.transpose(exp.v[l][chunk], (0, 2, 1, 3)), kv_dtype)
+            try:
+                mask = mlx_base.create_attention_mask(h, cache, window_size=windows[l])
+                q_rotated, k_rotated = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
+                keys, values = cache.update_and_fetch(k_rotated, v)
+                out = mlx_base.scaled_dot_product_attention(q_rotated, keys, values, cache=cache, scale=exp.scale,
+                                                            mask=mask, sinks=sinks[l])
+                mx.eval(out)
+            except UsageError:
+                raise
+            except Exception as e:  # the cache (or mlx) failed: a finding, written into the trace
+                raise _Failed("%s: %s" % (type(e).__name__, e)) from e
+            outs[l].append(_as_numpy(out))
+            queries[l].append(_as_numpy(q_rotated))
+    recorded = []
+    for l in range(layers):
+        keys, values = held_state(caches[l])
+        recorded.append({"keys": keys, "values": values, "out": np.concatenate(outs[l], axis=2),
+                         "q": np.concatenate(queries[l], axis=2)})
+    writer.step(recorded)
