@@ -102,8 +102,9 @@ class Reader {
 
 // What SPEC 9 defines but kvcheck's caches do not implement yet is refused by name, so a
 // scenario never passes on a convention it did not get.
-[[noreturn]] inline void not_yet(const Reader& r, const std::string& path, const std::string& what) {
-  r.fail(path, what + " is in SPEC 9, but kvcheck's caches do not implement it yet");
+[[noreturn]] inline void not_yet(const Reader& r, const std::string& path, const std::string& what,
+                                 const char* section = "SPEC 9") {
+  r.fail(path, what + " is in " + section + ", but kvcheck's caches do not implement it yet");
 }
 
 }  // namespace kvcheck::scenario_parse

@@ -155,6 +155,7 @@ void parse_scaling_object(const Reader& r, const json& j, const std::string& p, 
 
 Rope parse_rope(const Reader& r, const json& j, int head_dim) {
   const std::string p = "/rope";
+  if (j.is_array()) not_yet(r, p, "a rope per layer (a list; null for a NoPE layer)", "SPEC 10.1");
   r.object(j, p, {"theta", "layout", "scaling", "factor", "rotary_dim", "partial_rotary_factor"});
   Rope rope;
   if (j.contains("theta")) rope.theta = r.number(j["theta"], p + "/theta", false);
@@ -204,6 +205,8 @@ Rope parse_rope(const Reader& r, const json& j, int head_dim) {
 // SPEC 7: "sink_logits": one finite number per query head, or per layer a list of them.
 Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
   const std::string p = "/attention";
+  if (j.is_object() && j.contains("query_temperature"))
+    not_yet(r, p + "/query_temperature", "query temperature scaling (Llama 4's attn_temperature_tuning)", "SPEC 10.3");
   r.object(j, p, {"sink_logits"});
   Attention a;
   if (!j.contains("sink_logits")) return a;
@@ -237,6 +240,9 @@ Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
 Policy parse_policy(const Reader& r, const json& j, const std::string& p = "/policy") {
   if (!j.is_object()) r.fail(p, "expected an object, got " + describe(j));
   Policy policy;
+  if (r.field(j, p, "type") == "chunked")
+    not_yet(r, p + "/type", "chunked attention (Llama 4's attention_chunk_size)", "SPEC 10.2");
+  if (j.contains("shift_with")) not_yet(r, p + "/shift_with", "a sliding layer under a sink cache's shift", "SPEC 10.4");
   const std::string type = r.choice(r.field(j, p, "type"), p + "/type", {"full", "sliding", "sink"});
   if (type == "full") {
     r.object(j, p, {"type"});
