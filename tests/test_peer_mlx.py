@@ -15,7 +15,7 @@ import unittest
 from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
 import mlx.core as mx  # noqa: F401  (the venv's MLX must import: the CPU build)
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 
 class MlxCacheTest(unittest.TestCase):
@@ -75,6 +75,15 @@ class MlxCacheTest(unittest.TestCase):
         shutil.rmtree(self.trace)
         _, verify = self.drive("sink_decode_original_positions", lambda: RotatingKVCache(max_size=6, keep=2), DATA)
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_what_the_driver_cannot_judge_is_refused_by_name(self):
+        # mlx's affine groups have no SPEC 9 row yet (their floats would be judged as float
+        # storage); a paged step has no mlx-lm counterpart. Refused before anything is written.
+        with self.assertRaisesRegex(kvtrace.UsageError, "QuantizedKVCache is not driven yet"):
+            self.drive("full_baseline", lambda: QuantizedKVCache(group_size=32, bits=8))
+        with self.assertRaisesRegex(kvtrace.UsageError, "mlx-lm's caches have no such operation"):
+            self.drive("paged_evict_then_repeat", KVCache)
+        self.assertFalse(os.path.exists(self.trace))
 
     def test_the_reproduction_differs_and_the_suggested_mask_fixes_it(self):
         # docs/findings/mlx/: MLX alone, no kvcheck. Exit 1: one forward and token by token

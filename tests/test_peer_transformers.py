@@ -396,14 +396,13 @@ class Transformers5CacheLayersTest(PeerTest):
         self.assertIsNone(result.error)
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
-    def test_a_crop_of_left_padded_rows_removes_slots_of_every_row(self):
-        # Rows of 3, 8 and 5 tokens left-padded to 8 slots, cropped to 4: 5 removes the last 4
-        # slots of every row, so row 2 (5 tokens) loses its last live one, as every release's
-        # slot-based crop does on a padded batch.
-        _, verify = self.drive("full_crop_mixed_lengths", hf_caches.dynamic_cache)
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        self.assertIn("first divergence: step 1 (crop, /steps/1)", verify.stdout)
-        self.assertIn("class: dropped a live token", verify.stdout)
+    def test_a_crop_removing_different_counts_per_row_is_refused_by_the_driver(self):
+        # Rows of 3, 8 and 5 tokens left-padded to 8 slots, cropped to 4 tokens: 0, 4 and 1
+        # to remove, but crop(tokens_to_remove) removes the same slots from every row. Said as
+        # one slot crop it would drop live tokens of the driver's making: refused, no trace.
+        with self.assertRaisesRegex(kvtrace.UsageError, r"removes \[0, 1, 4\] tokens from the rows of \[3, 8, 5\]"):
+            self.drive("full_crop_mixed_lengths", hf_caches.dynamic_cache)
+        self.assertFalse(os.path.exists(self.trace))
 
 
 if __name__ == "__main__":

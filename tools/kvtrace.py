@@ -687,6 +687,7 @@ class _Driver:
     def new_cache(self, batch):
         self.cache, self.batch = self.make(batch), batch
         self.held = [0] * batch  # slots held per row, for positions="cache" when the cache does not say
+        self.lengths = [0] * batch  # tokens per row, padding left out
         self.seen = 0            # slots fed so far, padding included: the next cache_position
         self.preallocated = None if self.mask == "auto" else self.mask == "cache_position"  # None: not known yet
 
@@ -696,17 +697,22 @@ class _Driver:
             self.call(index, "reorder_cache", "reorder", self.as_index(step["rows_from"]))
             self.batch = len(step["rows_from"])
             self.held = [self.held[r] if r < len(self.held) else 0 for r in step["rows_from"]]
+            self.lengths = [self.lengths[r] if r < len(self.lengths) else 0 for r in step["rows_from"]]
             self.record_state()
         elif op == "crop":
             refused = "refused" in step
             try:
-                self.call(index, "crop", "crop", self.crop_argument(step["length"]), refusal=refused)
+                self.call(index, "crop", "crop", self.crop_argument(step["length"], refused), refusal=refused)
             except _CacheFailed:
                 if not refused:
                     raise
                 return  # refusing is what the policy wants: the cache goes on intact
+            if self.crop_takes_tokens_to_remove():  # the slots removed from every row
+                self.seen -= max((n - min(n, step["length"]) for n in self.lengths), default=0)
+            else:
+                self.seen = min(self.seen, step["length"])  # transformers' crop keeps that many slots
             self.held = [min(h, step["length"]) for h in self.held]
-            self.seen = min(self.seen, step["length"])  # transformers' crop keeps that many slots
+            self.lengths = [min(n, step["length"]) for n in self.lengths]
             self.record_state()
         else:
             self.append(index, step)
@@ -733,15 +739,30 @@ class _Driver:
                 raise _CacheFailed() from e
             self.fail(index, message)
 
-    def crop_argument(self, length):
-        """What cache.crop takes to keep `length` slots, as transformers' own generate() calls
-        it: the length kept (4.x, crop(max_length)), or minus the slots removed (5.x,
-        crop(tokens_to_remove), which refuses a positive count)."""
+    def crop_takes_tokens_to_remove(self):
+        """transformers 5's crop(tokens_to_remove), which refuses a positive count (4.x and
+        other caches: crop(length), the tokens kept)."""
         try:
-            names = list(inspect.signature(getattr(self.cache, "crop")).parameters)
+            return list(inspect.signature(self.cache.crop).parameters)[:1] == ["tokens_to_remove"]
         except (AttributeError, TypeError, ValueError):  # no crop (call() records it), or no signature
-            names = []
-        return -max(0, self.seen - length) if names[:1] == ["tokens_to_remove"] else length
+            return False
+
+    def crop_argument(self, length, refused=False):
+        """What cache.crop takes to keep `length` tokens of every row: `length` (crop(length)),
+        or, for transformers 5, minus the slots removed, as its generate() calls it. A 5 crop
+        removes the same slots from every row, so one that must remove different counts from
+        left-padded rows cannot be said to it, and is refused, unless the policy refuses the
+        crop anyway (then the most any row loses is offered: accepting it is the finding)."""
+        if not self.crop_takes_tokens_to_remove():
+            return length
+        removed = {n - min(n, length) for n in self.lengths}
+        if refused:
+            return -max(removed, default=0)
+        if len(removed) > 1:
+            raise UsageError("a crop to %d tokens removes %s tokens from the rows of %s: transformers 5's "
+                             "crop(tokens_to_remove) removes the same slots from every row"
+                             % (length, sorted(removed), self.lengths))
+        return -(removed.pop() if removed else 0)
 
     def record_state(self):
         layers = self.exp.dims["layers"]
@@ -867,6 +888,7 @@ class _Driver:
         if self.preallocated is None:
             self.preallocated = False  # decided by the first forward: later growth must not flip it
         self.seen += n
+        self.lengths = [length + int(np.count_nonzero(r)) for length, r in zip(self.lengths, real)]
         if self.after_forward is not None:
             try:
                 replacement = self.after_forward(self.cache)

@@ -60,13 +60,12 @@ def _as_numpy(x):
     return np.array(x.astype(mx.float32)).astype(np.float64)  # NumPy has no bfloat16
 
 
-def held_state(cache):
-    """What the cache holds by its own account, keys_and_values() (a quantized cache's codes
-    dequantized: mlx's affine groups have no trace row yet)."""
+def held_state(cache, kv_heads, head_dim):
+    """What the cache holds by its own account, keys_and_values(); nothing yet: empty."""
+    if cache.keys is None:
+        empty = np.zeros((1, kv_heads, 0, head_dim))
+        return empty, empty
     keys, values = cache.keys_and_values()
-    if isinstance(keys, (tuple, list)):  # QuantizedKVCache: (packed uint32, scales, biases)
-        keys = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
-        values = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
     return _as_numpy(keys), _as_numpy(values)
 
 
@@ -101,6 +100,9 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
     if logits and not isinstance(logits[0], list):
         logits = [logits] * layers
     sinks = [None if not logits else mx.array(np.asarray(logits[l], np.float32)) for l in range(layers)]
+    paged = [step["op"] for step in exp.steps if step["op"] in ("free", "preempt", "resume", "evict")]
+    if paged:
+        raise UsageError("step %r is a paged cache's (SPEC 8): mlx-lm's caches have no such operation" % paged[0])
     for step in exp.steps:
         if step["op"] == "reorder":
             raise UsageError("mlx-lm's single-sequence caches have no reorder (BatchKVCache has)")
@@ -112,6 +114,10 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
         caches = list(made) if isinstance(made, (list, tuple)) else [made] + [make_cache() for _ in range(layers - 1)]
         if len(caches) != layers:
             raise UsageError("make_cache returned %d caches for %d layers" % (len(caches), layers))
+        if any(hasattr(c, "bits") for c in caches):
+            # Its floats would be judged as float storage: mlx's affine groups (a float scale and
+            # bias per group) need their own SPEC 9 row first.
+            raise UsageError("QuantizedKVCache is not driven yet: mlx's affine quantization has no SPEC 9 format row")
         return caches
 
     result = DriveResult()
@@ -137,7 +143,8 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
                     removed = max(0, caches[0].offset - step["length"])  # a crop past the end removes nothing
                     for c in caches:
                         c.trim(removed)
-                    writer.step([dict(zip(("keys", "values"), held_state(c))) for c in caches])
+                    writer.step([dict(zip(("keys", "values"), held_state(c, exp.dims.get("kv_heads", exp.dims["heads"]), head_dim)))
+                                 for c in caches])
                 else:
                     _forward(exp, step, caches, rope, windows, sinks, writer,
                              prefill_step_size if first_append and chunks == "generate" else None)
@@ -181,7 +188,7 @@ def _forward(exp, step, caches, rope, windows, sinks, writer, prefill):
             queries[l].append(_as_numpy(q_rotated))
     recorded = []
     for l in range(layers):
-        keys, values = held_state(caches[l])
+        keys, values = held_state(caches[l], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"])
         recorded.append({"keys": keys, "values": values, "out": np.concatenate(outs[l], axis=2),
                          "q": np.concatenate(queries[l], axis=2)})
     writer.step(recorded)

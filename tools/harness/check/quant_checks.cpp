@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -704,8 +705,24 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         for (const reference::VisibleKey& key : token.view_in(l).keys)
           if (static_cast<std::int64_t>(history[static_cast<std::size_t>(key.index)]) == uid) read.insert(key.position);
       }
+      // Where it is kept after the step, if it is.
+      std::optional<std::int64_t> kept_at;
+      std::optional<std::size_t> kept_index;
+      const auto& retained = rec.retained_in(l, b).keys;
+      for (std::size_t r = 0; r < retained.size(); ++r)
+        if (static_cast<std::int64_t>(retained[r].uid) == uid) kept_at = retained[r].position, kept_index = r;
+      // Every store must be at a position the reference has the key at this step (read by a
+      // query, or where it is kept): else the cache's route is not the reference's, and the
+      // codes after the step are judged alone.
+      const bool on_reference_route = std::all_of(list.begin(), list.end(), [&](const KeyStore* store) {
+        return read.count(store->position) || kept_at == store->position;
+      });
+      if (!on_reference_route) continue;
       reference::QuantizedRow cache_codes, reference_codes;
       std::int64_t at = 0;
+      // How far the outputs may move for this key: each query reads one of its stores, so the
+      // largest weight of a store read, not their sum.
+      double moved = 0.0;
       if (written) {
         reference_codes = reference::quantize_key_at(*q.k, q.transform, s_.rope,
                                                      inputs_.k_at(l, static_cast<std::uint64_t>(uid), g), D, g,
@@ -715,6 +732,8 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         if (held == held_.end()) continue;  // never judged before: the codes after the step alone
         at = held->second.position;
         cache_codes = held->second.codes;
+        // Read where it was held, before the step's first shift: over the held codes.
+        if (read.count(at) && !held->second.as_reference) moved = held->second.weight;
         if (held->second.as_reference) {
           reference_codes = held->second.codes;
         } else {
@@ -723,14 +742,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
           reference_codes = theirs->second;
         }
       }
-      // Where it is kept after the step, if it is.
-      std::optional<std::int64_t> kept_at;
-      std::optional<std::size_t> kept_index;
-      const auto& retained = rec.retained_in(l, b).keys;
-      for (std::size_t r = 0; r < retained.size(); ++r)
-        if (static_cast<std::int64_t>(retained[r].uid) == uid) kept_at = retained[r].position, kept_index = r;
       bool right = true;
-      double moved = 0.0;
       for (std::size_t i = 0; i < list.size() && right; ++i) {
         const KeyStore& store = *list[i];
         reference::QuantizedRow expected;
@@ -751,7 +763,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         at = store.position;
         const bool last_kept = i + 1 == list.size() && kept_at == at;  // judged with the kept codes below
         if (read.count(at) && !last_kept && !same_stored(cache_codes, reference_codes))
-          moved += weigh(*q.k, reference_codes, store.codes, false);
+          moved = std::max(moved, weigh(*q.k, reference_codes, store.codes, false));
       }
       if (!right) continue;
       // The reference's chain as rebuilt here must end where the reference's own does; if not,
@@ -1159,6 +1171,7 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
 void QuantChecks::rule_outputs(const StepRecord& rec, int l, int b, const float* rotated_q, OutputRule& rule) const {
   if (!rec.append) return;
   std::vector<double> held, held_slack;
+  if (!rule.expected.empty()) throw std::logic_error("two sub-checks set the expected outputs (OutputRule)");
   if (!rec.append->out_stored.empty() && held_outputs(rec, l, b, rotated_q, held, held_slack)) {
     rule.expected = std::move(held);
     rule.query_slack = std::move(held_slack);

@@ -25,6 +25,8 @@ namespace kvcheck {
 // with the reference's: other expected values (outputs recomputed over what the cache holds,
 // in R_stored's layout), how far every element may move beyond the tolerance, and how far
 // one may move for a query `slack` (2-norm) from the reference's, element by element.
+// At most one check of the list sets `expected` (today QuantChecks: R_stored over held codes);
+// allowances add up.
 struct OutputRule {
   std::vector<double> expected;     // empty: the reference's own
   std::vector<double> query_slack;  // one per (token, head), in `expected`'s layout; empty: none

@@ -197,23 +197,26 @@ CacheView InProcessCache::operator()(std::size_t index, const StepRecord& rec) {
 }
 
 namespace {
-// Stores of quantized keys a checker follows: keys quantized with a scale computed per row
-// (a frozen one never moves across a boundary) under a policy that re-rotates kept keys.
-bool shows_key_stores(const Scenario& s) {
+// Stores of quantized keys a checker follows in layer l: keys quantized with a scale computed
+// per row (a frozen one never moves across a boundary), nothing held raw.
+bool follows_key_stores(const Scenario& s, int l) {
   if (!s.kv_quant) return false;
-  for (int l = 0; l < s.dims.layers; ++l) {
-    const KvQuant& q = s.quant(l);
-    if (q.k && !q.holds_raw() && q.k->scale.rule != ScaleRule::first_append) return true;
-  }
+  const KvQuant& q = s.quant(l);
+  return q.k && !q.holds_raw() && q.k->scale.rule != ScaleRule::first_append;
+}
+bool shows_key_stores(const Scenario& s) {
+  for (int l = 0; l < s.dims.layers; ++l)
+    if (follows_key_stores(s, l)) return true;
   return false;
 }
-// A long prompt re-quantizes its window at every shift: beyond this many stores the source
-// shows none (the checker then judges the codes after the step alone).
-constexpr std::size_t kMostKeyStores = std::size_t{1} << 20;
+// A long prompt re-quantizes its window at every shift: beyond this many stores in one step
+// (about 170 MB at head_dim 128) the source shows none, and the checker judges the codes
+// after the step alone, as for a trace (docs/quantized.md).
+constexpr std::size_t kMostKeyStores = std::size_t{1} << 18;
 }  // namespace
 
 void InProcessCache::record_key_store(int l, int b, int g, std::int64_t slot, std::int64_t position) {
-  if (!key_stores_complete_) return;
+  if (!key_stores_complete_ || !follows_key_stores(s_, l)) return;
   if (key_stores_.size() >= kMostKeyStores) {
     key_stores_complete_ = false;
     key_stores_ = {};
