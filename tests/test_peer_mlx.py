@@ -71,6 +71,16 @@ class MlxCacheTest(unittest.TestCase):
         self.assertIn("first divergence: step 0 (append, /steps/0), row 0, layer 0, head 0, query token 12",
                       verify.stdout)
         self.assertIn("class: sinks masked out", verify.stdout)
+        # A chunk after a prompt, crossing the window: the buffer holds the sinks, the recent
+        # tokens and the chunk, and query i of the chunk sees its last 8 columns, so from the
+        # chunk's token 8 on the sinks fall out one by one.
+        shutil.rmtree(self.trace)
+        _, verify = self.drive("sink_chunk_crosses_window_original_positions",
+                               lambda: RotatingKVCache(max_size=8, keep=2), DATA)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (append, /steps/1), row 0, layer 0, head 0, query token 8",
+                      verify.stdout)
+        self.assertIn("class: sinks masked out", verify.stdout)
         # One token at a time the same cache passes: a decode's mask keeps the sinks.
         shutil.rmtree(self.trace)
         _, verify = self.drive("sink_decode_original_positions", lambda: RotatingKVCache(max_size=6, keep=2), DATA)

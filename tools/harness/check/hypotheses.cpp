@@ -66,12 +66,15 @@ std::vector<double> output_with_later_chunk_keys(const Scenario& s, const InputT
 
 std::vector<double> output_in_a_plain_window(const Scenario& s, const InputTable& inputs,
                                              std::span<const std::uint64_t> history,
-                                             const reference::AppendedToken& token, std::int64_t window, int layer,
-                                             int head) {
-  std::vector<KeyAt> keys;
-  for (std::int64_t t = std::max<std::int64_t>(0, token.index - window + 1); t <= token.index; ++t)
-    keys.push_back({history[static_cast<std::size_t>(t)], t});
-  return attend_over(s, inputs, layer, head, token.uid, token.index, keys, true);
+                                             std::span<const reference::AppendedToken> chunk, std::size_t i,
+                                             std::int64_t window, int layer, int head) {
+  std::vector<KeyAt> buffer;  // the cache's buffer in token order: what it held, then the chunk
+  for (const reference::VisibleKey& key : chunk[0].view_in(layer).keys)
+    if (key.index != chunk[0].index) buffer.push_back({history[static_cast<std::size_t>(key.index)], key.index});
+  for (std::size_t c = 0; c <= i; ++c) buffer.push_back({chunk[c].uid, chunk[c].index});
+  const std::size_t from = buffer.size() > static_cast<std::size_t>(window) ? buffer.size() - window : 0;
+  const std::vector<KeyAt> keys(buffer.begin() + static_cast<std::ptrdiff_t>(from), buffer.end());
+  return attend_over(s, inputs, layer, head, chunk[i].uid, chunk[i].index, keys, true);
 }
 
 }  // namespace kvcheck

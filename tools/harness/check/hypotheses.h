@@ -25,12 +25,14 @@ std::vector<double> output_with_later_chunk_keys(const Scenario& scenario, const
                                                  std::span<const reference::AppendedToken> chunk, std::size_t i,
                                                  int layer, int head);
 
-// The output of `token` had its query attended a plain causal window of the policy's W
-// tokens ending at itself, at their original positions, instead of the sinks plus the window
-// (a chunk's mask that forgets the sinks: mlx-lm's RotatingKVCache.make_mask with keep > 0).
+// The output of the chunk's token i had its query attended the last W entries of what the
+// cache held before the chunk (what the chunk's first token saw, itself left out) followed by
+// the chunk up to token i, at original positions, instead of the sinks plus the window: a
+// chunk's mask that is a plain causal window over the cache's buffer (mlx-lm's
+// RotatingKVCache.make_mask with keep > 0; at a row's first chunk, simply the last W tokens).
 std::vector<double> output_in_a_plain_window(const Scenario& scenario, const InputTable& inputs,
                                              std::span<const std::uint64_t> history,
-                                             const reference::AppendedToken& token, std::int64_t window, int layer,
-                                             int head);
+                                             std::span<const reference::AppendedToken> chunk, std::size_t i,
+                                             std::int64_t window, int layer, int head);
 
 }  // namespace kvcheck

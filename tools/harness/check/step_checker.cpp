@@ -853,7 +853,7 @@ class StepChecker::Impl {
     const Policy& policy = s_.layer_policies[static_cast<std::size_t>(l)];
     if (policy.kind == PolicyKind::sink && policy.sinks > 0 && policy.positions == SinkPositions::original)
       evidence.outputs_fit_plain_window =
-          fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b][i], policy.window, l, h));
+          fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b], i, policy.window, l, h));
   }
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
