@@ -18,7 +18,7 @@ eviction "deferred" unless told otherwise."""
 
 import numpy as np
 
-from kvtrace import DriveResult, Export, TraceWriter, UsageError
+from kvtrace_base import DriveResult, Export, TraceWriter, UsageError
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base

@@ -44,7 +44,7 @@ history (prompt and generated ids) and recomputes what was not hit, without outp
 
 import numpy as np
 
-import kvtrace
+from kvtrace_base import DriveResult, TraceWriter, UsageError, rotate, to_numpy
 
 
 class _Failed(Exception):
@@ -54,15 +54,15 @@ class _Failed(Exception):
 class _PagedDriver:
     def __init__(self, export, make_cache, writer, dump):
         if "paging" not in export.manifest:
-            raise kvtrace.UsageError("%s is not a paged scenario (no \"paging\" in its export): drive it with "
+            raise UsageError("%s is not a paged scenario (no \"paging\" in its export): drive it with "
                                      "drive_hf_cache" % export.name)
         if any(export.layer_policy(l)["type"] == "sink" for l in range(export.dims["layers"])):
-            raise kvtrace.UsageError("drive_paged_cache drives full and sliding layers (kvcheck refuses paging with "
+            raise UsageError("drive_paged_cache drives full and sliding layers (kvcheck refuses paging with "
                                      "a sink policy)")
         if dump not in ("referenced", "pool"):
-            raise kvtrace.UsageError("dump must be \"referenced\" or \"pool\", got %r" % (dump,))
+            raise UsageError("dump must be \"referenced\" or \"pool\", got %r" % (dump,))
         self.exp, self.make, self.writer, self.dump = export, make_cache, writer, dump
-        self.result = kvtrace.DriveResult()
+        self.result = DriveResult()
         self.L, self.H = export.dims["layers"], export.dims["heads"]
         self.Hkv, self.D = export.dims["kv_heads"], export.dims["head_dim"]
 
@@ -74,7 +74,7 @@ class _PagedDriver:
             self.fail(index, "the cache has no %s()" % method)
         try:
             return function(*args)
-        except kvtrace.UsageError:
+        except UsageError:
             raise
         except Exception as e:
             self.fail(index, "%s: %s" % (type(e).__name__, e))
@@ -86,7 +86,7 @@ class _PagedDriver:
 
     def table(self, index, layer, row):
         entries = self.call(index, "block_table", layer, row)
-        return [-1 if e is None else int(e) for e in kvtrace.to_numpy(entries).reshape(-1).tolist()] \
+        return [-1 if e is None else int(e) for e in to_numpy(entries).reshape(-1).tolist()] \
             if entries is not None and len(entries) else []
 
     # -- running -------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class _PagedDriver:
         self.B = int(getattr(self.cache, "block_size"))
         self.layout = getattr(self.cache, "layout", "NHD")
         if self.layout not in ("NHD", "HND"):
-            raise kvtrace.UsageError("the cache's layout is %r: expected \"NHD\" or \"HND\"" % (self.layout,))
+            raise UsageError("the cache's layout is %r: expected \"NHD\" or \"HND\"" % (self.layout,))
         # Per row: the uids and ids it holds (a recompute rebuilds from them), its extras.
         self.rows = [{"uids": [], "ids": [], "extra": {}} for _ in range(batch)]
         self.preempted = {}
@@ -205,14 +205,14 @@ class _PagedDriver:
         """reshape_and_cache: rotated keys and values of tokens lo .. hi - 1 into their slots."""
         uids = self.rows[b]["uids"][lo:hi]
         if hasattr(self.cache, "slot_mapping"):
-            slots = [int(s) for s in kvtrace.to_numpy(self.call(index, "slot_mapping", l, b, lo, hi - lo)).reshape(-1)]
+            slots = [int(s) for s in to_numpy(self.call(index, "slot_mapping", l, b, lo, hi - lo)).reshape(-1)]
         else:
             table = self.table(index, l, b)
             slots = [table[t // self.B] * self.B + t % self.B if t // self.B < len(table) and table[t // self.B] >= 0
                      else -1 for t in range(lo, hi)]
         if self.slots is not None:
             self.slots[l][b] += slots
-        k = kvtrace.rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, Hkv, D]
+        k = rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, Hkv, D]
         v = self.exp.v[l][uids]
         keys, values = self.call(index, "key_cache", l), self.call(index, "value_cache", l)
         blocks = int(keys.shape[0])
@@ -240,15 +240,15 @@ class _PagedDriver:
         window = policy["window"] if policy["type"] == "sliding" else None
         table = self.table(index, l, b)
         if hasattr(self.cache, "read_kv"):  # the cache dequantizes as its attention reads
-            keys, values = (kvtrace.to_numpy(x).astype(np.float64) for x in self.call(index, "read_kv", l))
+            keys, values = (to_numpy(x).astype(np.float64) for x in self.call(index, "read_kv", l))
         else:
-            keys = kvtrace.to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
-            values = kvtrace.to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
+            keys = to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
+            values = to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
         if self.layout == "HND":
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
         uids = self.rows[b]["uids"]
         group = self.H // self.Hkv
-        q = kvtrace.rotate(self.exp.q[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, H, D]
+        q = rotate(self.exp.q[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, H, D]
         out = np.full((hi - lo, self.H, self.D), np.nan)
         for j, t in enumerate(range(lo, hi)):
             i = np.arange(0 if window is None else max(0, t - window + 1), t + 1)
@@ -282,10 +282,10 @@ class _PagedDriver:
             if self.dump == "referenced":  # only the blocks the tables reach (SPEC 8.9's block_ids)
                 ids = np.unique(table[table >= 0]).astype(np.int64)
                 paged["block_ids"] = ids
-                pools = {name: kvtrace.to_numpy(x)[ids] for name, x in pools.items()}
+                pools = {name: to_numpy(x)[ids] for name, x in pools.items()}
             paged.update(pools)
             if hasattr(self.cache, "refcount"):
-                paged["refcount"] = np.asarray(kvtrace.to_numpy(self.call(index, "refcount", l)), np.int32)
+                paged["refcount"] = np.asarray(to_numpy(self.call(index, "refcount", l)), np.int32)
             if self.hits is not None:
                 paged["hit_tokens"] = np.array(self.hits, np.int32)
             if self.slots is not None:
@@ -303,9 +303,9 @@ class _PagedDriver:
 def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_paged_cache", dtype="float32",
                       dump="referenced"):
     """Drives a paged cache (see the module's docstring for what it must offer) over an
-    export's schedule and writes the trace; returns a kvtrace.DriveResult. make_cache() gives
+    export's schedule and writes the trace; returns a DriveResult. make_cache() gives
     a fresh cache (called again at a `reset`). A failure of the cache is written into the
     trace at its step, and driving stops there. dump: "referenced" writes the blocks the
     tables reference (with block_ids), "pool" the whole pools after every step."""
-    with kvtrace.TraceWriter(trace_path, export.name, producer, "absolute", dtype=dtype) as writer:
+    with TraceWriter(trace_path, export.name, producer, "absolute", dtype=dtype) as writer:
         return _PagedDriver(export, make_cache, writer, dump).run()
