@@ -9,9 +9,27 @@ std::int64_t sink_evicted(std::int64_t window, std::int64_t evict, std::int64_t 
   return over <= 0 ? 0 : evict * ((over + evict - 1) / evict);
 }
 
-LayerPolicy layer_policy(const CacheConfig& config, int layer) {
-  if (!config.layer_policies.empty()) return config.layer_policies[static_cast<std::size_t>(layer)];
-  return {config.kind, config.window, config.sinks, config.evict, config.shift_positions, config.dense_prefill};
+namespace {
+
+void require_one_per_layer(const CacheConfig& config) {
+  if (config.policies.size() != static_cast<std::size_t>(config.layers))
+    throw std::invalid_argument("CacheConfig: " + std::to_string(config.policies.size()) + " policies for " +
+                                std::to_string(config.layers) + " layers (one per layer)");
+}
+
+}  // namespace
+
+const LayerPolicy& layer_policy(const CacheConfig& config, int layer) {
+  require_one_per_layer(config);
+  return config.policies.at(static_cast<std::size_t>(layer));
+}
+
+const LayerPolicy& shared_policy(const CacheConfig& config) {
+  require_one_per_layer(config);
+  for (const LayerPolicy& p : config.policies)
+    if (!(p == config.policies.front()))
+      throw std::invalid_argument("CacheConfig: the layers' policies differ; this cache serves one policy");
+  return config.policies.front();
 }
 
 std::vector<LayerFormats> store_formats(const CacheConfig& c) {

@@ -20,8 +20,12 @@ namespace kvcheck::optimized {
 // One layer's policy in a hybrid stack (SPEC 7: Gemma's and gpt-oss's sliding and full layers).
 struct LayerPolicy {
   enum class Kind { full, sliding, sink } kind = Kind::full;
-  std::int64_t window = 0, sinks = 0, evict = 1;
-  bool shift_positions = true, dense_prefill = false;
+  std::int64_t window = 0;      // sliding: keys visible; sink: capacity W
+  std::int64_t sinks = 0;       // sink: S
+  std::int64_t evict = 1;       // sink: tokens dropped at once when full
+  bool shift_positions = true;  // sink: cache-relative positions (false: original ones)
+  bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
+  bool operator==(const LayerPolicy&) const = default;
 };
 
 // SPEC 8: keys and values in a pool of blocks with a table per row (the `paged` cache).
@@ -52,25 +56,28 @@ struct CacheConfig {
   int batch = 1;
   RopeSpec rope;
   float softmax_scale = 1.0f;
-  LayerPolicy::Kind kind = LayerPolicy::Kind::full;  // every layer's, unless layer_policies says (the paged cache reads it)
-  std::int64_t window = 0;                      // sliding: keys visible; sink: capacity W
-  std::int64_t sinks = 0;                       // sink: S
-  std::int64_t evict = 1;                       // sink: tokens dropped at once when full
-  bool shift_positions = true;                  // sink: cache-relative positions (false: original ones)
-  bool dense_prefill = false;                   // sink: a chunk is one dense forward, trimmed afterwards
+  // One per layer: what each keeps (SPEC 3, 7). A cache of one policy (sliding, sink_*) takes
+  // the one they share (shared_policy); the hybrid and paged caches read each layer's.
+  std::vector<LayerPolicy> policies;
   std::int64_t capacity = 0;                    // static: slots per row
   int threads = 1;                              // attention threads (results do not depend on it)
   Storage storage = Storage::float32;           // how keys and values are stored (SPEC 7, kv_dtype)
   std::vector<LayerQuant> quant;                // quantized instead (SPEC 9): per layer; empty: nothing is
-  std::vector<LayerPolicy> layer_policies;      // hybrid: one per layer; the fields above are layer 0's
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
   std::optional<PagedLayout> paging;            // the paged cache's pool
   std::optional<Residual> residual;             // quantized stores holding some tokens raw (SPEC 9)
   bool poison_blocks = false;                   // paged: new and freed blocks hold marked NaNs (poison.h)
 };
 
-// Layer l's policy: its entry in a hybrid stack, else the one every layer has.
-LayerPolicy layer_policy(const CacheConfig& config, int layer);
+// Layer l's policy. std::invalid_argument unless `policies` has one per layer.
+const LayerPolicy& layer_policy(const CacheConfig& config, int layer);
+// The policy every layer has. std::invalid_argument when the layers' differ (a cache of one
+// policy cannot serve a hybrid stack) or `policies` has not one per layer.
+const LayerPolicy& shared_policy(const CacheConfig& config);
+// Gives every layer the policy p.
+inline void set_every_layer(CacheConfig& config, const LayerPolicy& p) {
+  config.policies.assign(static_cast<std::size_t>(config.layers), p);
+}
 
 // What a row carries besides its tokens (SPEC 8.1): a prefix may be reused only under the
 // same adapter and salt.

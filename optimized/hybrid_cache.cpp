@@ -9,25 +9,18 @@
 namespace kvcheck::optimized {
 
 HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
-  if (config.layer_policies.size() != static_cast<std::size_t>(config.layers))
-    throw std::invalid_argument("hybrid cache: one layer policy per layer expected");
   for (int l = 0; l < config.layers; ++l) {
-    const LayerPolicy& p = config.layer_policies[static_cast<std::size_t>(l)];
+    const LayerPolicy& p = layer_policy(config, l);
     CacheConfig one = config;
     one.layers = 1;
     // Each layer's cache would start its own worker pool: L pools of idle threads for a deep
     // stack. The layers run one after another, each on one thread.
     one.threads = 1;
-    one.layer_policies.clear();
+    one.policies = {p};
     one.sink_logits.clear();
     if (!config.sink_logits.empty()) one.sink_logits.push_back(config.sink_logits[static_cast<std::size_t>(l)]);
     one.quant.clear();
     if (!config.quant.empty()) one.quant.push_back(config.quant[static_cast<std::size_t>(l)]);
-    one.window = p.window;
-    one.sinks = p.sinks;
-    one.evict = p.evict;
-    one.shift_positions = p.shift_positions;
-    one.dense_prefill = p.dense_prefill;
     switch (p.kind) {
       case LayerPolicy::Kind::full:
         layers_.push_back(std::make_unique<DenseCache>(one, DenseCache::Growth::dynamic));

@@ -6,6 +6,7 @@ namespace kvcheck::optimized {
 
 SinkRingCache::SinkRingCache(const CacheConfig& config)
     : config_(config),
+      policy_(shared_policy(config)),
       rope_(config.rope),
       kernel_(config.threads),
       store_(config.kv_heads, config.head_dim, store_formats(config)),
@@ -15,13 +16,13 @@ SinkRingCache::SinkRingCache(const CacheConfig& config)
 }
 
 std::int64_t SinkRingCache::slot_of(std::int64_t index) const {
-  const std::int64_t S = config_.sinks;
-  return index < S ? index : S + (index - S) % (config_.window - S);
+  const std::int64_t S = policy_.sinks;
+  return index < S ? index : S + (index - S) % (policy_.window - S);
 }
 
 void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
   const int B = batch();
-  const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
+  const std::int64_t S = policy_.sinks, W = policy_.window, k = policy_.evict;
   chunk_.make_empty(B, chunk.length);
   cover_chunk(rope_, lengths_, chunk);
   for (int b = 0; b < B; ++b) {
@@ -32,8 +33,8 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
       const std::int64_t t = first + i;
       store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t}, &frozen_);
       // A dense chunk is one forward over what the cache held before it: E stays E(first).
-      const std::int64_t e = sink_evicted(W, k, config_.dense_prefill ? first : t);
-      plans_.push_back({pad + i, QueryPlan{t, S, S + e, t, config_.shift_positions ? t - e : t}});
+      const std::int64_t e = sink_evicted(W, k, policy_.dense_prefill ? first : t);
+      plans_.push_back({pad + i, QueryPlan{t, S, S + e, t, policy_.shift_positions ? t - e : t}});
     }
     const SlotSource sources[] = {{&store_, b}, {&chunk_, b}};
     attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
@@ -53,7 +54,7 @@ void SinkRingCache::reorder(const std::vector<int>& rows) {
 }
 
 void SinkRingCache::reset(int batch) {
-  store_.make_empty(batch, config_.window);
+  store_.make_empty(batch, policy_.window);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
   frozen_.reset(batch);
 }
@@ -67,7 +68,7 @@ void SinkRingCache::free_rows(const std::vector<int>& rows) {
 
 void SinkRingCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
-    if (lengths_[b] > length) refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
+    if (lengths_[b] > length) refuse_crop_if_evicted(store_, b, length, policy_.sinks, policy_.window, policy_.evict);
 }
 
 void SinkRingCache::crop(std::int64_t length) {

@@ -31,6 +31,7 @@ class SinkRingCache : public KvCache {
   std::int64_t slot_of(std::int64_t index) const;
 
   CacheConfig config_;
+  LayerPolicy policy_;  // every layer's
   RopeTable rope_;
   AttentionKernel kernel_;
   std::vector<PlannedQuery> plans_;  // reused from step to step

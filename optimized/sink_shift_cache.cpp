@@ -6,6 +6,7 @@ namespace kvcheck::optimized {
 
 SinkShiftCache::SinkShiftCache(const CacheConfig& config)
     : config_(config),
+      policy_(shared_policy(config)),
       rope_(config.rope),
       kernel_(config.threads),
       store_(config.kv_heads, config.head_dim, store_formats(config)),
@@ -18,10 +19,10 @@ void SinkShiftCache::shift_to(const Chunk& chunk, int b, std::int64_t evicted) {
   RowState& row = rows_[b];
   const std::int64_t d = evicted - row.evicted;
   if (d <= 0) return;
-  const std::int64_t S = std::min(config_.sinks, row.length);
+  const std::int64_t S = std::min(policy_.sinks, row.length);
   for (std::int64_t s = S + d; s < row.used; ++s) {
     store_.move_slot(b, s, s - d);
-    if (config_.shift_positions) {
+    if (policy_.shift_positions) {
       for (int l = 0; l < store_.layers(); ++l)
         for (int g = 0; g < store_.kv_heads(); ++g) {
           // Read, turn back by d, store again: float32 only (catalog), since every shift would
@@ -40,7 +41,7 @@ void SinkShiftCache::shift_to(const Chunk& chunk, int b, std::int64_t evicted) {
 }
 
 void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
-  const std::int64_t S = config_.sinks, W = config_.window, k = config_.evict;
+  const std::int64_t S = policy_.sinks, W = policy_.window, k = policy_.evict;
   // A dense chunk holds the cache plus the whole chunk at once.
   std::int64_t need = W;
   for (int b = 0; b < batch(); ++b) need = std::max(need, rows_[b].used + chunk.counts[b]);
@@ -59,7 +60,7 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
       // The group: tokens that see the same E (one dense chunk is a single group).
       const std::int64_t e = sink_evicted(W, k, t);
       std::int64_t group_end = t + 1;
-      if (config_.dense_prefill)
+      if (policy_.dense_prefill)
         group_end = end;
       else
         while (group_end < end && sink_evicted(W, k, group_end) == e) ++group_end;
@@ -67,7 +68,7 @@ void SinkShiftCache::append(const Chunk& chunk, const std::vector<float*>& out, 
 
       plans_.clear();
       for (std::int64_t j = t; j < group_end; ++j) {
-        const std::int64_t pos = config_.shift_positions ? j - e : j;
+        const std::int64_t pos = policy_.shift_positions ? j - e : j;
         const std::int64_t chunk_pos = pad + (j - first);
         const std::int64_t slot = row.used++;
         store_token(store_, rope_, chunk, b, chunk_pos, slot, {chunk.uids[b * chunk.length + chunk_pos], j, pos},
@@ -94,7 +95,7 @@ void SinkShiftCache::reorder(const std::vector<int>& rows) {
 }
 
 void SinkShiftCache::reset(int batch) {
-  store_.make_empty(batch, config_.window);
+  store_.make_empty(batch, policy_.window);
   rows_.assign(static_cast<std::size_t>(batch), RowState{});
   frozen_.reset(batch);
 }
@@ -109,7 +110,7 @@ void SinkShiftCache::free_rows(const std::vector<int>& rows) {
 void SinkShiftCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
     if (rows_[b].length > length)
-      refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
+      refuse_crop_if_evicted(store_, b, length, policy_.sinks, policy_.window, policy_.evict);
 }
 
 void SinkShiftCache::crop(std::int64_t length) {
@@ -122,7 +123,7 @@ void SinkShiftCache::crop(std::int64_t length) {
     while (row.used > 0 && store_.meta(b, row.used - 1).uid < 0) --row.used;
     row.length = length;
     // Equal to the old E unless the crop went back to the sinks alone.
-    row.evicted = length == 0 ? 0 : sink_evicted(config_.window, config_.evict, length - 1);
+    row.evicted = length == 0 ? 0 : sink_evicted(policy_.window, policy_.evict, length - 1);
   }
 }
 

@@ -35,6 +35,7 @@ class SinkShiftCache : public KvCache {
   void shift_to(const Chunk& chunk, int b, std::int64_t evicted);
 
   CacheConfig config_;
+  LayerPolicy policy_;  // every layer's
   RopeTable rope_;
   AttentionKernel kernel_;
   std::vector<PlannedQuery> plans_;  // reused from step to step

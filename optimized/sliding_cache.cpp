@@ -6,6 +6,7 @@ namespace kvcheck::optimized {
 
 SlidingCache::SlidingCache(const CacheConfig& config)
     : config_(config),
+      policy_(shared_policy(config)),
       rope_(config.rope),
       kernel_(config.threads),
       ring_(config.kv_heads, config.head_dim, store_formats(config)),
@@ -16,7 +17,7 @@ SlidingCache::SlidingCache(const CacheConfig& config)
 
 void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) {
   const int B = batch();
-  const std::int64_t W = config_.window;
+  const std::int64_t W = policy_.window;
   chunk_.make_empty(B, chunk.length);
   cover_chunk(rope_, lengths_, chunk);
   for (int b = 0; b < B; ++b) {
@@ -44,7 +45,7 @@ void SlidingCache::reorder(const std::vector<int>& rows) {
 }
 
 void SlidingCache::reset(int batch) {
-  ring_.make_empty(batch, config_.window);
+  ring_.make_empty(batch, policy_.window);
   lengths_.assign(static_cast<std::size_t>(batch), 0);
   frozen_.reset(batch);
 }
@@ -52,7 +53,7 @@ void SlidingCache::reset(int batch) {
 // The cropped row's last token needs the window that ends at it.
 void SlidingCache::check_crop(std::int64_t length) const {
   for (int b = 0; b < batch(); ++b)
-    if (lengths_[b] > length) refuse_crop_if_evicted(ring_, b, length, 0, config_.window, 1);
+    if (lengths_[b] > length) refuse_crop_if_evicted(ring_, b, length, 0, policy_.window, 1);
 }
 
 void SlidingCache::free_rows(const std::vector<int>& rows) {

@@ -23,6 +23,7 @@ class SlidingCache : public KvCache {
 
  private:
   CacheConfig config_;
+  LayerPolicy policy_;  // every layer's
   RopeTable rope_;
   AttentionKernel kernel_;
   std::vector<PlannedQuery> plans_;  // reused from step to step

@@ -39,17 +39,15 @@ std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log, 
   c.head_dim = kDim;
   c.rope.head_dim = kDim;
   c.softmax_scale = 0.25f;
-  c.window = 12;
-  c.sinks = 2;
   c.capacity = 64;
-  c.kind = LayerPolicy::Kind::sliding;  // the paged cache's (the others are what their type says)
+  // The paged cache's kind (the others are what their type says; the sink caches read W, S).
+  set_every_layer(c, {LayerPolicy::Kind::sliding, 12, 2});
   c.paging = PagedLayout{4, 64, true};  // the paged cache's pool (a sliding window of 12 there)
   c.threads = threads;
   c.storage = storage;
   for (int l = 0; l < kLayers; ++l) c.sink_logits.push_back({0.5f, -1.0f, 2.0f, 0.0f, 1.0f, 3.0f});
   if (entry.name == "hybrid") {  // a sink layer and a full one
-    c.layer_policies = {{LayerPolicy::Kind::sink, 12, 2, 1, true, false},
-                        {LayerPolicy::Kind::full, 0, 0, 1, false, false}};
+    c.policies = {{LayerPolicy::Kind::sink, 12, 2, 1, true, false}, {LayerPolicy::Kind::full, 0, 0, 1, false, false}};
   }
   const std::unique_ptr<KvCache> cache = entry.make(c);
   std::vector<float> all;

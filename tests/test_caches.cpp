@@ -185,3 +185,23 @@ TEST(Caches, EachLayerKeysAreHeldToTheirOwnFormatsRounding) {
   ASSERT_FALSE(t.first->slots.empty());
   EXPECT_EQ(t.first->slots[0].position_recovered, "1");
 }
+
+// A cache of one policy takes the policy every layer shares and refuses a stack whose
+// layers differ (only the hybrid and paged caches read each layer's), and a config that
+// does not give one policy per layer.
+TEST(Caches, ACacheOfOnePolicyRefusesLayersThatDiffer) {
+  using optimized::LayerPolicy;
+  optimized::CacheConfig c;
+  c.layers = 2;
+  c.policies = {{LayerPolicy::Kind::sink, 8, 2}, {LayerPolicy::Kind::full}};
+  c.paging = optimized::PagedLayout{4, 8, false};
+  for (const char* name : {"sliding", "sink_shift", "sink_ring"})
+    EXPECT_THROW(find_cache(name)->make(c), std::invalid_argument) << name;
+  EXPECT_NO_THROW(find_cache("hybrid")->make(c));
+  EXPECT_NO_THROW(find_cache("paged")->make(c));
+  c.policies.pop_back();  // one policy for two layers
+  EXPECT_THROW(find_cache("sink_shift")->make(c), std::invalid_argument);
+  EXPECT_THROW(find_cache("paged")->make(c), std::invalid_argument);
+  c.policies.push_back(c.policies.front());
+  EXPECT_NO_THROW(find_cache("sink_shift")->make(c));
+}

@@ -12,9 +12,7 @@ namespace {
 
 Scenario sink_scenario() {
   Scenario s;
-  s.policy.kind = PolicyKind::sink;
-  s.policy.sinks = 2;
-  s.policy.window = 6;
+  s.policies = {Policy{PolicyKind::sink, 6, 2}};
   return s;
 }
 
@@ -120,7 +118,7 @@ TEST(Diagnosis, APoisonNaNIsAReadBeforeWriteOrAUseAfterFree) {
 
 TEST(Diagnosis, AChunkedAppendsQueryThatSeesALaterKeySeesTheFuture) {
   Scenario s = sink_scenario();
-  s.policy.kind = PolicyKind::full;
+  s.policies = {Policy{PolicyKind::full}};
   Step append;
   append.op = StepOp::append;
   append.chunk = 4;
@@ -218,8 +216,10 @@ TEST(Diagnosis, TheDriftSummaryNamesHowTheErrorEvolves) {
 namespace {
 [[gnu::noinline]] Scenario hadamard_scenario() {
   Scenario s;
-  s.kv_quant.emplace();
-  s.kv_quant->transform = QuantTransform::hadamard;
+  s.policies = {Policy{}};  // one layer, full attention
+  KvQuant q;
+  q.transform = QuantTransform::hadamard;
+  s.quantize_every_layer(q);
   return s;
 }
 }  // namespace
@@ -234,4 +234,18 @@ TEST(Diagnosis, CodesThatFitOnlyWithoutTheTransformExplainTheRotationsTheyBreak)
   EXPECT_NE(classify(s, e, {}), BugClass::quant_transform_missing);
   e.codes_fit_without_transform = true;
   EXPECT_EQ(classify(s, e, {}), BugClass::quant_transform_missing);
+}
+
+// A hybrid stack is diagnosed with the policy of the layer where the bug was seen: a missing
+// sink in the sink layer of a full + sink stack is a sink count, whatever layer 0 does.
+TEST(Diagnosis, AHybridIsJudgedWithTheDiagnosedLayersPolicy) {
+  Scenario s;
+  s.dims.layers = 2;
+  s.policies = {Policy{PolicyKind::full}, Policy{PolicyKind::sink, 6, 2}};
+  StepEvidence e;
+  e.pairs.push_back({0, 7, 1, 1, 4, std::nullopt, 5, 2});  // sink key 1 unseen by the query at cache position 5
+  e.layer = 1;
+  EXPECT_EQ(classify(s, e, {}), BugClass::sink_count_wrong);
+  e.layer = 0;  // the full layer has no sinks to miss
+  EXPECT_NE(classify(s, e, {}), BugClass::sink_count_wrong);
 }

@@ -39,8 +39,8 @@ TEST(ForwardRecord, ASlidingRowBetweenForwardsKeepsItsWindowAndTheForwardsOutput
   EXPECT_EQ(step_label(part, 0), "step 0 (append, /steps/0) after forward 2");
   for (int b = 0; b < 2; ++b) {
     // Token 9 saw 4 .. 9; token 10 will see 5 .. 10, of which 5 .. 9 are held.
-    EXPECT_EQ(indices(part.retained[b].keys), (std::vector<std::int64_t>{4, 5, 6, 7, 8, 9})) << "row " << b;
-    EXPECT_EQ(indices(part.retained[b].live), (std::vector<std::int64_t>{5, 6, 7, 8, 9})) << "row " << b;
+    EXPECT_EQ(indices(part.retained_in(0, b).keys), (std::vector<std::int64_t>{4, 5, 6, 7, 8, 9})) << "row " << b;
+    EXPECT_EQ(indices(part.retained_in(0, b).live), (std::vector<std::int64_t>{5, 6, 7, 8, 9})) << "row " << b;
     EXPECT_EQ(part.histories[b].size(), 10u);
     ASSERT_EQ(part.append->rows[b].size(), 5u);
     EXPECT_EQ(part.append->rows[b].front().index, 5);
@@ -72,8 +72,8 @@ TEST(ForwardRecord, ARowThatIsDoneIsAsAfterTheAppend) {
   const StepRecord& whole = r.run.steps[0];
   // Forward 3: row 0 at 15 of 17 tokens, row 1 done at 11 (its third forward was one token).
   const StepRecord part = forward_record(s, whole, {10, 10}, {15, 11}, 3);
-  EXPECT_EQ(indices(part.retained[0].keys), (std::vector<std::int64_t>{9, 10, 11, 12, 13, 14}));
-  EXPECT_EQ(indices(part.retained[1].keys), (std::vector<std::int64_t>{5, 6, 7, 8, 9, 10}));
+  EXPECT_EQ(indices(part.retained_in(0, 0).keys), (std::vector<std::int64_t>{9, 10, 11, 12, 13, 14}));
+  EXPECT_EQ(indices(part.retained_in(0, 1).keys), (std::vector<std::int64_t>{5, 6, 7, 8, 9, 10}));
   EXPECT_EQ(part.histories[1].size(), 11u);
   ASSERT_EQ(part.append->rows[1].size(), 1u);
   EXPECT_EQ(part.append->rows[1][0].index, 10);

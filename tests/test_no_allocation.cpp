@@ -45,8 +45,7 @@ long allocations_in_decode(Make make, int threads) {
   c.kv_heads = kKvHeads;
   c.head_dim = kDim;
   c.rope.head_dim = kDim;
-  c.window = 24;
-  c.sinks = 4;
+  set_every_layer(c, {LayerPolicy::Kind::full, 24, 4});  // the sink caches read W and S
   c.capacity = 2048;
   c.threads = threads;
   std::unique_ptr<KvCache> cache = make(c);

@@ -197,10 +197,7 @@ TEST(Paged, ASinkLayerFreesTheBlocksBetweenItsSinksAndItsWindow) {
   optimized::CacheConfig c;
   c.head_dim = 4;
   c.rope.head_dim = 4;
-  c.kind = optimized::LayerPolicy::Kind::sink;
-  c.window = 11;
-  c.sinks = 3;
-  c.evict = 2;
+  optimized::set_every_layer(c, {optimized::LayerPolicy::Kind::sink, 11, 3, 2});
   c.paging = optimized::PagedLayout{4, 16, false};
   optimized::PagedCache cache(c);
   std::int64_t uid = 0;

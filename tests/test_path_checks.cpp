@@ -16,6 +16,7 @@ namespace {
 Scenario prefix_scenario() {
   Scenario s;
   s.content = Content::prefix;
+  s.policies = {Policy{}};  // one layer, full attention
   s.dims.heads = 1;
   s.dims.head_dim = 2;
   return s;
@@ -86,8 +87,9 @@ TEST(PathChecks, NothingRepeatsUnderUidContentOrIsComparableUnderRawChunkReads) 
   uid.content = Content::uid;
   EXPECT_FALSE(PathChecks(uid).enabled());
   Scenario raw = prefix_scenario();
-  raw.kv_quant.emplace();
-  raw.kv_quant->chunk_reads = ChunkReads::raw;
+  KvQuant reads_raw;
+  reads_raw.chunk_reads = ChunkReads::raw;
+  raw.quantize_every_layer(reads_raw);
   EXPECT_FALSE(PathChecks(raw).enabled());
   EXPECT_TRUE(PathChecks(prefix_scenario()).enabled());
 }
@@ -111,7 +113,7 @@ TEST(PathChecks, AnEarlierStepLearnsOfALaterDisagreementFromItsOwnSide) {
 
 TEST(PathChecks, PathsAloneClassAsTheTwoPathsDisagreeing) {
   Scenario s = prefix_scenario();
-  s.kv_quant.emplace();
+  s.quantize_every_layer(KvQuant{});
   StepEvidence e;
   e.outputs.push_back({0, 0, 0, 0, 96, 96, 1.0, 1.1});
   EXPECT_EQ(classify(s, e, {}), BugClass::quant_dequantization_layout);  // outputs alone, under quantization

@@ -88,8 +88,8 @@ TEST(QuantBound, AKeyShiftedAHundredTimesDriftsBeyondOneStoreButNotBeyondTheBoun
     const int times = 1 + stored.shifts + stored.flushes;
     most_shifts = std::max(most_shifts, stored.shifts);
     // Under the transform an element of what is quantized is at most the row's norm.
-    const double once = stored_key_error(s.kv_quant->k, true, s.kv_dtype, D, norm, norm, 1, why);
-    const double every = stored_key_error(s.kv_quant->k, true, s.kv_dtype, D, norm, norm, times, why);
+    const double once = stored_key_error(s.quant(0).k, true, s.kv_dtype, D, norm, norm, 1, why);
+    const double every = stored_key_error(s.quant(0).k, true, s.kv_dtype, D, norm, norm, times, why);
     EXPECT_LE(error, every) << "key " << kept[k].index << " after " << stored.shifts << " shifts";
     worst_against_one_store = std::max(worst_against_one_store, error / once);
   }

@@ -33,7 +33,7 @@ std::string error_of(const std::string& text) {
 TEST(ScenarioValidation, AcceptsAValidScenario) {
   const auto s = parse_scenario(scenario(), "s.json");
   EXPECT_EQ(s.dims.heads, 4);
-  EXPECT_EQ(s.policy.sinks, 2);
+  EXPECT_EQ(s.policy(0).sinks, 2);
   EXPECT_EQ(s.steps.size(), 1u);
 }
 
@@ -276,9 +276,9 @@ TEST(ScenarioValidation, OnePolicyPerLayer) {
                                          R"([{"op": "append", "tokens": 3}])"),
                                 "s.json");
   EXPECT_TRUE(s.hybrid());
-  ASSERT_EQ(s.layer_policies.size(), 2u);
-  EXPECT_EQ(s.layer_policies[1].kind, kvcheck::PolicyKind::full);
-  EXPECT_EQ(s.policy.kind, kvcheck::PolicyKind::sliding);  // layer 0's
+  ASSERT_EQ(s.policies.size(), 2u);
+  EXPECT_EQ(s.policies[1].kind, kvcheck::PolicyKind::full);
+  EXPECT_EQ(s.policy(0).kind, kvcheck::PolicyKind::sliding);
   EXPECT_FALSE(
       parse_scenario(scenario(two_layers, R"({"type": "full"})", R"([{"op": "append", "tokens": 3}])"), "s.json")
           .hybrid());

@@ -68,7 +68,7 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   for (int i = 0; i < kScenarios; ++i) {
     const std::uint64_t seed = base + static_cast<std::uint64_t>(i);
     const auto [text, s] = valid_scenario(seed);
-    quantized += s.kv_quant.has_value();
+    quantized += s.quantized();
     paged += s.paging.has_value();
     const InputTable inputs = load_inputs(s);
     const ReferenceRun run = run_reference(s, inputs);

@@ -49,8 +49,8 @@ CacheConfig config(const Shape& shape, std::int64_t capacity) {
   c.rope.head_dim = kHeadDim;
   c.rope.theta = 500000.0;
   c.softmax_scale = 0.088f;
-  c.window = shape.window;
-  c.sinks = kSinks;
+  // The caches of one policy read the window (and sinks); decode_paged sets the kind.
+  set_every_layer(c, LayerPolicy{LayerPolicy::Kind::full, shape.window, kSinks});
   c.capacity = capacity;
   c.threads = shape.threads;
   return c;
@@ -184,8 +184,10 @@ void decode_quant(benchmark::State& state, const std::string& format, Shape shap
 void decode_paged(benchmark::State& state, LayerPolicy::Kind kind, Shape shape) {
   const bool full = kind == LayerPolicy::Kind::full;
   CacheConfig c = config(shape, 0);
-  if (full) c.window = 0;
-  c.kind = kind;
+  LayerPolicy policy = shared_policy(c);
+  if (full) policy.window = 0;
+  policy.kind = kind;
+  set_every_layer(c, policy);
   c.paging = PagedLayout{16, shape.window / 16 + 8, false};
   PagedCache cache(c);
   Feed feed(shape.heads, kFillChunk);

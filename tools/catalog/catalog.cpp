@@ -19,28 +19,28 @@ const std::vector<CacheEntry>& real_caches() {
   static const std::vector<CacheEntry> caches = [] {
     std::vector<CacheEntry> list = {
         {"dynamic", "full attention, grows with the sequence (amortized doubling)",
-         [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
+         [](const Scenario& s) { return s.every_layer(PolicyKind::full); },
          [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic); }},
         {"static", "full attention, preallocated, refuses to overflow",
-         [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::full; },
+         [](const Scenario& s) { return s.every_layer(PolicyKind::full); },
          [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::fixed); }},
         {"sliding", "ring buffer of W slots, keys rotated once",
-         [](const Scenario& s) { return !s.hybrid() && s.policy.kind == PolicyKind::sliding; },
+         [](const Scenario& s) { return s.every_layer(PolicyKind::sliding); },
          [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }},
         // float32 only: re-rotating a half-precision key at every shift rounds it again each
         // time, and the error grows with the shifts (the zoo's rerotates_half_keys). Quantized
         // (SPEC 9), the reference simulates each of those roundings, so it serves every format.
         {"sink_shift", "attention sinks, keys at cache positions, re-rotated when the window shifts",
          [](const Scenario& s) {
-           return !s.hybrid() && s.policy.kind == PolicyKind::sink && (s.kv_dtype == KvDtype::float32 || s.kv_quant);
+           return s.every_layer(PolicyKind::sink) && (s.kv_dtype == KvDtype::float32 || s.quantized());
          },
          [](const CacheConfig& c) { return std::make_unique<SinkShiftCache>(c); }},
         // Its keys stay at their first rotation, so a quantized key is never re-quantized: not
         // the `shift: "requantize"` convention SPEC 9 defines for cache positions.
         {"sink_ring", "attention sinks, ring buffer, keys rotated once, query rotated twice",
          [](const Scenario& s) {
-           return !s.hybrid() && s.policy.kind == PolicyKind::sink &&
-                  !(quantizes_keys(s) && s.policy.positions == SinkPositions::cache);
+           return s.every_layer(PolicyKind::sink) &&
+                  !(quantizes_keys(s) && s.shared_policy()->positions == SinkPositions::cache);
          },
          [](const CacheConfig& c) { return std::make_unique<SinkRingCache>(c); }},
         // SPEC 8: blocks, tables, refcounts, prefix reuse. It serves every scenario, with the
@@ -49,16 +49,16 @@ const std::vector<CacheEntry>& real_caches() {
         {"paged", "block pool and tables (vLLM), copy-on-write, prefix index, window freeing, chunked prefill",
          [](const Scenario& s) {
            const bool shifted_sink_layer = std::any_of(
-               s.layer_policies.begin(), s.layer_policies.end(),
+               s.policies.begin(), s.policies.end(),
                [](const Policy& p) { return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache; });
-           return !(s.kv_quant && (s.kv_quant->holds_raw() || (quantizes_keys(s) && shifted_sink_layer)));
+           return !(s.quantized() && (s.quant_rules().holds_raw() || (quantizes_keys(s) && shifted_sink_layer)));
          },
          [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
         // Layers of different policies (SPEC 7), each served by the cache above that fits it.
         {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
          [](const Scenario& s) {
            // Its sink layers are sink_ring caches: not the requantize convention (see sink_ring).
-           const bool sink_layer = std::any_of(s.layer_policies.begin(), s.layer_policies.end(), [](const Policy& p) {
+           const bool sink_layer = std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) {
              return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
            });
            return s.hybrid() && !(quantizes_keys(s) && sink_layer);
@@ -71,7 +71,7 @@ const std::vector<CacheEntry>& real_caches() {
     for (CacheEntry& e : list)
       e.serves = [inner = e.serves, paged = e.name == "paged"](const Scenario& s) {
         const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
-        return !(s.kv_quant && s.kv_quant->query) && (paged || !shared_scales) && inner(s);
+        return !(s.quantized() && s.quant_rules().query) && (paged || !shared_scales) && inner(s);
       };
     return list;
   }();

@@ -211,7 +211,7 @@ int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
     Scenario s = load_scenario(file);
     const std::vector<Feature> features = scenario_features(s);
     const bool policy_ok = filter.policies.empty() ||
-                           std::all_of(s.layer_policies.begin(), s.layer_policies.end(), [&](const Policy& p) {
+                           std::all_of(s.policies.begin(), s.policies.end(), [&](const Policy& p) {
                              return std::find(filter.policies.begin(), filter.policies.end(), p.kind) !=
                                     filter.policies.end();
                            });
@@ -224,7 +224,7 @@ int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
     for (const auto& [s, features] : shown) {
       nlohmann::json policies = nlohmann::json::array(), names = nlohmann::json::array(),
                      caches = nlohmann::json::array();
-      for (const Policy& p : s.layer_policies) policies.push_back(to_string(p.kind));
+      for (const Policy& p : s.policies) policies.push_back(to_string(p.kind));
       for (Feature f : features) names.push_back(to_string(f));
       for (const CacheEntry& c : real_caches())
         if (c.serves(s)) caches.push_back(c.name);
@@ -244,7 +244,7 @@ int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
   fmt::print("scenarios:\n");
   for (const auto& [s, features] : shown) {
     std::string tags;
-    for (const Policy& p : s.layer_policies)
+    for (const Policy& p : s.policies)
       if (tags.find(to_string(p.kind)) == std::string::npos) tags += (tags.empty() ? "" : ",") + std::string(to_string(p.kind));
     for (Feature f : features) tags += std::string(" ") + to_string(f);
     fmt::print("  {:<40} {}\n  {:<40} {}\n", s.name, tags, "", s.description);
@@ -284,7 +284,9 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
     if (!cache->serves(scenario))
       throw InputError(
           path, "/policy",
-          fmt::format("cache {} does not serve the {} policy of this scenario", name, to_string(scenario.policy.kind)));
+          fmt::format("cache {} does not serve the {} of this scenario", name,
+                      scenario.hybrid() ? std::string("per-layer policies")
+                                        : std::string(to_string(scenario.shared_policy()->kind)) + " policy"));
     const CacheTrace trace = trace_cache(scenario, inputs, run, *cache, !html.empty(), step);
     Progress::line().clear();
     print_diagnosis(stdout, fmt::format("kvcheck diagnose: {} on {}", scenario.name, name), scenario, trace);

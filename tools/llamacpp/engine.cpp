@@ -78,7 +78,7 @@ void require_supported(const Scenario& s) {
     throw Unsupported(fmt::format("{}: {}: {}", s.file, path, why));
   };
   if (s.hybrid()) no("/policy", "one policy for every layer (llama.cpp's unified cache)");
-  const Policy& p = s.policy;
+  const Policy& p = *s.shared_policy();
   if (p.kind == PolicyKind::sliding) no("/policy/type", "sliding: the llama arch has no sliding window; use sink or full");
   if (p.kind == PolicyKind::sink && p.positions != SinkPositions::cache)
     no("/policy/positions", "llama.cpp's context shift re-encodes kept keys: positions \"cache\" only");
@@ -327,7 +327,7 @@ int run(const Options& o) {
     throw Unsupported(fmt::format("--type-v {}: llama.cpp quantizes V only under flash attention: add --flash-attn on",
                                   format_name(o.type_v)));
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
-  const Policy& policy = s.policy;
+  const Policy& policy = *s.shared_policy();  // require_supported refused per-layer policies
   // Rows are sequences of one unified cache: each holds at most a window (or its longest
   // row), and a reorder needs as many temporary sequence ids again. Sized from the whole
   // scenario when this run replays only its first steps (--context-of), so the replay's

@@ -12,14 +12,15 @@ class FaultyCache : public KvCache {
  public:
   FaultyCache(const CacheConfig& config, Fault fault)
       : config_(config),
+        policy_(shared_policy(config)),
         fault_(fault),
         rope_(rope_spec(config, fault)),
         key_rope_(key_rope_spec(config, fault)),
         kernel_(config.threads),
         store_(config.kv_heads, config.head_dim, store_formats(config)) {
-    if (fault == Fault::window_off_by_one) ++config_.window;
+    if (fault == Fault::window_off_by_one) ++policy_.window;
     if (fault == Fault::learned_sinks_dropped) config_.sink_logits.clear();
-    store_.reset(config_.batch, config_.window + 1);
+    store_.reset(config_.batch, policy_.window + 1);
     rows_.assign(static_cast<std::size_t>(config_.batch), Row{});
     turned_.resize(static_cast<std::size_t>(config_.head_dim));
   }
@@ -34,7 +35,7 @@ class FaultyCache : public KvCache {
       Row& row = rows_[b];
       if (fault_ == Fault::padding_as_positions && row.length == 0) row.length = pad;
       if (row.sinks < 0)
-        row.sinks = fault_ == Fault::short_prompt_sinks ? std::min(config_.sinks, chunk.counts[b]) : config_.sinks;
+        row.sinks = fault_ == Fault::short_prompt_sinks ? std::min(policy_.sinks, chunk.counts[b]) : policy_.sinks;
       for (std::int64_t i = 0; i < chunk.counts[b]; ++i) token(chunk, out, log, b, pad + i, chunk.counts[b] > 1);
     }
   }
@@ -56,14 +57,14 @@ class FaultyCache : public KvCache {
       rows_ = gather(rows_, keep);
       return;
     }
-    store_.reset(batch, config_.window + 1);
+    store_.reset(batch, policy_.window + 1);
     rows_.assign(static_cast<std::size_t>(batch), Row{});
   }
 
   void crop(std::int64_t length) override {
     for (int b = 0; b < batch(); ++b)
       if (rows_[b].length > length)
-        refuse_crop_if_evicted(store_, b, length, config_.sinks, config_.window, config_.evict);
+        refuse_crop_if_evicted(store_, b, length, policy_.sinks, policy_.window, policy_.evict);
     for (int b = 0; b < batch(); ++b) {
       Row& row = rows_[b];
       if (row.length <= length) continue;
@@ -102,11 +103,11 @@ class FaultyCache : public KvCache {
     return spec;
   }
 
-  std::int64_t evicted(std::int64_t t) const { return sink_evicted(config_.window, config_.evict, t); }
+  std::int64_t evicted(std::int64_t t) const { return sink_evicted(policy_.window, policy_.evict, t); }
 
   // The position a key or query is really rotated at (faults may differ from the claim).
   std::int64_t rotation_of(std::int64_t position) const {
-    return fault_ == Fault::rope_table_wraps ? position % config_.window : position;
+    return fault_ == Fault::rope_table_wraps ? position % policy_.window : position;
   }
 
   void rotate_stored(int b, std::int64_t slot, std::int64_t by) {
@@ -155,7 +156,7 @@ class FaultyCache : public KvCache {
     const std::int64_t s0 = std::min(row.sinks, row.used);
     for (std::int64_t s = s0 + d; s < row.used; ++s) {
       store_.move_slot(b, s, s - d);
-      if (config_.shift_positions) {
+      if (policy_.shift_positions) {
         rotate_stored(b, s - d, -d);
         store_.meta(b, s - d).position -= d;
       }
@@ -175,8 +176,8 @@ class FaultyCache : public KvCache {
     if (fault_ == Fault::long_prompt_keeps_head && in_long_chunk && e > row.evicted) {
       keep = false;  // full in the middle of a prompt: the cache keeps what it has
     } else {
-      if (fault_ == Fault::shift_one_early && config_.shift_positions && !row.shifted_early &&
-          t + 1 >= config_.window) {
+      if (fault_ == Fault::shift_one_early && policy_.shift_positions && !row.shifted_early &&
+          t + 1 >= policy_.window) {
         // The "is it full" test fired one token early: the window is re-rotated without evicting.
         for (std::int64_t s = S; s < row.used; ++s) {
           rotate_stored(b, s, -1);
@@ -186,7 +187,7 @@ class FaultyCache : public KvCache {
       }
       shift_to(b, e);
     }
-    const bool absolute = !config_.shift_positions || fault_ == Fault::absolute_positions;
+    const bool absolute = !policy_.shift_positions || fault_ == Fault::absolute_positions;
     const std::int64_t query = absolute ? t : t - e;
     // The new key keeps the position the model gave it (t) when the cache forgets to shift it.
     const std::int64_t claimed = fault_ == Fault::new_key_not_shifted ? t : query;
@@ -206,7 +207,7 @@ class FaultyCache : public KvCache {
     else
       store_.clear_slot(b, slot);
     row.length = t + 1;
-    if (fault_ == Fault::drops_live_token && row.used == config_.window && row.used - S >= 2) {
+    if (fault_ == Fault::drops_live_token && row.used == policy_.window && row.used - S >= 2) {
       // Evicting right after the forward is allowed for the token the next query no longer
       // sees; this drops the one after it as well, which that query still needs.
       for (std::int64_t s = S + 2; s < row.used; ++s) store_.move_slot(b, s, s - 2);
@@ -217,6 +218,7 @@ class FaultyCache : public KvCache {
   }
 
   CacheConfig config_;
+  LayerPolicy policy_;  // every layer's (window_off_by_one widens it)
   Fault fault_;
   RopeTable rope_;      // queries
   RopeTable key_rope_;  // keys

@@ -233,7 +233,8 @@ class QuantFaultyCache : public KvCache {
       std::vector<PlannedQuery> plans;
       for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
         const std::int64_t t = first + i;
-        const std::int64_t begin = config_.window > 0 ? std::max<std::int64_t>(0, t - config_.window + 1) : 0;
+        const std::int64_t W = shared_policy(config_).window;
+        const std::int64_t begin = W > 0 ? std::max<std::int64_t>(0, t - W + 1) : 0;
         plans.push_back({pad + i, QueryPlan{t, 0, begin, t, t}});
       }
       const SlotSource sources[] = {{&read_, b}};

@@ -30,7 +30,7 @@ bool serves(int mask, const Policy& p) {
 ZooMutant mutant(const char* name, Fault fault, int mask, const char* bug, const char* wild, BugClass expected,
                  std::vector<std::string> fixtures) {
   CacheEntry entry{std::string("zoo/") + name, bug,
-                   [mask](const Scenario& s) { return !s.hybrid() && serves(mask, s.policy); },
+                   [mask](const Scenario& s) { return s.shared_policy() && serves(mask, *s.shared_policy()); },
                    [fault](const optimized::CacheConfig& config) { return zoo::make_faulty_cache(config, fault); }};
   return {entry, wild, expected, std::move(fixtures)};
 }
@@ -44,8 +44,7 @@ ZooMutant hybrid_layers_shifted() {
                    [](const Scenario& s) { return s.hybrid(); },
                    [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
                      optimized::CacheConfig shifted = config;
-                     std::rotate(shifted.layer_policies.begin(), shifted.layer_policies.begin() + 1,
-                                 shifted.layer_policies.end());
+                     std::rotate(shifted.policies.begin(), shifted.policies.begin() + 1, shifted.policies.end());
                      return std::make_unique<optimized::HybridCache>(shifted);
                    }};
   return {entry,
@@ -58,7 +57,7 @@ ZooMutant hybrid_layers_shifted() {
 // A mutant whose bug needs half-precision storage: it is a correct cache in float32.
 ZooMutant half_only(ZooMutant m) {
   m.cache.serves = [inner = m.cache.serves](const Scenario& s) {
-    return s.kv_dtype != KvDtype::float32 && !s.kv_quant && inner(s);
+    return s.kv_dtype != KvDtype::float32 && !s.quantized() && inner(s);
   };
   return m;
 }
@@ -74,24 +73,27 @@ ZooMutant eager(ZooMutant m) {
 std::unique_ptr<optimized::KvCache> real_cache_for(const optimized::CacheConfig& c, bool sink) {
   using namespace optimized;
   if (sink) return std::make_unique<SinkShiftCache>(c);
-  if (c.window == 0) return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic);
+  if (shared_policy(c).window == 0) return std::make_unique<DenseCache>(c, DenseCache::Growth::dynamic);
   return std::make_unique<SlidingCache>(c);
 }
 
 bool full_or_sliding(const Scenario& s) {
-  return !s.hybrid() && (s.policy.kind == PolicyKind::full || s.policy.kind == PolicyKind::sliding);
+  return s.every_layer(PolicyKind::full) || s.every_layer(PolicyKind::sliding);
 }
 
-bool has_format(const Scenario& s, QuantFormat f) {
-  return s.kv_quant && ((s.kv_quant->k && s.kv_quant->k->format == f) || (s.kv_quant->v && s.kv_quant->v->format == f));
+bool has_format(const KvQuant& q, QuantFormat f) {
+  return (q.k && q.k->format == f) || (q.v && q.v->format == f);
 }
 
-// Each plants its fault in layer 0's format; a scenario whose layers quantize differently
-// is left to the per-layer mutant.
-ZooMutant quant_mutant(const char* name, zoo::QuantFault fault, std::function<bool(const Scenario&)> serves,
-                       const char* bug, const char* wild, BugClass expected, std::vector<std::string> fixtures) {
+// Each plants its fault in the quantization every layer has (serves is asked with it); a
+// scenario whose layers quantize differently is left to the per-layer mutant.
+ZooMutant quant_mutant(const char* name, zoo::QuantFault fault,
+                       std::function<bool(const Scenario&, const KvQuant&)> serves, const char* bug, const char* wild,
+                       BugClass expected, std::vector<std::string> fixtures) {
   CacheEntry entry{std::string("zoo/") + name, bug,
-                   [serves = std::move(serves)](const Scenario& s) { return !s.mixed_quant() && serves(s); },
+                   [serves = std::move(serves)](const Scenario& s) {
+                     return s.quantized() && !s.mixed_quant() && serves(s, s.quant(0));
+                   },
                    [fault](const optimized::CacheConfig& config) {
                      const bool sink = fault == zoo::QuantFault::shift_skips_quantized;
                      return zoo::make_quant_faulty_cache(config, fault, real_cache_for(config, sink));
@@ -105,7 +107,7 @@ ZooMutant paged_mutant(const char* name, zoo::PagedFault fault, const char* bug,
                        std::vector<std::string> fixtures) {
   CacheEntry entry{std::string("zoo/") + name, bug,
                    [](const Scenario& s) {
-                     return !s.kv_quant && std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
+                     return !s.quantized() && std::all_of(s.policies.begin(), s.policies.end(),
                                                        [](const Policy& p) { return p.kind != PolicyKind::sink; });
                    },
                    [fault](const optimized::CacheConfig& config) { return zoo::make_paged_faulty_cache(config, fault); },
@@ -196,46 +198,47 @@ const std::vector<ZooMutant>& zoo_mutants() {
       // Quantized storage (SPEC 9): planted in the real dense, sliding or sink_shift cache.
       quant_mutant(
           "scale_dropped_on_read", zoo::QuantFault::scale_dropped_on_read,
-          [](const Scenario& s) {
-            return full_or_sliding(s) && s.kv_quant && s.kv_quant->k && s.kv_quant->k->scale.rule == ScaleRule::fixed &&
-                   s.kv_quant->k->scale.values != std::vector<double>{1.0};
+          [](const Scenario& s, const KvQuant& q) {
+            return full_or_sliding(s) && q.k && q.k->scale.rule == ScaleRule::fixed &&
+                   q.k->scale.values != std::vector<double>{1.0};
           },
           "writes fp8(x / s) with the checkpoint's static scale, reads the codes as if s were 1",
           "SGLang's k_scale never reaching the kernels (issue 18818); tokenspeed's FA4 path ignoring k/v_scale (PR "
           "759), unseen by tests that only used scale 1",
           BugClass::quant_scale_not_applied, {"quant_fp8_e4m3_static_scale"}),
       quant_mutant("v_with_k_scales", zoo::QuantFault::v_with_k_scales,
-                   [](const Scenario& s) {
-                     return full_or_sliding(s) && s.kv_quant && s.kv_quant->k && s.kv_quant->v &&
-                            s.kv_quant->k->format == QuantFormat::q8_0 && s.kv_quant->v->format == QuantFormat::q8_0;
+                   [](const Scenario& s, const KvQuant& q) {
+                     return full_or_sliding(s) && q.k && q.v &&
+                            q.k->format == QuantFormat::q8_0 && q.v->format == QuantFormat::q8_0;
                    },
                    "dequantizes V's q8_0 blocks with K's block scales",
                    "ik_llama.cpp's FlashMLA reading V as a view of K with K's layout (PR 400)",
                    BugClass::quant_dequantization_layout, {"quant_q8_0_full"}),
       quant_mutant("q4_nibble_order", zoo::QuantFault::q4_nibble_order,
-                   [](const Scenario& s) { return full_or_sliding(s) && has_format(s, QuantFormat::q4_0); },
+                   [](const Scenario& s, const KvQuant& q) { return full_or_sliding(s) && has_format(q, QuantFormat::q4_0); },
                    "reads q4_0 with element j paired with j + 1 in a byte, where ggml pairs j with j + 16",
                    "ik_llama.cpp's Q6_0 dequantization bug, gibberish at high perplexity (PR 1005)",
                    BugClass::quant_dequantization_layout, {"quant_q4_0_sliding"}),
       quant_mutant(
           "scale_frozen_on_first", zoo::QuantFault::scale_frozen_on_first,
-          [](const Scenario& s) {
-            return full_or_sliding(s) && s.kv_quant && s.kv_quant->k &&
-                   s.kv_quant->transform == QuantTransform::none &&
-                   (s.kv_quant->k->format == QuantFormat::int8 || s.kv_quant->k->format == QuantFormat::fp8_e4m3 ||
-                    s.kv_quant->k->format == QuantFormat::fp8_e5m2) &&
-                   s.kv_quant->k->scale.granularity == ScaleGranularity::token &&
-                   s.kv_quant->k->scale.dtype == ScaleDtype::float32;
+          [](const Scenario& s, const KvQuant& q) {
+            return full_or_sliding(s) && q.k &&
+                   q.transform == QuantTransform::none &&
+                   (q.k->format == QuantFormat::int8 || q.k->format == QuantFormat::fp8_e4m3 ||
+                    q.k->format == QuantFormat::fp8_e5m2) &&
+                   q.k->scale.granularity == ScaleGranularity::token &&
+                   q.k->scale.dtype == ScaleDtype::float32;
           },
           "computes each kv head's key scale at the first append and keeps it for every later token",
           "imp's online FP8 calibration frozen on the warm-up pass (PR 89); vLLM's calculate_kv_scales from one "
           "warm-up batch",
           BugClass::quant_scale_wrong, {"quant_int8_token_scale_sliding"}),
       quant_mutant("shift_skips_quantized", zoo::QuantFault::shift_skips_quantized,
-                   [](const Scenario& s) {
-                     return !s.hybrid() && s.policy.kind == PolicyKind::sink &&
-                            s.policy.positions == SinkPositions::cache && s.policy.prefill == Prefill::streaming &&
-                            s.kv_quant && s.kv_quant->k;
+                   [](const Scenario& s, const KvQuant& q) {
+                     return s.every_layer(PolicyKind::sink) &&
+                            s.shared_policy()->positions == SinkPositions::cache &&
+                            s.shared_policy()->prefill == Prefill::streaming &&
+                            q.k;
                    },
                    "a context shift moves the quantized keys and their positions, but leaves their codes as they were",
                    "llama.cpp's context shift with a quantized K cache, unsupported and then done by dequantize, rope, "
@@ -243,7 +246,7 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    BugClass::quant_key_not_rerotated, {"quant_q8_0_hadamard_context_shift"}),
       quant_mutant(
           "prefill_skips_residual", zoo::QuantFault::prefill_skips_residual,
-          [](const Scenario& s) { return full_or_sliding(s) && s.kv_quant && s.kv_quant->holds_raw(); },
+          [](const Scenario& s, const KvQuant& q) { return full_or_sliding(s) && q.holds_raw(); },
           "quantizes a row's first append at once though the scenario keeps it in the residual (prefill "
           "\"residual\"), and keeps it raw where it says \"store\"",
           "transformers' QuantizedCache quantizing the whole prompt in one shot whatever residual_length: Qwen2.5-7B "
@@ -251,7 +254,7 @@ const std::vector<ZooMutant>& zoo_mutants() {
           BugClass::quant_precision_map, {"quant_residual_kivi"}),
       quant_mutant(
           "reorder_residual_only", zoo::QuantFault::reorder_residual_only,
-          [](const Scenario& s) { return full_or_sliding(s) && s.kv_quant && s.kv_quant->holds_raw(); },
+          [](const Scenario& s, const KvQuant& q) { return full_or_sliding(s) && q.holds_raw(); },
           "moves only the raw residual on a beam reorder or a crop; each row keeps its own quantized tokens, "
           "and those past a crop stay",
           "transformers' QuantizedLayer inheriting reorder_cache and crop that touch the residual buffer only: "
@@ -259,9 +262,8 @@ const std::vector<ZooMutant>& zoo_mutants() {
           BugClass::quant_store_not_moved, {"quant_residual_hf"}),
       quant_mutant(
           "decode_tile_rounding", zoo::QuantFault::decode_tile_rounding,
-          [](const Scenario& s) {
-            return !s.hybrid() && s.policy.kind == PolicyKind::full && s.kv_quant &&
-                   s.kv_quant->transform == QuantTransform::none && s.attention.sink_logits.empty();
+          [](const Scenario& s, const KvQuant& q) {
+            return s.every_layer(PolicyKind::full) && q.transform == QuantTransform::none && s.attention.sink_logits.empty();
           },
           "computes a decode in tiles of 96 keys, holding the running output in bfloat16 between tiles; a chunk is "
           "one float32 pass",
@@ -272,10 +274,10 @@ const std::vector<ZooMutant>& zoo_mutants() {
         // Planted in the paged cache, whose rows swap out and back in.
         ZooMutant m = quant_mutant(
             "transform_missing_on_restore", zoo::QuantFault::transform_missing_on_restore,
-            [](const Scenario& s) {
-              return s.paging && s.kv_quant && s.kv_quant->transform == QuantTransform::hadamard &&
-                     !s.kv_quant->holds_raw() &&
-                     std::all_of(s.layer_policies.begin(), s.layer_policies.end(),
+            [](const Scenario& s, const KvQuant& q) {
+              return s.paging && q.transform == QuantTransform::hadamard &&
+                     !q.holds_raw() &&
+                     std::all_of(s.policies.begin(), s.policies.end(),
                                  [](const Policy& p) { return p.kind != PolicyKind::sink; });
             },
             "quantizes with the Hadamard transform on every write, but a row swapped back in is staged in float and "
@@ -334,7 +336,7 @@ const std::vector<ZooMutant>& zoo_mutants() {
             "hypothesis is kvcheck's: one scale per request where each block needs its writer's)",
             BugClass::quant_shared_scale, {"quant_paged_frozen_scale_hit"});
         m.cache.serves = [](const Scenario& s) {
-          return s.paging && s.paging->prefix_cache && s.kv_quant && !s.mixed_quant() && frozen_scales(*s.kv_quant);
+          return s.paging && s.paging->prefix_cache && s.every_layer_quant([](const KvQuant& q) { return frozen_scales(q); });
         };
         return m;
       }(),

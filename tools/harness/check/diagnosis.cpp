@@ -61,6 +61,7 @@ static BugClass paged_class(const std::vector<PagedIssue>& issues) {
 }
 
 BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& ctx) {
+  const Policy& policy = s.policy(e.layer);
   using K = SlotIssue::Kind;
   if (e.empty()) return BugClass::none;
   if (e.raised) return BugClass::cache_raised;
@@ -78,14 +79,14 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // Codes that fit the token only without the transform: every key read back is garbage
   // through it (rotations, outputs), and this is why.
   if (e.codes_fit_without_transform) return BugClass::quant_transform_missing;
-  const bool shifted_policy = s.policy.kind == PolicyKind::sink && s.policy.positions == SinkPositions::cache &&
-                              s.policy.prefill == Prefill::streaming;
+  const bool shifted_policy = policy.kind == PolicyKind::sink && policy.positions == SinkPositions::cache &&
+                              policy.prefill == Prefill::streaming;
   // Distances off for sinks only, by E: the query was not moved back with the window, in a
   // chunk or not.
   const bool sinks_only_by_e =
       shifted_policy && any(e.pairs, [](const PairMismatch& p) { return p.expected && p.actual; }) &&
       std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
-        return p.expected && p.actual && p.key_index < s.policy.sinks && *p.actual - *p.expected == p.evicted_before;
+        return p.expected && p.actual && p.key_index < policy.sinks && *p.actual - *p.expected == p.evicted_before;
       });
   // A chunked append (SPEC 8.7): a query that saw a later key, keys at other positions than
   // the reference's, or queries that missed keys of the append and nothing else.
@@ -116,7 +117,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // Under a residual, only quantized slots hold what is not the row's: the raw residual
   // moved with the reorder or crop, the quantized store did not.
   const auto stale_slot = [](const SlotIssue& i) { return i.kind == K::stale; };
-  if (stale && s.kv_quant && s.kv_quant->holds_raw() && any(e.slots, stale_slot) &&
+  if (stale && s.quantized() && s.quant_rules().holds_raw() && any(e.slots, stale_slot) &&
       std::all_of(e.slots.begin(), e.slots.end(), [&](const SlotIssue& i) { return !stale_slot(i) || i.quantized; }))
     return BugClass::quant_store_not_moved;
   if (stale) {
@@ -135,7 +136,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // A token the next query still sees is gone, and nothing is held in its place: the
   // root cause, whatever the cache then did to the positions of what it kept.
   const bool lost_window_token = any(e.slots, [&](const SlotIssue& i) {
-    return i.kind == K::lost && (s.policy.kind != PolicyKind::sink || i.true_index >= s.policy.sinks);
+    return i.kind == K::lost && (policy.kind != PolicyKind::sink || i.true_index >= policy.sinks);
   });
   if (lost_window_token && !any(e.slots, [](const SlotIssue& i) {
         return i.kind == K::extra || i.kind == K::duplicated || (i.kind == K::lost && i.true_index < 0);
@@ -165,11 +166,11 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // yet: the shift fired before the cache was full.
   {
     std::optional<std::int64_t> shift;
-    bool early = e.evicted_before_last == 0 && s.policy.kind == PolicyKind::sink;
+    bool early = e.evicted_before_last == 0 && policy.kind == PolicyKind::sink;
     for (const SlotIssue& i : e.slots) {
       if (!early) break;
       if (i.kind != K::rotation) continue;
-      early = i.recovered_position && !i.newest && i.true_index >= s.policy.sinks &&
+      early = i.recovered_position && !i.newest && i.true_index >= policy.sinks &&
               *i.recovered_position < i.claimed_position &&
               (!shift || *shift == i.claimed_position - *i.recovered_position);
       if (early) shift = i.claimed_position - *i.recovered_position;
@@ -179,13 +180,13 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   bool new_unshifted = false;
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation || !i.recovered_position) continue;
-    const std::int64_t w = s.policy.window;
+    const std::int64_t w = policy.window;
     if (w > 0 && i.claimed_position >= w && *i.recovered_position == i.claimed_position % w)
       return BugClass::rope_table_wraps;
     // A key still at its absolute position where a cache position was due: the kept keys
     // were never re-rotated (whatever the newest key did), or only the newest was not.
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index) {
-      if (!i.newest) return s.kv_quant && s.quant(i.layer).k ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
+      if (!i.newest) return s.quantized() && s.quant(i.layer).k ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
       new_unshifted = true;
     }
   }
@@ -226,7 +227,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
 
   // Cache positions never reach W; a query at W or beyond was rotated at its absolute position.
   if (shifted_policy &&
-      any(e.pairs, [&](const PairMismatch& p) { return p.query_position && *p.query_position >= s.policy.window; }))
+      any(e.pairs, [&](const PairMismatch& p) { return p.query_position && *p.query_position >= policy.window; }))
     return BugClass::query_position_not_shifted;
   // Window keys too far back, the query's own key among them: new keys kept their
   // absolute positions while the query moved with the window.
@@ -234,14 +235,14 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
       shifted_policy && !e.pairs.empty() &&
       std::all_of(e.pairs.begin(), e.pairs.end(),
                   [&](const PairMismatch& p) {
-                    return p.expected && p.actual && p.key_index >= s.policy.sinks && *p.actual < *p.expected;
+                    return p.expected && p.actual && p.key_index >= policy.sinks && *p.actual < *p.expected;
                   }) &&
       any(e.pairs, [](const PairMismatch& p) { return p.key_index == p.query_index; });
   if (new_keys_behind) return BugClass::new_key_not_shifted;
   if (sinks_only_by_e) return BugClass::query_position_not_shifted;
 
-  const bool sink_missing = s.policy.kind == PolicyKind::sink && any(e.pairs, [&](const PairMismatch& p) {
-                              return p.expected && !p.actual && p.key_index < s.policy.sinks;
+  const bool sink_missing = policy.kind == PolicyKind::sink && any(e.pairs, [&](const PairMismatch& p) {
+                              return p.expected && !p.actual && p.key_index < policy.sinks;
                             });
   if (sink_missing) return BugClass::sink_count_wrong;
   if (off_by_one(e)) return BugClass::window_off_by_one;
@@ -273,7 +274,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // Outputs wrong on one path only, where the other path computed the same token over the
   // same stored cache within tolerance: the paths disagree, whatever the storage.
   if (!e.paths.empty() && e.slots.empty() && e.pairs.empty()) return BugClass::path_inconsistency;
-  if (s.kv_quant && !e.outputs.empty() && e.slots.empty() && e.pairs.empty())
+  if (s.quantized() && !e.outputs.empty() && e.slots.empty() && e.pairs.empty())
     return BugClass::quant_dequantization_layout;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
   if (e.outputs_fit_with_later_chunk_keys) return BugClass::chunk_sees_future_keys;

@@ -223,6 +223,7 @@ struct StepEvidence {
   // The diagnosed query should see a token that is dead after the step and gone: dropping it
   // is allowed after this forward, not before it.
   bool dropped_before_last_use = false;
+  int layer = 0;  // the diagnosed layer, whose policy classify() reads
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
            pairs.empty() && slots.empty() && codes.empty() && paged.empty() && precision.empty() && paths.empty();

@@ -64,7 +64,7 @@ void PagedChecks::check(const StepRecord& rec, CacheView& view, StepEvidence& ev
   if (rec.forward == 0) ++steps_checked_;
   const auto L = view.paged->layers.size();
   shared_.resize(L);
-  view.uncomputed.assign(rec.retained.size(), 0);
+  view.uncomputed.assign(rec.rows(), 0);
   // An append's hits are known before its first forward: checked there when its forwards are
   // checked (SPEC 8.7), else on the whole step. The hit tokens open the first forward's record.
   if (rec.append && rec.forward <= 1) {

@@ -28,7 +28,7 @@ const char* path_name(bool decode) { return decode ? "in a decode step" : "insid
 
 PathChecks::PathChecks(const Scenario& s) : head_dim_(s.dims.head_dim) {
   // Raw chunk reads attend a chunk's own tokens unquantized: its paths differ by design.
-  const bool raw_reads = s.kv_quant && s.kv_quant->chunk_reads == ChunkReads::raw;
+  const bool raw_reads = s.quantized() && s.quant_rules().chunk_reads == ChunkReads::raw;
   enabled_ = s.content == Content::prefix && !raw_reads;
 }
 

@@ -10,7 +10,7 @@ namespace kvcheck {
 
 void PrecisionChecks::check(const StepRecord& rec, CacheView& view, StepEvidence& evidence) {
   const Scenario& s = s_;
-  if (rec.stored.empty() || !s.kv_quant) return;
+  if (rec.stored.empty() || !s.quantized()) return;
   for (std::size_t l = 0; l < rec.stored.size() && l < view.layers.size(); ++l)
     for (std::size_t b = 0; b < rec.stored[l].size() && b < view.layers[l].slots.size(); ++b) {
       if (!s.quant(static_cast<int>(l)).k && !s.quant(static_cast<int>(l)).v) break;

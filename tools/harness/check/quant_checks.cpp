@@ -84,10 +84,10 @@ double stored_roundoff(const Scenario& s, const std::optional<TensorQuant>& q) {
 }  // namespace
 
 double key_roundoff(const Scenario& s, int layer) {
-  return stored_roundoff(s, s.kv_quant ? s.quant(layer).k : std::nullopt);
+  return stored_roundoff(s, s.quantized() ? s.quant(layer).k : std::nullopt);
 }
 double value_roundoff(const Scenario& s, int layer) {
-  return stored_roundoff(s, s.kv_quant ? s.quant(layer).v : std::nullopt);
+  return stored_roundoff(s, s.quantized() ? s.quant(layer).v : std::nullopt);
 }
 
 optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) {
@@ -442,7 +442,7 @@ reference::QuantizedRow QuantChecks::requantized(const TensorQuant& format, refe
                                                  std::int64_t position, int times) const {
   // A flush re-quantizes what the codes stand for: dequantize, turn by nothing, quantize.
   for (int k = 0; k < times; ++k)
-    codes = reference::requantize_shifted(format, s_.kv_quant->transform, s_.rope, codes, kv_head, position, position);
+    codes = reference::requantize_shifted(format, s_.quant_rules().transform, s_.rope, codes, kv_head, position, position);
   return codes;
 }
 
@@ -480,7 +480,7 @@ std::map<std::uint64_t, reference::QuantizedRow> QuantChecks::requantized_togeth
       const reference::StoredLayer& t = tokens[i];
       if (const reference::QuantizedRow* held = held_off(retained[i].uid, t.flushes)) {
         rows.emplace_back(held->codes.size());
-        reference::dequantize_stored(format, s_.kv_quant->transform, *held, rows.back().data());
+        reference::dequantize_stored(format, s_.quant_rules().transform, *held, rows.back().data());
       } else {
         const reference::StoredHead& from = t.quantized_from.at(static_cast<std::size_t>(g));
         rows.push_back(value ? from.value : from.key);
@@ -488,7 +488,7 @@ std::map<std::uint64_t, reference::QuantizedRow> QuantChecks::requantized_togeth
       if (!value) furthest = std::max(furthest, t.position);
     }
     const std::vector<reference::QuantizedRow> codes =
-        reference::quantize_rows_together(format, s_.kv_quant->transform, rows, furthest);
+        reference::quantize_rows_together(format, s_.quant_rules().transform, rows, furthest);
     for (std::size_t k = 0; k < codes.size(); ++k) out[retained[members[batch][k]].uid] = codes[k];
   }
   return out;
@@ -498,7 +498,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
   follow_rows(rec.step);
   diverged_.clear();
   flushed_after_reads_.clear();
-  const bool raw_reads = s_.kv_quant->chunk_reads == ChunkReads::raw && rec.append;
+  const bool raw_reads = s_.quant_rules().chunk_reads == ChunkReads::raw && rec.append;
   if (rec.stored.empty()) return;
   for (std::size_t l = 0; l < rec.stored.size(); ++l)
     for (std::size_t b = 0; b < rec.stored[l].size(); ++b) {
@@ -571,7 +571,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         moved += unseen_value + std::expm1(2.0 * s_.softmax_scale() * q_norm_ * unseen_key) * v_range_ / 2.0;
         if (moved > 0.0) diverged_[{static_cast<int>(l), static_cast<int>(b)}] += moved;
       }
-  const QuantTransform transform = s_.kv_quant->transform;  // every layer's
+  const QuantTransform transform = s_.quant_rules().transform;  // every layer's
   const int D = s_.dims.head_dim;
   std::vector<double> want(static_cast<std::size_t>(D)), got(static_cast<std::size_t>(D));
   // Under frozen scales, the row's own (its newest token's, which it always computes).
@@ -1193,7 +1193,7 @@ void QuantChecks::explain_output(const StepRecord& rec, int l, int b, std::size_
                                  const Tolerance& tol, StepEvidence& evidence) const {
   evidence.outputs_fit_unit_scale = fits(Variant::unit_scale, rec, l, b, token, head, out, tol.atol, tol.rtol);
   evidence.outputs_fit_quantized_query =
-      !s_.kv_quant->query && fits(Variant::quantized_query, rec, l, b, token, head, out, tol.atol, tol.rtol);
+      !s_.quant_rules().query && fits(Variant::quantized_query, rec, l, b, token, head, out, tol.atol, tol.rtol);
 }
 
 double QuantChecks::query_allowance(double slack) const {
@@ -1211,7 +1211,7 @@ void QuantChecks::add_checks(Outcome& o) const {
   };
   // Per-layer lists: each distinct layer quantization once, with the layers it covers.
   const std::string what = [&] {
-    if (!s_.mixed_quant()) return formats(*s_.kv_quant);
+    if (!s_.mixed_quant()) return formats(s_.quant(0));
     std::vector<std::pair<const KvQuant*, std::string>> distinct;  // in layer order
     for (int l = 0; l < s_.dims.layers; ++l) {
       const KvQuant& q = s_.quant(l);

@@ -28,16 +28,17 @@ bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) ||
 // inside the window are the true ones, and a windowed policy never sees more than its
 // window. Returns the first violation, or "".
 std::string bounds_violation(const Scenario& s, const StepRecord& rec, std::size_t i) {
-  const Policy& p = s.policy;
   const auto& rows = rec.append->rows;
+  for (int l = 0; l < (s.hybrid() ? s.dims.layers : 1); ++l)  // equal policies: equal views
   for (int b = 0; b < static_cast<int>(rows.size()); ++b)
     for (const AppendedToken& token : rows[b]) {
+      const Policy& p = s.policy(l);
       auto fail = [&](const std::string& what) {
-        return fmt::format("{}: row {} token {} (uid {}): {}", step_label(rec.step, i), b, token.index, token.uid,
-                           what);
+        return fmt::format("{}: {}row {} token {} (uid {}): {}", step_label(rec.step, i),
+                           s.hybrid() ? fmt::format("layer {} ", l) : "", b, token.index, token.uid, what);
       };
-      const auto& keys = token.view.keys;
-      const std::int64_t pq = token.view.query_position;
+      const auto& keys = token.view_in(l).keys;
+      const std::int64_t pq = token.view_in(l).query_position;
       if (keys.empty() || keys.back().index != token.index) return fail("does not see itself");
       if (pq < 0) return fail(fmt::format("negative query position {}", pq));
       const bool windowed = p.kind != PolicyKind::full && p.prefill == Prefill::streaming;
@@ -80,7 +81,7 @@ InvarianceSample invariance_sample(const Scenario& s, double budget) {
         const std::int64_t pad = n - step.tokens[b];
         if (pos < pad) continue;
         const std::int64_t t = lengths[b] + pos - pad;
-        for (const Policy& p : s.layer_policies)
+        for (const Policy& p : s.policies)
           chosen = chosen || (p.kind != PolicyKind::full && std::abs(t - (p.window - 1)) <= 4) ||
                    (p.kind == PolicyKind::sink && std::abs(t - p.sinks) <= 4);
       }
@@ -124,7 +125,7 @@ SplitScenario split_into_single_tokens(const Scenario& s, const InputTable& inpu
 
 ReferenceChecks::ReferenceChecks(const Scenario& s, const InputTable& inputs, double invariance_budget) : s_(s) {
   invariance_ = {"chunk invariance", true, "bit-identical to one-by-one feeding"};
-  if (std::any_of(s.layer_policies.begin(), s.layer_policies.end(),
+  if (std::any_of(s.policies.begin(), s.policies.end(),
                   [](const Policy& p) { return p.prefill == Prefill::dense; })) {
     invariance_.detail = "not applicable: dense prefill is chunk-dependent by design";
   } else {
@@ -139,10 +140,10 @@ ReferenceChecks::ReferenceChecks(const Scenario& s, const InputTable& inputs, do
     single_ = std::make_unique<ReferenceStepper>(split_->scenario, split_->inputs, attend_);
   }
   sink_zero_ = {"sink S=0 equals sliding", true, "not applicable"};
-  if (sink_zero_applies(s.policy) && !s.hybrid()) {
+  if (const Policy* shared = s.shared_policy(); shared && sink_zero_applies(*shared)) {
     sliding_ = std::make_unique<Scenario>(s);
-    sliding_->policy = Policy{PolicyKind::sliding, s.policy.window, 0, 1, SinkPositions::cache, Prefill::streaming};
-    sliding_->layer_policies.assign(sliding_->layer_policies.size(), sliding_->policy);
+    sliding_->policies.assign(sliding_->policies.size(),
+                              Policy{PolicyKind::sliding, shared->window, 0, 1, SinkPositions::cache, Prefill::streaming});
     sliding_run_ = std::make_unique<ReferenceStepper>(*sliding_, inputs);
   }
   bounds_ = {"positions within bounds", true, "all views within bounds"};

@@ -231,7 +231,7 @@ class StepChecker::Impl {
         paged_(s),
         precision_(s),
         paths_(s) {
-    if (s.kv_quant) quant_.emplace(s, inputs);
+    if (s.quantized()) quant_.emplace(s, inputs);
     // The list, in its order: paged first (it names shared and hit slots by the row's own
     // uids), then the codes, then the precision map (both SPEC 9: a quantized cache only).
     checks_ = {&paged_};
@@ -395,10 +395,10 @@ class StepChecker::Impl {
     }
     if (!evidence.refusal.empty()) refusals_.fail(evidence.label + ": " + evidence.refusal);
     if (!go_on || view.layers.empty()) return go_on;
-    if (view.batch != static_cast<int>(rec.retained.size())) {
+    if (view.batch != static_cast<int>(rec.rows())) {
       evidence.wrong_row_count = true;
       retained_.fail(
-          fmt::format("{}: the cache has {} rows, the reference {}", evidence.label, view.batch, rec.retained.size()));
+          fmt::format("{}: the cache has {} rows, the reference {}", evidence.label, view.batch, rec.rows()));
       return false;
     }
     // Quantized: outputs are compared with R_stored, the attention over exactly what the
@@ -409,11 +409,11 @@ class StepChecker::Impl {
     uncomputed_ = view.uncomputed;  // as the paged check left it (prefix hits)
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
     used_tolerance_.rtol = std::max(used_tolerance_.rtol, tolerance.rtol);
-    rows.assign(view.layers.size(), std::vector<RowState>(rec.retained.size()));
+    rows.assign(view.layers.size(), std::vector<RowState>(rec.rows()));
     if (rec.append && view.pairs) compare_pairs(rec, std::move(*view.pairs), evidence, rows[0]);
     for (std::size_t l = 0; l < view.layers.size(); ++l) {
       const ViewLayer& layer = view.layers[l];
-      for (int b = 0; b < static_cast<int>(rec.retained.size()); ++b) {
+      for (int b = 0; b < static_cast<int>(rec.rows()); ++b) {
         if (rec.is_preempted(b)) continue;  // SPEC 8.6: its blocks are out until it resumes
         const std::size_t before = evidence.slots.size();
         check_row(rec, view, static_cast<int>(l), b, evidence, rows[l][b]);
@@ -428,7 +428,7 @@ class StepChecker::Impl {
     if (rec.append)
       for (std::size_t b = 0; b < rec.append->rows.size(); ++b) {
         const auto& chunk = rec.append->rows[b];
-        if (chunk.size() <= rec.retained[b].keys.size()) continue;
+        if (chunk.size() <= rec.retained_in(0, static_cast<int>(b)).keys.size()) continue;
         const auto& table = rows[0][b].table;
         evidence.chunk_kept_whole |= std::all_of(chunk.begin(), chunk.end(), [&](const auto& token) {
           return std::any_of(table.begin(), table.end(), [&](const SlotRow& r) {
@@ -472,7 +472,7 @@ class StepChecker::Impl {
 
       // A residual's precision of each retained token, for the slot table (SPEC 9.2.4).
       std::map<std::int64_t, bool> raw_expected;
-      const bool shows_precision = s_.kv_quant && s_.kv_quant->holds_raw() && !rec.stored.empty() &&
+      const bool shows_precision = s_.quantized() && s_.quant_rules().holds_raw() && !rec.stored.empty() &&
                                    (s_.quant(l).k || s_.quant(l).v);
       if (shows_precision) {
         const auto& keys = rec.retained_in(l, b).keys;
@@ -535,7 +535,7 @@ class StepChecker::Impl {
                                        v.slot, v.uid, row.index));
             SlotIssue extra = SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index);
             extra.slot = v.slot;
-            extra.window_gap = window_start(s_.layer_policies[static_cast<std::size_t>(l)], ret) - row.index;
+            extra.window_gap = window_start(s_.policies[static_cast<std::size_t>(l)], ret) - row.index;
             extra.in_chunk =
                 rec.append && !rec.append->rows[b].empty() && row.index >= rec.append->rows[b].front().index;
             evidence.slots.push_back(extra);
@@ -643,7 +643,7 @@ class StepChecker::Impl {
   std::optional<bool> matches_simulated_key(const StepRecord& rec, int l, int b, int g, const ViewSlot& v,
                                             std::int64_t position) const {
     if (rec.stored.empty() || !s_.quant(l).k || v.key_codes || v.raw) return std::nullopt;
-    const bool moves = std::any_of(s_.layer_policies.begin(), s_.layer_policies.end(), [](const Policy& p) {
+    const bool moves = std::any_of(s_.policies.begin(), s_.policies.end(), [](const Policy& p) {
       return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
     });
     if (moves) return std::nullopt;
@@ -659,7 +659,7 @@ class StepChecker::Impl {
       for (int d = 0; d < D; ++d)
         step = std::max(step, 2.0 * reference::element_bound(format.format, h.key[static_cast<std::size_t>(d)],
                                                              h.key_codes.scales[static_cast<std::size_t>(d / group)]));
-      if (s_.kv_quant->transform == QuantTransform::hadamard) step *= std::sqrt(static_cast<double>(D));
+      if (s_.quant_rules().transform == QuantTransform::hadamard) step *= std::sqrt(static_cast<double>(D));
       for (int d = 0; d < D; ++d)
         if (!(std::abs(v.key[d] - h.key[static_cast<std::size_t>(d)]) <= step + 1e-6)) return false;
       return true;
@@ -751,11 +751,11 @@ class StepChecker::Impl {
         kept.insert(static_cast<std::int64_t>(rec.histories[b][static_cast<std::size_t>(key.index)]));
       return kept;
     };
-    const std::set<std::int64_t> own = kept_by(s_.layer_policies[static_cast<std::size_t>(l)]);
+    const std::set<std::int64_t> own = kept_by(s_.policies[static_cast<std::size_t>(l)]);
     if (held == own) return;  // the right tokens: the trouble is elsewhere (a rotation, say)
-    for (std::size_t m = 0; m < s_.layer_policies.size(); ++m) {
-      if (s_.layer_policies[m] == s_.layer_policies[static_cast<std::size_t>(l)]) continue;
-      const std::set<std::int64_t> kept = kept_by(s_.layer_policies[m]);
+    for (std::size_t m = 0; m < s_.policies.size(); ++m) {
+      if (s_.policies[m] == s_.policies[static_cast<std::size_t>(l)]) continue;
+      const std::set<std::int64_t> kept = kept_by(s_.policies[m]);
       if (kept != own && kept == held) {
         evidence.layer_holds_policy_of = std::pair<int, int>{l, static_cast<int>(m)};
         return;
@@ -850,7 +850,7 @@ class StepChecker::Impl {
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =
           fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));
-    const Policy& policy = s_.layer_policies[static_cast<std::size_t>(l)];
+    const Policy& policy = s_.policies[static_cast<std::size_t>(l)];
     if (policy.kind == PolicyKind::sink && policy.sinks > 0 && policy.positions == SinkPositions::original)
       evidence.outputs_fit_plain_window =
           fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b], i, policy.window, l, h));
@@ -875,7 +875,7 @@ class StepChecker::Impl {
       const std::size_t skipped = uncomputed(b);  // a prefix hit spared their attention
       for (const auto& token : rec.append->rows[b]) {
         if (static_cast<std::size_t>(&token - rec.append->rows[b].data()) < skipped) continue;
-        const std::int64_t e = reference::evicted_count(s_.policy, token.index);
+        const std::int64_t e = reference::evicted_count(s_.policy(0), token.index);  // layer 0's log
         auto note = [&](std::int64_t uid, std::optional<std::int64_t> w, std::optional<std::int64_t> a,
                         std::optional<std::int64_t> qpos, const std::string& text) {
           positions_.fail(fmt::format("{}: row {} token {}: {}", evidence.label, b, token.index, text));
@@ -939,7 +939,7 @@ class StepChecker::Impl {
     const auto& tokens = rec.append->rows[b];
     // Dense prefill: a chunk's queries saw a state the trace does not show. Unrotated keys
     // carry no position to measure a distance against.
-    if (tokens.empty() || s_.policy.prefill != Prefill::streaming || options_.key_positions == KeyPositions::unrotated)
+    if (tokens.empty() || s_.policy(l).prefill != Prefill::streaming || options_.key_positions == KeyPositions::unrotated)
       return;
     const int H = s_.dims.heads, D = s_.dims.head_dim;
     const std::int64_t n = rec.append->chunk;
@@ -958,7 +958,7 @@ class StepChecker::Impl {
     state.pairs_known = true;
     // A cache that keeps keys at original positions rotates the query twice (sink_ring);
     // one rotated q shows only the window rotation, so sinks are judged by keys alone.
-    const Policy& policy = s_.layer_policies[static_cast<std::size_t>(l)];
+    const Policy& policy = s_.policies[static_cast<std::size_t>(l)];
     const reference::QueryView& seen = last.view_in(l);
     const bool skip_sinks = policy.kind == PolicyKind::sink && options_.key_positions != KeyPositions::cache_relative;
     for (const auto& key : seen.keys) {
@@ -974,7 +974,7 @@ class StepChecker::Impl {
                       evidence.label, l, b, last.index, r.position, uid, it->second, got, want));
       if (l == 0)
         evidence.pairs.push_back(
-            {b, last.index, uid, key.index, want, got, r.position, reference::evicted_count(s_.policy, last.index)});
+            {b, last.index, uid, key.index, want, got, r.position, reference::evicted_count(s_.policy(l), last.index)});
     }
   }
 
@@ -1028,7 +1028,7 @@ class StepChecker::Impl {
     if (rec.append && d.row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[d.row].empty()) {
       d.table_query_index = rec.append->rows[d.row].back().index;
       if (d.query_index < 0) d.query_index = d.table_query_index;
-      evidence.evicted_before_last = reference::evicted_count(s_.policy, d.table_query_index);
+      evidence.evicted_before_last = reference::evicted_count(s_.policy(d.layer), d.table_query_index);
       if (static_cast<std::size_t>(d.layer) < rows.size() && static_cast<std::size_t>(d.row) < rows[d.layer].size() &&
           d.query_index == d.table_query_index) {
         const auto& table = rows[d.layer][d.row].table;
@@ -1037,6 +1037,7 @@ class StepChecker::Impl {
         });
       }
     }
+    evidence.layer = d.layer;
     d.bug = classify(s_, evidence, context);
     d.evidence = std::move(evidence);
     if (static_cast<std::size_t>(d.layer) < rows.size() && static_cast<std::size_t>(d.row) < rows[d.layer].size()) {
@@ -1079,10 +1080,15 @@ class StepChecker::Impl {
           bigger(*i.recovered_position - i.claimed_position);
     if (row < static_cast<int>(rec.append->rows.size()) && !rec.append->rows[row].empty()) {
       const auto& tokens = rec.append->rows[row];
-      p.evicted = reference::evicted_count(s_.policy, tokens.back().index) !=
-                  reference::evicted_count(s_.policy, tokens.front().index - 1);
+      p.evicted = reference::evicted_count(s_.policy(e.layer), tokens.back().index) !=
+                  reference::evicted_count(s_.policy(e.layer), tokens.front().index - 1);
     }
     return p;
+  }
+
+  // Some layer prefills densely: its chunks' queries saw a state no trace shows.
+  bool dense_prefill() const {
+    return std::any_of(s_.policies.begin(), s_.policies.end(), [](const Policy& p) { return p.prefill == Prefill::dense; });
   }
 
   Outcome outcome() const {
@@ -1102,7 +1108,7 @@ class StepChecker::Impl {
                       : "no outputs to compare");
     add("positions", positions_,
         pairs_seen_                           ? "every visible pair at the reference's distance"
-        : s_.policy.prefill == Prefill::dense ? "not checked: under dense prefill a chunk's queries see a state the "
+        : dense_prefill()                     ? "not checked: under dense prefill a chunk's queries see a state the "
                                                 "trace does not show"
         : options_.key_positions == KeyPositions::unrotated
             ? "not checked: keys stored unrotated carry no position to measure a distance against"

@@ -75,9 +75,9 @@ json cache_rows(const std::vector<reference::RowRetained>& retained) {
 // The rows, the same for every layer; or, when the layers' policies differ, "layers": one
 // {"rows"} per layer.
 json cache_json(std::size_t index, const StepRecord& record) {
-  if (record.layer_retained.empty()) return {{"step", index}, {"rows", cache_rows(record.retained)}};
+  if (!record.retained_differs()) return {{"step", index}, {"rows", cache_rows(*record.retained.front())}};
   json layers = json::array();
-  for (const auto& retained : record.layer_retained) layers.push_back({{"rows", cache_rows(retained)}});
+  for (const auto& retained : record.retained) layers.push_back({{"rows", cache_rows(*retained)}});
   return {{"step", index}, {"layers", layers}};
 }
 
@@ -121,7 +121,7 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
   std::size_t R = 0;
   for (const auto& layer : r.stored)
     for (const auto& row : layer) R = std::max(R, row.size());
-  if (s.kv_quant->holds_raw()) {  // which keys the residual holds raw (their codes: 0, scales: NaN)
+  if (s.quant_rules().holds_raw()) {  // which keys the residual holds raw (their codes: 0, scales: NaN)
     std::vector<std::uint8_t> raw(L * B * R, 0);
     for (std::size_t l = 0; l < L; ++l)
       for (std::size_t b = 0; b < B; ++b)
@@ -129,7 +129,7 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
     step["raw"] = stem + "_raw.npy";
     write_npy((dir / (stem + "_raw.npy")).string(), {L, B, R}, raw);
   }
-  const bool per_layer = !s.layer_quants.empty();
+  const bool per_layer = s.mixed_quant();
   // Layers [first, last) of one tensor, in one file: codes, scales and (affine) zero points.
   const auto write_layers = [&](const TensorQuant& t, bool value, std::size_t first, std::size_t last,
                                 const std::string& suffix) {
@@ -176,7 +176,7 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
   for (const bool value : {false, true}) {
     const std::string name = value ? "v" : "k";
     if (!per_layer) {
-      const std::optional<TensorQuant>& t = value ? s.kv_quant->v : s.kv_quant->k;
+      const std::optional<TensorQuant>& t = value ? s.quant(0).v : s.quant(0).k;  // every layer's
       if (!t) continue;
       const json files = write_layers(*t, value, 0, L, "");
       for (const auto& [part, file] : files.items()) step[name + "_" + part] = file;
@@ -265,7 +265,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                  {"op", to_string(r.step.op)},
                  {"source_step", r.step.source_index},
                  {"source_op", r.step.source_op},
-                 {"batch", r.retained.size()}};
+                 {"batch", r.rows()}};
     if (r.append) {
       const auto B = r.append->rows.size(), n = static_cast<std::size_t>(r.append->chunk);
       json rows = json::array();
@@ -332,7 +332,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                    {"scenario", json::parse(s.source_json)},
                    {"dimensions", dims_json(s.dims)},
                    {"rope", rope_json(s.rope)},
-                   {"policy", policy_json(s.policy)},
+                   {"policy", policy_json(s.policies.front())},  // a list when the layers' differ, below
                    {"softmax_scale", s.softmax_scale()},
 
                    {"uids", inputs.uids},
@@ -344,15 +344,15 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                           {"prefix_cache", s.paging->prefix_cache}};
   if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
   if (s.kv_dtype != KvDtype::float32) manifest["kv_dtype"] = to_string(s.kv_dtype);
-  if (s.kv_quant && s.layer_quants.empty()) manifest["kv_quant"] = kv_quant_json(*s.kv_quant, s.dims.head_dim);
-  if (!s.layer_quants.empty()) {  // one per layer, as the scenario gave them
+  if (s.quantized() && !s.mixed_quant()) manifest["kv_quant"] = kv_quant_json(s.quant(0), s.dims.head_dim);
+  if (s.mixed_quant()) {  // one per layer
     manifest["kv_quant"] = json::array();
-    for (const KvQuant& q : s.layer_quants)  // null: a layer stored in kv_dtype
+    for (const KvQuant& q : s.quants)  // null: a layer stored in kv_dtype
       manifest["kv_quant"].push_back(q.k || q.v ? kv_quant_json(q, s.dims.head_dim) : json(nullptr));
   }
   if (s.hybrid()) {
     json policies = json::array();
-    for (const Policy& p : s.layer_policies) policies.push_back(policy_json(p));
+    for (const Policy& p : s.policies) policies.push_back(policy_json(p));
     manifest["policy"] = policies;
   }
   write_file_atomically(dir.path() / "manifest.json", manifest.dump(1) + "\n");

@@ -41,10 +41,7 @@ StepRecord forward_record(const Scenario& s, const StepRecord& whole, const std:
     const auto& tokens = all.rows[b];
     const std::int64_t first = tokens.front().index;
     if (end[b] <= first)  // nothing of the append computed: the streaming rule at that length
-      return reference::retained_of(l < static_cast<int>(s.layer_policies.size())
-                                        ? s.layer_policies[static_cast<std::size_t>(l)]
-                                        : s.policy,
-                                    std::span<const std::uint64_t>(history.begin(), history.size()));
+      return reference::retained_of(s.policy(l), std::span<const std::uint64_t>(history.begin(), history.size()));
     const reference::QueryView& last = tokens[static_cast<std::size_t>(end[b] - 1 - first)].view_in(l);
     const reference::QueryView& next = tokens[static_cast<std::size_t>(end[b] - first)].view_in(l);
     const RowHistory& after = whole.histories[b];
@@ -56,20 +53,26 @@ StepRecord forward_record(const Scenario& s, const StepRecord& whole, const std:
       if (key.index < end[b]) out.live.push_back({after[static_cast<std::size_t>(key.index)], key.index, key.position});
     return out;
   };
-  const bool per_layer = !whole.layer_retained.empty();
-  if (per_layer) r.layer_retained.resize(static_cast<std::size_t>(s.dims.layers));
   std::vector<bool> row_cut(whole.histories.size(), false);
   for (std::size_t b = 0; b < whole.histories.size(); ++b) {
     // Rows that take no token, or whose forwards are all done, are as after the append.
     const bool cut_here = b < B && !all.rows[b].empty() && end[b] < all.rows[b].back().index + 1;
     row_cut[b] = cut_here;
     r.histories.push_back(cut_here ? whole.histories[b].prefix(static_cast<std::size_t>(end[b])) : whole.histories[b]);
-    for (int l = 0; l < (per_layer ? s.dims.layers : 1); ++l) {
-      reference::RowRetained row =
-          cut_here ? kept(l, b, r.histories.back()) : whole.retained_in(l, static_cast<int>(b));
-      if (per_layer) r.layer_retained[static_cast<std::size_t>(l)].push_back(row);
-      if (l == 0) r.retained.push_back(std::move(row));
+  }
+  // Layers that share the whole append's rows share the forward's too.
+  for (std::size_t l = 0; l < whole.retained.size(); ++l) {
+    const auto first = whole.retained.begin();
+    const auto same = std::find(first, first + static_cast<std::ptrdiff_t>(l), whole.retained[l]);
+    if (same != first + static_cast<std::ptrdiff_t>(l)) {
+      r.retained.push_back(r.retained[static_cast<std::size_t>(same - first)]);
+      continue;
     }
+    auto rows = std::make_shared<std::vector<reference::RowRetained>>();
+    for (std::size_t b = 0; b < whole.histories.size(); ++b)
+      rows->push_back(row_cut[b] ? kept(static_cast<int>(l), b, r.histories[b])
+                                 : whole.retained_in(static_cast<int>(l), static_cast<int>(b)));
+    r.retained.push_back(std::move(rows));
   }
 
   // A stored key does not change between two forwards (no shift or flush moves it inside

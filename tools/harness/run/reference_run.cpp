@@ -80,6 +80,25 @@ std::vector<std::uint64_t> row_contexts(const Scenario& s, const std::vector<std
   return out;
 }
 
+// Each layer's rows after the step; a layer whose policy an earlier layer has shares that
+// layer's vector.
+std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained_by_layer(
+    const Scenario& s, const reference::ReferenceModel& model) {
+  std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> out;
+  for (int l = 0; l < s.dims.layers; ++l) {
+    const auto first = s.policies.begin();
+    const auto same = std::find(first, first + l, s.policy(l));
+    if (same != first + l) {
+      out.push_back(out[static_cast<std::size_t>(same - first)]);
+      continue;
+    }
+    auto rows = std::make_shared<std::vector<reference::RowRetained>>();
+    for (int b = 0; b < model.batch(); ++b) rows->push_back(model.retained(b, l));
+    out.push_back(std::move(rows));
+  }
+  return out;
+}
+
 }  // namespace
 
 // SPEC 8.4: the largest legitimate hit of each row the append starts, and what the step's
@@ -190,13 +209,9 @@ void ReferenceStepper::record_writes(const std::vector<std::int64_t>& lengths_be
 ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, std::vector<bool> attend)
     : scenario_(s),
       state_(new State{
-          reference::ReferenceModel(s.dims, s.rope, s.layer_policies, s.softmax_scale(), inputs, s.attention), {}, {}, {}}),
+          reference::ReferenceModel(s.dims, s.rope, s.policies, s.softmax_scale(), inputs, s.attention), {}, {}, {}}),
       attend_(std::move(attend)) {
-  if (s.kv_quant) {
-    std::vector<KvQuant> layers;
-    for (int l = 0; l < s.dims.layers; ++l) layers.push_back(s.quant(l));
-    state_->model.store_as(std::move(layers), s.kv_dtype);
-  }
+  if (s.quantized()) state_->model.store_as(s.quants, s.kv_dtype);
   if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size, s.paging->token_reuse);
 }
 
@@ -257,7 +272,7 @@ StepRecord ReferenceStepper::next() {
                                       step.expect_error.empty() ? ", which the scenario does not expect"
                                                                 : ", expected \"" + step.expect_error + "\""));
   }
-  for (int b = 0; b < model.batch(); ++b) record.retained.push_back(model.retained(b));
+  record.retained = retained_by_layer(scenario_, model);
   preempted_.resize(static_cast<std::size_t>(model.batch()), false);
   if (step.op == StepOp::reset || step.op == StepOp::reorder)
     preempted_.assign(static_cast<std::size_t>(model.batch()), false);
@@ -265,12 +280,6 @@ StepRecord ReferenceStepper::next() {
     if (step.op == StepOp::preempt || step.op == StepOp::resume || step.op == StepOp::free_rows)
       preempted_[static_cast<std::size_t>(b)] = step.op == StepOp::preempt;
   record.preempted = preempted_;
-  if (model.hybrid()) {
-    record.layer_retained.resize(static_cast<std::size_t>(scenario_.dims.layers));
-    for (int l = 0; l < scenario_.dims.layers; ++l)
-      for (int b = 0; b < model.batch(); ++b)
-        record.layer_retained[static_cast<std::size_t>(l)].push_back(model.retained(b, l));
-  }
   record.histories = state_->histories.after(step, model);
   if (const reference::StoredKv* stored = model.stored()) {
     record.stored.resize(static_cast<std::size_t>(scenario_.dims.layers));

@@ -46,11 +46,16 @@ struct StepRecord {
   std::vector<RowHistory> after_append;
   int batch_before = 0;
   std::optional<reference::AppendResult> append;                    // append steps
-  std::vector<reference::RowRetained> retained;                     // per row, after the step (layer 0)
-  std::vector<std::vector<reference::RowRetained>> layer_retained;  // [layer][row] when the layers' policies differ
+  // One per layer: what each row holds after the step ([row]). Layers of equal policies hold
+  // the same and share one vector (a deep stack of one policy keeps one copy).
+  std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained;
   const reference::RowRetained& retained_in(int layer, int row) const {
-    return layer_retained.empty() ? retained[static_cast<std::size_t>(row)]
-                                  : layer_retained[static_cast<std::size_t>(layer)][static_cast<std::size_t>(row)];
+    return retained.at(static_cast<std::size_t>(layer))->at(static_cast<std::size_t>(row));
+  }
+  std::size_t rows() const { return retained.empty() ? 0 : retained.front()->size(); }
+  // Some layers hold other tokens than others (their policies differ).
+  bool retained_differs() const {
+    return std::any_of(retained.begin(), retained.end(), [&](const auto& r) { return r != retained.front(); });
   }
   std::vector<RowHistory> histories;  // per row, after the step
   // SPEC 9: what a quantized cache must hold after the step, [layer][row][i] for the i-th

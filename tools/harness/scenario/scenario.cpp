@@ -48,12 +48,14 @@ const char* to_string(StepOp op) {
 
 double Scenario::softmax_scale() const { return scale ? *scale : 1.0 / std::sqrt(dims.head_dim); }
 
-bool Scenario::hybrid() const {
-  return std::any_of(layer_policies.begin(), layer_policies.end(), [&](const Policy& p) { return !(p == policy); });
+const Policy* Scenario::shared_policy() const {
+  if (policies.empty()) return nullptr;
+  const Policy& first = policies.front();
+  return std::all_of(policies.begin(), policies.end(), [&](const Policy& p) { return p == first; }) ? &first : nullptr;
 }
 
 bool Scenario::mixed_quant() const {
-  return std::any_of(layer_quants.begin(), layer_quants.end(), [&](const KvQuant& q) { return !(q == *kv_quant); });
+  return std::any_of(quants.begin(), quants.end(), [&](const KvQuant& q) { return !(q == quants.front()); });
 }
 
 namespace {
@@ -588,40 +590,36 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
     s.kv_dtype = dtype == "float32" ? KvDtype::float32 : dtype == "float16" ? KvDtype::float16 : KvDtype::bfloat16;
   }
   if (j.contains("kv_quant")) {
-    if (j["kv_quant"].is_array()) {
-      s.layer_quants = parse_layer_quants(r, j["kv_quant"], s.dims);
-      s.kv_quant = s.layer_quants.front();
-    } else {
-      s.kv_quant = parse_kv_quant(r, j["kv_quant"], s.dims);
-    }
+    if (j["kv_quant"].is_array())
+      s.quants = parse_layer_quants(r, j["kv_quant"], s.dims);
+    else
+      s.quantize_every_layer(parse_kv_quant(r, j["kv_quant"], s.dims));
   }
   const json& policy = r.field(j, "", "policy");
   if (policy.is_array()) {  // one per layer (SPEC 7)
     if (policy.size() != static_cast<std::size_t>(s.dims.layers))
       r.fail("/policy", fmt::format("expected one policy per layer ({}), got {}", s.dims.layers, policy.size()));
     for (std::size_t l = 0; l < policy.size(); ++l)
-      s.layer_policies.push_back(parse_policy(r, policy[l], "/policy/" + std::to_string(l)));
-    s.policy = s.layer_policies[0];
+      s.policies.push_back(parse_policy(r, policy[l], "/policy/" + std::to_string(l)));
   } else {
-    s.policy = parse_policy(r, policy);
-    s.layer_policies.assign(static_cast<std::size_t>(s.dims.layers), s.policy);
+    s.policies.assign(static_cast<std::size_t>(s.dims.layers), parse_policy(r, policy));
   }
-  if (s.kv_quant && s.kv_quant->holds_raw())
-    for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
-      if (s.layer_policies[l].kind != PolicyKind::full)
+  if (s.quantized() && s.quant_rules().holds_raw())
+    for (std::size_t l = 0; l < s.policies.size(); ++l)
+      if (s.policies[l].kind != PolicyKind::full)
         not_yet(r, "/kv_quant",
                 fmt::format("unquantized tokens (\"residual\", \"flush\": \"requantize_all\", \"chunk_reads\": "
                             "\"raw\" or scales along the token axis) with a {} policy{} (only \"full\" so far)",
-                            to_string(s.layer_policies[l].kind),
-                            s.layer_policies.size() > 1 && policy.is_array() ? fmt::format(" in layer {}", l) : ""));
+                            to_string(s.policies[l].kind),
+                            s.policies.size() > 1 && policy.is_array() ? fmt::format(" in layer {}", l) : ""));
   // A frozen scale is computed from the keys as first stored, at their token index: a policy
   // that moves stored keys (cache positions) would re-quantize them under it.
   if (any_frozen_scales(s)) {
-    if (s.kv_quant->holds_raw())
+    if (s.quant_rules().holds_raw())
       not_yet(r, "/kv_quant", "a scale frozen at the first append (\"first_append\") with unquantized tokens "
                               "(\"residual\", \"flush\": \"requantize_all\" or \"chunk_reads\": \"raw\")");
-    for (std::size_t l = 0; l < s.layer_policies.size(); ++l)
-      if (s.layer_policies[l].kind == PolicyKind::sink && s.layer_policies[l].positions == SinkPositions::cache)
+    for (std::size_t l = 0; l < s.policies.size(); ++l)
+      if (s.policies[l].kind == PolicyKind::sink && s.policies[l].positions == SinkPositions::cache)
         not_yet(r, policy.is_array() ? "/policy/" + std::to_string(l) + "/positions" : std::string("/policy/positions"),
                 "a scale frozen at the first append (\"first_append\") with keys at cache positions (each shift "
                 "re-quantizes them)");

@@ -2,6 +2,7 @@
 // parsed from JSON with every error naming the file and the JSON path of the field.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -85,14 +86,12 @@ struct Scenario {
   Rope rope;
   Attention attention;                  // learned sink logits (SPEC 7)
   KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
-  std::optional<KvQuant> kv_quant;      // quantized storage (SPEC 9), layer 0's; kv_dtype holds what is not quantized
-  // One per layer when `kv_quant` was a list (vLLM's per-layer k_scale, mixed-precision layers):
-  // the layers' "k" and "v" may differ (a null entry: neither, the layer kept in kv_dtype),
-  // their residual, flush, read, transform and query rules do not (kv_quant holds those).
-  // Empty: every layer is kv_quant.
-  std::vector<KvQuant> layer_quants;
-  Policy policy;                        // layer 0's (every layer's unless `policy` was a list)
-  std::vector<Policy> layer_policies;   // one per layer (SPEC 7): Gemma- and gpt-oss-style hybrids
+  // Quantized storage (SPEC 9), one per layer; empty: nothing is quantized. The layers' "k"
+  // and "v" may differ when `kv_quant` was a list (vLLM's per-layer k_scale, mixed-precision
+  // layers; absent: that tensor kept in kv_dtype); their residual, flush, read, transform and
+  // query rules do not (the parser refuses it): quant_rules() reads those.
+  std::vector<KvQuant> quants;
+  std::vector<Policy> policies;         // one per layer (SPEC 7: `policy` as a list: Gemma- and gpt-oss-style hybrids)
   std::optional<double> scale;          // softmax scale; 1/sqrt(D) when absent
   InputSource inputs;
   std::optional<Paging> paging;
@@ -105,22 +104,35 @@ struct Scenario {
   bool tolerance_given = false;  // the scenario set it: used as it is, not derived
 
   double softmax_scale() const;
+  const Policy& policy(int layer) const { return policies.at(static_cast<std::size_t>(layer)); }
+  // The policy every layer follows; nullptr when the layers' differ (a hybrid).
+  const Policy* shared_policy() const;
   // The layers follow different policies.
-  bool hybrid() const;
-  // Layer `layer`'s quantized storage (kv_quant must be set).
-  const KvQuant& quant(int layer) const {
-    return layer_quants.empty() ? *kv_quant : layer_quants.at(static_cast<std::size_t>(layer));
+  bool hybrid() const { return shared_policy() == nullptr; }
+  // Every layer follows one policy, of this kind.
+  bool every_layer(PolicyKind kind) const {
+    const Policy* p = shared_policy();
+    return p && p->kind == kind;
   }
-  // Some layer quantizes differently from layer 0.
+  bool quantized() const { return !quants.empty(); }
+  // Layer `layer`'s quantized storage (quantized() must hold).
+  const KvQuant& quant(int layer) const { return quants.at(static_cast<std::size_t>(layer)); }
+  // The rules every layer shares: residual, flush, chunk reads, transform, query (not k, v).
+  const KvQuant& quant_rules() const { return quants.at(0); }
+  // Some layers quantize differently from others.
   bool mixed_quant() const;
-  // Some layer's quantized storage satisfies `pred` (false without kv_quant).
+  // Some layer's quantized storage satisfies `pred` (false when nothing is quantized).
   template <class Pred>
   bool any_layer_quant(Pred pred) const {
-    if (!kv_quant) return false;
-    for (int l = 0; l < dims.layers; ++l)
-      if (pred(quant(l))) return true;
-    return false;
+    return std::any_of(quants.begin(), quants.end(), pred);
   }
+  // Something is quantized and every layer's storage satisfies `pred`.
+  template <class Pred>
+  bool every_layer_quant(Pred pred) const {
+    return quantized() && std::all_of(quants.begin(), quants.end(), pred);
+  }
+  // Sets every layer's quantized storage to q.
+  void quantize_every_layer(const KvQuant& q) { quants.assign(static_cast<std::size_t>(dims.layers), q); }
 };
 
 // Some layer's scales are frozen at a row's first append (SPEC 9's "first_append").

@@ -85,7 +85,7 @@ PoolNeed largest_pool_need(const Scenario& s, std::int64_t block_size) {
     // Idle rows hold their blocks; a recompute's resume rebuilds its row from token 0.
     const bool counts = (step.op == StepOp::append || step.op == StepOp::resume) && step.expect_error.empty();
     if (counts)
-      for (const Policy& policy : s.layer_policies) {
+      for (const Policy& policy : s.policies) {
         std::int64_t need = 0;
         for (std::size_t b = 0; b < lengths.size(); ++b) {
           const bool rebuilt = step.op == StepOp::resume && recompute[b] &&
@@ -134,7 +134,7 @@ namespace {
 // its codes (ints), scales (doubles) and zero points (ints) per group; under scales along the
 // token axis a group is one element, and what it was quantized from is kept too.
 double stored_bytes_per_token(const Scenario& s) {
-  if (!s.kv_quant) return 0.0;
+  if (!s.quantized()) return 0.0;
   const double D = s.dims.head_dim;
   double total = 0.0;
   for (int l = 0; l < s.dims.layers; ++l) {
@@ -155,8 +155,8 @@ ScenarioCost estimate_cost(const Scenario& s) {
   const Dims& d = s.dims;
   const double stored_per_token = stored_bytes_per_token(s);
   // A hybrid costs at most what its widest layer would cost in every layer.
-  Policy widest = s.policy;
-  for (const Policy& p : s.layer_policies)
+  Policy widest = s.policies.front();
+  for (const Policy& p : s.policies)
     if (visible_keys(p, std::int64_t{1} << 40) > visible_keys(widest, std::int64_t{1} << 40)) widest = p;
   const double per_token_out = static_cast<double>(d.layers) * d.heads * d.head_dim;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);

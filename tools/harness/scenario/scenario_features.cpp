@@ -48,7 +48,7 @@ std::vector<Feature> scenario_features(const Scenario& s) {
     return std::any_of(s.steps.begin(), s.steps.end(), [&](const Step& step) { return step.op == op; });
   };
   auto any_policy = [&](auto predicate) {
-    return std::any_of(s.layer_policies.begin(), s.layer_policies.end(), predicate);
+    return std::any_of(s.policies.begin(), s.policies.end(), predicate);
   };
   std::vector<Feature> f;
   auto add = [&](Feature feature, bool present) {
@@ -75,7 +75,7 @@ std::vector<Feature> scenario_features(const Scenario& s) {
       }));
   add(Feature::evict_block, any_policy([](const Policy& p) { return p.kind == PolicyKind::sink && p.evict > 1; }));
   add(Feature::gqa, s.dims.kv_heads < s.dims.heads);
-  add(Feature::quantized, s.kv_quant.has_value());
+  add(Feature::quantized, s.quantized());
   add(Feature::per_layer_quant, s.mixed_quant());
   add(Feature::paged, s.paging || s.content == Content::prefix || has_op(StepOp::free_rows) ||
                           has_op(StepOp::preempt) ||

@@ -19,7 +19,7 @@ Paging parse_paging(const Reader& r, const json& j, const Scenario& s) {
   }
   if (j.contains("reuse")) paging.token_reuse = r.choice(j["reuse"], p + "/reuse", {"full", "token"}) == "token";
   // Quantized blocks (vLLM's fp8 pools) are served; a residual of raw tokens beside them is not yet.
-  if (s.kv_quant && s.kv_quant->holds_raw())
+  if (s.quantized() && s.quant_rules().holds_raw())
     r.fail(p, "a paged cache with a residual (kv_quant \"residual\", \"requantize_all\", raw chunk reads or "
               "scales along the token axis) is in SPEC 8 and 9, but kvcheck's paged cache quantizes each token alone "
               "as it is written");

@@ -231,8 +231,7 @@ std::string quantize_scenario(Scenario& s, QuantFormat format) {
   nlohmann::json tensor = {{"format", to_string(format)}};
   nlohmann::json j = {{"k", tensor}, {"v", tensor}};
   try {
-    s.kv_quant = parse_kv_quant(Reader(s.file), j, s.dims);
-    s.layer_quants.clear();
+    s.quantize_every_layer(parse_kv_quant(Reader(s.file), j, s.dims));
   } catch (const InputError& e) {
     return e.reason;
   }

@@ -88,31 +88,23 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   for (const std::vector<double>& layer : s.attention.sink_logits)
     c.sink_logits.emplace_back(layer.begin(), layer.end());
   c.softmax_scale = static_cast<float>(s.softmax_scale());
-  if (s.hybrid())
-    for (const Policy& p : s.layer_policies) c.layer_policies.push_back(layer_policy(p));
-  const optimized::LayerPolicy first = layer_policy(s.policy);
-  c.kind = first.kind;
-  c.window = first.window;
-  c.sinks = first.sinks;
-  c.evict = first.evict;
-  c.shift_positions = first.shift_positions;
-  c.dense_prefill = first.dense_prefill;
+  for (const Policy& p : s.policies) c.policies.push_back(layer_policy(p));
   c.capacity = capacity;
   c.storage = s.kv_dtype == KvDtype::float32   ? optimized::Storage::float32
               : s.kv_dtype == KvDtype::float16 ? optimized::Storage::float16
                                                : optimized::Storage::bfloat16;
-  if (s.kv_quant) {
+  if (s.quantized()) {
     for (int l = 0; l < s.dims.layers; ++l) {
       const KvQuant& q = s.quant(l);
       optimized::LayerQuant& formats = c.quant.emplace_back();
       if (q.k) formats.key = row_format(*q.k, q.transform);
       if (q.v) formats.value = row_format(*q.v, q.transform);
     }
-    if (s.kv_quant->holds_raw())
-      c.residual = optimized::Residual{s.kv_quant->residual, s.kv_quant->flush == Flush::requantize_all,
-                                       s.kv_quant->prefill == PrefillRule::store,
-                                       s.kv_quant->chunk_reads == ChunkReads::raw,
-                                       s.kv_quant->flush == Flush::block};
+    if (s.quant_rules().holds_raw())
+      c.residual = optimized::Residual{s.quant_rules().residual, s.quant_rules().flush == Flush::requantize_all,
+                                       s.quant_rules().prefill == PrefillRule::store,
+                                       s.quant_rules().chunk_reads == ChunkReads::raw,
+                                       s.quant_rules().flush == Flush::block};
   }
   c.paging = paged_layout(s);
   // Several threads wherever kvcheck runs: outputs do not depend on the count (tested), so

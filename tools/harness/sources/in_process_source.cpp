@@ -200,7 +200,7 @@ namespace {
 // Stores of quantized keys a checker follows in layer l: keys quantized with a scale computed
 // per row (a frozen one never moves across a boundary), nothing held raw.
 bool follows_key_stores(const Scenario& s, int l) {
-  if (!s.kv_quant) return false;
+  if (!s.quantized()) return false;
   const KvQuant& q = s.quant(l);
   return q.k && !q.holds_raw() && q.k->scale.rule != ScaleRule::first_append;
 }
@@ -323,13 +323,13 @@ void InProcessCache::apply(std::size_t index, const StepRecord& rec) {
       break;
     case StepOp::preempt:
       cache_->preempt(rec.step.rows, rec.step.recompute);
-      recomputed_.resize(std::max<std::size_t>(recomputed_.size(), rec.retained.size()), false);
+      recomputed_.resize(std::max<std::size_t>(recomputed_.size(), rec.rows()), false);
       for (int b : rec.step.rows) recomputed_[static_cast<std::size_t>(b)] = rec.step.recompute;
       break;
     case StepOp::resume: {
       // A recompute rebuilds every token each resumed row had: its whole history, raw.
       reference::AppendResult history;
-      history.rows.resize(rec.retained.size());
+      history.rows.resize(rec.rows());
       bool recompute = false;
       for (int b : rec.step.rows) {
         if (static_cast<std::size_t>(b) >= recomputed_.size() || !recomputed_[static_cast<std::size_t>(b)]) continue;

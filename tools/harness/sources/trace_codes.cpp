@@ -14,12 +14,12 @@ void read_code_files(const nlohmann::json& j, const std::string& p, const Scenar
   for (int tensor = 0; tensor < 2; ++tensor) {
     const std::string name = tensor == 0 ? "k" : "v";
     static const std::optional<TensorQuant> none;
-    const std::optional<TensorQuant>& quant = !s.kv_quant ? none : tensor == 0 ? s.quant(layer).k : s.quant(layer).v;
+    const std::optional<TensorQuant>& quant = !s.quantized() ? none : tensor == 0 ? s.quant(layer).k : s.quant(layer).v;
     if (!j.contains(name + "_codes") && !j.contains(name + "_scales")) continue;
     if (!quant)
       fail(p + "/" + name + "_codes",
            fmt::format("the scenario quantizes no {}{}: codes need its kv_quant (SPEC 9)", tensor == 0 ? "K" : "V",
-                       s.layer_quants.empty() ? "" : fmt::format(" in layer {}", layer)));
+                       !s.mixed_quant() ? "" : fmt::format(" in layer {}", layer)));
     for (const std::string& key : {name + "_codes", name + "_scales"})
       if (!j.contains(key)) fail(p + "/" + key, "expected a file name: codes and scales come together");
     out.codes[tensor] = file(name + "_codes");

@@ -204,7 +204,7 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         if (ls[l].contains("out")) f.out = file("out");
         if (ls[l].contains("q")) f.q = file("q");
         if (ls[l].contains("raw")) {
-          if (!s.kv_quant) fail(lp + "/raw", "the scenario quantizes nothing: a raw mask needs its kv_quant (SPEC 9)");
+          if (!s.quantized()) fail(lp + "/raw", "the scenario quantizes nothing: a raw mask needs its kv_quant (SPEC 9)");
           if (!ls[l].contains("keys") || !ls[l].contains("values"))
             fail(lp + "/raw", "a raw mask needs \"keys\" and \"values\": they hold the residual's unquantized tokens");
           f.raw = file("raw");
@@ -271,7 +271,7 @@ class TraceSource {
       view.note = step.skipped;
       return view;
     }
-    const auto B = rec.retained.size();
+    const auto B = rec.rows();
     const auto Hkv = static_cast<std::size_t>(s_.dims.kv_heads), D = static_cast<std::size_t>(s_.dims.head_dim);
     view.batch = static_cast<int>(B);
     // A bfloat16 cache dumps float32 tensors (exactly): the scenario's kv_dtype says how far
@@ -288,7 +288,7 @@ class TraceSource {
         };
         std::vector<std::size_t> lengths;
         for (const RowHistory& h : rec.histories) lengths.push_back(h.size());
-        read_paged_layer(*f.paged, lengths, Hkv, D, s_.kv_quant ? &s_.quant(static_cast<int>(l)) : nullptr, id, layer,
+        read_paged_layer(*f.paged, lengths, Hkv, D, s_.quantized() ? &s_.quant(static_cast<int>(l)) : nullptr, id, layer,
                          *view.paged, l, view.storage, view.roundoff);
         outputs_and_queries(rec, f, layer, view);
         layer.key_roundoff = key_roundoff(s_, static_cast<int>(l));
@@ -322,7 +322,7 @@ class TraceSource {
       // Left out: what the codes stand for, the transform undone.
       const auto dequantized = [&](int t) {
         const TensorQuant& quant = t == 0 ? *s_.quant(static_cast<int>(l)).k : *s_.quant(static_cast<int>(l)).v;
-        return NpyArray<float>{{B, Hkv, slots, D}, codes[t]->dequantized(quant, s_.kv_quant->transform)};
+        return NpyArray<float>{{B, Hkv, slots, D}, codes[t]->dequantized(quant, s_.quant_rules().transform)};
       };
       NpyArray<float> keys = key_file ? std::move(*key_file) : dequantized(0);
       NpyArray<float> values =
@@ -359,7 +359,7 @@ class TraceSource {
   // An append step's outputs and rotated queries, when the trace gives them.
   void outputs_and_queries(const StepRecord& rec, const TraceFiles& f, ViewLayer& layer, CacheView& view) {
     if (!rec.append) return;
-    const auto B = rec.retained.size(), H = static_cast<std::size_t>(s_.dims.heads),
+    const auto B = rec.rows(), H = static_cast<std::size_t>(s_.dims.heads),
                D = static_cast<std::size_t>(s_.dims.head_dim);
     const auto n = static_cast<std::size_t>(rec.append->chunk);
     if (!f.out.empty()) {
@@ -383,7 +383,7 @@ class TraceSource {
     const int D = s_.dims.head_dim;
     // A quantized value is off by up to a step of its group, relative to the row's largest
     // element (its norm under a transform), not to each element.
-    const bool quantized = s_.kv_quant && s_.quant(layer).v;
+    const bool quantized = s_.quantized() && s_.quant(layer).v;
     const double step = quantized ? value_roundoff(s_, layer) : roundoff;
     // How far the value is from uid's, relative to what the storage allows (> 1: no match).
     auto misfit = [&](std::uint64_t uid) {
