@@ -1,3 +1,10 @@
+// kvcheck's own caches and the zoo, as one catalog the command line and the tests look up.
+//
+// Recipe, a new cache: write it in optimized/ behind KvCache (optimized/cache.h), add its
+// file to kvcheck_optimized in CMakeLists.txt, and add one entry to real_caches() below:
+// its name, one line, which scenarios it serves (its policies: a cache of one policy
+// serves s.every_layer(kind) and reads shared_policy(config)), and how to make it. Every
+// fixture then runs on it (tests/test_caches.cpp, `kvcheck run`).
 #include "tools/catalog/catalog.h"
 
 #include <algorithm>

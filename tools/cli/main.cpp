@@ -298,6 +298,27 @@ int cmd_diagnose(const std::string& path, std::vector<std::string> caches, const
   return diverged ? kFail : kPass;
 }
 
+// docs/caches.md's table of the zoo, as Markdown (tests/check_zoo_table.sh compares the two).
+int print_zoo_table() {
+  const auto cell = [](const std::string& text) {
+    std::string out;
+    for (const char c : text) {
+      if (c == '|') out.push_back('\\');
+      out.push_back(c);
+    }
+    return out;
+  };
+  fmt::print("| mutant | the bug | where it appeared | kvcheck says | caught on |\n|---|---|---|---|---|\n");
+  for (const ZooMutant& m : zoo_mutants()) {
+    std::vector<std::string> fixtures;
+    for (const std::string& f : m.fixtures) fixtures.push_back(fmt::format("`{}`", f));
+    fmt::print("| `{}` | {} | {} | {} | {} |\n", m.cache.name.substr(m.cache.name.find('/') + 1),
+               cell(m.cache.description), cell(m.in_the_wild), cell(class_name(m.expected)),
+               fmt::join(fixtures, ", "));
+  }
+  return kPass;
+}
+
 int cmd_zoo(const std::vector<std::string>& only, std::optional<KvDtype> kv_dtype) {
   if (kv_dtype) fmt::print("every fixture with its caches storing {}\n", to_string(*kv_dtype));
   fmt::print("{:<28} {:<36} {:<7} {:<38} {}\n", "mutant", "fixture", "caught", "diagnosed class", "as expected");
@@ -489,6 +510,10 @@ int main(int argc, char** argv) {
   std::optional<KvDtype> zoo_dtype;
   zoo->add_option("--kv-dtype", zoo_dtype, "run every fixture with its caches storing this format")
       ->transform(CLI::CheckedTransformer(dtypes, CLI::ignore_case));
+  bool zoo_table = false;
+  zoo->add_flag("--table", zoo_table, "print the mutants as docs/caches.md's Markdown table (runs nothing)")
+      ->excludes("--mutant")
+      ->excludes("--kv-dtype");
 
   if (argc == 1) {  // no command: show what there is
     fmt::print(stderr, "{}", app.help());
@@ -547,7 +572,7 @@ int main(int argc, char** argv) {
       return cmd_diagnose(diagnose_path, diagnose_caches, html, diagnose_json, diagnose_step, poison_blocks,
                           force_reports);
     }
-    if (*zoo) return cmd_zoo(zoo_only, zoo_dtype);
+    if (*zoo) return zoo_table ? print_zoo_table() : cmd_zoo(zoo_only, zoo_dtype);
     if (*llamacpp) {
       llamacpp_options.flash_attn = flash == "on";
       llamacpp_options.force = force_reports;

@@ -1,3 +1,10 @@
+// The zoo's list: each mutant's cache, where its bug appeared, the class diagnose must give
+// and the fixtures that expose it.
+//
+// Recipe, a new mutant: a Fault in faulty_cache.h (or QuantFault / PagedFault for a fault
+// planted around a real cache), its behaviour in that cache's .cpp, and one mutant(...)
+// entry below. `kvcheck zoo` and tests/test_zoo.cpp then check it is caught and classified;
+// regenerate docs/caches.md's table with `kvcheck zoo --table` (a test compares the two).
 #include "tools/zoo/zoo.h"
 
 #include <algorithm>
