@@ -75,6 +75,14 @@ def drive_mlx_cache(export, make_cache, trace_path, **options):
     return drive(export, make_cache, trace_path, **options)
 
 
+def drive_ort_gqa(export, trace_path, **options):
+    """Drives ONNX Runtime's GroupQueryAttention (one node per layer, on the CPU) as an exported
+    model runs it: the caller's past and present buffers, rotary inside the op, the window by
+    local_window_size; see kvtrace_ort.py (it needs onnxruntime and onnx). Returns a DriveResult."""
+    from kvtrace_ort import drive_ort_gqa as drive
+    return drive(export, trace_path, **options)
+
+
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",
                    producer="kvtrace.drive_hf_cache", as_tensor=None, mask="auto", dtype="float32",
                    eviction=None, after_forward=None, chunks="whole"):

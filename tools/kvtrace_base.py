@@ -190,7 +190,9 @@ class TraceWriter:
     forward, as StreamingLLM's StartRecentKVCache does), "lazy" (it keeps them until the
     next token comes) or "deferred" (lazy, and after an append it may still hold what the
     append's queries saw, dropped at its next update, as mlx-lm's RotatingKVCache does after
-    a chunk); written as the manifest's top-level "eviction"."""
+    a chunk) or "never" (it keeps every token it was given and applies the window by its
+    mask, as a model over ONNX Runtime's GroupQueryAttention does); written as the
+    manifest's top-level "eviction"."""
 
     DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -199,8 +201,9 @@ class TraceWriter:
             raise ValueError("key_positions must be cache-relative, absolute or unrotated, got %r" % (key_positions,))
         if dtype not in self.DTYPES:
             raise ValueError("dtype must be \"float32\" or \"float16\", got %r" % (dtype,))
-        if eviction not in (None, "eager", "lazy", "deferred"):
-            raise ValueError("eviction must be None, \"eager\", \"lazy\" or \"deferred\", got %r" % (eviction,))
+        if eviction not in (None, "eager", "lazy", "deferred", "never"):
+            raise ValueError("eviction must be None, \"eager\", \"lazy\", \"deferred\" or \"never\", got %r"
+                             % (eviction,))
         self.path = os.path.abspath(path)
         if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)) \
                 and not _is_trace(self.path):

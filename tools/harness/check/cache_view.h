@@ -31,6 +31,10 @@ enum class Eviction {
   // no later query sees: its next update drops them (mlx-lm's RotatingKVCache keeps the
   // W - 1 tokens before a chunk beside the whole chunk).
   deferred,
+  // Never: the cache keeps every token of its rows and applies the window by its mask (a
+  // model over ONNX Runtime's GroupQueryAttention); a token the policy evicted may be held,
+  // the retained set must be.
+  never,
 };
 const char* to_string(Eviction e);
 

@@ -220,6 +220,7 @@ struct StepEvidence {
   bool outputs_fit_without_learned_sinks = false;  // without learned sinks: it matched, the cache dropped them
   bool outputs_fit_with_later_chunk_keys = false;  // with the chunk's later tokens visible: the mask missed causality
   bool outputs_fit_plain_window = false;  // over a plain window of W, no sinks: the mask forgot the sinks
+  bool outputs_fit_window_off_by_one = false;  // a sliding layer's, over W + 1 or W - 1 keys
   // The diagnosed query should see a token that is dead after the step and gone: dropping it
   // is allowed after this forward, not before it.
   bool dropped_before_last_use = false;

@@ -77,4 +77,14 @@ std::vector<double> output_in_a_plain_window(const Scenario& s, const InputTable
   return attend_over(s, inputs, layer, head, chunk[i].uid, chunk[i].index, keys, true);
 }
 
+std::vector<double> output_in_a_window_of(const Scenario& s, const InputTable& inputs,
+                                          std::span<const std::uint64_t> history,
+                                          const reference::AppendedToken& token, std::int64_t window, int layer,
+                                          int head) {
+  std::vector<KeyAt> keys;  // a sliding layer's: the last `window` tokens, own included, at their indices
+  for (std::int64_t j = std::max<std::int64_t>(0, token.index - window + 1); j <= token.index; ++j)
+    keys.push_back({history[static_cast<std::size_t>(j)], j});
+  return attend_over(s, inputs, layer, head, token.uid, token.index, keys, true);
+}
+
 }  // namespace kvcheck

@@ -35,4 +35,12 @@ std::vector<double> output_in_a_plain_window(const Scenario& scenario, const Inp
                                              std::span<const reference::AppendedToken> chunk, std::size_t i,
                                              std::int64_t window, int layer, int head);
 
+// A sliding layer's output over the last `window` tokens (own included) at their indices:
+// with W + 1 or W - 1, a window counted the other way (ONNX Runtime's local_window_size
+// changed from "keys before the query" to "keys seen" in 1.24).
+std::vector<double> output_in_a_window_of(const Scenario& scenario, const InputTable& inputs,
+                                          std::span<const std::uint64_t> history,
+                                          const reference::AppendedToken& token, std::int64_t window, int layer,
+                                          int head);
+
 }  // namespace kvcheck

@@ -528,6 +528,8 @@ class StepChecker::Impl {
         } else if (!sets.retained.count(v.uid) && options_.eviction == Eviction::deferred && !live &&
                    seen_by_append(rec, l, b, v.uid)) {
           row.verdict = SlotVerdict::dead_held;  // dropped at the cache's next update
+        } else if (!sets.retained.count(v.uid) && options_.eviction == Eviction::never && !live) {
+          row.verdict = SlotVerdict::dead_held;  // kept for good, outside the mask
         } else if (!sets.retained.count(v.uid)) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
@@ -566,7 +568,8 @@ class StepChecker::Impl {
       for (const auto& [uid, key] : sets.retained) {
         if (held.count(uid)) continue;
         const bool dead = !sets.live.count(uid);
-        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred;
+        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred &&
+                          options_.eviction != Eviction::never;
         if (g == 0) {
           SlotRow row;
           row.row = b;
@@ -854,6 +857,11 @@ class StepChecker::Impl {
     if (policy.kind == PolicyKind::sink && policy.sinks > 0 && policy.positions == SinkPositions::original)
       evidence.outputs_fit_plain_window =
           fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b], i, policy.window, l, h));
+    if (policy.kind == PolicyKind::sliding)
+      for (const std::int64_t other : {policy.window + 1, policy.window - 1})
+        evidence.outputs_fit_window_off_by_one =
+            evidence.outputs_fit_window_off_by_one ||
+            (other > 0 && fits(output_in_a_window_of(s_, inputs_, history, ref.rows[b][i], other, l, h)));
   }
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as
@@ -1190,6 +1198,8 @@ const char* to_string(Eviction e) {
       return "eager";
     case Eviction::deferred:
       return "deferred";
+    case Eviction::never:
+      return "never";
   }
   return "?";
 }

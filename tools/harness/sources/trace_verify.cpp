@@ -138,8 +138,10 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
       t.eviction = Eviction::lazy;
     else if (e == "deferred")
       t.eviction = Eviction::deferred;
+    else if (e == "never")
+      t.eviction = Eviction::never;
     else
-      fail("/eviction", "expected \"eager\", \"lazy\" or \"deferred\", got " + got("eviction"));
+      fail("/eviction", "expected \"eager\", \"lazy\", \"deferred\" or \"never\", got " + got("eviction"));
   }
   for (const auto& [key, value] : m.items())
     if (key != "format" && key != "scenario" && key != "producer" && key != "key_positions" && key != "steps" &&

@@ -1,0 +1,195 @@
+"""ONNX Runtime's GroupQueryAttention (com.microsoft, CPU) driven as an exported model runs
+it, written as a kvcheck trace (kvtrace.drive_ort_gqa calls this; it needs onnxruntime and
+onnx, kvtrace itself only NumPy).
+
+One node per layer, as a model exported by onnxruntime-genai's builder holds it:
+
+    output, present_key, present_value = GroupQueryAttention(
+        query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+        cos_cache, sin_cache)                     # do_rotary=1: the op rotates q and k
+
+The caller keeps the cache: present_key and present_value of one forward are the next
+forward's past_key and past_value ([B, Hkv, T, D], keys rotated at their absolute
+positions). seqlens_k is the row's total length minus one; the op derives each new token's
+position from it. cos_cache and sin_cache [P, R/2] come from the scenario's rope as the
+builder computes them from a model's config (yarn's attention factor folded in). The op
+returns no rotated query, so queries are judged by their outputs.
+
+The past grows: a sliding window is the op's mask over it (local_window_size), the cache
+never drops a token, and the trace says so (eviction "never"). local_window_size changed its
+meaning in onnxruntime 1.24 (PR 25927): up to 1.23 it counted the keys before the query,
+from 1.24 on every key the query sees, itself included; "policy" gives each release the
+value that means the scenario's window W (W - 1 before 1.24, W from 1.24 on).
+
+The CPU kernel takes a chunk of several tokens after a past only for one row at a time, so
+each row is its own batch of one (a server's loop over its requests), and rows of one step
+may take different numbers of tokens. A crop slices the past, a reorder permutes the rows,
+a reset starts new ones: the buffers are the caller's."""
+
+import numpy as np
+
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from kvtrace_base import DriveResult, Export, TraceWriter, UsageError, rope_frequencies
+
+
+def ort_version():
+    return tuple(int(x) for x in ort.__version__.split(".")[:2])
+
+
+def window_meaning_changed():
+    """Whether this onnxruntime counts the query itself in local_window_size (1.24 and later)."""
+    return ort_version() >= (1, 24)
+
+
+def _session(exp, window, interleaved, rotary_dim, sinks):
+    heads, kv_heads, d = exp.dims["heads"], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"]
+    f = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("query", f, [1, None, heads * d]),
+              helper.make_tensor_value_info("key", f, [1, None, kv_heads * d]),
+              helper.make_tensor_value_info("value", f, [1, None, kv_heads * d]),
+              helper.make_tensor_value_info("past_key", f, [1, kv_heads, None, d]),
+              helper.make_tensor_value_info("past_value", f, [1, kv_heads, None, d]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+              helper.make_tensor_value_info("cos_cache", f, [None, rotary_dim // 2]),
+              helper.make_tensor_value_info("sin_cache", f, [None, rotary_dim // 2])]
+    names = [i.name for i in inputs]
+    if sinks:
+        # Inputs 9 and 10 (position_ids, attention_bias) left out; 11 is head_sink.
+        names += ["", "", "head_sink"]
+        inputs.append(helper.make_tensor_value_info("head_sink", f, [heads]))
+    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=float(exp.scale),
+                            do_rotary=1, rotary_interleaved=int(interleaved), local_window_size=int(window))
+    outputs = [helper.make_tensor_value_info("output", f, [1, None, heads * d]),
+               helper.make_tensor_value_info("present_key", f, [1, kv_heads, None, d]),
+               helper.make_tensor_value_info("present_value", f, [1, kv_heads, None, d])]
+    graph = helper.make_graph([node], "gqa", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)  # onnx 1.23 writes IR 14 by default, newer than onnxruntime 1.23 reads
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1  # results must not depend on the machine's cores
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _rotary_caches(exp, positions):
+    """cos and sin [P, R/2] of the scenario's rope at positions 0..P-1, yarn's m folded in."""
+    inv, m = rope_frequencies(exp.rope, exp.dims["head_dim"])
+    angles = np.arange(positions, dtype=np.float64)[:, None] * inv[None, :]
+    return (np.cos(angles) * m).astype(np.float32), (np.sin(angles) * m).astype(np.float32)
+
+
+def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtrace.drive_ort_gqa",
+                  eviction="never"):
+    """Drives one GroupQueryAttention node per layer through an export's steps and writes a
+    trace; returns a DriveResult. local_window_size: "policy" (the scenario's window as this
+    release means it; -1 for full layers), an int for every sliding layer, or a list per layer.
+    eviction: what the trace declares ("never": the past keeps every token)."""
+    if not isinstance(export, Export):
+        raise TypeError("export must be a kvtrace.Export")
+    exp = export
+    layers, heads, d = exp.dims["layers"], exp.dims["heads"], exp.dims["head_dim"]
+    kv_heads = exp.dims.get("kv_heads", heads)
+    if exp.manifest.get("kv_dtype", "float32") != "float32" or "kv_quant" in exp.manifest:
+        raise UsageError("drive_ort_gqa drives float32 caches (the op's int8/int4 KV is not driven yet)")
+    windows = []
+    for l in range(layers):
+        p = exp.layer_policy(l)
+        if p["type"] == "sink":
+            raise UsageError("GroupQueryAttention has no sink cache (StreamingLLM's): layer %d's policy is sink" % l)
+        if isinstance(local_window_size, (list, tuple)):
+            windows.append(int(local_window_size[l]))
+        elif p["type"] == "full":
+            windows.append(-1)
+        elif local_window_size == "policy":
+            windows.append(p["window"] if window_meaning_changed() else p["window"] - 1)
+        else:
+            windows.append(int(local_window_size))
+    layout = exp.rope.get("layout", "half")
+    if layout not in ("half", "interleaved"):
+        raise UsageError("unknown rope layout %r" % layout)
+    rotary_dim = int(exp.rope.get("rotary_dim") or d)
+    if d % 16 or rotary_dim % 16:
+        raise UsageError("GroupQueryAttention on the CPU needs head_dim and the rotary dims multiples of 16 "
+                         "(head_dim %d, rotary dims %d)" % (d, rotary_dim))
+    logits = exp.manifest.get("attention", {}).get("sink_logits")
+    if logits and not isinstance(logits[0], list):
+        logits = [logits] * layers
+    for step in exp.steps:
+        if step["op"] in ("free", "preempt", "resume", "evict"):
+            raise UsageError("step %r is a paged cache's (SPEC 8): GroupQueryAttention has no such operation"
+                             % step["op"])
+    sessions = [_session(exp, windows[l], layout == "interleaved", rotary_dim, bool(logits)) for l in range(layers)]
+    longest = 1 + sum(max((len(r["uids"]) for r in s.get("rows", [])), default=0) for s in exp.steps)
+    cos, sin = _rotary_caches(exp, max(longest, 16))
+    empty = np.zeros((1, kv_heads, 0, d), np.float32)
+
+    def held(rows):
+        # Rows of different lengths: the shorter ones end in all-zero slots (unused, SPEC 6).
+        slots = max([r[l][0].shape[2] for r in rows for l in range(layers)], default=0)
+        pad = [lambda x: np.pad(x, ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0)))]
+        return [{"keys": np.concatenate([pad[0](r[l][0]) for r in rows], axis=0),
+                 "values": np.concatenate([pad[0](r[l][1]) for r in rows], axis=0)} for l in range(layers)]
+
+    result = DriveResult()
+    with TraceWriter(trace_path, exp.name, producer, "absolute", "float32", eviction) as writer:
+        rows = [[(empty, empty)] * layers for _ in range(exp.dims["batch"])]  # per row, per layer: (past k, past v)
+        for index, step in enumerate(exp.steps):
+            if result.error is not None:
+                writer.skip_step()
+                continue
+            op = step["op"]
+            try:
+                if op == "reset":
+                    rows = [[(empty, empty)] * layers for _ in range(step.get("batch", len(rows)))]
+                    writer.skip_step()
+                elif op == "reorder":
+                    rows = [rows[b] for b in step["rows_from"]]
+                    writer.step(held(rows))
+                elif op == "crop":
+                    if "refused" in step:  # the buffers are the caller's: nothing refuses
+                        message = "no refusal: the caller's buffers can be cut anywhere"
+                        result.refusals.append((index, message))
+                    rows = [[(k[:, :, :step["length"]], v[:, :, :step["length"]]) for k, v in r] for r in rows]
+                    writer.step(held(rows))
+                elif op in ("append", "decode"):
+                    outs = [[] for _ in range(layers)]
+                    longest = max(len(r["uids"]) for r in step["rows"])
+                    for b, row in enumerate(step["rows"]):
+                        uids = np.asarray(row["uids"], np.int64)
+                        for l in range(layers):
+                            past_k, past_v = rows[b][l]
+                            n, total = len(uids), past_k.shape[2] + len(uids)
+                            feed = {"query": exp.q[l][uids].reshape(1, n, heads * d).astype(np.float32),
+                                    "key": exp.k[l][uids].reshape(1, n, kv_heads * d).astype(np.float32),
+                                    "value": exp.v[l][uids].reshape(1, n, kv_heads * d).astype(np.float32),
+                                    "past_key": past_k, "past_value": past_v,
+                                    "seqlens_k": np.array([total - 1], np.int32),
+                                    "total_sequence_length": np.array(total, np.int32),
+                                    "cos_cache": cos, "sin_cache": sin}
+                            if logits:
+                                feed["head_sink"] = np.asarray(logits[l], np.float32)
+                            out, k, v = sessions[l].run(None, feed)
+                            rows[b][l] = (k, v)
+                            out = out.reshape(1, n, heads, d).transpose(0, 2, 1, 3)
+                            # A shorter row's outputs end the step's, as its tokens do (left padding).
+                            outs[l].append(np.pad(out, ((0, 0), (0, 0), (longest - n, 0), (0, 0)),
+                                                  constant_values=np.nan))
+                    tensors = held(rows)
+                    for l in range(layers):
+                        tensors[l]["out"] = np.concatenate(outs[l], axis=0)
+                    writer.step(tensors)
+                else:
+                    raise UsageError("step %r: not an operation drive_ort_gqa knows" % op)
+            except UsageError:
+                raise
+            except Exception as e:  # onnxruntime failed: a finding, written into the trace
+                message = "%s: %s" % (type(e).__name__, e)
+                writer.error_step(message)
+                result.error, result.error_step = message, index
+        result.recorded = sum(1 for s in writer.manifest["steps"] if "layers" in s)
+    return result
