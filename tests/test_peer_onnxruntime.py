@@ -83,6 +83,19 @@ class OnnxRuntimeGqaTest(unittest.TestCase):
             self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
             shutil.rmtree(self.trace)
 
+    def test_the_windowed_cache_is_driven_where_the_release_has_it(self):
+        # sliding_window_cache=1 (a buffer of C rows the op evicts itself) is in 1.31.1, not in
+        # 1.23.2: there asking for it is refused before anything runs.
+        if kvtrace_ort.has_windowed_cache():
+            result, verify = self.drive("llama31_sliding_gqa", window_cache=16)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        else:
+            with self.assertRaises(kvtrace.UsageError) as caught:
+                kvtrace_ort.drive_ort_gqa(export(self.work, "llama31_sliding_gqa"), self.trace, window_cache=16)
+            self.assertIn("no sliding_window_cache", str(caught.exception))
+            self.assertFalse(os.path.exists(self.trace))
+
     def test_what_the_op_cannot_take_is_refused_before_running(self):
         for scenario, words in (("sliding_baseline", "multiples of 16"), ("sink_decode_through_windows", "sink"),
                                 ("quant_q8_0_full", "float32")):
@@ -90,6 +103,54 @@ class OnnxRuntimeGqaTest(unittest.TestCase):
                 kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace)
             self.assertIn(words, str(caught.exception))
             self.assertFalse(os.path.exists(self.trace))
+
+
+class OnnxRuntimeWindowedCacheTest(unittest.TestCase):
+    """The op's windowed cache (sliding_window_cache=1, onnxruntime 1.31.1): buffers of C rows,
+    rows [0, L(T)) holding the most recent positions, G = C - W + 1 evicted at once."""
+
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="kvcheck-peer-ort-")
+        self.addCleanup(shutil.rmtree, self.work, True)
+        self.trace = os.path.join(self.work, "trace")
+
+    def drive(self, scenario, **options):
+        result = kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace, **options)
+        return result, kvcheck("verify", os.path.join(SCENARIOS, scenario + ".json"), "--trace", self.trace)
+
+    def test_resident_counts_follow_the_ops_contract(self):
+        # C = 6, W = 4, G = 3: 6 tokens fit; the 7th evicts 3 (L = 4); the 10th evicts 3 more.
+        self.assertEqual([kvtrace_ort.resident(t, 6, 4) for t in range(1, 13)], [1, 2, 3, 4, 5, 6, 4, 5, 6, 4, 5, 6])
+        self.assertEqual([kvtrace_ort.resident(t, 4, 4) for t in range(1, 8)], [1, 2, 3, 4, 4, 4, 4])
+
+    def test_a_capacity_of_the_window_holds_exactly_the_retained_set(self):
+        # C = W = 16: L(T) = min(T, 16), SPEC 3's retained set under lazy eviction: the trace is
+        # declared lazy and passes; declared eager, the token kept until the next one fails.
+        result, verify = self.drive("llama31_sliding_gqa", window_cache=16)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("lazy: dead tokens kept until the next token", verify.stdout)
+        shutil.rmtree(self.trace)
+        _, verify = self.drive("llama31_sliding_gqa", window_cache=16, eviction="eager")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("though the cache is declared to evict eagerly", verify.stdout)
+
+    def test_a_capacity_above_the_window_evicts_in_blocks_under_the_mask(self):
+        # C = 19 and 24 over W = 16: up to C - W tokens beyond the window stay resident, masked;
+        # declared "never" (the default here) it passes, declared lazy they are extra.
+        for capacity in (19, 24):
+            result, verify = self.drive("llama31_sliding_gqa", window_cache=capacity)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, "C=%d\n%s%s" % (capacity, verify.stdout, verify.stderr))
+            shutil.rmtree(self.trace)
+        _, verify = self.drive("llama31_sliding_gqa", window_cache=19, eviction="lazy")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("which the policy evicted", verify.stdout)
+
+    def test_learned_sinks_over_the_windowed_cache_pass(self):
+        result, verify = self.drive("gpt_oss_yarn_learned_sinks_sliding", window_cache=16)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
 
 if __name__ == "__main__":

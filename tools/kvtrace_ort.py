@@ -39,12 +39,29 @@ def ort_version():
     return tuple(int(x) for x in ort.__version__.split(".")[:2])
 
 
+def has_windowed_cache():
+    """Whether this onnxruntime's GroupQueryAttention has sliding_window_cache (1.31 has; 1.23 not)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as schemas
+    return any(s.name == "GroupQueryAttention" and "sliding_window_cache" in s.attributes
+               for s in schemas.get_all_operator_schema())
+
+
 def window_meaning_changed():
     """Whether this onnxruntime counts the query itself in local_window_size (1.24 and later)."""
     return ort_version() >= (1, 24)
 
 
-def _session(exp, window, interleaved, rotary_dim, sinks):
+def resident(total, capacity, window):
+    """L(T) of the op's windowed cache (sliding_window_cache=1): how many of the most recent
+    positions rows [0, L) hold after T tokens, with capacity C and window W; it evicts
+    G = C - W + 1 positions at once."""
+    if total <= capacity:
+        return total
+    g = capacity - window + 1
+    return total - g * -(-(total - capacity) // g)
+
+
+def _session(exp, window, interleaved, rotary_dim, sinks, window_cache):
     heads, kv_heads, d = exp.dims["heads"], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"]
     f = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("query", f, [1, None, heads * d]),
@@ -63,7 +80,8 @@ def _session(exp, window, interleaved, rotary_dim, sinks):
         inputs.append(helper.make_tensor_value_info("head_sink", f, [heads]))
     node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
                             domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=float(exp.scale),
-                            do_rotary=1, rotary_interleaved=int(interleaved), local_window_size=int(window))
+                            do_rotary=1, rotary_interleaved=int(interleaved), local_window_size=int(window),
+                            **({"sliding_window_cache": 1} if window_cache and window > 0 else {}))
     outputs = [helper.make_tensor_value_info("output", f, [1, None, heads * d]),
                helper.make_tensor_value_info("present_key", f, [1, kv_heads, None, d]),
                helper.make_tensor_value_info("present_value", f, [1, kv_heads, None, d])]
@@ -84,11 +102,17 @@ def _rotary_caches(exp, positions):
 
 
 def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtrace.drive_ort_gqa",
-                  eviction="never"):
+                  eviction="auto", window_cache=None):
     """Drives one GroupQueryAttention node per layer through an export's steps and writes a
     trace; returns a DriveResult. local_window_size: "policy" (the scenario's window as this
     release means it; -1 for full layers), an int for every sliding layer, or a list per layer.
-    eviction: what the trace declares ("never": the past keeps every token)."""
+    eviction: what the trace declares; "auto": "lazy" when every sliding layer runs a windowed
+    cache of capacity W (it then holds exactly the retained set), else "never" (a growing past,
+    or a capacity above W, holds tokens the window masks).
+    window_cache: None (the past grows), or a capacity C >= W: sliding layers run the op's
+    windowed cache (sliding_window_cache=1), whose buffers hold C rows; what it holds is rows
+    [0, L(T)) (resident()). A crop there is driven as the op says (a shorter seqlens_k over the
+    same buffer) when L(T - k) = L(T) - k, else skipped (the window would need rebuilding)."""
     if not isinstance(export, Export):
         raise TypeError("export must be a kvtrace.Export")
     exp = export
@@ -123,58 +147,99 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
         if step["op"] in ("free", "preempt", "resume", "evict"):
             raise UsageError("step %r is a paged cache's (SPEC 8): GroupQueryAttention has no such operation"
                              % step["op"])
-    sessions = [_session(exp, windows[l], layout == "interleaved", rotary_dim, bool(logits)) for l in range(layers)]
+    windowed = [window_cache is not None and windows[l] > 0 for l in range(layers)]
+    if any(windowed) and not has_windowed_cache():
+        raise UsageError("onnxruntime %s's GroupQueryAttention has no sliding_window_cache (1.31 has)" % ort.__version__)
+    if eviction == "auto":
+        sliding = [l for l in range(layers) if windows[l] > 0]
+        eviction = "lazy" if sliding and all(windowed[l] and window_cache == windows[l] for l in sliding) else \
+            "never" if sliding else "lazy"
+    for l in range(layers):
+        if windowed[l] and window_cache < windows[l]:
+            raise UsageError("window_cache %d is smaller than layer %d's local_window_size %d (the op refuses C < W)"
+                             % (window_cache, l, windows[l]))
+    sessions = [_session(exp, windows[l], layout == "interleaved", rotary_dim, bool(logits), windowed[l])
+                for l in range(layers)]
     longest = 1 + sum(max((len(r["uids"]) for r in s.get("rows", [])), default=0) for s in exp.steps)
     cos, sin = _rotary_caches(exp, max(longest, 16))
-    empty = np.zeros((1, kv_heads, 0, d), np.float32)
+    def fresh_row():  # per layer: the buffers the caller keeps and T, the tokens the row has had
+        return [{"k": np.zeros((1, kv_heads, window_cache if windowed[l] else 0, d), np.float32),
+                 "v": np.zeros((1, kv_heads, window_cache if windowed[l] else 0, d), np.float32), "total": 0}
+                for l in range(layers)]
+
+    def held_rows(state, l):  # what the layer holds by its own account: a windowed cache's rows [0, L(T))
+        count = resident(state["total"], window_cache, windows[l]) if windowed[l] else state["total"]
+        return state["k"][:, :, :count], state["v"][:, :, :count]
 
     def held(rows):
         # Rows of different lengths: the shorter ones end in all-zero slots (unused, SPEC 6).
-        slots = max([r[l][0].shape[2] for r in rows for l in range(layers)], default=0)
-        pad = [lambda x: np.pad(x, ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0)))]
-        return [{"keys": np.concatenate([pad[0](r[l][0]) for r in rows], axis=0),
-                 "values": np.concatenate([pad[0](r[l][1]) for r in rows], axis=0)} for l in range(layers)]
+        per_layer = [[held_rows(r[l], l) for r in rows] for l in range(layers)]
+        out = []
+        for layer in per_layer:
+            slots = max((k.shape[2] for k, _ in layer), default=0)
+            pad = lambda x: np.pad(x, ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0)))  # noqa: E731
+            out.append({"keys": np.concatenate([pad(k) for k, _ in layer], axis=0),
+                        "values": np.concatenate([pad(v) for _, v in layer], axis=0)})
+        return out
 
     result = DriveResult()
+    stopped = None  # why the rest of the steps cannot be driven
     with TraceWriter(trace_path, exp.name, producer, "absolute", "float32", eviction) as writer:
-        rows = [[(empty, empty)] * layers for _ in range(exp.dims["batch"])]  # per row, per layer: (past k, past v)
+        rows = [fresh_row() for _ in range(exp.dims["batch"])]
         for index, step in enumerate(exp.steps):
             if result.error is not None:
                 writer.skip_step()
                 continue
+            if stopped:
+                writer.skipped_step(stopped)
+                result.skipped.append((index, stopped))
+                continue
             op = step["op"]
             try:
                 if op == "reset":
-                    rows = [[(empty, empty)] * layers for _ in range(step.get("batch", len(rows)))]
+                    rows = [fresh_row() for _ in range(step.get("batch", len(rows)))]
                     writer.skip_step()
                 elif op == "reorder":
                     rows = [rows[b] for b in step["rows_from"]]
                     writer.step(held(rows))
                 elif op == "crop":
                     if "refused" in step:  # the buffers are the caller's: nothing refuses
-                        message = "no refusal: the caller's buffers can be cut anywhere"
-                        result.refusals.append((index, message))
-                    rows = [[(k[:, :, :step["length"]], v[:, :, :step["length"]]) for k, v in r] for r in rows]
-                    writer.step(held(rows))
+                        result.refusals.append((index, "no refusal: the caller's buffers can be cut anywhere"))
+                    for r in rows:
+                        for l, state in enumerate(r):
+                            length = min(step["length"], state["total"])
+                            if not windowed[l]:
+                                state["k"], state["v"] = state["k"][:, :, :length], state["v"][:, :, :length]
+                            elif resident(length, window_cache, windows[l]) != \
+                                    resident(state["total"], window_cache, windows[l]) - (state["total"] - length):
+                                stopped = ("a crop to %d of a windowed cache holding %d tokens needs positions it "
+                                           "evicted (L(T - k) != L(T) - k): the window would have to be rebuilt"
+                                           % (length, state["total"]))
+                            state["total"] = length
+                    if stopped:
+                        writer.skipped_step(stopped)
+                        result.skipped.append((index, stopped))
+                    else:
+                        writer.step(held(rows))
                 elif op in ("append", "decode"):
                     outs = [[] for _ in range(layers)]
                     longest = max(len(r["uids"]) for r in step["rows"])
                     for b, row in enumerate(step["rows"]):
                         uids = np.asarray(row["uids"], np.int64)
                         for l in range(layers):
-                            past_k, past_v = rows[b][l]
-                            n, total = len(uids), past_k.shape[2] + len(uids)
+                            state = rows[b][l]
+                            n, total = len(uids), state["total"] + len(uids)
                             feed = {"query": exp.q[l][uids].reshape(1, n, heads * d).astype(np.float32),
                                     "key": exp.k[l][uids].reshape(1, n, kv_heads * d).astype(np.float32),
                                     "value": exp.v[l][uids].reshape(1, n, kv_heads * d).astype(np.float32),
-                                    "past_key": past_k, "past_value": past_v,
+                                    "past_key": state["k"], "past_value": state["v"],
                                     "seqlens_k": np.array([total - 1], np.int32),
                                     "total_sequence_length": np.array(total, np.int32),
                                     "cos_cache": cos, "sin_cache": sin}
                             if logits:
                                 feed["head_sink"] = np.asarray(logits[l], np.float32)
-                            out, k, v = sessions[l].run(None, feed)
-                            rows[b][l] = (k, v)
+                            out, state["k"], state["v"] = sessions[l].run(None, feed)
+                            state["total"] = total
                             out = out.reshape(1, n, heads, d).transpose(0, 2, 1, 3)
                             # A shorter row's outputs end the step's, as its tokens do (left padding).
                             outs[l].append(np.pad(out, ((0, 0), (0, 0), (longest - n, 0), (0, 0)),
