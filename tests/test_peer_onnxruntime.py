@@ -12,7 +12,9 @@ import unittest
 
 from test_kvtrace import DATA, SCENARIOS, export, kvcheck, kvtrace
 
-import onnxruntime  # noqa: F401  (the venv's onnxruntime must import)
+import numpy as np
+import onnxruntime
+from onnx import TensorProto, helper
 
 import kvtrace_ort
 
@@ -105,9 +107,50 @@ class OnnxRuntimeGqaTest(unittest.TestCase):
             self.assertFalse(os.path.exists(self.trace))
 
 
+def quantized_by_the_op(bits, quant_type, x, scale):
+    """The codes GroupQueryAttention stores for one key row x [16] (no rotary) under a static
+    scale: int8 as signed bytes; int4 unpacked from its nibbles (c + 8, element 2i low)."""
+    f, d = TensorProto.FLOAT, 16
+    cache = TensorProto.INT8 if bits == 8 else TensorProto.UINT8
+    stored = d if bits == 8 else d // 2
+    info = helper.make_tensor_value_info
+    inputs = [info("query", f, [1, 1, d]), info("key", f, [1, 1, d]), info("value", f, [1, 1, d]),
+              info("past_key", cache, [1, 1, 0, stored]), info("past_value", cache, [1, 1, 0, stored]),
+              info("seqlens_k", TensorProto.INT32, [1]), info("total_sequence_length", TensorProto.INT32, []),
+              info("k_scale", f, None), info("v_scale", f, None)]
+    names = [i.name for i in inputs[:7]] + [""] * 5 + ["k_scale", "v_scale"]
+    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=1, kv_num_heads=1, k_quant_type=quant_type,
+                            v_quant_type=quant_type, kv_cache_bit_width=bits)
+    outputs = [info("output", f, [1, 1, d]), info("present_key", cache, [1, 1, 1, stored]),
+               info("present_value", cache, [1, 1, 1, stored])]
+    model = helper.make_model(helper.make_graph([node], "probe", inputs, outputs), ir_version=10,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    scales = np.full([1] if quant_type == "PER_TENSOR" else [1, 1, 1, d], scale, np.float32)
+    row = np.asarray(x, np.float32).reshape(1, 1, d)
+    _, key, _ = session.run(None, {"query": np.zeros_like(row), "key": row, "value": row,
+                                   "past_key": np.zeros((1, 1, 0, stored), key_type(bits)),
+                                   "past_value": np.zeros((1, 1, 0, stored), key_type(bits)),
+                                   "seqlens_k": np.array([0], np.int32),
+                                   "total_sequence_length": np.array(1, np.int32), "k_scale": scales,
+                                   "v_scale": scales})
+    if bits == 8:
+        return key.reshape(-1).astype(int).tolist()
+    codes = []
+    for byte in key.reshape(-1).tolist():
+        codes += [(byte & 15) - 8, (byte >> 4) - 8]
+    return codes
+
+
+def key_type(bits):
+    return np.int8 if bits == 8 else np.uint8
+
+
 class OnnxRuntimeWindowedCacheTest(unittest.TestCase):
-    """The op's windowed cache (sliding_window_cache=1, onnxruntime 1.31.1): buffers of C rows,
-    rows [0, L(T)) holding the most recent positions, G = C - W + 1 evicted at once."""
+    """What 1.31.1 has and 1.23.2 lacks: the op's windowed cache (sliding_window_cache=1:
+    buffers of C rows, rows [0, L(T)) holding the most recent positions, G = C - W + 1 evicted
+    at once) and quantized KV."""
 
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvcheck-peer-ort-")
@@ -146,6 +189,17 @@ class OnnxRuntimeWindowedCacheTest(unittest.TestCase):
         _, verify = self.drive("llama31_sliding_gqa", window_cache=19, eviction="lazy")
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("which the policy evicted", verify.stdout)
+
+    def test_int8_and_int4_kv_round_ties_to_even_over_the_full_range(self):
+        # docs/spec.md 9.6, at scale 0.25: ties, the ends of the range and beyond, no rotary.
+        s = 0.25
+        int8 = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.5, -128, 160, -160, 0, 1, -1, 4, -4, 20]
+        int4 = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 7.5, -8.5, 20, -20, 0, 1, -1, 4, -4, 6.5]
+        for quant_type in ("PER_TENSOR", "PER_CHANNEL"):
+            self.assertEqual(quantized_by_the_op(8, quant_type, np.array(int8) * s, s),
+                             [0, 2, 2, 0, -2, -2, 127, -128, 127, -128, 0, 1, -1, 4, -4, 20], quant_type)
+            self.assertEqual(quantized_by_the_op(4, quant_type, np.array(int4) * s, s),
+                             [0, 2, 2, 0, -2, -2, 7, -8, 7, -8, 0, 1, -1, 4, -4, 6], quant_type)
 
     def test_learned_sinks_over_the_windowed_cache_pass(self):
         result, verify = self.drive("gpt_oss_yarn_learned_sinks_sliding", window_cache=16)
