@@ -18,6 +18,7 @@ int code_bits(Codec c) {
   switch (c) {
     case Codec::q4_0:
     case Codec::int4:
+    case Codec::int4_even:
       return 4;
     case Codec::int2:
       return 2;
@@ -74,6 +75,8 @@ float code_range(Codec c) {
       return 448.0f;
     case Codec::fp8_e5m2:
       return 57344.0f;
+    case Codec::int4_even:
+      return 7.0f;
     default:
       return 127.0f;
   }
@@ -162,8 +165,12 @@ int get_code(const RowFormat& f, const std::byte* codes, int i, int g) {
   }
   const int bits = code_bits(f.codec);
   const auto byte = static_cast<std::uint8_t>(codes[i * bits / 8]);
-  if (bits == 8) return f.codec == Codec::int8 || f.codec == Codec::q8_0 ? static_cast<std::int8_t>(byte) : byte;
-  return (byte >> (i * bits % 8)) & ((1 << bits) - 1);
+  if (bits == 8)
+    return f.codec == Codec::int8 || f.codec == Codec::q8_0 || f.codec == Codec::int8_even
+               ? static_cast<std::int8_t>(byte)
+               : byte;
+  const int u = (byte >> (i * bits % 8)) & ((1 << bits) - 1);
+  return f.codec == Codec::int4_even ? (u ^ 8) - 8 : u;  // two's complement in the nibble
 }
 
 // An affine group's scale and zero point from its range (an all-equal group takes its range
@@ -189,6 +196,8 @@ int scaled_code(const RowFormat& f, float x, float s, int z) {
   if (affine(f.codec))
     return std::clamp(static_cast<int>(s != 0.0f ? std::round(x / s) : 0.0f) + z, 0, (1 << code_bits(f.codec)) - 1);
   const float y = s != 0.0f ? x / s : 0.0f;
+  if (f.codec == Codec::int8_even) return saturated(std::nearbyint(y), -128, 127);  // ties to even
+  if (f.codec == Codec::int4_even) return saturated(std::nearbyint(y), -8, 7);
   return f.codec == Codec::int8 ? saturated(std::round(y), -127, 127) : fp8_encode(fp8_of(f.codec), y);
 }
 
@@ -364,7 +373,7 @@ void decode_row(const RowFormat& f, int kv_head, const std::byte* in, int d, flo
     // decodes rows here, one key row or one tile of value rows at a time.
     float* out = x + g0;
     const auto* codes = reinterpret_cast<const std::uint8_t*>(p);
-    if (f.codec == Codec::q8_0 || f.codec == Codec::int8) {
+    if (f.codec == Codec::q8_0 || f.codec == Codec::int8 || f.codec == Codec::int8_even) {
       const auto* signed_codes = reinterpret_cast<const std::int8_t*>(p);
       for (int i = 0; i < g; ++i) out[i] = static_cast<float>(signed_codes[i]) * s;
     } else if (fp8(f.codec)) {

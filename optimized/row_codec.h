@@ -12,7 +12,8 @@
 
 namespace kvcheck::optimized {
 
-enum class Codec { float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
+// int8_even, int4_even: symmetric over [-128, 127] and [-8, 7], ties to even (SPEC 9.6).
+enum class Codec { float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2, int8_even, int4_even };
 
 struct RowFormat {
   Codec codec = Codec::float32;

@@ -10,7 +10,10 @@
 
 namespace kvcheck {
 
-enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2 };
+// int8_even and int4_even: symmetric codes over the whole two's-complement range ([-128, 127],
+// [-8, 7]), x / s rounded to nearest with ties to even, static scales: ONNX Runtime's
+// GroupQueryAttention KV (SPEC 9.6). int8 rounds ties away from zero over [-127, 127].
+enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2, int8_even, int4_even };
 
 // What one scale covers: the whole tensor, one kv head, one token's row of head_dim (per kv
 // head), `group` consecutive elements of that row, or (channel) one channel of head_dim over
@@ -92,7 +95,7 @@ inline int query_transform_block(const KvQuant& q) { return q.k ? q.k->transform
 inline constexpr EnumName<QuantFormat> kQuantFormatNames[] = {
     {QuantFormat::fp8_e4m3, "fp8_e4m3"}, {QuantFormat::fp8_e5m2, "fp8_e5m2"}, {QuantFormat::int8, "int8"},
     {QuantFormat::q8_0, "q8_0"},         {QuantFormat::q4_0, "q4_0"},         {QuantFormat::int4, "int4"},
-    {QuantFormat::int2, "int2"}};
+    {QuantFormat::int2, "int2"},         {QuantFormat::int8_even, "int8_even"}, {QuantFormat::int4_even, "int4_even"}};
 inline constexpr EnumName<ScaleGranularity> kScaleGranularityNames[] = {{ScaleGranularity::tensor, "tensor"},
                                                                         {ScaleGranularity::head, "head"},
                                                                         {ScaleGranularity::token, "token"},
@@ -108,7 +111,7 @@ inline constexpr EnumName<QuantTransform> kQuantTransformNames[] = {{QuantTransf
 inline constexpr EnumName<ScaleDtype> kScaleDtypeNames[] = {{ScaleDtype::float32, "float32"},
                                                             {ScaleDtype::float16, "float16"}};
 
-static_assert(sizeof(kQuantFormatNames) / sizeof(kQuantFormatNames[0]) == static_cast<std::size_t>(QuantFormat::int2) + 1,
+static_assert(sizeof(kQuantFormatNames) / sizeof(kQuantFormatNames[0]) == static_cast<std::size_t>(QuantFormat::int4_even) + 1,
               "a format without a name");
 
 inline const char* to_string(QuantFormat f) { return name_in(kQuantFormatNames, f); }

@@ -77,7 +77,10 @@ double code_range(QuantFormat format) {
       return 57344.0;
     case QuantFormat::int8:
     case QuantFormat::q8_0:
+    case QuantFormat::int8_even:
       return 127.0;
+    case QuantFormat::int4_even:
+      return 7.0;
     case QuantFormat::q4_0:
       return 8.0;
     case QuantFormat::int4:
@@ -119,6 +122,8 @@ double element_bound(QuantFormat format, double x, double s) {
     case QuantFormat::fp8_e5m2:
       return std::max(a * 0x1p-3, d * 0x1p-17);
     case QuantFormat::int8:
+    case QuantFormat::int8_even:
+    case QuantFormat::int4_even:
       return d / 2;
     case QuantFormat::q8_0:
       return d / 2 + 127 * d * 0x1p-11;
@@ -234,7 +239,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
         row.codes[static_cast<std::size_t>(g0 + i)] = std::clamp(static_cast<int>(std::round(y)) + z, 0, top);
         mark(i, y, s);
       }
-    } else {  // fp8 and int8: one scale per group, static or from the group's amax
+    } else {  // fp8, int8 and the *_even formats: one scale per group, static or from the group's amax
       double s = 0.0;
       const bool computed = quant.scale.rule != ScaleRule::fixed;
       if (!computed) {
@@ -260,6 +265,10 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
         int& c = row.codes[static_cast<std::size_t>(g0 + i)];
         if (f == QuantFormat::int8) {
           c = saturated(std::round(y), -127, 127);
+          mark(i, y, s);
+        } else if (f == QuantFormat::int8_even || f == QuantFormat::int4_even) {
+          const int top = f == QuantFormat::int8_even ? 127 : 7;
+          c = saturated(std::nearbyint(y), -top - 1, top);  // the default rounding mode: ties to even
           mark(i, y, s);
         } else {
           c = fp8_code(f, y);

@@ -7,7 +7,9 @@ inverts it. fmt is the manifest's kv_quant["k"] or ["v"] of a `kvcheck export`."
 import numpy as np
 
 F32, F64 = np.float32, np.float64
-RANGE = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0, "q8_0": 127.0, "q4_0": 8.0, "int4": 15.0, "int2": 3.0}
+RANGE = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0, "q8_0": 127.0, "q4_0": 8.0, "int4": 15.0, "int2": 3.0,
+         "int8_even": 127.0, "int4_even": 7.0}
+EVEN = {"int8_even": (-128, 127), "int4_even": (-8, 7)}  # SPEC 9.6: ties to even, the whole range
 BOUNDARY = 2.0 ** -20  # SPEC 9.2.1's "within a few float32 ulps", relative to the row's largest element
 
 
@@ -87,6 +89,9 @@ def quantize(fmt, x, kv_head=0):
             y = xs.astype(F64) / s if s else np.zeros(len(xs))
             if name == "int8":
                 codes.append(np.clip(round_away(y), -127, 127))
+                near.append(np.abs(np.abs(y - np.floor(y)) - 0.5) <= (window / s if s else -1))
+            elif name in EVEN:
+                codes.append(np.clip(np.rint(y), *EVEN[name]))  # NumPy's rint: half to even
                 near.append(np.abs(np.abs(y - np.floor(y)) - 0.5) <= (window / s if s else -1))
             else:
                 c, table = fp8_encode(name, y)

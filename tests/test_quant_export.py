@@ -421,7 +421,8 @@ class QuantExportTest(unittest.TestCase):
                     self.assertGreater(self.check_export(out), 0)
                 per_layer += isinstance(manifest["kv_quant"], list)
                 formats |= {q[t]["format"] for q in layer_quants(manifest) for t in ("k", "v") if t in q}
-        self.assertEqual(formats, {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"})
+        self.assertEqual(formats, {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2", "int8_even",
+                                   "int4_even"})
         self.assertGreaterEqual(residuals, 5)  # Hugging Face's convention, KIVI's, each along the token axis, mixed layers
         self.assertGreaterEqual(per_layer, 2)  # vLLM's per-layer scales, layers of different formats
 

@@ -117,6 +117,40 @@ TEST(ReferenceQuantize, Int8StaticScaleSaturates) {
   EXPECT_EQ(r.codes, (std::vector<int>{3, -3, 127, -127}));
 }
 
+// SPEC 9.6 (ONNX Runtime's int8 and int4 KV), worked by hand at scale 0.25: ties to even,
+// the whole two's-complement range. The same values under int8 round ties away from zero.
+TEST(ReferenceQuantize, EvenFormatsRoundTiesToEvenOverTheWholeRange) {
+  const std::vector<float> x = {0.125f, 0.375f, 0.625f, -0.125f, -0.375f, -0.625f, 31.875f, -32.0f,
+                                40.0f,  -40.0f, 0.0f,   0.25f,   1.875f,  -2.125f, 1.625f,  -1.625f};
+  // x / s: .5 1.5 2.5 -.5 -1.5 -2.5 127.5 -128 160 -160 0 1 7.5 -8.5 6.5 -6.5
+  const auto at = [](QuantFormat f) { return format(f, ScaleGranularity::tensor, 0, ScaleDtype::float32, {0.25}); };
+  EXPECT_EQ(reference::quantize(at(QuantFormat::int8_even), x.data(), 16, 0).codes,
+            (std::vector<int>{0, 2, 2, 0, -2, -2, 127, -128, 127, -128, 0, 1, 8, -8, 6, -6}));
+  EXPECT_EQ(reference::quantize(at(QuantFormat::int4_even), x.data(), 16, 0).codes,
+            (std::vector<int>{0, 2, 2, 0, -2, -2, 7, -8, 7, -8, 0, 1, 7, -8, 6, -6}));
+  EXPECT_EQ(reference::quantize(at(QuantFormat::int8), x.data(), 16, 0).codes,
+            (std::vector<int>{1, 2, 3, -1, -2, -3, 127, -127, 127, -127, 0, 1, 8, -9, 7, -7}));
+}
+
+TEST(QuantCodec, EvenFormatsStoreTheHandWorkedCodes) {
+  using optimized::Codec;
+  const std::vector<float> x = {0.125f, 0.375f, 0.625f, -0.125f, -0.375f, -0.625f, 31.875f, -32.0f,
+                                40.0f,  -40.0f, 0.0f,   0.25f,   1.875f,  -2.125f, 1.625f,  -1.625f};
+  for (const auto& [codec, codes] :
+       {std::pair{Codec::int8_even, std::vector<int>{0, 2, 2, 0, -2, -2, 127, -128, 127, -128, 0, 1, 8, -8, 6, -6}},
+        std::pair{Codec::int4_even, std::vector<int>{0, 2, 2, 0, -2, -2, 7, -8, 7, -8, 0, 1, 7, -8, 6, -6}}}) {
+    optimized::RowFormat f;
+    f.codec = codec;
+    f.static_scales = {0.25f};
+    std::vector<std::byte> bytes(optimized::row_bytes(f, 16));
+    std::vector<float> scratch(16), back(16);
+    optimized::encode_row(f, 0, x.data(), 16, bytes.data(), scratch.data());
+    EXPECT_EQ(optimized::unpack_row(f, 0, bytes.data(), 16).codes, codes);
+    optimized::decode_row(f, 0, bytes.data(), 16, back.data());
+    for (int i = 0; i < 16; ++i) EXPECT_EQ(back[static_cast<std::size_t>(i)], codes[static_cast<std::size_t>(i)] * 0.25f) << i;
+  }
+}
+
 // Tiny scales: x / s far beyond int's range (or 1 / d beyond float32's) must saturate toward
 // x's sign. Converting to int first and clamping after stored positive values as -127 in
 // both the reference and the caches, so they agreed and `run` passed the wrong answer. Every
@@ -321,6 +355,10 @@ TEST(QuantCodec, AgreesWithTheReferenceCodeForCode) {
       {format(QuantFormat::q8_0), opt(Codec::q8_0)},
       {format(QuantFormat::q4_0), opt(Codec::q4_0)},
       {format(QuantFormat::int8), opt(Codec::int8)},
+      {format(QuantFormat::int8_even, ScaleGranularity::tensor, 0, ScaleDtype::float32, {0.02}),
+       opt(Codec::int8_even, 0, false, {0.02f})},
+      {format(QuantFormat::int4_even, ScaleGranularity::tensor, 0, ScaleDtype::float32, {0.3}),
+       opt(Codec::int4_even, 0, false, {0.3f})},
       {format(QuantFormat::int8, ScaleGranularity::group, 16, ScaleDtype::float16), opt(Codec::int8, 16, true)},
       {format(QuantFormat::fp8_e4m3), opt(Codec::fp8_e4m3)},
       {format(QuantFormat::fp8_e4m3, ScaleGranularity::tensor, 0, ScaleDtype::float32, {0.05}),

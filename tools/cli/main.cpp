@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
   run->add_option_function<std::string>(
          "--kv-quant", [&](const std::string& name) { options.kv_quant = quant_format_named(name); },
          "caches store keys and values quantized in this format (SPEC 9), with its default scale")
-      ->check(CLI::IsMember({"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"}));
+      ->check(CLI::IsMember(names_in(kQuantFormatNames)));
 
   std::string export_path, export_out;
   CLI::App* exp = app.add_subcommand("export", "write a scenario's inputs and reference results (SPEC 6)");

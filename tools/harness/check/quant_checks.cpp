@@ -92,8 +92,9 @@ double value_roundoff(const Scenario& s, int layer) {
 
 optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) {
   using optimized::Codec;
-  static const Codec codecs[] = {Codec::fp8_e4m3, Codec::fp8_e5m2, Codec::int8, Codec::q8_0,
-                                 Codec::q4_0,     Codec::int4,     Codec::int2};
+  static const Codec codecs[] = {Codec::fp8_e4m3, Codec::fp8_e5m2, Codec::int8,      Codec::q8_0,     Codec::q4_0,
+                                 Codec::int4,     Codec::int2,     Codec::int8_even, Codec::int4_even};
+  static_assert(sizeof(codecs) / sizeof(codecs[0]) == static_cast<std::size_t>(QuantFormat::int4_even) + 1);
   optimized::RowFormat f;
   f.codec = codecs[static_cast<int>(q.format)];
   f.group = q.scale.granularity == ScaleGranularity::group ? q.scale.group : 0;

@@ -160,7 +160,8 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
     const std::string name = value ? "v" : "k";
     json files = {{"codes", stem + "_" + name + "_codes" + suffix + ".npy"},
                   {"scales", stem + "_" + name + "_scales" + suffix + ".npy"}};
-    if (t.format == QuantFormat::int8 || t.format == QuantFormat::q8_0)
+    if (t.format == QuantFormat::int8 || t.format == QuantFormat::q8_0 || t.format == QuantFormat::int8_even ||
+        t.format == QuantFormat::int4_even)
       write_npy((dir / files["codes"].get<std::string>()).string(), shape(D),
                 std::vector<std::int8_t>(codes.begin(), codes.end()));
     else

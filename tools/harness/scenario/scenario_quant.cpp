@@ -18,6 +18,8 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
   const bool ggml = q.format == QuantFormat::q8_0 || q.format == QuantFormat::q4_0;
   const bool affine = q.format == QuantFormat::int4 || q.format == QuantFormat::int2;
   const bool fp8 = q.format == QuantFormat::fp8_e4m3 || q.format == QuantFormat::fp8_e5m2;
+  // ONNX Runtime's int8 and int4 (SPEC 9.6): static scales only, like a checkpoint's.
+  const bool static_only = q.format == QuantFormat::int8_even || q.format == QuantFormat::int4_even;
   // kvcheck's extension: a block-diagonal Hadamard transform (checked against "transform"
   // by parse_kv_quant).
   if (j.contains("transform_block")) {
@@ -37,8 +39,8 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
     return q;
   }
   // Defaults: fp8 a static per-tensor 1.0 (vLLM's default); int8 and affine a scale per token.
-  q.scale = fp8 ? QuantScale{ScaleGranularity::tensor, 0, ScaleDtype::float32, ScaleRule::fixed, {1.0}}
-                : QuantScale{ScaleGranularity::token, 0, ScaleDtype::float32, ScaleRule::amax, {}};
+  q.scale = fp8 || static_only ? QuantScale{ScaleGranularity::tensor, 0, ScaleDtype::float32, ScaleRule::fixed, {1.0}}
+                                : QuantScale{ScaleGranularity::token, 0, ScaleDtype::float32, ScaleRule::amax, {}};
   if (!j.contains("scale")) return q;
   const std::string sp = p + "/scale";
   const json& sj = j["scale"];
@@ -118,6 +120,9 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
       }
     }
   }
+  if (static_only && q.scale.rule != ScaleRule::fixed)
+    r.fail(sp, name + " takes a static scale (SPEC 9.6): expected \"granularity\": \"tensor\" or \"head\" with a "
+                      "\"value\"");
   return q;
 }
 

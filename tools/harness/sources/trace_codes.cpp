@@ -42,9 +42,15 @@ void normalize_codes(QuantFormat format, const std::string& path, std::vector<st
       return;
     case QuantFormat::int8:
     case QuantFormat::q8_0:
+    case QuantFormat::int8_even:
       for (std::int32_t& c : codes)
         if (c > 127 && c <= 255) c -= 256;  // written as uint8
       lo = -128, hi = 127;
+      break;
+    case QuantFormat::int4_even:  // signed codes, one a byte
+      for (std::int32_t& c : codes)
+        if (c > 127 && c <= 255) c -= 256;
+      lo = -8, hi = 7;
       break;
     case QuantFormat::q4_0:
     case QuantFormat::int4:
