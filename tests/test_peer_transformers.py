@@ -20,6 +20,7 @@ writes every token at the last slot."""
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -403,6 +404,59 @@ class Transformers5CacheLayersTest(PeerTest):
         with self.assertRaisesRegex(kvtrace.UsageError, r"removes \[0, 1, 4\] tokens from the rows of \[3, 8, 5\]"):
             self.drive("full_crop_mixed_lengths", hf_caches.dynamic_cache)
         self.assertFalse(os.path.exists(self.trace))
+
+
+def run_finding(name, *options):
+    """A standalone reproduction of docs/findings/transformers/ (torch and transformers alone),
+    in this release's venv."""
+    script = os.path.join(ROOT, "docs", "findings", "transformers", name + ".py")
+    return subprocess.run([sys.executable, script, *options], capture_output=True, text=True)
+
+
+class TransformersSinkCacheFindingsTest(unittest.TestCase):
+    """docs/findings/transformers/sink-cache-*: each reproduction exits 1 while the bug is in
+    the pinned release, and its suggested fix (--fixed) exits 0. One release is enough: the
+    update code is the same in 4.42.4, 4.46.3 and 4.52.4."""
+
+    def check(self, name, found, fixed):
+        run = run_finding(name)
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertRegex(run.stdout, found)
+        run = run_finding(name, "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn(fixed, run.stdout)
+
+    def test_the_early_shift_reproduces_and_less_or_equal_fixes_it(self):
+        self.check("sink-cache-shifts-one-token-early", "first wrong step: token 5", "every step matches StreamingLLM")
+
+    def test_the_whole_long_prompt_reproduces_and_trimming_it_fixes_it(self):
+        self.check("sink-cache-keeps-a-long-prompt-whole", "the cache now holds 30 slots",
+                   "the prompt is stored as sinks + window")
+
+    def test_the_second_chunk_reproduces_and_the_chunk_aware_update_fixes_it(self):
+        self.check("sink-cache-second-chunk-raises", r"size of tensor b \(0\)", "both cases match StreamingLLM")
+
+
+class TransformersSlidingWindowFindingsTest(unittest.TestCase):
+    """docs/findings/transformers/sliding-window-cache-*: the early roll is in 4.42.4 and 4.46.3
+    and fixed in 4.52.4; a chunk past the window is clamped to the last slot in every 4.x."""
+
+    def test_the_early_roll_reproduces_before_4_52_and_the_suggested_update_fixes_it(self):
+        run = run_finding("sliding-window-cache-rolls-one-early")
+        if RELEASE < (4, 52):
+            self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+            self.assertIn("queries whose attention is not the window of W: [5, 6, 7, 8, 9]", run.stdout)
+        else:
+            self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        run = run_finding("sliding-window-cache-rolls-one-early", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+
+    def test_the_clamped_chunk_reproduces_and_the_suggested_update_fixes_it(self):
+        run = run_finding("sliding-window-cache-chunk-clamped-to-last-slot")
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn("queries whose attention is not the window of W: [5, 6, 7, 8, 9, 10, 11, 12, 13]", run.stdout)
+        run = run_finding("sliding-window-cache-chunk-clamped-to-last-slot", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
 
 
 if __name__ == "__main__":

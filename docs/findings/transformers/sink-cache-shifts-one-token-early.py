@@ -142,11 +142,11 @@ def main():
             print("\nstep %d, token %d: the cache held %d tokens, %d + 1 %s window_length %d, so StreamingLLM evicts "
                   "%d; the query is at position %d" % (step, t, held, held, "==" if held + 1 == WINDOW else
                                                        ("<" if held + 1 < WINDOW else ">"), WINDOW, evicted(t), pq))
-            print("  slot  token  key position expected/actual  query-key distance expected/actual")
+            print("  slot  token   position expected  actual   query-key distance expected  actual")
             for j, (u, p) in enumerate(slots):
                 e = want.get(u)
-                print("  %4d  %5d  %13s/%-6s  %19s/%-6s%s" % (
-                    j, u, "-" if e is None else e, "?" if p is None else p, "-" if e is None else pq - e,
+                print("  %4d  %5d   %17s  %6s   %27s  %6s%s" % (
+                    j, u, "evicted" if e is None else e, "?" if p is None else p, "-" if e is None else pq - e,
                     "?" if p is None else pq - p, "" if e is not None and p == e else "  <- wrong"))
             print("  attention output of token %d: max |expected - actual| = %.6f" % (t, diff))
         else:
