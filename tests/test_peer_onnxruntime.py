@@ -98,9 +98,23 @@ class OnnxRuntimeGqaTest(unittest.TestCase):
             self.assertIn("no sliding_window_cache", str(caught.exception))
             self.assertFalse(os.path.exists(self.trace))
 
+    def test_quantized_kv_is_driven_where_the_release_has_it(self):
+        # int8/int4 KV (k_quant_type, kv_cache_bit_width) is in 1.31.1, not in 1.23.2; and the
+        # CPU kernel takes K and V in one format with one kind of scale.
+        if not kvtrace_ort.has_quantized_kv():
+            with self.assertRaises(kvtrace.UsageError) as caught:
+                kvtrace_ort.drive_ort_gqa(export(self.work, "ort_int8_kv_sliding", DATA), self.trace)
+            self.assertIn("no quantized KV", str(caught.exception))
+        for scenario, words in (("quant_int8_int4_even_static_sliding", "for K and V alike"),
+                                ("quant_q8_0_full", "int8_even or int4_even")):
+            with self.assertRaises(kvtrace.UsageError) as caught:
+                kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace)
+            self.assertIn(words, str(caught.exception))
+        self.assertFalse(os.path.exists(self.trace))
+
     def test_what_the_op_cannot_take_is_refused_before_running(self):
         for scenario, words in (("sliding_baseline", "multiples of 16"), ("sink_decode_through_windows", "sink"),
-                                ("quant_q8_0_full", "float32")):
+                                ("sliding_prompt_longer_than_window_float16", "kv_dtype float16")):
             with self.assertRaises(kvtrace.UsageError) as caught:
                 kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace)
             self.assertIn(words, str(caught.exception))
@@ -147,7 +161,7 @@ def key_type(bits):
     return np.int8 if bits == 8 else np.uint8
 
 
-class OnnxRuntimeWindowedCacheTest(unittest.TestCase):
+class OnnxRuntimeWindowAndQuantizedCacheTest(unittest.TestCase):
     """What 1.31.1 has and 1.23.2 lacks: the op's windowed cache (sliding_window_cache=1:
     buffers of C rows, rows [0, L(T)) holding the most recent positions, G = C - W + 1 evicted
     at once) and quantized KV."""
@@ -157,9 +171,40 @@ class OnnxRuntimeWindowedCacheTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.work, True)
         self.trace = os.path.join(self.work, "trace")
 
-    def drive(self, scenario, **options):
-        result = kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace, **options)
-        return result, kvcheck("verify", os.path.join(SCENARIOS, scenario + ".json"), "--trace", self.trace)
+    def drive(self, scenario, folder=SCENARIOS, **options):
+        result = kvtrace_ort.drive_ort_gqa(export(self.work, scenario, folder), self.trace, **options)
+        return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
+
+    def test_int8_kv_with_a_scale_per_kv_head_passes_code_for_code(self):
+        # int8_even K and V (SPEC 9.6), PER_CHANNEL scales (one a kv head), a sliding window of
+        # 12, over the growing past and over the windowed cache.
+        for window_cache in (None, 12):
+            result, verify = self.drive("ort_int8_kv_sliding", DATA, window_cache=window_cache)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+            self.assertIn("codes and their scales as the format's rules give (K int8_even, V int8_even)",
+                          verify.stdout)
+            shutil.rmtree(self.trace)
+
+    def test_int4_kv_passes_code_for_code_and_nibbles_read_the_other_way_fail_at_once(self):
+        result, verify = self.drive("ort_int4_kv_full", DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        shutil.rmtree(self.trace)
+        # A driver that unpacks each byte high nibble first: no slot holds any token's values
+        # (a trace names its tokens by their values), from the first step on.
+        unpack = kvtrace_ort._Quantized.codes
+
+        def swapped(self_, stored):
+            return unpack(self_, ((stored & 15) << 4 | stored >> 4).astype(stored.dtype))
+        kvtrace_ort._Quantized.codes = swapped
+        try:
+            _, verify = self.drive("ort_int4_kv_full", DATA)
+        finally:
+            kvtrace_ort._Quantized.codes = unpack
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("holds values of no token", verify.stdout)
 
     def test_resident_counts_follow_the_ops_contract(self):
         # C = 6, W = 4, G = 3: 6 tokens fit; the 7th evicts 3 (L = 4); the 10th evicts 3 more.

@@ -46,6 +46,13 @@ def has_windowed_cache():
                for s in schemas.get_all_operator_schema())
 
 
+def has_quantized_kv():
+    """Whether this onnxruntime's GroupQueryAttention takes int8/int4 KV (1.31 does; 1.23 not)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as schemas
+    return any(s.name == "GroupQueryAttention" and "k_quant_type" in s.attributes
+               for s in schemas.get_all_operator_schema())
+
+
 def window_meaning_changed():
     """Whether this onnxruntime counts the query itself in local_window_size (1.24 and later)."""
     return ort_version() >= (1, 24)
@@ -61,30 +68,92 @@ def resident(total, capacity, window):
     return total - g * -(-(total - capacity) // g)
 
 
-def _session(exp, window, interleaved, rotary_dim, sinks, window_cache):
+class _Quantized:
+    """The scenario's kv_quant as the op takes it (SPEC 9.6): int8_even or int4_even for both K
+    and V (the op has one cache type and one kv_cache_bit_width), static scales per tensor
+    (PER_TENSOR) or per kv head (PER_CHANNEL, the head's scale along head_dim)."""
+
+    FORMATS = {"int8_even": 8, "int4_even": 4}
+
+    def __init__(self, kv_quant, kv_heads, d):
+        rules = {"residual": 0, "flush": "append", "chunk_reads": "stored", "transform": "none", "query": "none"}
+        for key, plain in rules.items():
+            if kv_quant.get(key, plain) != plain:
+                raise UsageError("kv_quant %s %r: the op quantizes every token as it is written (no %s)"
+                                 % (key, kv_quant[key], key))
+        if "k" not in kv_quant or "v" not in kv_quant:
+            raise UsageError("the op quantizes K and V together (one cache type): kv_quant needs both")
+        names = {kv_quant["k"]["format"], kv_quant["v"]["format"]}
+        if len(names) != 1 or not names <= set(self.FORMATS):
+            raise UsageError("the op's quantized KV is int8_even or int4_even for K and V alike (SPEC 9.6), got %s"
+                             % sorted(names))
+        self.bits = self.FORMATS[names.pop()]
+        self.stored = d if self.bits == 8 else d // 2
+        self.dtype = np.int8 if self.bits == 8 else np.uint8
+        self.types, self.scales = {}, {}
+        for name in ("k", "v"):
+            scale = kv_quant[name]["scale"]
+            values = scale["value"] if isinstance(scale["value"], list) else [scale["value"]]
+            if scale["granularity"] == "tensor":
+                self.types[name] = "PER_TENSOR"
+                self.scales[name] = np.array([values[0]], np.float32)
+            elif scale["granularity"] == "head":
+                self.types[name] = "PER_CHANNEL"
+                self.scales[name] = np.repeat(np.asarray(values, np.float32)[:, None], d, axis=1).reshape(1, kv_heads, 1, d)
+            else:
+                raise UsageError("the op's scales are static, per tensor or per channel: %s scale %r"
+                                 % (name, scale["granularity"]))
+        if self.types["k"] != self.types["v"]:  # the CPU kernel refuses it
+            raise UsageError("the op's CPU kernel takes K and V scales of one kind (%s for K, %s for V)"
+                             % (self.types["k"], self.types["v"]))
+
+    def codes(self, stored):
+        """The signed codes [B, Hkv, slots, D] of the op's buffer (int4: two nibbles a byte, c + 8,
+        element 2i low)."""
+        if self.bits == 8:
+            return stored.astype(np.int8)
+        low, high = (stored & 15).astype(np.int16) - 8, (stored >> 4).astype(np.int16) - 8
+        return np.stack([low, high], axis=-1).reshape(*stored.shape[:-1], -1).astype(np.int8)
+
+
+def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantized=None):
     heads, kv_heads, d = exp.dims["heads"], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"]
     f = TensorProto.FLOAT
+    cache = f if quantized is None else (TensorProto.INT8 if quantized.bits == 8 else TensorProto.UINT8)
+    stored = d if quantized is None else quantized.stored
     inputs = [helper.make_tensor_value_info("query", f, [1, None, heads * d]),
               helper.make_tensor_value_info("key", f, [1, None, kv_heads * d]),
               helper.make_tensor_value_info("value", f, [1, None, kv_heads * d]),
-              helper.make_tensor_value_info("past_key", f, [1, kv_heads, None, d]),
-              helper.make_tensor_value_info("past_value", f, [1, kv_heads, None, d]),
+              helper.make_tensor_value_info("past_key", cache, [1, kv_heads, None, stored]),
+              helper.make_tensor_value_info("past_value", cache, [1, kv_heads, None, stored]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
               helper.make_tensor_value_info("cos_cache", f, [None, rotary_dim // 2]),
               helper.make_tensor_value_info("sin_cache", f, [None, rotary_dim // 2])]
     names = [i.name for i in inputs]
+    # Inputs 9 and 10 (position_ids, attention_bias) left out; 11 is head_sink, 12 and 13 the
+    # K and V scales.
+    optional = []
     if sinks:
-        # Inputs 9 and 10 (position_ids, attention_bias) left out; 11 is head_sink.
-        names += ["", "", "head_sink"]
+        optional.append(("head_sink", 11))
         inputs.append(helper.make_tensor_value_info("head_sink", f, [heads]))
+    attributes = {}
+    if quantized is not None:
+        optional += [("k_scale", 12), ("v_scale", 13)]
+        inputs += [helper.make_tensor_value_info(name, f, None) for name in ("k_scale", "v_scale")]
+        attributes = {"k_quant_type": quantized.types["k"], "v_quant_type": quantized.types["v"],
+                      "kv_cache_bit_width": quantized.bits}
+    for name, at in optional:
+        names += [""] * (at - len(names)) + [name]
+    if window_cache and window > 0:
+        attributes["sliding_window_cache"] = 1
     node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
                             domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=float(exp.scale),
                             do_rotary=1, rotary_interleaved=int(interleaved), local_window_size=int(window),
-                            **({"sliding_window_cache": 1} if window_cache and window > 0 else {}))
+                            **attributes)
     outputs = [helper.make_tensor_value_info("output", f, [1, None, heads * d]),
-               helper.make_tensor_value_info("present_key", f, [1, kv_heads, None, d]),
-               helper.make_tensor_value_info("present_value", f, [1, kv_heads, None, d])]
+               helper.make_tensor_value_info("present_key", cache, [1, kv_heads, None, stored]),
+               helper.make_tensor_value_info("present_value", cache, [1, kv_heads, None, stored])]
     graph = helper.make_graph([node], "gqa", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)],
@@ -118,8 +187,14 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
     exp = export
     layers, heads, d = exp.dims["layers"], exp.dims["heads"], exp.dims["head_dim"]
     kv_heads = exp.dims.get("kv_heads", heads)
-    if exp.manifest.get("kv_dtype", "float32") != "float32" or "kv_quant" in exp.manifest:
-        raise UsageError("drive_ort_gqa drives float32 caches (the op's int8/int4 KV is not driven yet)")
+    if exp.manifest.get("kv_dtype", "float32") != "float32":
+        raise UsageError("drive_ort_gqa drives float32 or quantized caches (kv_dtype %s: not driven)"
+                         % exp.manifest["kv_dtype"])
+    if isinstance(exp.manifest.get("kv_quant"), list):
+        raise UsageError("per-layer kv_quant: not driven (one quantization for every layer)")
+    quantized = _Quantized(exp.manifest["kv_quant"], kv_heads, d) if "kv_quant" in exp.manifest else None
+    if quantized is not None and not has_quantized_kv():
+        raise UsageError("onnxruntime %s's GroupQueryAttention has no quantized KV (1.31 has)" % ort.__version__)
     windows = []
     for l in range(layers):
         p = exp.layer_policy(l)
@@ -158,13 +233,16 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
         if windowed[l] and window_cache < windows[l]:
             raise UsageError("window_cache %d is smaller than layer %d's local_window_size %d (the op refuses C < W)"
                              % (window_cache, l, windows[l]))
-    sessions = [_session(exp, windows[l], layout == "interleaved", rotary_dim, bool(logits), windowed[l])
+    sessions = [_session(exp, windows[l], layout == "interleaved", rotary_dim, bool(logits), windowed[l], quantized)
                 for l in range(layers)]
     longest = 1 + sum(max((len(r["uids"]) for r in s.get("rows", [])), default=0) for s in exp.steps)
     cos, sin = _rotary_caches(exp, max(longest, 16))
+    buffer_type = np.float32 if quantized is None else quantized.dtype
+    buffer_width = d if quantized is None else quantized.stored
+
     def fresh_row():  # per layer: the buffers the caller keeps and T, the tokens the row has had
-        return [{"k": np.zeros((1, kv_heads, window_cache if windowed[l] else 0, d), np.float32),
-                 "v": np.zeros((1, kv_heads, window_cache if windowed[l] else 0, d), np.float32), "total": 0}
+        return [{"k": np.zeros((1, kv_heads, window_cache if windowed[l] else 0, buffer_width), buffer_type),
+                 "v": np.zeros((1, kv_heads, window_cache if windowed[l] else 0, buffer_width), buffer_type), "total": 0}
                 for l in range(layers)]
 
     def held_rows(state, l):  # what the layer holds by its own account: a windowed cache's rows [0, L(T))
@@ -178,8 +256,23 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
         for layer in per_layer:
             slots = max((k.shape[2] for k, _ in layer), default=0)
             pad = lambda x: np.pad(x, ((0, 0), (0, 0), (0, slots - x.shape[2]), (0, 0)))  # noqa: E731
-            out.append({"keys": np.concatenate([pad(k) for k, _ in layer], axis=0),
-                        "values": np.concatenate([pad(v) for _, v in layer], axis=0)})
+            keys = np.concatenate([pad(k) for k, _ in layer], axis=0)
+            values = np.concatenate([pad(v) for _, v in layer], axis=0)
+            if quantized is None:
+                out.append({"keys": keys, "values": values})
+                continue
+            # Codes and the static scales, one a slot (kvcheck dequantizes them, SPEC 9.3); an
+            # unused slot (a shorter row's) keeps all-zero codes and a zero scale.
+            used = np.concatenate([pad(np.ones(k.shape[:3] + (1,), np.float32)) for k, _ in layer], axis=0)
+            tensors = {}
+            for name, stored in (("k", keys), ("v", values)):
+                scale = quantized.scales[name]
+                # PER_CHANNEL [1, Hkv, 1, D] holds a head's scale along D: one a head.
+                per_slot = np.broadcast_to(scale[..., :1] if scale.ndim == 4 else scale.reshape(1, 1, 1, 1),
+                                           used.shape)
+                tensors[name + "_codes"] = quantized.codes(stored)
+                tensors[name + "_scales"] = (per_slot * used).astype(np.float64)
+            out.append(tensors)
         return out
 
     result = DriveResult()
@@ -238,6 +331,8 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
                                     "cos_cache": cos, "sin_cache": sin}
                             if logits:
                                 feed["head_sink"] = np.asarray(logits[l], np.float32)
+                            if quantized is not None:
+                                feed["k_scale"], feed["v_scale"] = quantized.scales["k"], quantized.scales["v"]
                             out, state["k"], state["v"] = sessions[l].run(None, feed)
                             state["total"] = total
                             out = out.reshape(1, n, heads, d).transpose(0, 2, 1, 3)
