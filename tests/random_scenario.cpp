@@ -181,12 +181,14 @@ std::string random_sweep_candidate_json(std::uint64_t seed, int attempt) {
   }
   const int d = j["dimensions"]["head_dim"].get<int>();
   auto tensor = [&]() {
-    const std::string format = bits.pick<std::string>({"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2"});
+    const std::string format = bits.pick<std::string>(
+        {"fp8_e4m3", "fp8_e5m2", "int8", "q8_0", "q4_0", "int4", "int2", "int8_even", "int4_even"});
     json t = {{"format", format}};
     if (format == "q8_0" || format == "q4_0") return t;
     const bool affine = format == "int4" || format == "int2";
+    const bool static_only = format == "int8_even" || format == "int4_even";  // SPEC 9.6
     json scale;
-    const auto g = bits.between(0, 5);
+    const auto g = static_only ? bits.between(0, 1) : bits.between(0, 5);
     if (g == 0 && !affine) {
       scale["granularity"] = "tensor";
       scale["value"] = bits.pick<double>({0.02, 0.05, 0.1, 1e-12});
@@ -194,7 +196,7 @@ std::string random_sweep_candidate_json(std::uint64_t seed, int attempt) {
       scale["granularity"] = "head";
       json values = json::array();
       for (int h = 0; h < kv_heads; ++h) values.push_back(bits.pick<double>({0.03, 0.04, 0.06}));
-      scale["value"] = bits.chance(30) ? json("first_append") : values;
+      scale["value"] = !static_only && bits.chance(30) ? json("first_append") : values;
     } else if (g == 2) {
       scale["granularity"] = "token";
     } else if (g == 3 && affine) {
