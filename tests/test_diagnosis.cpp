@@ -249,3 +249,24 @@ TEST(Diagnosis, AHybridIsJudgedWithTheDiagnosedLayersPolicy) {
   e.layer = 0;  // the full layer has no sinks to miss
   EXPECT_NE(classify(s, e, {}), BugClass::sink_count_wrong);
 }
+
+// Under quantization, slots that decode to no token's values, beside the tokens they should
+// have held, are codes read with the wrong layout; one slot holding another token's values
+// is still a stale slot.
+TEST(Diagnosis, QuantizedSlotsOfNoTokenAreADequantizationLayout) {
+  Scenario s;
+  s.policies = {Policy{PolicyKind::full}};
+  s.quantize_every_layer(KvQuant{});
+  StepEvidence e;
+  SlotIssue garbage = SlotIssue::of(SlotIssue::Kind::stale, 0, -1, -1);
+  garbage.quantized = true;
+  e.slots = {garbage, garbage, SlotIssue::of(SlotIssue::Kind::lost, 0, 3, 0), SlotIssue::of(SlotIssue::Kind::lost, 0, 4, 1)};
+  EXPECT_EQ(classify(s, e, {}), BugClass::quant_dequantization_layout);
+  SlotIssue other = SlotIssue::of(SlotIssue::Kind::stale, 0, 9, -1);  // another row's token
+  other.quantized = true;
+  e.slots.push_back(other);
+  EXPECT_EQ(classify(s, e, {}), BugClass::stale_slot);
+  e.slots.pop_back();
+  s.quants.clear();  // unquantized: garbage is a stale slot
+  EXPECT_EQ(classify(s, e, {}), BugClass::stale_slot);
+}

@@ -192,7 +192,7 @@ class OnnxRuntimeWindowAndQuantizedCacheTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
         shutil.rmtree(self.trace)
         # A driver that unpacks each byte high nibble first: no slot holds any token's values
-        # (a trace names its tokens by their values), from the first step on.
+        # (a trace names its tokens by their values), from the first step on: a layout.
         unpack = kvtrace_ort._Quantized.codes
 
         def swapped(self_, stored):
@@ -205,6 +205,7 @@ class OnnxRuntimeWindowAndQuantizedCacheTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
         self.assertIn("holds values of no token", verify.stdout)
+        self.assertIn("class: dequantization layout", verify.stdout)
 
     def test_resident_counts_follow_the_ops_contract(self):
         # C = 6, W = 4, G = 3: 6 tokens fit; the 7th evicts 3 (L = 4); the 10th evicts 3 more.

@@ -147,7 +147,8 @@ constexpr BugClassRow kBugClasses[] = {
      "equal the attention over unscaled codes. Scale plumbing (SGLang's k_scale never reaching the kernel)."},
     {BugClass::quant_dequantization_layout, "dequantization layout",
      "Codes and scales are stored right, but the attention dequantized them wrongly: nibble order, stride, "
-     "or V read with K's scales (ik_llama.cpp's FlashMLA reading V as a view of K)."},
+     "or V read with K's scales (ik_llama.cpp's FlashMLA reading V as a view of K). In a trace whose slots "
+     "decode to no token's values, the same mistake may sit in how the codes were unpacked for the trace."},
     {BugClass::quant_key_not_rerotated, "quantized key not re-rotated",
      "Kept keys moved to their new positions but their stored codes are still the old rotation: the "
      "shift skipped the quantized store (llama.cpp's context shift with a quantized K cache, done as "

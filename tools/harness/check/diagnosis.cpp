@@ -120,6 +120,14 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (stale && s.quantized() && s.quant_rules().holds_raw() && any(e.slots, stale_slot) &&
       std::all_of(e.slots.begin(), e.slots.end(), [&](const SlotIssue& i) { return !stale_slot(i) || i.quantized; }))
     return BugClass::quant_store_not_moved;
+  // Quantized slots that decode to no token's values, and nothing else wrong but the tokens
+  // they should have held: the codes are read with the wrong layout (nibble order, stride,
+  // another tensor's scales), not left over from another token (those would be named).
+  if (stale && s.quantized() && any(e.slots, stale_slot) &&
+      std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
+        return (i.kind == K::stale && i.uid < 0 && i.quantized) || i.kind == K::lost;
+      }))
+    return BugClass::quant_dequantization_layout;
   if (stale) {
     if (ctx.last_row_change == StepContext::RowChange::reset_new_batch) return BugClass::stale_row_after_batch_change;
     if (ctx.last_row_change == StepContext::RowChange::reorder) return BugClass::reorder_lost_positions;
