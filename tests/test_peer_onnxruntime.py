@@ -19,7 +19,9 @@ from onnx import TensorProto, helper
 import kvtrace_ort
 
 
-class OnnxRuntimeGqaTest(unittest.TestCase):
+class DriveTest(unittest.TestCase):
+    """Drives a scenario through the op (kvtrace_ort) in a folder of its own and verifies it."""
+
     def setUp(self):
         self.work = tempfile.mkdtemp(prefix="kvcheck-peer-ort-")
         self.addCleanup(shutil.rmtree, self.work, True)
@@ -29,6 +31,8 @@ class OnnxRuntimeGqaTest(unittest.TestCase):
         result = kvtrace_ort.drive_ort_gqa(export(self.work, scenario, folder), self.trace, **options)
         return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
 
+
+class OnnxRuntimeGqaTest(DriveTest):
     def test_full_attention_with_gqa_and_rows_of_different_lengths_passes(self):
         result, verify = self.drive("gqa_full_two_kv_heads")
         self.assertIsNone(result.error)
@@ -126,7 +130,7 @@ def quantized_by_the_op(bits, quant_type, x, scale):
     scale: int8 as signed bytes; int4 unpacked from its nibbles (c + 8, element 2i low)."""
     f, d = TensorProto.FLOAT, 16
     cache = TensorProto.INT8 if bits == 8 else TensorProto.UINT8
-    stored = d if bits == 8 else d // 2
+    stored, buffer = (d, np.int8) if bits == 8 else (d // 2, np.uint8)
     info = helper.make_tensor_value_info
     inputs = [info("query", f, [1, 1, d]), info("key", f, [1, 1, d]), info("value", f, [1, 1, d]),
               info("past_key", cache, [1, 1, 0, stored]), info("past_value", cache, [1, 1, 0, stored]),
@@ -144,8 +148,8 @@ def quantized_by_the_op(bits, quant_type, x, scale):
     scales = np.full([1] if quant_type == "PER_TENSOR" else [1, 1, 1, d], scale, np.float32)
     row = np.asarray(x, np.float32).reshape(1, 1, d)
     _, key, _ = session.run(None, {"query": np.zeros_like(row), "key": row, "value": row,
-                                   "past_key": np.zeros((1, 1, 0, stored), key_type(bits)),
-                                   "past_value": np.zeros((1, 1, 0, stored), key_type(bits)),
+                                   "past_key": np.zeros((1, 1, 0, stored), buffer),
+                                   "past_value": np.zeros((1, 1, 0, stored), buffer),
                                    "seqlens_k": np.array([0], np.int32),
                                    "total_sequence_length": np.array(1, np.int32), "k_scale": scales,
                                    "v_scale": scales})
@@ -157,23 +161,10 @@ def quantized_by_the_op(bits, quant_type, x, scale):
     return codes
 
 
-def key_type(bits):
-    return np.int8 if bits == 8 else np.uint8
-
-
-class OnnxRuntimeWindowAndQuantizedCacheTest(unittest.TestCase):
+class OnnxRuntimeWindowAndQuantizedCacheTest(DriveTest):
     """What 1.31.1 has and 1.23.2 lacks: the op's windowed cache (sliding_window_cache=1:
     buffers of C rows, rows [0, L(T)) holding the most recent positions, G = C - W + 1 evicted
     at once) and quantized KV."""
-
-    def setUp(self):
-        self.work = tempfile.mkdtemp(prefix="kvcheck-peer-ort-")
-        self.addCleanup(shutil.rmtree, self.work, True)
-        self.trace = os.path.join(self.work, "trace")
-
-    def drive(self, scenario, folder=SCENARIOS, **options):
-        result = kvtrace_ort.drive_ort_gqa(export(self.work, scenario, folder), self.trace, **options)
-        return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", self.trace)
 
     def test_int8_kv_with_a_scale_per_kv_head_passes_code_for_code(self):
         # int8_even K and V (SPEC 9.6), PER_CHANNEL scales (one a kv head), a sliding window of

@@ -15,8 +15,10 @@ position from it. cos_cache and sin_cache [P, R/2] come from the scenario's rope
 builder computes them from a model's config (yarn's attention factor folded in). The op
 returns no rotated query, so queries are judged by their outputs.
 
-The past grows: a sliding window is the op's mask over it (local_window_size), the cache
-never drops a token, and the trace says so (eviction "never"). local_window_size changed its
+By default the past grows: a sliding window is the op's mask over it (local_window_size),
+the cache never drops a token, and the trace says so (eviction "never"); window_cache runs
+the op's own window-sized cache instead, and a scenario's int8_even / int4_even kv_quant its
+quantized KV (drive_ort_gqa says how). local_window_size changed its
 meaning in onnxruntime 1.24 (PR 25927): up to 1.23 it counted the keys before the query,
 from 1.24 on every key the query sees, itself included; "policy" gives each release the
 value that means the scenario's window W (W - 1 before 1.24, W from 1.24 on).
@@ -28,7 +30,6 @@ a reset starts new ones: the buffers are the caller's."""
 
 import numpy as np
 
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
