@@ -19,8 +19,8 @@ namespace kvcheck::optimized {
 
 // One layer's policy in a hybrid stack (SPEC 7: Gemma's and gpt-oss's sliding and full layers).
 struct LayerPolicy {
-  enum class Kind { full, sliding, sink } kind = Kind::full;
-  std::int64_t window = 0;      // sliding: keys visible; sink: capacity W
+  enum class Kind { full, sliding, sink, chunked } kind = Kind::full;
+  std::int64_t window = 0;      // sliding: keys visible; sink: capacity W; chunked: the chunk C
   std::int64_t sinks = 0;       // sink: S
   std::int64_t evict = 1;       // sink: tokens dropped at once when full
   bool shift_positions = true;  // sink: cache-relative positions (false: original ones)

@@ -26,6 +26,7 @@ HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
         layers_.push_back(std::make_unique<DenseCache>(one, DenseCache::Growth::dynamic));
         break;
       case LayerPolicy::Kind::sliding:
+      case LayerPolicy::Kind::chunked:
         layers_.push_back(std::make_unique<SlidingCache>(one));
         break;
       case LayerPolicy::Kind::sink:

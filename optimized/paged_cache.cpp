@@ -55,6 +55,8 @@ QueryPlan PagedCache::plan(int layer, std::int64_t t, std::int64_t forward_first
   const LayerPolicy& p = policy(layer);
   const std::int64_t position = position_of(t, forward_first, append_first);
   const std::int64_t ahead = keys_ahead(t, forward_end, append_end);
+  if (p.kind == LayerPolicy::Kind::chunked)  // SPEC 10.2: the query's own chunk
+    return {t, 0, t / p.window * p.window, position, position, ahead};
   if (p.kind != LayerPolicy::Kind::sink) {
     const std::int64_t w = p.kind == LayerPolicy::Kind::sliding ? p.window : 0;
     return {t, 0, window_begin(t, w, forward_first, append_first), position, position, ahead};
@@ -391,6 +393,8 @@ void PagedCache::free_behind_window(int b, bool append_done) {
     } else if (p.kind == LayerPolicy::Kind::sink && n > 0 && (append_done || !p.dense_prefill)) {
       from = (p.sinks + B - 1) / B;
       to = (p.sinks + sink_evicted(p.window, p.evict, n - 1)) / B;  // tokens S .. S + E(n - 1) - 1 are evicted
+    } else if (p.kind == LayerPolicy::Kind::chunked && n > 0 && (append_done || frees_between_forwards())) {
+      to = (n - 1) / p.window * p.window / B;  // blocks wholly before the last token's chunk
     }
     auto& table = tables_[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)];
     to = std::min<std::int64_t>(to, static_cast<std::int64_t>(table.size()));
@@ -494,6 +498,10 @@ void PagedCache::check_crop(std::int64_t length) const {
       if (p.kind == LayerPolicy::Kind::sink) {
         needed = p.sinks + sink_evicted(p.window, p.evict, length - 1);
         kept = std::min(length, p.sinks + sink_evicted(p.window, p.evict, n - 1));
+      }
+      if (p.kind == LayerPolicy::Kind::chunked) {  // the chunk of the last token, cropped or held
+        needed = (length - 1) / p.window * p.window;
+        kept = (n - 1) / p.window * p.window;
       }
       if (needed < kept)
         throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +

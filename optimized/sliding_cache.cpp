@@ -27,7 +27,7 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t t = lengths_[b] + i;
       store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t}, &frozen_);
-      plans_.push_back({pad + i, QueryPlan{t, 0, t - W + 1, t, t}});
+      plans_.push_back({pad + i, QueryPlan{t, 0, first_visible(t), t, t}});
     }
     const SlotSource sources[] = {{&ring_, b}, {&chunk_, b}};
     attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
@@ -37,6 +37,12 @@ void SlidingCache::append(const Chunk& chunk, const std::vector<float*>& out, At
     lengths_[b] += chunk.counts[b];
   }
 }
+
+std::int64_t SlidingCache::first_visible(std::int64_t t) const {
+  const std::int64_t W = policy_.window;
+  return policy_.kind == LayerPolicy::Kind::chunked ? t / W * W : t - W + 1;
+}
+
 
 void SlidingCache::reorder(const std::vector<int>& rows) {
   ring_.gather_rows(rows);
@@ -50,10 +56,16 @@ void SlidingCache::reset(int batch) {
   frozen_.reset(batch);
 }
 
-// The cropped row's last token needs the window that ends at it.
+// The cropped row's last token needs the window (or chunk) that ends at it.
 void SlidingCache::check_crop(std::int64_t length) const {
-  for (int b = 0; b < batch(); ++b)
-    if (lengths_[b] > length) refuse_crop_if_evicted(ring_, b, length, 0, policy_.window, 1);
+  for (int b = 0; b < batch(); ++b) {
+    if (lengths_[b] <= length || length == 0) continue;
+    const std::int64_t missing = first_missing_index(ring_, b, std::max<std::int64_t>(0, first_visible(length - 1)), length);
+    if (missing >= 0)
+      throw CacheRefusal("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
+                                             std::to_string(missing) + " of row " + std::to_string(b) +
+                                             ", which this cache has evicted");
+  }
 }
 
 void SlidingCache::free_rows(const std::vector<int>& rows) {

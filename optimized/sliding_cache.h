@@ -2,6 +2,8 @@
 // token costs O(1) writes and nothing moves. Keys are rotated once, at their index.
 // A chunk is attended over the ring plus the chunk itself before it overwrites the ring,
 // so a chunk longer than the window gives every token its own window.
+// Chunked attention (SPEC 10.2) is the same ring with W = C: a query sees from its chunk's
+// first token; the ring keeps the previous chunk's tail, dead, as SPEC 10.2 allows.
 #pragma once
 
 #include "optimized/cache.h"
@@ -20,6 +22,11 @@ class SlidingCache : public KvCache {
   void check_crop(std::int64_t length) const override;
   const SlotStore& slots() const override { return ring_; }
   std::int64_t row_length(int row) const override { return lengths_[row]; }
+
+ protected:
+  // The first token index query t sees (a zoo mutant draws chunk edges elsewhere).
+  virtual std::int64_t first_visible(std::int64_t t) const;
+  const LayerPolicy& policy() const { return policy_; }
 
  private:
   CacheConfig config_;

@@ -45,13 +45,15 @@ struct Attention {
   std::vector<std::vector<double>> sink_logits;
 };
 
-enum class PolicyKind { full, sliding, sink };
+enum class PolicyKind { full, sliding, sink, chunked };
 enum class SinkPositions { cache, original };
 enum class Prefill { streaming, dense };
 
 struct Policy {
   PolicyKind kind = PolicyKind::full;
-  std::int64_t window = 0;  // sliding: keys visible (own token included); sink: capacity W
+  // sliding: keys visible (own token included); sink: capacity W; chunked: the chunk C
+  // (SPEC 10.2), which is also the most keys a query sees.
+  std::int64_t window = 0;
   std::int64_t sinks = 0;   // sink: S
   std::int64_t evict = 1;   // sink: k tokens dropped at once when full
   SinkPositions positions = SinkPositions::cache;
@@ -111,6 +113,8 @@ inline const char* to_string(PolicyKind kind) {
       return "sliding";
     case PolicyKind::sink:
       return "sink";
+    case PolicyKind::chunked:
+      return "chunked";
   }
   return "?";
 }

@@ -22,6 +22,10 @@ QueryView streaming_view(const Policy& policy, std::int64_t t) {
       view.query_position = t;
       for (std::int64_t j = std::max<std::int64_t>(0, t - policy.window + 1); j <= t; ++j) view.keys.push_back({j, j});
       break;
+    case PolicyKind::chunked:  // SPEC 10.2: the query's own chunk, up to itself
+      view.query_position = t;
+      for (std::int64_t j = t / policy.window * policy.window; j <= t; ++j) view.keys.push_back({j, j});
+      break;
     case PolicyKind::sink: {
       const std::int64_t s = policy.sinks;
       const std::int64_t e = evicted_count(policy, t);

@@ -18,6 +18,8 @@ def sees(policy, t, j):
         return j <= t
     if kind == "sliding":
         return t - policy["window"] < j <= t
+    if kind == "chunked":  # SPEC 10.2: its own chunk
+        return j // policy["chunk"] == t // policy["chunk"] and j <= t
     s = policy["sinks"]
     return j < min(s, t + 1) or s + kvtrace.evicted(policy, t) <= j <= t
 
@@ -30,9 +32,12 @@ def position(policy, t, e):
 
 
 class SpecCache:
-    def __init__(self, export, batch, honours_padding=True):
+    def __init__(self, export, batch, honours_padding=True, keeps=None):
+        """keeps: a policy per layer for what each layer keeps, where it differs from the
+        scenario's (a ring of C for a chunked layer: a sliding window of C)."""
         layers = export.dims["layers"]
         self.policies = [export.layer_policy(l) for l in range(layers)]
+        self.keeps = keeps or self.policies
         self.rope, self.honours_padding = export.rope, honours_padding
         self.shape = (export.dims["kv_heads"], export.dims["head_dim"])
         self.rows = [[[] for _ in range(batch)] for _ in range(layers)]  # (token, raw key, value)
@@ -68,7 +73,7 @@ class SpecCache:
         self.key_cache[layer], self.value_cache[layer] = self.tensors(layer, self.rows[layer], e)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs):
-        policy, l = self.policies[layer_idx], layer_idx
+        policy, l = self.keeps[layer_idx], layer_idx
         positions, padding = cache_kwargs["positions"], np.asarray(cache_kwargs["padding"])
         raw = cache_kwargs["unrotate"](key_states, positions[:, None, :])     # [B, Hkv, n, D]
         values = np.asarray(value_states, dtype=np.float64)

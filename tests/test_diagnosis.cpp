@@ -270,3 +270,50 @@ TEST(Diagnosis, QuantizedSlotsOfNoTokenAreADequantizationLayout) {
   s.quants.clear();  // unquantized: garbage is a stale slot
   EXPECT_EQ(classify(s, e, {}), BugClass::stale_slot);
 }
+
+// SPEC 10.2 with C = 4, pairs worked by hand. Query 5 (chunk 4..7) used key 3, the previous
+// chunk's last: chunks drawn from token -1 (3..6) explain it, and so would a window of
+// four keys (2..5) only if it had used key 2 as well.
+TEST(Diagnosis, AChunkedQuerySeeingThePreviousChunksLastKeyIsAChunkEdgeOffByOne) {
+  Scenario s;
+  s.policies = {Policy{PolicyKind::chunked, 4}};
+  StepEvidence e;
+  e.pairs.push_back({0, 5, 3, 3, std::nullopt, 2, 5, 0});
+  EXPECT_EQ(classify(s, e, {}), BugClass::chunk_edge_off_by_one);
+  e.pairs.push_back({0, 5, 2, 2, std::nullopt, 3, 5, 0});  // key 2 too: the last four keys
+  EXPECT_EQ(classify(s, e, {}), BugClass::chunk_as_sliding_window);
+  // Query 4 starts a chunk; missing nothing, it used keys 1..3: a window of four.
+  StepEvidence w;
+  for (std::int64_t j = 1; j <= 3; ++j) w.pairs.push_back({0, 4, j, j, std::nullopt, 4 - j, 4, 0});
+  EXPECT_EQ(classify(s, w, {}), BugClass::chunk_as_sliding_window);
+  // The same pairs under a sliding policy are no chunk's mistake.
+  s.policies = {Policy{PolicyKind::sliding, 4}};
+  EXPECT_NE(classify(s, e, {}), BugClass::chunk_edge_off_by_one);
+  EXPECT_NE(classify(s, e, {}), BugClass::chunk_as_sliding_window);
+}
+
+// Outputs alone (a trace without the kernel's pairs): the recomputed hypotheses decide.
+TEST(Diagnosis, ChunkedOutputsThatFitAnotherRuleNameIt) {
+  Scenario s;
+  s.policies = {Policy{PolicyKind::chunked, 4}};
+  StepEvidence e;
+  e.outputs.push_back({0, 0, 0, 0, 5, 5, 0.5, 0.6});
+  EXPECT_EQ(classify(s, e, {}), BugClass::output_mismatch_positions_correct);
+  e.outputs_fit_chunk_edge_off_by_one = true;
+  EXPECT_EQ(classify(s, e, {}), BugClass::chunk_edge_off_by_one);
+  e.outputs_fit_chunk_as_window = true;
+  EXPECT_EQ(classify(s, e, {}), BugClass::chunk_as_sliding_window);
+}
+
+// chunk_start_moved by hand, C = 4: chunks drawn from token 1 are 1..4, 5..8; from -1,
+// 3..6, 7..10 (and -1..2, so token 0 starts at -1).
+TEST(Diagnosis, ChunksDrawnFromAnotherTokenStartWhereExpected) {
+  EXPECT_EQ(chunk_start_moved(0, 4, 1), -3);
+  EXPECT_EQ(chunk_start_moved(4, 4, 1), 1);
+  EXPECT_EQ(chunk_start_moved(5, 4, 1), 5);
+  EXPECT_EQ(chunk_start_moved(0, 4, -1), -1);
+  EXPECT_EQ(chunk_start_moved(2, 4, -1), -1);
+  EXPECT_EQ(chunk_start_moved(3, 4, -1), 3);
+  EXPECT_EQ(chunk_start_moved(6, 4, -1), 3);
+  EXPECT_EQ(chunk_start_moved(7, 4, -1), 7);
+}

@@ -637,8 +637,41 @@ class KvtraceTest(unittest.TestCase):
             self.assertIn(feature, features)
 
     def test_every_per_layer_fixture_passes_through_kvtrace(self):
-        found = self.drive_every_fixture(["full", "sliding", "sink"], features=["per_layer_policy"])
+        found = self.drive_every_fixture(["full", "sliding", "sink", "chunked"], features=["per_layer_policy"])
         self.assertIn("gpt_oss_hybrid_yarn_learned_sinks", [f["name"] for f in found])
+        self.assertIn("llama4_chunked_full_hybrid", [f["name"] for f in found])
+
+    def test_every_chunked_fixture_passes_through_kvtrace(self):
+        # SPEC 10.2 from NumPy: SpecCache keeps exactly each row's last chunk, and the
+        # driver's mask shows token t its last t % C + 1 written slots.
+        found = self.drive_every_fixture(["chunked"])
+        self.assertIn("llama4_chunked_decode_and_chunks", [f["name"] for f in found])
+
+    def test_a_chunked_layer_masked_as_a_sliding_window_is_named_from_its_outputs(self):
+        # A cache keeping each row's last C tokens (a ring, which SPEC 10.2 allows) passes
+        # under the chunk mask; under a sliding-window mask of C its queries see the previous
+        # chunk, and the trace (outputs, no visible pairs) is named by recomputing them.
+        scenario = "chunked_past_the_buffer_step"
+        exp = export(self.work, scenario, DATA)
+        ring = [{"type": "sliding", "window": 300}]
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda batch: SpecCache(exp, batch, keeps=ring), trace, positions="policy")
+        verify = kvcheck("verify", os.path.join(DATA, scenario + ".json"), "--trace", trace)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        shutil.rmtree(trace)
+
+        def window_of_c(cache, cache_position, chunk):
+            last = chunk.slots - chunk.n + np.arange(chunk.n)  # right-aligned: each query's own slot
+            j = np.arange(chunk.slots)
+            seen = (j[None, :] <= last[:, None]) & (last[:, None] - j[None, :] < 300)
+            return np.broadcast_to(seen, (1, chunk.n, chunk.slots))
+
+        kvtrace.drive_hf_cache(exp, lambda batch: SpecCache(exp, batch, keeps=ring), trace, positions="policy",
+                               mask=window_of_c)
+        verify = kvcheck("verify", os.path.join(DATA, scenario + ".json"), "--trace", trace)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("query token 300", verify.stdout)
+        self.assertIn("class: chunk taken as a sliding window", verify.stdout)
 
     def test_fixture_filters_follow_policies_and_features(self):
         every = kvtrace.fixtures(KVCHECK)

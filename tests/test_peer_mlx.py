@@ -15,7 +15,7 @@ import unittest
 from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
 import mlx.core as mx  # noqa: F401  (the venv's MLX must import: the CPU build)
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 
 class MlxCacheTest(unittest.TestCase):
@@ -85,6 +85,35 @@ class MlxCacheTest(unittest.TestCase):
         shutil.rmtree(self.trace)
         _, verify = self.drive("sink_decode_original_positions", lambda: RotatingKVCache(max_size=6, keep=2), DATA)
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_chunked_cache_passes_chunked_attention(self):
+        # ChunkedKVCache(C) under llama4.py's own mask: decodes and 3-token chunks across
+        # chunk edges, a rollback inside the last forward; C = 300 past the 256-slot buffer
+        # step (where mlx-lm 0.31.3 lost chunk 0's tokens).
+        for scenario, make in (("chunked_trim_and_chunks", lambda: ChunkedKVCache(4)),
+                               ("chunked_past_the_buffer_step", lambda: ChunkedKVCache(300))):
+            result, verify = self.drive(scenario, make, DATA)
+            self.assertIsNone(result.error, scenario)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+            shutil.rmtree(self.trace)
+
+    def test_chunked_cache_accepts_a_rollback_into_a_chunk_it_dropped(self):
+        # C = 4: after 12 tokens it holds 7..11; trim(5) to 7 tokens is accepted, though token
+        # 7's chunk 4..6 is gone (docs/findings/mlx/): SPEC 10.2 refuses that crop.
+        result, verify = self.drive("chunked_crop_into_an_evicted_chunk", lambda: ChunkedKVCache(4), DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 3 (crop, /steps/2)", verify.stdout)
+        self.assertIn("class: refusal mismatch", verify.stdout)
+        # A Llama 4 stack (three ChunkedKVCache(8) layers, then a KVCache full layer) passes
+        # its prompt, decodes across an edge and a 4-token chunk, then accepts the same kind
+        # of crop: 30 tokens back to 20, whose chunk 16..19 lost 16 and 17.
+        shutil.rmtree(self.trace)
+        result, verify = self.drive("llama4_chunked_full_hybrid",
+                                    lambda: [ChunkedKVCache(8), ChunkedKVCache(8), ChunkedKVCache(8), KVCache()])
+        self.assertIsNone(result.error)
+        self.assertIn("first divergence: step 9 (crop, /steps/3)", verify.stdout)
+        self.assertIn("class: refusal mismatch", verify.stdout)
 
     def test_what_the_driver_cannot_judge_is_refused_by_name(self):
         # mlx's affine groups have no SPEC 9 row yet (their floats would be judged as float

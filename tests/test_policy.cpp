@@ -114,3 +114,21 @@ TEST(Policy, LiveSetIsWhatTheNextTokenStillSees) {
   sliding.window = 3;
   expect_view(live_view(sliding, 5), {{3, 3}, {4, 4}}, 5);  // token 5 sees 3, 4 and itself
 }
+
+// SPEC 10.2, C = 4, worked by hand: chunks are 0..3, 4..7, 8..11.
+TEST(Policy, ChunkedSeesItsOwnChunkUpToItself) {
+  Policy p;
+  p.kind = PolicyKind::chunked;
+  p.window = 4;
+  expect_view(streaming_view(p, 0), {{0, 0}}, 0);
+  expect_view(streaming_view(p, 3), {{0, 0}, {1, 1}, {2, 2}, {3, 3}}, 3);  // the chunk's last token
+  expect_view(streaming_view(p, 4), {{4, 4}}, 4);                          // a new chunk sees only itself
+  expect_view(streaming_view(p, 6), {{4, 4}, {5, 5}, {6, 6}}, 6);
+  // Retained after 7 tokens: token 6's chunk so far. Live: what token 7 will see.
+  expect_view(retained_view(p, 7), {{4, 4}, {5, 5}, {6, 6}}, 6);
+  expect_view(live_view(p, 7), {{4, 4}, {5, 5}, {6, 6}}, 7);
+  // After 8 tokens the whole chunk 4..7 is retained, and none of it is live: token 8
+  // starts the next chunk.
+  expect_view(retained_view(p, 8), {{4, 4}, {5, 5}, {6, 6}, {7, 7}}, 7);
+  EXPECT_TRUE(live_view(p, 8).keys.empty());
+}

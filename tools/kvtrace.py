@@ -37,7 +37,7 @@ def fixtures(kvcheck="kvcheck", paths=(), policies=(), without=(), features=()):
     """The scenarios `kvcheck list --json` shows (default: the built-in suite), as dicts with
     name, file, policies (one per layer), features, caches (kvcheck's own that serve it) and
     description. policies: keep scenarios whose every layer has one of these ("full",
-    "sliding", "sink"); without: leave out scenarios with any of these features
+    "sliding", "sink", "chunked"); without: leave out scenarios with any of these features
     ("left_padding", "crop", "reorder", "per_layer_policy", "learned_sinks", ... as `kvcheck
     list --help` names them); features: keep only scenarios with all of these.
 
@@ -116,7 +116,8 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     them; positions skip them.
     mask: how the driver's eager attention masks what update() returns, standing in for the
     model. "causal": a growing cache: right-aligned causal, and a sliding layer's window
-    counted in written slots (key within the query's last W). "cache_position": a
+    counted in written slots (key within the query's last W; a chunked layer's token t
+    within its last t % C + 1). "cache_position": a
     preallocated buffer (StaticCache, SlidingWindowCache): slot j is visible to the query
     at cache position p iff j <= p, and for a sliding layer among the last W written slots
     up to p. "auto" (default): per cache object, "cache_position" once the cache has a
@@ -657,6 +658,11 @@ class _Driver:
             sink = (counts - 1) < policy["sinks"]                                                 # [B, Hkv, S]
             in_window = (upto[..., None] - counts[:, :, None, :]) < recent[:, None, :, None]
             visible &= sink[:, :, None, :] | in_window
+        elif policy.get("type") == "chunked":
+            # SPEC 10.2: token t sees its own chunk up to itself, the last t % C + 1 written
+            # slots up to its own (a cache may hold more of the previous chunk).
+            own = np.maximum(chunk.token_index, 0) % policy["chunk"] + 1                   # [B, n]
+            visible &= (upto[..., None] - counts[:, :, None, :]) < own[:, None, :, None]
         return visible
 
 

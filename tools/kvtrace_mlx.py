@@ -14,7 +14,14 @@ the cache holds after a step is cache.keys_and_values(), the slots it counts as 
 (KVCache: keys[..., :offset]; RotatingKVCache: the ring, sinks in [:keep]), in storage
 order: kvcheck allows any slot order. After a chunk a RotatingKVCache keeps the W - 1 tokens
 before it beside the whole chunk and trims them at its next update: the trace declares
-eviction "deferred" unless told otherwise."""
+eviction "deferred" unless told otherwise.
+
+A ChunkedKVCache (Llama 4's chunked layers, SPEC 10.2) is driven as mlx_lm/models/llama4.py
+drives it: maybe_trim_front() before the forward (it keeps at most C old keys), then the
+model's own chunk mask over the slots start_position .. offset + L - 1 (the cache makes
+none). It trims only at the next forward, so it may hold any earlier token at its true
+position: the trace declares eviction "never" for it, and its retained set is still
+checked."""
 
 import numpy as np
 
@@ -22,6 +29,7 @@ from kvtrace_base import DriveResult, Export, TraceWriter, UsageError
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.models.rope_utils import initialize_rope
 
 
@@ -69,8 +77,21 @@ def held_state(cache, kv_heads, head_dim):
     return _as_numpy(keys), _as_numpy(values)
 
 
+def chunk_mask(cache, n):
+    """llama4.py's mask for a chunked layer's forward of n tokens [n, slots]: key slot j holds
+    position start_position + j, and a query sees the keys of its own chunk up to itself."""
+    start, offset, c = cache.start_position, cache.offset, cache.chunk_size
+    keys = mx.arange(start, offset + n)
+    queries = mx.arange(offset, offset + n)[:, None]
+    return (keys // c == queries // c) & (keys <= queries)
+
+
+def _chunked(cache):
+    return hasattr(cache, "maybe_trim_front") and hasattr(cache, "chunk_size")
+
+
 def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks="whole", prefill_step_size=2048,
-                    producer="kvtrace.drive_mlx_cache", dtype="float32", eviction="deferred"):
+                    producer="kvtrace.drive_mlx_cache", dtype="float32", eviction=None):
     """Drives mlx-lm caches through an export and writes a trace; returns a DriveResult.
 
     make_cache(): a list of per-layer caches (as make_prompt_cache returns) or one cache
@@ -79,9 +100,11 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
     window when its policy is sliding, else None, as llama.py does), None, an int or a list.
     chunks: "whole" (one forward per append) or "generate" (as generate_step: the first
     append but its last token in forwards of prefill_step_size, then the last token alone).
-    Crops go through trim() as trim_prompt_cache does: refused when a layer is not
-    trimmable. Rows of different lengths and reorders are refused (mlx-lm pads and reorders
-    with BatchKVCache)."""
+    Crops go through trim_prompt_cache: refused when a layer is not trimmable, or when it
+    trims fewer tokens than asked (its return value says so). Rows of different lengths and
+    reorders are refused (mlx-lm pads and reorders with BatchKVCache).
+    eviction: the trace's declaration; default "never" when a layer is a ChunkedKVCache,
+    else "deferred"."""
     if not isinstance(export, Export):
         raise TypeError("export must be a kvtrace.Export")
     if chunks not in ("whole", "generate"):
@@ -121,6 +144,8 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
         return caches
 
     result = DriveResult()
+    if eviction is None:
+        eviction = "never" if any(_chunked(c) for c in fresh()) else "deferred"
     with TraceWriter(trace_path, exp.name, producer, "absolute", dtype, eviction) as writer:
         caches, first_append = fresh(), True
         for index, step in enumerate(exp.steps):
@@ -132,17 +157,14 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
                     caches, first_append = fresh(), True
                     writer.skip_step()
                 elif step["op"] == "crop":
-                    if not all(c.is_trimmable() for c in caches):
-                        message = "cache not trimmable (is_trimmable() is False): trim_prompt_cache trims nothing"
-                        writer.error_step(message)
+                    refusal = _trim(caches, step["length"])
+                    if refusal is not None:
+                        writer.error_step(refusal)
                         if "refused" in step:
-                            result.refusals.append((index, message))
+                            result.refusals.append((index, refusal))
                         else:
-                            result.error, result.error_step = message, index
+                            result.error, result.error_step = refusal, index
                         continue
-                    removed = max(0, caches[0].offset - step["length"])  # a crop past the end removes nothing
-                    for c in caches:
-                        c.trim(removed)
                     writer.step([dict(zip(("keys", "values"), held_state(c, exp.dims.get("kv_heads", exp.dims["heads"]), head_dim)))
                                  for c in caches])
                 else:
@@ -154,6 +176,18 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
                 result.error, result.error_step = str(e), index
         result.recorded = sum(1 for s in writer.manifest["steps"] if "layers" in s)
     return result
+
+
+def _trim(caches, length):
+    """A crop through trim_prompt_cache, as mlx-lm rolls back; the refusal's words, or None.
+    A cache refuses when it is not trimmable or trims fewer tokens than asked."""
+    if not all(c.is_trimmable() for c in caches):
+        return "cache not trimmable (is_trimmable() is False): trim_prompt_cache trims nothing"
+    removed = max(0, caches[0].offset - length)  # a crop past the end removes nothing
+    trimmed = trim_prompt_cache(caches, removed) if removed else 0
+    if trimmed != removed:
+        return "trim_prompt_cache trimmed %d of the %d tokens asked" % (trimmed, removed)
+    return None
 
 
 def _forward(exp, step, caches, rope, windows, sinks, writer, prefill):
@@ -174,7 +208,11 @@ def _forward(exp, step, caches, rope, windows, sinks, writer, prefill):
             k = _as_mx(np.transpose(exp.k[l][chunk], (0, 2, 1, 3)), kv_dtype)
             v = _as_mx(np.transpose(exp.v[l][chunk], (0, 2, 1, 3)), kv_dtype)
             try:
-                mask = mlx_base.create_attention_mask(h, cache, window_size=windows[l])
+                if _chunked(cache):  # as llama4.py: trim to C old keys, then its chunk mask
+                    cache.maybe_trim_front()
+                    mask = chunk_mask(cache, b - a)
+                else:
+                    mask = mlx_base.create_attention_mask(h, cache, window_size=windows[l])
                 q_rotated, k_rotated = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
                 keys, values = cache.update_and_fetch(k_rotated, v)
                 out = mlx_base.scaled_dot_product_attention(q_rotated, keys, values, cache=cache, scale=exp.scale,

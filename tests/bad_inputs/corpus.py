@@ -105,7 +105,9 @@ FIELD_CASES = [
     ("/policy", {"type": "sliding", "window": 3, "prefill": "dense"}, "/policy/prefill"),
     # SPEC 10 (position schemes per layer), written but not implemented yet: refused by name.
     ("/rope", [{"theta": 10000}, None], "/rope: a rope per layer .* is in SPEC 10.1, but kvcheck's caches do not"),
-    ("/policy", {"type": "chunked", "chunk": 4}, "/policy/type: chunked attention .* is in SPEC 10.2"),
+    ("/policy", {"type": "chunked"}, "/policy/chunk: missing required field"),
+    ("/policy", {"type": "chunked", "chunk": 0}, "/policy/chunk: expected an integer >= 1"),
+    ("/policy", {"type": "chunked", "chunk": 4, "window": 4}, "/policy/window: unknown key"),
     ("/attention", {"query_temperature": {"floor_scale": 8}}, "/attention/query_temperature: .* is in SPEC 10.3"),
     ("/policy", {"type": "sliding", "window": 3, "shift_with": 0}, "/policy/shift_with: .* is in SPEC 10.4"),
     ("/steps", [], "/steps: expected a non-empty array of steps"),

@@ -31,8 +31,8 @@ const std::vector<CacheEntry>& real_caches() {
         {"static", "full attention, preallocated, refuses to overflow",
          [](const Scenario& s) { return s.every_layer(PolicyKind::full); },
          [](const CacheConfig& c) { return std::make_unique<DenseCache>(c, DenseCache::Growth::fixed); }},
-        {"sliding", "ring buffer of W slots, keys rotated once",
-         [](const Scenario& s) { return s.every_layer(PolicyKind::sliding); },
+        {"sliding", "ring buffer of W slots, keys rotated once (also chunked attention: W = C)",
+         [](const Scenario& s) { return s.every_layer(PolicyKind::sliding) || s.every_layer(PolicyKind::chunked); },
          [](const CacheConfig& c) { return std::make_unique<SlidingCache>(c); }},
         // float32 only: re-rotating a half-precision key at every shift rounds it again each
         // time, and the error grows with the shifts (the zoo's rerotates_half_keys). Quantized

@@ -417,12 +417,15 @@ int main(int argc, char** argv) {
   CLI::App* list = app.add_subcommand("list", "list scenarios (with their policies and features) and caches");
   list->add_option("paths", list_paths, "scenario files or folders");
   const std::map<std::string, PolicyKind> policy_names = {
-      {"full", PolicyKind::full}, {"sliding", PolicyKind::sliding}, {"sink", PolicyKind::sink}};
+      {"full", PolicyKind::full},
+      {"sliding", PolicyKind::sliding},
+      {"sink", PolicyKind::sink},
+      {"chunked", PolicyKind::chunked}};
   std::map<std::string, Feature> feature_names;
   for (Feature f : all_features()) feature_names[to_string(f)] = f;
   std::vector<std::string> list_policies, list_without;
   list->add_option("--policy", list_policies,
-                   "only scenarios whose every layer has one of these policies (repeatable: full, sliding, sink)")
+                   "only scenarios whose every layer has one of these policies (repeatable: full, sliding, sink, chunked)")
       ->check(CLI::IsMember(policy_names))
       ->allow_extra_args(false);
   list->add_option("--without", list_without, "leave out scenarios with this feature (repeatable)")

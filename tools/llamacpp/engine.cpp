@@ -80,6 +80,7 @@ void require_supported(const Scenario& s) {
   if (s.hybrid()) no("/policy", "one policy for every layer (llama.cpp's unified cache)");
   const Policy& p = *s.shared_policy();
   if (p.kind == PolicyKind::sliding) no("/policy/type", "sliding: the llama arch has no sliding window; use sink or full");
+  if (p.kind == PolicyKind::chunked) no("/policy/type", "chunked: the llama arch has no chunked attention; use sink or full");
   if (p.kind == PolicyKind::sink && p.positions != SinkPositions::cache)
     no("/policy/positions", "llama.cpp's context shift re-encodes kept keys: positions \"cache\" only");
   if (p.kind == PolicyKind::sink && p.prefill != Prefill::streaming)

@@ -61,6 +61,47 @@ ZooMutant hybrid_layers_shifted() {
           {"gemma_hybrid_sliding_full", "gpt_oss_hybrid_yarn_learned_sinks"}};
 }
 
+// Chunked attention (SPEC 10.2) served by the sliding ring with one mistake.
+bool every_layer_chunked(const Scenario& s) { return s.every_layer(PolicyKind::chunked); }
+
+// Chunks counted from position 1: they start at C k - 1, so a query sees the previous
+// chunk's last key, and a chunk's last token starts a chunk of its own.
+class ChunkEdgeEarlyCache : public optimized::SlidingCache {
+ public:
+  using SlidingCache::SlidingCache;
+
+ protected:
+  std::int64_t first_visible(std::int64_t t) const override { return chunk_start_moved(t, policy().window, -1); }
+};
+
+ZooMutant chunk_edge_off_by_one() {
+  CacheEntry entry{"zoo/chunk_edge_off_by_one",
+                   "draws a chunked layer's chunks from position 1 (cache_position + 1), so each starts one token "
+                   "early: a query sees the previous chunk's last key",
+                   every_layer_chunked,
+                   [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     return std::make_unique<ChunkEdgeEarlyCache>(config);
+                   }};
+  return {entry, "chunk masks built from 1-based positions (a chunk index of (p + 1) // C)",
+          BugClass::chunk_edge_off_by_one, {"llama4_chunked_decode_and_chunks"}};
+}
+
+// The chunk size given to the sliding-window path: the last C keys, not the chunk.
+ZooMutant chunk_as_sliding_window() {
+  CacheEntry entry{"zoo/chunk_as_sliding_window",
+                   "serves a chunked layer as a sliding window of C keys: its cache is right, its mask is not",
+                   every_layer_chunked,
+                   [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     optimized::CacheConfig window = config;
+                     for (optimized::LayerPolicy& p : window.policies) p.kind = optimized::LayerPolicy::Kind::sliding;
+                     return std::make_unique<optimized::SlidingCache>(window);
+                   }};
+  return {entry,
+          "a model whose chunked layers reuse the sliding-window mask with attention_chunk_size as the window, "
+          "over a cache that keeps the last C tokens (mlx-lm's ChunkedKVCache keeps them)",
+          BugClass::chunk_as_sliding_window, {"llama4_chunked_decode_and_chunks"}};
+}
+
 // A mutant whose bug needs half-precision storage: it is a correct cache in float32.
 ZooMutant half_only(ZooMutant m) {
   m.cache.serves = [inner = m.cache.serves](const Scenario& s) {
@@ -418,6 +459,8 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    "kvcheck's own, for SPEC 8.7's per-forward checks; vLLM issue 7470 reports the same memory taken "
                    "from the allocation side (a sliding-window prefill allocating more blocks than the window)",
                    BugClass::window_kept_in_prefill, {"paged_sliding_chunked_prefill"}),
+      chunk_edge_off_by_one(),
+      chunk_as_sliding_window(),
   };
   return mutants;
 }

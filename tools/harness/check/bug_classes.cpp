@@ -230,6 +230,15 @@ constexpr BugClassRow kBugClasses[] = {
      "tolerance (SPEC 9.2.6): the two paths use other kernels, tiles or roundings, and one of them loses "
      "precision (FA3's FP8 decode with tiles of 96 keys: decode and prefill diverge from position 97, vLLM "
      "issue 54035, SGLang issue 25790)."},
+    {BugClass::chunk_edge_off_by_one, "chunk edge off by one",
+     "A chunked attention layer (Llama 4's attention_chunk_size) draws its chunks one token early or late: "
+     "queries see the last key of the previous chunk, or miss their chunk's first key. Look where the "
+     "chunk index is computed: positions counted from 1, or from the cache's start instead of the row's "
+     "first real token."},
+    {BugClass::chunk_as_sliding_window, "chunk taken as a sliding window",
+     "A chunked attention layer sees the last C keys, as a sliding window of C would, instead of its own "
+     "chunk: the mask was built by the sliding-window path with the chunk size as the window (a cache that "
+     "keeps the last C tokens is right, the mask over it is not)."},
 };
 
 // Row i describes class i, and every class has its row.
@@ -239,8 +248,8 @@ constexpr bool rows_in_enum_order() {
   return true;
 }
 static_assert(rows_in_enum_order(), "kBugClasses: one row per BugClass, in the enum's order");
-static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::path_inconsistency) + 1,
-              "kBugClasses: a BugClass without its row (the last enumerator must be path_inconsistency)");
+static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::chunk_as_sliding_window) + 1,
+              "kBugClasses: a BugClass without its row (the last enumerator must be chunk_as_sliding_window)");
 
 }  // namespace
 

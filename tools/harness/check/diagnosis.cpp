@@ -34,6 +34,27 @@ bool off_by_one(const StepEvidence& e) {
   return !e.pairs.empty() && (extra_at.empty() || missing_at.empty());
 }
 
+// The mismatching pairs of each query are exactly those where the rule `first_visible(t)`
+// .. t and the policy's `policy_first(t)` .. t differ: the rule explains every key the
+// query used or missed.
+template <class F, class G>
+bool pairs_fit_visibility(const StepEvidence& e, F policy_first, G first_visible) {
+  if (e.pairs.empty()) return false;
+  std::map<std::pair<int, std::int64_t>, std::set<std::int64_t>> listed;  // (row, query) -> keys
+  for (const PairMismatch& p : e.pairs) {
+    if (p.key_index < 0 || p.expected.has_value() == p.actual.has_value()) return false;
+    listed[{p.row, p.query_index}].insert(p.key_index);
+  }
+  for (const auto& [query, keys] : listed) {
+    const std::int64_t t = query.second;
+    const std::int64_t a = std::max<std::int64_t>(0, policy_first(t)), b = std::max<std::int64_t>(0, first_visible(t));
+    std::set<std::int64_t> differ;  // the indices in one range only
+    for (std::int64_t j = std::min(a, b); j < std::max(a, b); ++j) differ.insert(j);
+    if (keys != differ) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 // The paged issue that explains the others: a write where the table does not point, a
@@ -253,6 +274,15 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
                               return p.expected && !p.actual && p.key_index < policy.sinks;
                             });
   if (sink_missing) return BugClass::sink_count_wrong;
+  if (policy.kind == PolicyKind::chunked) {
+    const std::int64_t c = policy.window;
+    auto chunk = [c](std::int64_t t) { return t / c * c; };
+    if (pairs_fit_visibility(e, chunk, [c](std::int64_t t) { return t - c + 1; }))
+      return BugClass::chunk_as_sliding_window;
+    if (pairs_fit_visibility(e, chunk, [c](std::int64_t t) { return chunk_start_moved(t, c, 1); }) ||
+        pairs_fit_visibility(e, chunk, [c](std::int64_t t) { return chunk_start_moved(t, c, -1); }))
+      return BugClass::chunk_edge_off_by_one;
+  }
   if (off_by_one(e)) return BugClass::window_off_by_one;
 
   const bool lost = any(e.slots, [](const SlotIssue& i) { return i.kind == K::lost; });
@@ -290,6 +320,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (!e.outputs.empty() && e.dropped_before_last_use) return BugClass::dropped_before_last_use;
   // After the slots: a cache that dropped a token early also attends one key short.
   if (e.outputs_fit_window_off_by_one) return BugClass::window_off_by_one;
+  if (e.outputs_fit_chunk_as_window) return BugClass::chunk_as_sliding_window;
+  if (e.outputs_fit_chunk_edge_off_by_one) return BugClass::chunk_edge_off_by_one;
   return BugClass::output_mismatch_positions_correct;
 }
 

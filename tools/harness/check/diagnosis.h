@@ -73,6 +73,8 @@ enum class BugClass {
   chunk_positions_wrong,
   window_kept_in_prefill,  // SPEC 8.7: between forwards, blocks behind a sliding window still held
   path_inconsistency,  // SPEC 9.2.6: decode and chunk paths disagree
+  chunk_edge_off_by_one,    // SPEC 10.2: chunks start one token early or late
+  chunk_as_sliding_window,  // SPEC 10.2: a chunked layer sees the last C keys
 };
 
 // Both from the one table of bug classes (bug_classes.cpp).
@@ -221,6 +223,8 @@ struct StepEvidence {
   bool outputs_fit_with_later_chunk_keys = false;  // with the chunk's later tokens visible: the mask missed causality
   bool outputs_fit_plain_window = false;  // over a plain window of W, no sinks: the mask forgot the sinks
   bool outputs_fit_window_off_by_one = false;  // a sliding layer's, over W + 1 or W - 1 keys
+  bool outputs_fit_chunk_edge_off_by_one = false;  // a chunked layer's, its chunks moved by one token
+  bool outputs_fit_chunk_as_window = false;        // a chunked layer's, over a sliding window of C
   // The diagnosed query should see a token that is dead after the step and gone: dropping it
   // is allowed after this forward, not before it.
   bool dropped_before_last_use = false;
@@ -242,6 +246,14 @@ struct StepContext {
 BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);
 
 // "a poison NaN: block 5 (epoch 2), never written", for reports.
+// SPEC 10.2's chunk edge off by one: where query t's chunk starts when the chunks are
+// drawn from token `by` (1 or -1) instead of 0, C tokens each.
+inline std::int64_t chunk_start_moved(std::int64_t t, std::int64_t c, std::int64_t by) {
+  const std::int64_t shifted = t - by;
+  const std::int64_t floor_div = shifted >= 0 ? shifted / c : -((-shifted + c - 1) / c);
+  return floor_div * c + by;
+}
+
 std::string poison_text(const PoisonedRead& read);
 
 // How the position error of the diagnosed row evolves from the first divergence on: the

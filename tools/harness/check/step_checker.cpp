@@ -187,6 +187,12 @@ void advance(StepContext& c, const StepRecord& rec) {
       }
 }
 
+// SPEC 10.2: a chunked layer may hold its last C tokens (a ring of C slots), those of the
+// previous chunk among them dead.
+bool in_last_chunk_span(const Policy& policy, std::int64_t index, std::int64_t length) {
+  return policy.kind == PolicyKind::chunked && index >= length - policy.window;
+}
+
 // The first token index of the retained window (after the sinks).
 std::int64_t window_start(const Policy& policy, const reference::RowRetained& retained) {
   for (const auto& key : retained.keys)
@@ -530,6 +536,10 @@ class StepChecker::Impl {
           row.verdict = SlotVerdict::dead_held;  // dropped at the cache's next update
         } else if (!sets.retained.count(v.uid) && options_.eviction == Eviction::never && !live) {
           row.verdict = SlotVerdict::dead_held;  // kept for good, outside the mask
+        } else if (!sets.retained.count(v.uid) && !live && options_.eviction != Eviction::eager &&
+                   in_last_chunk_span(s_.policies[static_cast<std::size_t>(l)], row.index,
+                                      static_cast<std::int64_t>(history.size()))) {
+          row.verdict = SlotVerdict::dead_held;  // SPEC 10.2: a ring of C slots keeps the last C tokens
         } else if (!sets.retained.count(v.uid)) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
@@ -862,6 +872,18 @@ class StepChecker::Impl {
         evidence.outputs_fit_window_off_by_one =
             evidence.outputs_fit_window_off_by_one ||
             (other > 0 && fits(output_in_a_window_of(s_, inputs_, history, ref.rows[b][i], other, l, h)));
+    if (policy.kind == PolicyKind::chunked) {
+      // The visible keys are a run ending at the query: a window of t - begin + 1 keys.
+      const std::int64_t t = ref.rows[b][i].index, c = policy.window;
+      auto fits_from = [&](std::int64_t begin) {
+        begin = std::max<std::int64_t>(0, begin);
+        return begin <= t && begin != t / c * c &&
+               fits(output_in_a_window_of(s_, inputs_, history, ref.rows[b][i], t - begin + 1, l, h));
+      };
+      evidence.outputs_fit_chunk_as_window = fits_from(t - c + 1);
+      evidence.outputs_fit_chunk_edge_off_by_one =
+          fits_from(chunk_start_moved(t, c, 1)) || fits_from(chunk_start_moved(t, c, -1));
+    }
   }
 
   // SPEC 5.3 from the kernel's log: every visible pair at the reference's Pq - Pk, as

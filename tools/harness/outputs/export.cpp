@@ -51,7 +51,8 @@ json rope_json(const Rope& r) {
 
 json policy_json(const Policy& p) {
   json j = {{"type", to_string(p.kind)}};
-  if (p.kind != PolicyKind::full) j["window"] = p.window;
+  if (p.kind == PolicyKind::chunked) j["chunk"] = p.window;
+  if (p.kind == PolicyKind::sliding || p.kind == PolicyKind::sink) j["window"] = p.window;
   if (p.kind == PolicyKind::sink) {
     j["sinks"] = p.sinks;
     j["evict"] = p.evict;

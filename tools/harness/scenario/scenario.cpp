@@ -242,13 +242,15 @@ Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
 Policy parse_policy(const Reader& r, const json& j, const std::string& p = "/policy") {
   if (!j.is_object()) r.fail(p, "expected an object, got " + describe(j));
   Policy policy;
-  if (r.field(j, p, "type") == "chunked")
-    not_yet(r, p + "/type", "chunked attention (Llama 4's attention_chunk_size)", "SPEC 10.2");
   if (j.contains("shift_with")) not_yet(r, p + "/shift_with", "a sliding layer under a sink cache's shift", "SPEC 10.4");
-  const std::string type = r.choice(r.field(j, p, "type"), p + "/type", {"full", "sliding", "sink"});
+  const std::string type = r.choice(r.field(j, p, "type"), p + "/type", {"full", "sliding", "sink", "chunked"});
   if (type == "full") {
     r.object(j, p, {"type"});
     policy.kind = PolicyKind::full;
+  } else if (type == "chunked") {  // SPEC 10.2
+    r.object(j, p, {"type", "chunk"});
+    policy.kind = PolicyKind::chunked;
+    policy.window = r.integer(r.field(j, p, "chunk"), p + "/chunk", 1);
   } else if (type == "sliding") {
     r.object(j, p, {"type", "window"});
     policy.kind = PolicyKind::sliding;

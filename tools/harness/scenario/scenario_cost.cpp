@@ -69,7 +69,9 @@ std::int64_t blocks_needed(const Policy& policy, std::int64_t block_size, std::i
   if (n == 0) return 0;
   const std::int64_t last = (n + block_size - 1) / block_size;  // blocks 0 .. last - 1 cover the row
   if (policy.kind == PolicyKind::full) return last;
-  if (policy.kind == PolicyKind::sliding) return last - std::max<std::int64_t>(0, first - policy.window) / block_size;
+  // A chunked layer retains at most its last C tokens: counted as a window of C, an upper bound.
+  if (policy.kind == PolicyKind::sliding || policy.kind == PolicyKind::chunked)
+    return last - std::max<std::int64_t>(0, first - policy.window) / block_size;
   const std::int64_t sink_blocks = (policy.sinks + block_size - 1) / block_size;
   const std::int64_t from = first == 0 ? 0 : (policy.sinks + reference::evicted_count(policy, first - 1)) / block_size;
   return last - from + std::min(sink_blocks, from);
@@ -110,7 +112,8 @@ PoolNeed largest_pool_need(const Scenario& s, std::int64_t block_size) {
 
 namespace {
 
-// Keys a token at index t sees under the policy (the query's own included).
+// Keys a token at index t sees under the policy (the query's own included); for a chunked
+// layer, at most C (an upper bound, as for a window of C).
 double visible_keys(const Policy& p, std::int64_t t) {
   return p.kind == PolicyKind::full ? static_cast<double>(t + 1)
                                     : static_cast<double>(std::min<std::int64_t>(t + 1, p.window));

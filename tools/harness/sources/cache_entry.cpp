@@ -17,6 +17,7 @@ optimized::LayerPolicy layer_policy(const Policy& p) {
   optimized::LayerPolicy l;
   l.kind = p.kind == PolicyKind::full      ? optimized::LayerPolicy::Kind::full
            : p.kind == PolicyKind::sliding ? optimized::LayerPolicy::Kind::sliding
+           : p.kind == PolicyKind::chunked ? optimized::LayerPolicy::Kind::chunked
                                            : optimized::LayerPolicy::Kind::sink;
   l.window = p.window;
   l.sinks = p.sinks;
