@@ -115,6 +115,17 @@ class MlxCacheTest(unittest.TestCase):
         self.assertIn("first divergence: step 9 (crop, /steps/3)", verify.stdout)
         self.assertIn("class: refusal mismatch", verify.stdout)
 
+    def test_the_rollback_reproduction_differs_and_the_suggested_trim_fixes_it(self):
+        # docs/findings/mlx/: MLX alone. Exit 1: token 7 after trim(5) attends itself alone;
+        # with the suggested trim (--fixed) the rollback is refused and a prefill agrees.
+        script = os.path.join(ROOT, "docs", "findings", "mlx", "chunked_cache_trims_past_its_chunk.py")
+        found = subprocess.run([sys.executable, script], capture_output=True, text=True)
+        self.assertEqual(found.returncode, 1, found.stdout + found.stderr)
+        self.assertIn("token 7 attends [7]; the chunk rule says [4, 5, 6, 7]", found.stdout)
+        fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
+        self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
+        self.assertIn("token 7 attends [4, 5, 6, 7]", fixed.stdout)
+
     def test_what_the_driver_cannot_judge_is_refused_by_name(self):
         # mlx's affine groups have no SPEC 9 row yet (their floats would be judged as float
         # storage); a paged step has no mlx-lm counterpart. Refused before anything is written.
