@@ -32,6 +32,15 @@ const LayerPolicy& shared_policy(const CacheConfig& config) {
   return config.policies.front();
 }
 
+const RopeSpec& shared_rope(const CacheConfig& config) {
+  if (config.ropes.size() != static_cast<std::size_t>(config.layers) || config.ropes.empty())
+    throw std::invalid_argument("CacheConfig: expected one rope per layer");
+  for (const RopeSpec& r : config.ropes)
+    if (!(r == config.ropes.front()))
+      throw std::invalid_argument("CacheConfig: the layers' ropes differ; this cache serves one rope");
+  return config.ropes.front();
+}
+
 std::vector<LayerFormats> store_formats(const CacheConfig& c) {
   std::vector<LayerFormats> out;
   for (int l = 0; l < c.layers; ++l) {

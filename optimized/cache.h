@@ -54,7 +54,7 @@ struct LayerQuant {
 struct CacheConfig {
   int layers = 1, heads = 1, kv_heads = 1, head_dim = 2;
   int batch = 1;
-  RopeSpec rope;
+  std::vector<RopeSpec> ropes;  // one per layer (SPEC 10.1)
   float softmax_scale = 1.0f;
   // One per layer: what each keeps (SPEC 3, 7). A cache of one policy (sliding, sink_*) takes
   // the one they share (shared_policy); the hybrid and paged caches read each layer's.
@@ -77,6 +77,13 @@ const LayerPolicy& shared_policy(const CacheConfig& config);
 // Gives every layer the policy p.
 inline void set_every_layer(CacheConfig& config, const LayerPolicy& p) {
   config.policies.assign(static_cast<std::size_t>(config.layers), p);
+}
+// The rope every layer has. std::invalid_argument when the layers' differ (a cache with one
+// cos/sin table cannot serve them) or `ropes` has not one per layer.
+const RopeSpec& shared_rope(const CacheConfig& config);
+// Gives every layer the rope r.
+inline void set_every_layer_rope(CacheConfig& config, const RopeSpec& r) {
+  config.ropes.assign(static_cast<std::size_t>(config.layers), r);
 }
 
 // What a row carries besides its tokens (SPEC 8.1): a prefix may be reused only under the

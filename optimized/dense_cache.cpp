@@ -11,7 +11,7 @@ constexpr std::int64_t kInitialDynamicSlots = 16;
 DenseCache::DenseCache(const CacheConfig& config, Growth growth)
     : config_(config),
       growth_(growth),
-      rope_(config.rope),
+      rope_(shared_rope(config)),
       kernel_(config.threads),
       store_(config.kv_heads, config.head_dim, store_formats(config)),
       frozen_(config.kv_heads, config.head_dim, store_formats(config)) {

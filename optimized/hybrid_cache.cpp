@@ -17,6 +17,7 @@ HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
     // stack. The layers run one after another, each on one thread.
     one.threads = 1;
     one.policies = {p};
+    one.ropes = {config.ropes.at(static_cast<std::size_t>(l))};
     one.sink_logits.clear();
     if (!config.sink_logits.empty()) one.sink_logits.push_back(config.sink_logits[static_cast<std::size_t>(l)]);
     one.quant.clear();

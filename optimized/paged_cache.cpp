@@ -25,7 +25,7 @@ std::uint64_t text_hash(std::uint64_t h, const std::string& text) {
 PagedCache::PagedCache(const CacheConfig& config)
     : config_(config),
       paging_(config.paging ? *config.paging : throw std::invalid_argument("the paged cache needs config.paging")),
-      rope_(config.rope),
+      rope_(shared_rope(config)),
       kernel_(config.threads),
       frozen_(config.kv_heads, config.head_dim, store_formats(config)) {
   const std::vector<LayerFormats> formats = store_formats(config);

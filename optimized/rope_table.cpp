@@ -44,6 +44,10 @@ double yarn_frequency(int pair, double base, int rotary, const RopeSpec& s) {
 RopeTable::RopeTable(const RopeSpec& spec)
     : spec_(spec), rotary_(spec.rotary_dim > 0 ? std::min(spec.rotary_dim, spec.head_dim) : spec.head_dim) {
   for (int i = 0; i < rotary_ / 2; ++i) {
+    if (spec.identity) {  // NoPE: cos 1 and sin 0 at every position
+      inv_freq_.push_back(0.0);
+      continue;
+    }
     const double base = std::pow(spec.theta, -2.0 * i / rotary_);
     switch (spec.map) {
       case FrequencyMap::plain: inv_freq_.push_back(base); break;

@@ -15,6 +15,7 @@ enum class PairLayout { half, interleaved };
 enum class FrequencyMap { plain, llama3, yarn };
 
 struct RopeSpec {
+  bool identity = false;  // a NoPE layer (SPEC 10.1): nothing rotates
   int head_dim = 2;
   int rotary_dim = 0;  // dims that rotate (the first ones); 0: all
   double theta = 10000.0;
@@ -27,6 +28,7 @@ struct RopeSpec {
   double original_context = 8192.0;      // llama3, yarn: original_max_position_embeddings
   double beta_fast = 32.0, beta_slow = 1.0;  // yarn
   double magnitude = 1.0;                // yarn's attention factor: encoded keys and queries are m R(p) x
+  bool operator==(const RopeSpec&) const = default;
 };
 
 class RopeTable {

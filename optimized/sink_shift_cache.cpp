@@ -7,7 +7,7 @@ namespace kvcheck::optimized {
 SinkShiftCache::SinkShiftCache(const CacheConfig& config)
     : config_(config),
       policy_(shared_policy(config)),
-      rope_(config.rope),
+      rope_(shared_rope(config)),
       kernel_(config.threads),
       store_(config.kv_heads, config.head_dim, store_formats(config)),
       frozen_(config.kv_heads, config.head_dim, store_formats(config)) {

@@ -21,6 +21,7 @@ enum class RopeLayout { half, interleaved };
 enum class RopeScaling { none, linear, llama3, yarn };
 
 struct Rope {
+  bool nope = false;  // SPEC 10.1: a NoPE layer, R(p) the identity (no field below applies)
   double theta = 10000.0;
   RopeLayout layout = RopeLayout::half;
   RopeScaling scaling = RopeScaling::none;
@@ -32,6 +33,7 @@ struct Rope {
   // yarn
   double beta_fast = 32.0, beta_slow = 1.0;
   double attention_factor = 1.0;  // m: cos and sin are multiplied by it (parsed default 0.1 ln f + 1)
+  bool operator==(const Rope&) const = default;
 };
 
 // SPEC 7: how a cache stores keys and values. The reference does not depend on it.

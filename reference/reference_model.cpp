@@ -14,13 +14,13 @@ namespace kvcheck::reference {
 
 ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale,
                                const InputTable& inputs, const Attention& attention)
-    : ReferenceModel(dims, rope, std::vector<Policy>(static_cast<std::size_t>(dims.layers), policy), scale, inputs,
-                     attention) {}
+    : ReferenceModel(dims, std::vector<Rope>(static_cast<std::size_t>(dims.layers), rope),
+                     std::vector<Policy>(static_cast<std::size_t>(dims.layers), policy), scale, inputs, attention) {}
 
-ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const std::vector<Policy>& layer_policies,
-                               double scale, const InputTable& inputs, const Attention& attention)
+ReferenceModel::ReferenceModel(const Dims& dims, const std::vector<Rope>& layer_ropes,
+                               const std::vector<Policy>& layer_policies, double scale, const InputTable& inputs,
+                               const Attention& attention)
     : dims_(dims),
-      rope_(rope),
       policy_(layer_policies.at(0)),
       layer_policies_(layer_policies),
       hybrid_(std::any_of(layer_policies.begin(), layer_policies.end(),
@@ -29,27 +29,33 @@ ReferenceModel::ReferenceModel(const Dims& dims, const Rope& rope, const std::ve
       scale_(scale),
       inputs_(inputs),
       histories_(static_cast<std::size_t>(dims.batch)),
-      threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))),
-      rotary_(rotary_dim(dims.head_dim, rope)) {}
+      threads_(std::max(1, static_cast<int>(std::thread::hardware_concurrency()))) {
+  for (const Rope& rope : layer_ropes) {
+    auto same = std::find_if(tables_.begin(), tables_.end(), [&](const AngleTable& t) { return t.rope == rope; });
+    if (same == tables_.end()) same = tables_.insert(tables_.end(), AngleTable{rope, rotary_dim(dims.head_dim, rope), {}});
+    table_of_.push_back(static_cast<int>(same - tables_.begin()));
+  }
+}
 
+// Quantized storage re-rotates and re-quantizes keys with one rope: the scenario parser
+// refuses a rope per layer beside kv_quant.
 void ReferenceModel::store_as(std::vector<KvQuant> layers, KvDtype kv_dtype) {
-  stored_ = std::make_unique<StoredKv>(dims_, rope_, std::move(layers), kv_dtype, inputs_);
+  stored_ = std::make_unique<StoredKv>(dims_, tables_.at(0).rope, std::move(layers), kv_dtype, inputs_);
   stored_->reset(batch());
 }
 
 void ReferenceModel::ensure_positions(std::int64_t largest) {
-  const int half = rotary_ / 2;
-  const double m = rope_magnitude(rope_);
-  for (; positions_ <= largest; ++positions_) {
-    for (int i = 0; i < half; ++i)
-      cos_sin_.push_back(m * std::cos(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
-    for (int i = 0; i < half; ++i)
-      cos_sin_.push_back(m * std::sin(rope_angle(i, dims_.head_dim, static_cast<double>(positions_), rope_)));
+  for (AngleTable& table : tables_) {
+    const int half = table.rotary / 2;
+    const double m = rope_magnitude(table.rope);
+    for (std::int64_t p = positions_; p <= largest; ++p) {
+      for (int i = 0; i < half; ++i)
+        table.cos_sin.push_back(m * std::cos(rope_angle(i, dims_.head_dim, static_cast<double>(p), table.rope)));
+      for (int i = 0; i < half; ++i)
+        table.cos_sin.push_back(m * std::sin(rope_angle(i, dims_.head_dim, static_cast<double>(p), table.rope)));
+    }
   }
-}
-
-const double* ReferenceModel::cos_sin(std::int64_t position) const {
-  return cos_sin_.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(rotary_);
+  positions_ = std::max(positions_, largest + 1);
 }
 
 namespace {
@@ -114,7 +120,8 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
       continue;
     }
     memo.position[slot] = key.position;
-    rotate_into(inputs_.k_at(layer, uid, group), cos_sin(key.position), d, rotary_, rope_.layout,
+    const AngleTable& a = angles(layer);
+    rotate_into(inputs_.k_at(layer, uid, group), a.at(key.position), d, a.rotary, a.rope.layout,
                 memo.keys.data() + slot * D);
     slots[j] = slot;
   }
@@ -132,7 +139,8 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   scratch.sink_rows.resize(G);
   for (int k = 0; k < heads_per_group; ++k) {
     const int head = group * heads_per_group + k;
-    rotate_into(inputs_.q_at(layer, row[t], head), cos_sin(view.query_position), d, rotary_, rope_.layout,
+    const AngleTable& a = angles(layer);
+    rotate_into(inputs_.q_at(layer, row[t], head), a.at(view.query_position), d, a.rotary, a.rope.layout,
                 scratch.query.data() + static_cast<std::size_t>(k) * D);
     scratch.query_rows[static_cast<std::size_t>(k)] = scratch.query.data() + static_cast<std::size_t>(k) * D;
     scratch.sink_rows[static_cast<std::size_t>(k)] =
@@ -286,8 +294,9 @@ void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const Que
     for (int k = 0; k < G; ++k) {
       const int head = g * G + k;
       double* query = scratch.query.data() + static_cast<std::size_t>(k) * D;
-      rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), cos_sin(view.query_position),
-                  dims_.head_dim, rotary_, rope_.layout, query);
+      const AngleTable& a = angles(layer);
+      rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), a.at(view.query_position),
+                  dims_.head_dim, a.rotary, a.rope.layout, query);
       slack[head] = stored_->quantize_query(layer, query, view.query_position);
       scratch.query_rows[static_cast<std::size_t>(k)] = query;
       scratch.sink_rows[static_cast<std::size_t>(k)] =

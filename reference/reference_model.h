@@ -67,9 +67,9 @@ class ReferenceModel {
   // `scale` is the softmax scale; `inputs` must hold every uid the run will create.
   ReferenceModel(const Dims& dims, const Rope& rope, const Policy& policy, double scale, const InputTable& inputs,
                  const Attention& attention = {});
-  // One policy per layer (SPEC 7, hybrid models).
-  ReferenceModel(const Dims& dims, const Rope& rope, const std::vector<Policy>& layer_policies, double scale,
-                 const InputTable& inputs, const Attention& attention = {});
+  // One rope and one policy per layer (SPEC 7 hybrid models, SPEC 10.1 per-layer RoPE).
+  ReferenceModel(const Dims& dims, const std::vector<Rope>& layer_ropes, const std::vector<Policy>& layer_policies,
+                 double scale, const InputTable& inputs, const Attention& attention = {});
 
   // counts[b] new tokens for row b (left-padded to the longest); size must equal batch().
   // With attend false the step only extends the histories and computes the views: the
@@ -123,13 +123,20 @@ class ReferenceModel {
   static constexpr std::size_t kMemoBytes = std::size_t{256} << 20;
   void attend_group(int layer, int group, const std::vector<std::uint64_t>& row, std::int64_t t, const QueryView& view,
                     Scratch& scratch, KeyMemo& memo, double* out) const;
-  // m cos and m sin of every rotated pair at position p (the table grows to the largest
-  // position seen): R/2 cosines, then R/2 sines.
-  const double* cos_sin(std::int64_t position) const;
+  // One rope's m cos and m sin of every rotated pair per position (the table grows to the
+  // largest position seen): R/2 cosines, then R/2 sines. Layers of equal ropes share one.
+  struct AngleTable {
+    Rope rope;
+    int rotary;                   // R
+    std::vector<double> cos_sin;  // [position][m cos of each pair, then m sin of each pair]
+    const double* at(std::int64_t position) const {
+      return cos_sin.data() + static_cast<std::size_t>(position) * static_cast<std::size_t>(rotary);
+    }
+  };
+  const AngleTable& angles(int layer) const { return tables_[static_cast<std::size_t>(table_of_[static_cast<std::size_t>(layer)])]; }
   void ensure_positions(std::int64_t largest);
 
   Dims dims_;
-  Rope rope_;
   Policy policy_;                       // layer 0's
   std::vector<Policy> layer_policies_;  // one per layer
   bool hybrid_ = false;
@@ -139,8 +146,8 @@ class ReferenceModel {
   std::vector<std::vector<std::uint64_t>> histories_;  // per row, uid of token index t
   std::uint64_t next_uid_ = 0;
   int threads_;
-  int rotary_;                   // R
-  std::vector<double> cos_sin_;  // [position][m cos of each pair, then m sin of each pair]
+  std::vector<AngleTable> tables_;  // one per distinct rope
+  std::vector<int> table_of_;        // per layer, its rope's table
   std::int64_t positions_ = 0;
   std::unique_ptr<StoredKv> stored_;
   std::vector<KeyMemo> memos_;  // per (layer, kv head); a thread owns each while it works

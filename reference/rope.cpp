@@ -38,6 +38,7 @@ double yarn_map(int pair, int rotary, double inv_freq, const Rope& r) {
 }  // namespace
 
 double inverse_frequency(int pair, int head_dim, const Rope& rope) {
+  if (rope.nope) return 0.0;  // SPEC 10.1: every angle 0, R(p) the identity
   const int rotary = rotary_dim(head_dim, rope);
   const double plain = std::pow(rope.theta, -2.0 * pair / rotary);
   switch (rope.scaling) {

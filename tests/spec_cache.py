@@ -38,7 +38,7 @@ class SpecCache:
         layers = export.dims["layers"]
         self.policies = [export.layer_policy(l) for l in range(layers)]
         self.keeps = keeps or self.policies
-        self.rope, self.honours_padding = export.rope, honours_padding
+        self.ropes, self.honours_padding = [export.layer_rope(l) for l in range(layers)], honours_padding
         self.shape = (export.dims["kv_heads"], export.dims["head_dim"])
         self.rows = [[[] for _ in range(batch)] for _ in range(layers)]  # (token, raw key, value)
         self.count = [[0] * batch for _ in range(layers)]                 # tokens seen per row
@@ -63,7 +63,7 @@ class SpecCache:
                     continue
                 t, raw, v = entry
                 p = position(self.policies[layer], t, e[b])
-                keys[b, :, first + i] = kvtrace.rotate(raw[:, None, :], [p], self.rope)[:, 0]
+                keys[b, :, first + i] = kvtrace.rotate(raw[:, None, :], [p], self.ropes[layer])[:, 0]
                 values[b, :, first + i] = v
         return keys, values
 

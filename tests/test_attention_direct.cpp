@@ -53,12 +53,14 @@ std::vector<float> run(const RowFormat& key_format, const RowFormat& value_forma
   c.heads = heads;
   c.kv_heads = kKvHeads;
   c.head_dim = d;
-  c.rope.head_dim = d;
+  RopeSpec spec;
+  spec.head_dim = d;
+  c.ropes.assign(static_cast<std::size_t>(c.layers), spec);
   c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d));
   c.capacity = 32;
   if (!decoded) c.quant = {{key_format, value_format}};
   DenseCache cache(c, DenseCache::Growth::dynamic);
-  RopeTable rope(c.rope);
+  RopeTable rope(c.ropes.front());
   rope.cover(32);
   std::vector<float> all;
   std::int64_t uid = 0;

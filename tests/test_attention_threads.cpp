@@ -37,7 +37,9 @@ std::vector<float> run(const CacheEntry& entry, int threads, AttentionLog& log, 
   c.heads = kHeads;
   c.kv_heads = kKvHeads;
   c.head_dim = kDim;
-  c.rope.head_dim = kDim;
+  RopeSpec spec;
+  spec.head_dim = kDim;
+  c.ropes.assign(static_cast<std::size_t>(c.layers), spec);
   c.softmax_scale = 0.25f;
   c.capacity = 64;
   // The paged cache's kind (the others are what their type says; the sink caches read W, S).

@@ -135,7 +135,7 @@ TEST(Caches, EachLayerKeysAreHeldToTheirOwnFormatsRounding) {
   // rotated one position too far must fail the rotation check, which the int4 layer's
   // coarse step (about 0.13 of the largest element) would let through.
   struct OneOnInLayerZero : optimized::KvCache {
-    explicit OneOnInLayerZero(const optimized::CacheConfig& c) : inner(find_cache("dynamic")->make(c)), rope(c.rope) {
+    explicit OneOnInLayerZero(const optimized::CacheConfig& c) : inner(find_cache("dynamic")->make(c)), rope(c.ropes.front()) {
       rope.cover(2);
     }
     void append(const optimized::Chunk& chunk, const std::vector<float*>& out, optimized::AttentionLog* log) override {
@@ -194,6 +194,7 @@ TEST(Caches, ACacheOfOnePolicyRefusesLayersThatDiffer) {
   optimized::CacheConfig c;
   c.layers = 2;
   c.policies = {{LayerPolicy::Kind::sink, 8, 2}, {LayerPolicy::Kind::full}};
+  c.ropes.assign(2, optimized::RopeSpec{});
   c.paging = optimized::PagedLayout{4, 8, false};
   for (const char* name : {"sliding", "sink_shift", "sink_ring"})
     EXPECT_THROW(find_cache(name)->make(c), std::invalid_argument) << name;
@@ -204,4 +205,10 @@ TEST(Caches, ACacheOfOnePolicyRefusesLayersThatDiffer) {
   EXPECT_THROW(find_cache("paged")->make(c), std::invalid_argument);
   c.policies.push_back(c.policies.front());
   EXPECT_NO_THROW(find_cache("sink_shift")->make(c));
+  // SPEC 10.1: one policy, two ropes. A cache with one cos/sin table refuses it; the
+  // hybrid cache gives each layer its own.
+  c.ropes[1].theta = 1e6;
+  for (const char* name : {"sink_shift", "sink_ring", "paged"})
+    EXPECT_THROW(find_cache(name)->make(c), std::invalid_argument) << name;
+  EXPECT_NO_THROW(find_cache("hybrid")->make(c));
 }

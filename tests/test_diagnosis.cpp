@@ -317,3 +317,17 @@ TEST(Diagnosis, ChunksDrawnFromAnotherTokenStartWhereExpected) {
   EXPECT_EQ(chunk_start_moved(6, 4, -1), 3);
   EXPECT_EQ(chunk_start_moved(7, 4, -1), 7);
 }
+
+// SPEC 10.1: a rotation that fits another layer's rope, or a NoPE layer's rotated key.
+TEST(Diagnosis, KeysUnderAnotherLayersRopeOrARotatedNoPEKeyAreNamed) {
+  StepEvidence e;
+  SlotIssue i = SlotIssue::of(SlotIssue::Kind::rotation, 0, 12, 6);
+  i.claimed_position = 6;
+  i.fits = {OtherRope::Kind::other_layer, "another layer's rope (theta 1e+06, linear)", 6, true};
+  e.slots.push_back(i);
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::layer_rotated_with_another_layers_rope);
+  e.slots[0].fits.kind = OtherRope::Kind::nope_rotated;
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::nope_layer_rotated);
+  e.slots[0].fits.kind = OtherRope::Kind::theta;  // a theta of no layer: the scenario's rope is wrong
+  EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::wrong_rope_theta_or_scaling);
+}

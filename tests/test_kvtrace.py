@@ -641,6 +641,14 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("gpt_oss_hybrid_yarn_learned_sinks", [f["name"] for f in found])
         self.assertIn("llama4_chunked_full_hybrid", [f["name"] for f in found])
 
+    def test_every_per_layer_rope_fixture_passes_through_kvtrace(self):
+        # SPEC 10.1 from NumPy: SpecCache rotates each layer's keys with export.layer_rope(l)
+        # (None: a NoPE layer, left as it is), and the driver rotates queries the same way.
+        found = self.drive_every_fixture(["full", "sliding", "sink", "chunked"], features=["per_layer_rope"])
+        names = [f["name"] for f in found]
+        self.assertIn("gemma3_sliding_full_two_bases", names)
+        self.assertIn("llama4_chunked_nope", names)
+
     def test_every_chunked_fixture_passes_through_kvtrace(self):
         # SPEC 10.2 from NumPy: SpecCache keeps exactly each row's last chunk, and the
         # driver's mask shows token t its last t % C + 1 written slots.

@@ -44,7 +44,9 @@ long allocations_in_decode(Make make, int threads) {
   c.heads = kHeads;
   c.kv_heads = kKvHeads;
   c.head_dim = kDim;
-  c.rope.head_dim = kDim;
+  RopeSpec spec;
+  spec.head_dim = kDim;
+  c.ropes.assign(static_cast<std::size_t>(c.layers), spec);
   set_every_layer(c, {LayerPolicy::Kind::full, 24, 4});  // the sink caches read W and S
   c.capacity = 2048;
   c.threads = threads;

@@ -196,7 +196,9 @@ TEST(Paged, ASinkLayerFreesTheBlocksBetweenItsSinksAndItsWindow) {
   // S = 3, W = 11, evict 2, blocks of 4: paged_sink_fork_prefix_hit's policy and pool.
   optimized::CacheConfig c;
   c.head_dim = 4;
-  c.rope.head_dim = 4;
+  optimized::RopeSpec spec;
+  spec.head_dim = 4;
+  c.ropes.assign(static_cast<std::size_t>(c.layers), spec);
   optimized::set_every_layer(c, {optimized::LayerPolicy::Kind::sink, 11, 3, 2});
   c.paging = optimized::PagedLayout{4, 16, false};
   optimized::PagedCache cache(c);

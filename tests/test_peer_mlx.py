@@ -133,6 +133,8 @@ class MlxCacheTest(unittest.TestCase):
             self.drive("full_baseline", lambda: QuantizedKVCache(group_size=32, bits=8))
         with self.assertRaisesRegex(kvtrace.UsageError, "mlx-lm's caches have no such operation"):
             self.drive("paged_evict_then_repeat", KVCache)
+        with self.assertRaisesRegex(kvtrace.UsageError, r"different ropes \(SPEC 10.1\)"):
+            self.drive("gemma3_sliding_full_two_bases", KVCache)
         self.assertFalse(os.path.exists(self.trace))
 
     def test_the_reproduction_differs_and_the_suggested_mask_fixes_it(self):

@@ -118,7 +118,8 @@ class OnnxRuntimeGqaTest(DriveTest):
 
     def test_what_the_op_cannot_take_is_refused_before_running(self):
         for scenario, words in (("sliding_baseline", "multiples of 16"), ("sink_decode_through_windows", "sink"),
-                                ("sliding_prompt_longer_than_window_float16", "kv_dtype float16")):
+                                ("sliding_prompt_longer_than_window_float16", "kv_dtype float16"),
+                                ("gemma3_sliding_full_two_bases", "different ropes (SPEC 10.1)")):
             with self.assertRaises(kvtrace.UsageError) as caught:
                 kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace)
             self.assertIn(words, str(caught.exception))

@@ -74,6 +74,7 @@ TEST(Poison, NewAndFreedBlocksHoldTheirMarks) {
   c.paging = optimized::PagedLayout{4, 4, false};
   c.poison_blocks = true;
   optimized::set_every_layer(c, {});  // full attention
+  optimized::set_every_layer_rope(c, {});
   optimized::PagedCache cache(c);
   std::vector<float> q(5 * 4, 0.25f), k(5 * 4, 0.5f), v(5 * 4, 1.0f), out(5 * 4);
   optimized::Chunk chunk;

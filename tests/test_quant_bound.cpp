@@ -78,7 +78,7 @@ TEST(QuantBound, AKeyShiftedAHundredTimesDriftsBeyondOneStoreButNotBeyondTheBoun
     const reference::StoredLayer& stored = last.stored[0][0][k];
     const float* raw = inputs.k_at(0, kept[k].uid, 0);
     const std::vector<double> ideal =
-        reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(kept[k].position), s.rope);
+        reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(kept[k].position), s.rope(0));
     double error = 0.0, norm = 0.0;
     for (int d = 0; d < D; ++d) {
       error += (stored.heads[0].key[d] - ideal[d]) * (stored.heads[0].key[d] - ideal[d]);

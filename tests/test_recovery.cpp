@@ -263,3 +263,41 @@ TEST(Recovery, AKeyWithoutYarnsMagnitudeIsNamedAsSuchEvenAtPositionZero) {
     EXPECT_EQ(r.fits.position, p);
   }
 }
+
+// SPEC 10.1. Gemma 3: a sliding layer (theta 10,000) whose key was rotated at position 37
+// with the full layer's rope (theta 1,000,000, linear 8) fits no rotation of its own rope
+// but that one: named another layer's, at 37. Under only its own rope's usual guesses the
+// key would be blamed on a theta alone.
+TEST(Recovery, AKeyRotatedWithAnotherLayersRopeIsNamedSo) {
+  const int d = 16;
+  const Rope sliding = rope_of(RopeLayout::half, 10000.0);
+  Rope global = rope_of(RopeLayout::half, 1000000.0);
+  global.scaling = RopeScaling::linear;
+  global.factor = 8.0;
+  const std::vector<float> raw = raw_key(d, 3), key = stored_key(raw, 37, global);
+  const RecoveredPosition r = recover_position(raw.data(), key.data(), d, sliding, 1000, kFloat32Roundoff, {global});
+  EXPECT_EQ(r.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(r.fits.kind, OtherRope::Kind::other_layer);
+  EXPECT_EQ(r.fits.position, 37);
+  EXPECT_NE(recover_position(raw.data(), key.data(), d, sliding, 1000).fits.kind, OtherRope::Kind::other_layer);
+}
+
+// A NoPE layer: its raw key fits (exact, position 0); a rotated one fits only a RoPE
+// layer's rope, named "NoPE layer rotated".
+TEST(Recovery, ANoPEKeyIsItsRawKeyAndARotatedOneIsNamed) {
+  const int d = 16;
+  Rope nope;
+  nope.nope = true;
+  const Rope rope = rope_of(RopeLayout::half, 500000.0);
+  const std::vector<float> raw = raw_key(d, 5);
+  const RecoveredPosition plain = recover_position(raw.data(), raw.data(), d, nope, 1000, kFloat32Roundoff, {rope});
+  EXPECT_EQ(plain.status, RecoveredPosition::Status::exact);
+  const std::vector<float> turned = stored_key(raw, 12, rope);
+  const RecoveredPosition r = recover_position(raw.data(), turned.data(), d, nope, 1000, kFloat32Roundoff, {rope});
+  EXPECT_EQ(r.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(r.fits.kind, OtherRope::Kind::nope_rotated);
+  EXPECT_EQ(r.fits.position, 12);
+  // And rotating nothing is what the reference does for it, at any position.
+  EXPECT_EQ(reference::rotate(std::vector<double>(raw.begin(), raw.end()), 12.0, nope),
+            std::vector<double>(raw.begin(), raw.end()));
+}

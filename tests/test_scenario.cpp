@@ -200,17 +200,17 @@ TEST(ScenarioValidation, RopeScalingPastedFromAConfigJson) {
       with_rope(R"({"theta": 500000, "scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}})"),
       "s.json");
-  EXPECT_EQ(llama.rope.scaling, kvcheck::RopeScaling::llama3);
-  EXPECT_EQ(llama.rope.factor, 8.0);
-  EXPECT_EQ(llama.rope.original_max_position_embeddings, 8192.0);
+  EXPECT_EQ(llama.rope(0).scaling, kvcheck::RopeScaling::llama3);
+  EXPECT_EQ(llama.rope(0).factor, 8.0);
+  EXPECT_EQ(llama.rope(0).original_max_position_embeddings, 8192.0);
   // Qwen 2.5's older spelling ("type"); the attention factor defaults to 0.1 ln f + 1.
   const auto qwen = parse_scenario(
       with_rope(R"({"scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}})"),
       "s.json");
-  EXPECT_EQ(qwen.rope.scaling, kvcheck::RopeScaling::yarn);
-  EXPECT_DOUBLE_EQ(qwen.rope.attention_factor, 0.1 * std::log(4.0) + 1.0);
-  EXPECT_EQ(qwen.rope.beta_fast, 32.0);
-  EXPECT_EQ(qwen.rope.beta_slow, 1.0);
+  EXPECT_EQ(qwen.rope(0).scaling, kvcheck::RopeScaling::yarn);
+  EXPECT_DOUBLE_EQ(qwen.rope(0).attention_factor, 0.1 * std::log(4.0) + 1.0);
+  EXPECT_EQ(qwen.rope(0).beta_fast, 32.0);
+  EXPECT_EQ(qwen.rope(0).beta_slow, 1.0);
 }
 
 TEST(ScenarioValidation, RopeVariantErrorsNameTheFieldAndWhatWasExpected) {
@@ -254,9 +254,9 @@ TEST(ScenarioValidation, LearnedSinkLogitsOnePerQueryHeadOrPerLayer) {
 
 TEST(ScenarioValidation, PastedConfigVariants) {
   // "rope_scaling": null, as Qwen 2.5 and Mistral write it.
-  EXPECT_EQ(parse_scenario(with_rope(R"({"scaling": null})"), "s.json").rope.scaling, kvcheck::RopeScaling::none);
+  EXPECT_EQ(parse_scenario(with_rope(R"({"scaling": null})"), "s.json").rope(0).scaling, kvcheck::RopeScaling::none);
   // Phi's partial_rotary_factor: R = int(head_dim * factor).
-  EXPECT_EQ(parse_scenario(with_rope(R"({"partial_rotary_factor": 0.5})"), "s.json").rope.rotary_dim, 4);
+  EXPECT_EQ(parse_scenario(with_rope(R"({"partial_rotary_factor": 0.5})"), "s.json").rope(0).rotary_dim, 4);
   EXPECT_EQ(error_of(with_rope(R"({"partial_rotary_factor": 0.2})")),
             "s.json: /rope/partial_rotary_factor: expected a factor in (0, 1] giving an even rotary_dim of at least 2, "
             "got 0.2 (head_dim 8 x 0.2 = 1)");

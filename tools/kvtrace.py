@@ -311,7 +311,9 @@ class _Driver:
             raise UsageError("chunks must be \"whole\", \"eviction\" or \"tokens\", got %r" % (chunks,))
         if after_forward is not None and not callable(after_forward):
             raise TypeError("after_forward must be a function of the cache, got %s" % type(after_forward).__name__)
-        rope_frequencies(export.rope, export.dims["head_dim"])  # an unknown scaling is a usage error now
+        ropes = [export.layer_rope(l) for l in range(export.dims["layers"])]
+        for rope in ropes:
+            rope_frequencies(rope, export.dims["head_dim"])  # an unknown scaling is a usage error now
         self.mask, self.after_forward, self.record_q, self.chunks = mask, after_forward, record_q, chunks
         layers = export.dims["layers"]
         logits = export.manifest.get("attention", {}).get("sink_logits")
@@ -346,12 +348,13 @@ class _Driver:
             raise UsageError("as_tensor must be None (NumPy), \"torch\" or a function array -> tensor, got %r"
                              % (as_tensor,))
         self.cos_sin_refusal = None
-        if export.rope["layout"] != "half":
+        layouts = [r["layout"] for r in ropes if r is not None]
+        if any(layout != "half" for layout in layouts):
             self.cos_sin_refusal = (
                 "the scenario uses the %s RoPE layout, but cache_kwargs cos/sin follow Hugging Face's rotate_half "
                 "convention: a cache re-rotating keys with them would be judged on the driver's convention, not its "
                 "own. Use a scenario with layout \"half\", or re-rotate with cache_kwargs[\"rerotate\"], which "
-                "follows the scenario's layout" % export.rope["layout"])
+                "follows the scenario's layout" % next(layout for layout in layouts if layout != "half"))
 
     def run(self, writer):
         self.writer, self.result = writer, DriveResult()
@@ -542,22 +545,23 @@ class _Driver:
             else:
                 pos = np.asarray([[self.position_of(int(t), self.held[b], i) if t >= 0 else 0
                                    for i, t in enumerate(row)] for b, row in enumerate(token)], dtype=np.float64)
-            cos, sin = hf_cos_sin(pos, exp.rope, exp.dims["head_dim"])
+            rope = exp.layer_rope(l)
+            cos, sin = hf_cos_sin(pos, rope, exp.dims["head_dim"])
             mask4 = real[:, None, :, None]
             q = np.where(mask4, np.transpose(exp.q[l][safe], (0, 2, 1, 3)), 0.0)   # [B, H, n, D]
             k = np.where(mask4, np.transpose(exp.k[l][safe], (0, 2, 1, 3)), 0.0)   # [B, Hkv, n, D]
             v = np.where(mask4, np.transpose(exp.v[l][safe], (0, 2, 1, 3)), 0.0)
-            q_rot = rotate(q, pos[:, None, :], exp.rope)
-            k_rot = rotate(k, pos[:, None, :], exp.rope)
+            q_rot = rotate(q, pos[:, None, :], rope)
+            k_rot = rotate(k, pos[:, None, :], rope)
             policy = exp.layer_policy(l)
             kwargs = {"cos": self.as_tensor(cos), "sin": self.as_tensor(sin),
                       "cache_position": self.as_position(cache_position),
                       "sliding_window": policy.get("window") if policy.get("type") == "sliding" else None,
-                      "positions": pos, "padding": padding, "rope": exp.rope,
-                      "rotate": lambda x, p: rotate(x, p, exp.rope),
-                      "unrotate": lambda x, p: unrotate(x, p, exp.rope),
-                      "rerotate": lambda x, d: rotate(x, d, exp.rope, scaled=False)}
-            rotary_dim = int(exp.rope.get("rotary_dim") or exp.dims["head_dim"])
+                      "positions": pos, "padding": padding, "rope": rope,
+                      "rotate": lambda x, p, rope=rope: rotate(x, p, rope),
+                      "unrotate": lambda x, p, rope=rope: unrotate(x, p, rope),
+                      "rerotate": lambda x, d, rope=rope: rotate(x, d, rope, scaled=False)}
+            rotary_dim = int((rope or {}).get("rotary_dim") or exp.dims["head_dim"])
             if rotary_dim < exp.dims["head_dim"]:
                 kwargs["partial_rotation_size"] = rotary_dim  # as Phi, Persimmon and StableLM pass it
             if self.cos_sin_refusal:

@@ -64,12 +64,27 @@ class Export:
         """The policy of one layer (SPEC 7: `policy` may be a list, one per layer)."""
         return self.policy[layer] if isinstance(self.policy, list) else self.policy
 
+    def layer_rope(self, layer):
+        """The rope of one layer (SPEC 10.1: `rope` may be a list, one per layer; None for a
+        NoPE layer, which rotate() leaves as it is)."""
+        return self.rope[layer] if isinstance(self.rope, list) else self.rope
+
+    def one_rope(self, driver):
+        """The rope every layer shares; UsageError naming `driver` when the layers' differ."""
+        if isinstance(self.rope, list):
+            raise UsageError("%s: the scenario gives its layers different ropes (SPEC 10.1), which this driver "
+                             "does not drive yet" % driver)
+        return self.rope
+
 
 def rope_frequencies(rope, head_dim):
     """The inverse frequencies of the rotated pairs [R/2] and the attention factor m, as
     SPEC 2 and 7 define them: R = rope["rotary_dim"] (default head_dim), theta^(-2i/R),
     then the scaling's map (linear: / factor; llama3 and yarn: per frequency); m is yarn's
-    attention factor (1 otherwise). Written from the SPEC, apart from kvcheck's C++."""
+    attention factor (1 otherwise). Written from the SPEC, apart from kvcheck's C++.
+    rope None (a NoPE layer, SPEC 10.1): every frequency 0, so nothing turns."""
+    if rope is None:
+        return np.zeros(head_dim // 2), 1.0
     r = int(rope.get("rotary_dim") or head_dim)
     theta = float(rope["theta"])
     inv = theta ** (-2.0 * np.arange(r // 2) / r)
@@ -113,7 +128,7 @@ def rotate(x, positions, rope, scaled=True):
     if scaled and m != 1.0:
         cos, sin = cos * m, sin * m
     out = x.copy()
-    if rope["layout"] == "half":
+    if rope is None or rope["layout"] == "half":
         a, b = x[..., : r // 2], x[..., r // 2 : r]
         out[..., :r] = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     else:

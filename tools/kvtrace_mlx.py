@@ -111,7 +111,7 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
         raise UsageError("chunks must be \"whole\" or \"generate\", got %r" % (chunks,))
     exp = export
     layers, head_dim = exp.dims["layers"], exp.dims["head_dim"]
-    rope = mlx_rope(exp.rope, head_dim)
+    rope = mlx_rope(exp.one_rope("kvtrace.drive_mlx_cache"), head_dim)
     if window_size == "policy":
         windows = [p.get("window") if p.get("type") == "sliding" else None
                    for p in map(exp.layer_policy, range(layers))]

@@ -166,7 +166,7 @@ def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantize
 
 def _rotary_caches(exp, positions):
     """cos and sin [P, R/2] of the scenario's rope at positions 0..P-1, yarn's m folded in."""
-    inv, m = rope_frequencies(exp.rope, exp.dims["head_dim"])
+    inv, m = rope_frequencies(exp.one_rope("kvtrace.drive_ort_gqa"), exp.dims["head_dim"])
     angles = np.arange(positions, dtype=np.float64)[:, None] * inv[None, :]
     return (np.cos(angles) * m).astype(np.float32), (np.sin(angles) * m).astype(np.float32)
 
@@ -209,10 +209,11 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
             windows.append(p["window"] if window_meaning_changed() else p["window"] - 1)
         else:
             windows.append(int(local_window_size))
-    layout = exp.rope.get("layout", "half")
+    rope = exp.one_rope("kvtrace.drive_ort_gqa")
+    layout = rope.get("layout", "half")
     if layout not in ("half", "interleaved"):
         raise UsageError("unknown rope layout %r" % layout)
-    rotary_dim = int(exp.rope.get("rotary_dim") or d)
+    rotary_dim = int(rope.get("rotary_dim") or d)
     if d % 16 or rotary_dim % 16:
         raise UsageError("GroupQueryAttention on the CPU needs head_dim and the rotary dims multiples of 16 "
                          "(head_dim %d, rotary dims %d)" % (d, rotary_dim))

@@ -212,7 +212,7 @@ class _PagedDriver:
                      else -1 for t in range(lo, hi)]
         if self.slots is not None:
             self.slots[l][b] += slots
-        k = rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, Hkv, D]
+        k = rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.layer_rope(l))  # [n, Hkv, D]
         v = self.exp.v[l][uids]
         keys, values = self.call(index, "key_cache", l), self.call(index, "value_cache", l)
         blocks = int(keys.shape[0])
@@ -248,7 +248,7 @@ class _PagedDriver:
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
         uids = self.rows[b]["uids"]
         group = self.H // self.Hkv
-        q = rotate(self.exp.q[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.rope)  # [n, H, D]
+        q = rotate(self.exp.q[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.layer_rope(l))  # [n, H, D]
         out = np.full((hi - lo, self.H, self.D), np.nan)
         for j, t in enumerate(range(lo, hi)):
             i = np.arange(0 if window is None else max(0, t - window + 1), t + 1)

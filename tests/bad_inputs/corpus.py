@@ -104,7 +104,10 @@ FIELD_CASES = [
     ("/policy/positions", "abs", "/policy/positions: expected one of"),
     ("/policy", {"type": "sliding", "window": 3, "prefill": "dense"}, "/policy/prefill"),
     # SPEC 10 (position schemes per layer), written but not implemented yet: refused by name.
-    ("/rope", [{"theta": 10000}, None], "/rope: a rope per layer .* is in SPEC 10.1, but kvcheck's caches do not"),
+    ("/rope", [{"theta": 10000}, None], "/rope: expected one rope per layer \\(1\\), got 2"),
+    ("/rope", [3], "/rope/0: expected an object"),
+    ("/rope", [{"theta": -1}], "/rope/0/theta: expected a positive number"),
+    ("/rope", None, "/rope: expected a rope object, or a list of one per layer with null for NoPE"),
     ("/policy", {"type": "chunked"}, "/policy/chunk: missing required field"),
     ("/policy", {"type": "chunked", "chunk": 0}, "/policy/chunk: expected an integer >= 1"),
     ("/policy", {"type": "chunked", "chunk": 4, "window": 4}, "/policy/window: unknown key"),

@@ -46,8 +46,10 @@ CacheConfig config(const Shape& shape, std::int64_t capacity) {
   c.heads = shape.heads;
   c.kv_heads = kKvHeads;
   c.head_dim = kHeadDim;
-  c.rope.head_dim = kHeadDim;
-  c.rope.theta = 500000.0;
+  RopeSpec rope;
+  rope.head_dim = kHeadDim;
+  rope.theta = 500000.0;
+  set_every_layer_rope(c, rope);
   c.softmax_scale = 0.088f;
   // The caches of one policy read the window (and sinks); decode_paged sets the kind.
   set_every_layer(c, LayerPolicy{LayerPolicy::Kind::full, shape.window, kSinks});

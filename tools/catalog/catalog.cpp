@@ -62,23 +62,26 @@ const std::vector<CacheEntry>& real_caches() {
          },
          [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
         // Layers of different policies (SPEC 7), each served by the cache above that fits it.
-        {"hybrid", "one cache per layer, as the layer's policy needs (dynamic, sliding or sink_ring)",
+        {"hybrid", "one cache per layer, as the layer's policy (dynamic, sliding or sink_ring) and rope need",
          [](const Scenario& s) {
            // Its sink layers are sink_ring caches: not the requantize convention (see sink_ring).
            const bool sink_layer = std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) {
              return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
            });
-           return s.hybrid() && !(quantizes_keys(s) && sink_layer);
+           return (s.hybrid() || !s.shared_rope()) && !(quantizes_keys(s) && sink_layer);
          },
          [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
     };
     // None of them quantizes the query (kv_quant "query", ggml's CPU convention). Under scales
     // frozen per row with a prefix cache, a hit's tokens keep their writer's scale: only a
     // cache that takes the hit holds what the reference expects.
+    // Only the hybrid cache gives each layer its own rope (SPEC 10.1): the others keep one
+    // cos/sin table.
     for (CacheEntry& e : list)
-      e.serves = [inner = e.serves, paged = e.name == "paged"](const Scenario& s) {
+      e.serves = [inner = e.serves, paged = e.name == "paged", hybrid = e.name == "hybrid"](const Scenario& s) {
         const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
-        return !(s.quantized() && s.quant_rules().query) && (paged || !shared_scales) && inner(s);
+        return !(s.quantized() && s.quant_rules().query) && (paged || !shared_scales) &&
+               (hybrid || s.shared_rope()) && inner(s);
       };
     return list;
   }();

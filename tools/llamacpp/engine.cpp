@@ -72,12 +72,19 @@ GgmlType parse_type(const std::string& option, const std::string& text) {
   throw Unsupported(fmt::format("{}: expected f32, f16, q8_0, q4_0 or bf16, got \"{}\"", option, text));
 }
 
+// The rope of every layer; require_supported refuses a rope per layer first.
+const Rope& shared_rope(const Scenario& s) {
+  if (const Rope* rope = s.shared_rope()) return *rope;
+  throw std::logic_error("llama.cpp driver: a scenario whose layers rotate differently");
+}
+
 // What the driver can run, checked before anything is loaded.
 void require_supported(const Scenario& s) {
   auto no = [&](const std::string& path, const std::string& why) {
     throw Unsupported(fmt::format("{}: {}: {}", s.file, path, why));
   };
   if (s.hybrid()) no("/policy", "one policy for every layer (llama.cpp's unified cache)");
+  if (!s.shared_rope()) no("/rope", "one rope for every layer (the llama arch rotates every layer alike)");
   const Policy& p = *s.shared_policy();
   if (p.kind == PolicyKind::sliding) no("/policy/type", "sliding: the llama arch has no sliding window; use sink or full");
   if (p.kind == PolicyKind::chunked) no("/policy/type", "chunked: the llama arch has no chunked attention; use sink or full");
@@ -85,12 +92,12 @@ void require_supported(const Scenario& s) {
     no("/policy/positions", "llama.cpp's context shift re-encodes kept keys: positions \"cache\" only");
   if (p.kind == PolicyKind::sink && p.prefill != Prefill::streaming)
     no("/policy/prefill", "prefill \"streaming\" only (the driver shifts between forwards)");
-  if (s.rope.scaling == RopeScaling::yarn &&
-      (s.rope.beta_fast != 32.0 || s.rope.beta_slow != 1.0 ||
-       std::abs(s.rope.attention_factor - (0.1 * std::log(s.rope.factor) + 1.0)) > 1e-12))
+  if (shared_rope(s).scaling == RopeScaling::yarn &&
+      (shared_rope(s).beta_fast != 32.0 || shared_rope(s).beta_slow != 1.0 ||
+       std::abs(shared_rope(s).attention_factor - (0.1 * std::log(shared_rope(s).factor) + 1.0)) > 1e-12))
     no("/rope/scaling", "yarn with beta_fast 32, beta_slow 1 and the default attention factor only (what the llama "
                         "arch reads from a GGUF)");
-  if (s.rope.rotary_dim != 0 && s.rope.rotary_dim != s.dims.head_dim)
+  if (shared_rope(s).rotary_dim != 0 && shared_rope(s).rotary_dim != s.dims.head_dim)
     no("/rope/rotary_dim", "the llama arch rotates every dim of the head");
   if (!s.attention.sink_logits.empty()) no("/attention/sink_logits", "the llama arch has no learned sinks");
   if (s.scale && std::abs(*s.scale - 1.0 / std::sqrt(s.dims.head_dim)) > 1e-12)
@@ -150,24 +157,24 @@ GgufFile tiny_llama(const Scenario& s, std::int64_t n_ctx) {
   meta("llama.attention.value_length", static_cast<std::uint32_t>(D));
   meta("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   meta("llama.rope.dimension_count", static_cast<std::uint32_t>(D));
-  meta("llama.rope.freq_base", static_cast<float>(s.rope.theta));
-  if (s.rope.scaling == RopeScaling::linear || s.rope.scaling == RopeScaling::yarn) {
-    meta("llama.rope.scaling.type", std::string(s.rope.scaling == RopeScaling::linear ? "linear" : "yarn"));
-    meta("llama.rope.scaling.factor", static_cast<float>(s.rope.factor));
-    if (s.rope.scaling == RopeScaling::yarn)
+  meta("llama.rope.freq_base", static_cast<float>(shared_rope(s).theta));
+  if (shared_rope(s).scaling == RopeScaling::linear || shared_rope(s).scaling == RopeScaling::yarn) {
+    meta("llama.rope.scaling.type", std::string(shared_rope(s).scaling == RopeScaling::linear ? "linear" : "yarn"));
+    meta("llama.rope.scaling.factor", static_cast<float>(shared_rope(s).factor));
+    if (shared_rope(s).scaling == RopeScaling::yarn)
       meta("llama.rope.scaling.original_context_length",
-           static_cast<std::uint32_t>(s.rope.original_max_position_embeddings));
+           static_cast<std::uint32_t>(shared_rope(s).original_max_position_embeddings));
   }
   meta("tokenizer.ggml.model", std::string("none"));
   // llama3 scaling reaches the llama arch as Llama 3.1 checkpoints carry it: a rope_freqs
   // tensor of per-pair factors, each pair's plain inverse frequency over its mapped one.
-  if (s.rope.scaling == RopeScaling::llama3) {
-    Rope plain = s.rope;
+  if (shared_rope(s).scaling == RopeScaling::llama3) {
+    Rope plain = shared_rope(s);
     plain.scaling = RopeScaling::none;
     std::vector<float> factors;
     for (int i = 0; i < static_cast<int>(D) / 2; ++i)
       factors.push_back(static_cast<float>(reference::inverse_frequency(i, static_cast<int>(D), plain) /
-                                           reference::inverse_frequency(i, static_cast<int>(D), s.rope)));
+                                           reference::inverse_frequency(i, static_cast<int>(D), shared_rope(s))));
     f.tensors.push_back({"rope_freqs.weight", {D / 2}, std::move(factors)});
   }
   int tag = 0;

@@ -86,7 +86,7 @@ class FaultyCache : public KvCache {
   };
 
   static RopeSpec rope_spec(const CacheConfig& c, Fault fault) {
-    RopeSpec spec = c.rope;
+    RopeSpec spec = shared_rope(c);
     if (fault == Fault::layout_swapped)
       spec.layout = spec.layout == PairLayout::half ? PairLayout::interleaved : PairLayout::half;
     if (fault == Fault::llama3_as_linear && spec.map == FrequencyMap::llama3) {

@@ -20,7 +20,7 @@ namespace {
 class QuantFaultyCache : public KvCache {
  public:
   QuantFaultyCache(const CacheConfig& config, QuantFault fault, std::unique_ptr<KvCache> inner)
-      : config_(config), fault_(fault), inner_(std::move(inner)), rope_(config.rope), kernel_(config.threads) {}
+      : config_(config), fault_(fault), inner_(std::move(inner)), rope_(shared_rope(config)), kernel_(config.threads) {}
 
   void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override {
     std::map<std::pair<int, std::int64_t>, Snapshot> before;

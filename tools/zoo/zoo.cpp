@@ -61,6 +61,49 @@ ZooMutant hybrid_layers_shifted() {
           {"gemma_hybrid_sliding_full", "gpt_oss_hybrid_yarn_learned_sinks"}};
 }
 
+// SPEC 10.1: a hybrid cache whose layers get the wrong rope.
+ZooMutant hybrid_with_ropes(const char* name, const char* bug, const char* wild, BugClass expected,
+                            std::function<bool(const Scenario&)> serves,
+                            std::function<void(std::vector<optimized::RopeSpec>&)> mistake,
+                            std::vector<std::string> fixtures) {
+  CacheEntry entry{std::string("zoo/") + name, bug, std::move(serves),
+                   [mistake](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     optimized::CacheConfig wrong = config;
+                     mistake(wrong.ropes);
+                     return std::make_unique<optimized::HybridCache>(wrong);
+                   }};
+  return {entry, wild, expected, std::move(fixtures)};
+}
+
+ZooMutant one_rope_for_every_layer() {
+  return hybrid_with_ropes(
+      "one_rope_for_every_layer",
+      "rotates every layer with the last layer's rope (Gemma 3's global base), whatever the layer's own",
+      "llama.cpp's Gemma 3 context shift re-rotating the sliding layers with the global rope base (issue 12357)",
+      BugClass::layer_rotated_with_another_layers_rope, [](const Scenario& s) { return !s.shared_rope(); },
+      [](std::vector<optimized::RopeSpec>& ropes) { ropes.assign(ropes.size(), ropes.back()); },
+      {"gemma3_sliding_full_two_bases"});
+}
+
+ZooMutant nope_layers_rotated() {
+  return hybrid_with_ropes(
+      "nope_layers_rotated", "rotates a NoPE layer's keys and queries with the first RoPE layer's rope",
+      "ports of Llama 4 that apply the rotary embedding in every layer, missing no_rope_layers (whose name "
+      "reads inverted: 1 means the layer uses RoPE)",
+      BugClass::nope_layer_rotated,
+      [](const Scenario& s) {
+        return std::any_of(s.ropes.begin(), s.ropes.end(), [](const Rope& r) { return r.nope; }) &&
+               std::any_of(s.ropes.begin(), s.ropes.end(), [](const Rope& r) { return !r.nope; });
+      },
+      [](std::vector<optimized::RopeSpec>& ropes) {
+        const auto rope = std::find_if(ropes.begin(), ropes.end(), [](const optimized::RopeSpec& r) { return !r.identity; });
+        const optimized::RopeSpec first = *rope;
+        for (optimized::RopeSpec& r : ropes)
+          if (r.identity) r = first;
+      },
+      {"llama4_chunked_nope"});
+}
+
 // Chunked attention (SPEC 10.2) served by the sliding ring with one mistake.
 bool every_layer_chunked(const Scenario& s) { return s.every_layer(PolicyKind::chunked); }
 
@@ -166,7 +209,8 @@ ZooMutant paged_mutant(const char* name, zoo::PagedFault fault, const char* bug,
 }  // namespace
 
 const std::vector<ZooMutant>& zoo_mutants() {
-  static const std::vector<ZooMutant> mutants = {
+  static const std::vector<ZooMutant> mutants = [] {
+    std::vector<ZooMutant> list = {
       mutant("new_key_not_shifted", Fault::new_key_not_shifted, sink_cache_positions,
              "re-rotates the kept keys when the window shifts, but stores the new key at its absolute position",
              "Hugging Face transformers SinkCache: old keys re-rotated, new ones not", BugClass::new_key_not_shifted,
@@ -461,7 +505,16 @@ const std::vector<ZooMutant>& zoo_mutants() {
                    BugClass::window_kept_in_prefill, {"paged_sliding_chunked_prefill"}),
       chunk_edge_off_by_one(),
       chunk_as_sliding_window(),
+      one_rope_for_every_layer(),
+      nope_layers_rotated(),
   };
+    // The other mutants keep one cos/sin table: they serve scenarios of one rope.
+    for (ZooMutant& m : list)
+      if (m.cache.name != "zoo/one_rope_for_every_layer" && m.cache.name != "zoo/nope_layers_rotated" &&
+          m.cache.name != "zoo/hybrid_layers_shifted")
+        m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return s.shared_rope() && inner(s); };
+    return list;
+  }();
   return mutants;
 }
 

@@ -239,6 +239,13 @@ constexpr BugClassRow kBugClasses[] = {
      "A chunked attention layer sees the last C keys, as a sliding window of C would, instead of its own "
      "chunk: the mask was built by the sliding-window path with the chunk size as the window (a cache that "
      "keeps the last C tokens is right, the mask over it is not)."},
+    {BugClass::layer_rotated_with_another_layers_rope, "layer rotated with another layer's rope",
+     "A layer's stored keys are rotations under the rope of another layer of the same model (its theta, "
+     "scaling or rotary dims): the cache or its shift uses one rope for every layer where the model gives "
+     "layers their own (Gemma 3's sliding layers rotated with the global base, llama.cpp issue 12357)."},
+    {BugClass::nope_layer_rotated, "NoPE layer rotated",
+     "A layer without positional encoding (NoPE: Llama 4's every fourth layer) holds rotated keys: the "
+     "cache or the model applied RoPE to every layer, or re-rotated a NoPE layer's keys at a shift."},
 };
 
 // Row i describes class i, and every class has its row.
@@ -248,8 +255,8 @@ constexpr bool rows_in_enum_order() {
   return true;
 }
 static_assert(rows_in_enum_order(), "kBugClasses: one row per BugClass, in the enum's order");
-static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::chunk_as_sliding_window) + 1,
-              "kBugClasses: a BugClass without its row (the last enumerator must be chunk_as_sliding_window)");
+static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::nope_layer_rotated) + 1,
+              "kBugClasses: a BugClass without its row (the last enumerator must be nope_layer_rotated)");
 
 }  // namespace
 

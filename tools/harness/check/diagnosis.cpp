@@ -189,6 +189,10 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
       case OtherRope::Kind::theta:
       case OtherRope::Kind::scaling:
         return BugClass::wrong_rope_theta_or_scaling;
+      case OtherRope::Kind::other_layer:
+        return BugClass::layer_rotated_with_another_layers_rope;
+      case OtherRope::Kind::nope_rotated:
+        return BugClass::nope_layer_rotated;
     }
   }
   // Kept window keys moved back by the same amount while the policy has evicted nothing

@@ -75,6 +75,8 @@ enum class BugClass {
   path_inconsistency,  // SPEC 9.2.6: decode and chunk paths disagree
   chunk_edge_off_by_one,    // SPEC 10.2: chunks start one token early or late
   chunk_as_sliding_window,  // SPEC 10.2: a chunked layer sees the last C keys
+  layer_rotated_with_another_layers_rope,  // SPEC 10.1
+  nope_layer_rotated,                      // SPEC 10.1
 };
 
 // Both from the one table of bug classes (bug_classes.cpp).

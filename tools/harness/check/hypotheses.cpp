@@ -18,7 +18,7 @@ std::vector<double> attend_over(const Scenario& s, const InputTable& inputs, int
                                 std::int64_t query_position, const std::vector<KeyAt>& keys_at, bool learned_sinks) {
   const int D = s.dims.head_dim, group = head / (s.dims.heads / s.dims.kv_heads);
   const auto rotated = [&](const float* x, std::int64_t position) {
-    return reference::rotate(std::vector<double>(x, x + D), static_cast<double>(position), s.rope);
+    return reference::rotate(std::vector<double>(x, x + D), static_cast<double>(position), s.rope(layer));
   };
   const std::vector<double> q = rotated(inputs.q_at(layer, query, head), query_position);
   std::vector<double> keys, values;

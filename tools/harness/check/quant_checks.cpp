@@ -114,9 +114,17 @@ optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) 
   return f;
 }
 
+// SPEC 9 keys are quantized under one rope: the parser refuses kv_quant beside a rope per
+// layer (SPEC 10.1), so every layer's rope is this one.
+static const Rope& quantized_rope(const Scenario& s) {
+  if (const Rope* shared = s.shared_rope()) return *shared;
+  throw std::logic_error("quantized checks on a scenario whose layers rotate differently");
+}
+
 QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), inputs_(inputs) {
-  const int D = inputs.head_dim, R = reference::rotary_dim(D, s.rope);
-  const double m = reference::rope_magnitude(s.rope);
+  const Rope& rope = quantized_rope(s);
+  const int D = inputs.head_dim, R = reference::rotary_dim(D, rope);
+  const double m = reference::rope_magnitude(rope);
   double v_lo = 0.0, v_hi = 0.0;
   for (std::size_t at = 0; at + D <= inputs.q.size(); at += static_cast<std::size_t>(D))
     q_norm_ = std::max(q_norm_, norm(inputs.q.data() + at, D) * m);
@@ -130,7 +138,7 @@ QuantChecks::QuantChecks(const Scenario& s, const InputTable& inputs) : s_(s), i
     here.key_norm = norm(k, D) * m;
     // A rotated element is at most its pair's norm (times m); the others pass unchanged.
     for (int i = 0; i < R / 2; ++i) {
-      const double a = k[reference::pair_first(i, s.rope.layout)], b = k[reference::pair_second(i, R, s.rope.layout)];
+      const double a = k[reference::pair_first(i, rope.layout)], b = k[reference::pair_second(i, R, rope.layout)];
       here.key_element = std::max(here.key_element, std::sqrt(a * a + b * b) * m);
     }
     for (int i = R; i < D; ++i) here.key_element = std::max(here.key_element, static_cast<double>(std::abs(k[i])));
@@ -435,7 +443,7 @@ std::optional<reference::QuantizedRow> QuantChecks::through_write_boundary(int l
                                                                            const std::vector<std::int64_t>& path,
                                                                            const optimized::UnpackedRow& stored) const {
   const KvQuant& q = s_.quant(l);
-  return codes_through_write_boundary(*q.k, q.transform, s_.rope, inputs_.k_at(l, uid, g), s_.dims.head_dim, g, path,
+  return codes_through_write_boundary(*q.k, q.transform, quantized_rope(s_), inputs_.k_at(l, uid, g), s_.dims.head_dim, g, path,
                                       as_row(stored));
 }
 
@@ -443,7 +451,7 @@ reference::QuantizedRow QuantChecks::requantized(const TensorQuant& format, refe
                                                  std::int64_t position, int times) const {
   // A flush re-quantizes what the codes stand for: dequantize, turn by nothing, quantize.
   for (int k = 0; k < times; ++k)
-    codes = reference::requantize_shifted(format, s_.quant_rules().transform, s_.rope, codes, kv_head, position, position);
+    codes = reference::requantize_shifted(format, s_.quant_rules().transform, quantized_rope(s_), codes, kv_head, position, position);
   return codes;
 }
 
@@ -563,7 +571,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               const float* k = inputs_.k_at(static_cast<int>(l), uid, g);
               const std::int64_t position = *positions.begin();
               const std::vector<double> rotated =
-                  reference::rotate(std::vector<double>(k, k + d), static_cast<double>(position), s_.rope);
+                  reference::rotate(std::vector<double>(k, k + d), static_cast<double>(position), quantized_rope(s_));
               unseen_key = std::max(unseen_key, unseen_row_deviation(*rules.k, reference::held_row(*rules.k, rules.transform, rotated),
                                                                      g, reference::boundary_window(position)));
             }
@@ -725,7 +733,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       // largest weight of a store read, not their sum.
       double moved = 0.0;
       if (written) {
-        reference_codes = reference::quantize_key_at(*q.k, q.transform, s_.rope,
+        reference_codes = reference::quantize_key_at(*q.k, q.transform, quantized_rope(s_),
                                                      inputs_.k_at(l, static_cast<std::uint64_t>(uid), g), D, g,
                                                      list.front()->position);
       } else {
@@ -750,9 +758,9 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
         if (i == 0 && written) {
           expected = reference_codes;
         } else {
-          expected = reference::requantize_shifted(*q.k, q.transform, s_.rope, cache_codes, g, at, store.position);
+          expected = reference::requantize_shifted(*q.k, q.transform, quantized_rope(s_), cache_codes, g, at, store.position);
           reference_codes =
-              reference::requantize_shifted(*q.k, q.transform, s_.rope, reference_codes, g, at, store.position);
+              reference::requantize_shifted(*q.k, q.transform, quantized_rope(s_), reference_codes, g, at, store.position);
         }
         const CodeMismatch where{l, b, g, false, uid, -1, 0, 0, 0.0, 0.0};
         right = compare(*q.k, expected, store.codes, where, false);
@@ -860,7 +868,7 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
               std::int64_t at = held->second.position;
               for (const std::int64_t to : path) {
                 if (to == at) continue;
-                expected = reference::requantize_shifted(*q.k, q.transform, s_.rope, expected, g, at, to);
+                expected = reference::requantize_shifted(*q.k, q.transform, quantized_rope(s_), expected, g, at, to);
                 at = to;
               }
             }
@@ -975,7 +983,7 @@ bool QuantChecks::held_outputs(const StepRecord& rec, int l, int b, const float*
         query.assign(rotated_q + token_at * D, rotated_q + (token_at + 1) * D);
       } else {
         const float* raw = inputs_.q_at(l, tokens[i].uid, head);
-        query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
+        query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), quantized_rope(s_));
       }
       // A query code on a tie may still round either way: its slack is kept (the window of
       // position 0: neither query here carries a float32 rope's error).
@@ -1080,7 +1088,7 @@ void QuantChecks::check_bound(const StepRecord& rec, int l, int b, const float* 
     ++saturated_rows_;  // saturation_ says why
     return;
   }
-  const double scale = s_.softmax_scale(), m = reference::rope_magnitude(s_.rope);
+  const double scale = s_.softmax_scale(), m = reference::rope_magnitude(quantized_rope(s_));
   const double root_d = std::sqrt(static_cast<double>(D));
   for (std::size_t i = skipped; i < tokens.size(); ++i)
     for (int h = 0; h < H; ++h) {
@@ -1152,7 +1160,7 @@ bool QuantChecks::fits(Variant variant, const StepRecord& rec, int l, int b, std
       std::copy(h.value.begin(), h.value.end(), values.begin() + static_cast<std::ptrdiff_t>(j * D));
   }
   const float* raw = inputs_.q_at(l, t.uid, head);
-  query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), s_.rope);
+  query = reference::rotate(std::vector<double>(raw, raw + D), static_cast<double>(view.query_position), quantized_rope(s_));
   // The query quantized as declared (kv_quant "query"), or as the hypothesis says.
   if (variant == Variant::quantized_query || q.query) {
     if (D % 32 != 0) return false;

@@ -101,6 +101,14 @@ bool unwrap(const std::vector<Pair>& pairs, double start, std::int64_t& position
 RecoveredPosition recover_with(const float* raw, const float* stored, int d, const Rope& rope,
                                std::int64_t max_position, double roundoff) {
   RecoveredPosition r;
+  if (rope.nope) {  // R(p) is the identity: the stored key is its raw key, or no NoPE key
+    for (int i = 0; i < d; ++i) {
+      const double a = raw[i], b = stored[i];
+      if (!(std::abs(a - b) <= 8.0 * roundoff * std::max(1.0, std::abs(a)))) return r;
+    }
+    r.status = RecoveredPosition::Status::exact;
+    return r;
+  }
   std::vector<Pair> pairs;
   switch (measure(raw, stored, d, rope, roundoff, pairs)) {
     case Measured::length_changed:
@@ -144,9 +152,23 @@ double lowest_frequency_period(int head_dim, const Rope& rope) {
 }
 
 RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope,
-                                   std::int64_t max_position, double roundoff) {
+                                   std::int64_t max_position, double roundoff, const std::vector<Rope>& other_layers) {
   RecoveredPosition r = recover_with(raw, stored, head_dim, rope, max_position, roundoff);
   if (r.status != RecoveredPosition::Status::not_rotation) return r;
+  // Another layer's rope first (SPEC 10.1): a per-layer stack's likeliest mistake.
+  for (const Rope& other : other_layers) {
+    if (other == rope || other.nope) continue;
+    const RecoveredPosition g = recover_with(raw, stored, head_dim, other, max_position, roundoff);
+    if (g.status == RecoveredPosition::Status::not_rotation) continue;
+    const std::string what = fmt::format("another layer's rope (theta {:g}{})", other.theta,
+                                         other.scaling == RopeScaling::none ? std::string()
+                                                                            : ", " + std::string(to_string(other.scaling)));
+    r.fits = {rope.nope ? OtherRope::Kind::nope_rotated : OtherRope::Kind::other_layer,
+              rope.nope ? "a rotation by " + what + " in a NoPE layer" : what, g.position,
+              g.status == RecoveredPosition::Status::exact};
+    return r;
+  }
+  if (rope.nope) return r;  // the guesses below vary a rope; a NoPE layer has none
   // Which rope would fit instead: the other layout, a common theta, a linear scaling.
   struct Guess {
     Rope rope;

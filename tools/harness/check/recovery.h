@@ -13,7 +13,17 @@ namespace kvcheck {
 
 // A rope other than the declared one under which a key is a pure rotation.
 struct OtherRope {
-  enum class Kind { none, layout, theta, scaling, frequency_map, rotary_dim, magnitude } kind = Kind::none;
+  enum class Kind {
+    none,
+    layout,
+    theta,
+    scaling,
+    frequency_map,
+    rotary_dim,
+    magnitude,
+    other_layer,   // SPEC 10.1: another layer's rope (its theta, scaling or dims)
+    nope_rotated,  // SPEC 10.1: a NoPE layer's key, rotated by a rope of the scenario
+  } kind = Kind::none;
   // "layout interleaved", "theta 500000", "linear scaling 4", "linear scaling 8 instead of
   // llama3", "rotary_dim 16 (all dims)", "attention factor 1 (keys not scaled)"
   std::string name;
@@ -44,9 +54,12 @@ constexpr double unit_roundoff(KvDtype d) {
 // with angles computed in float32 and re-rotated many times, are expected to fit. Give
 // the largest position the scenario can reach: a looser bound admits false fits.
 // `roundoff` is the unit roundoff of the stored key's format (float16 traces: 2^-11).
+// A NoPE rope (SPEC 10.1) fits only an unrotated key (position 0, exact). `other_layers`:
+// the scenario's ropes of other layers, tried first when the key fits no rotation under
+// `rope` (a layer rotated with another layer's rope, or a NoPE layer's key rotated).
 RecoveredPosition recover_position(const float* raw, const float* stored, int head_dim, const Rope& rope,
                                    std::int64_t max_position = std::int64_t{1} << 17,
-                                   double roundoff = kFloat32Roundoff);
+                                   double roundoff = kFloat32Roundoff, const std::vector<Rope>& other_layers = {});
 
 // The period of the lowest frequency, in positions: below it a position is unique.
 double lowest_frequency_period(int head_dim, const Rope& rope);

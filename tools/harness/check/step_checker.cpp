@@ -57,7 +57,8 @@ Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double r
   double vmax = 0.0;
   for (float v : inputs.v) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
   // Yarn's attention factor m scales rotated q and k, so the scores by up to m^2.
-  const double m = std::max(1.0, reference::rope_magnitude(s.rope));
+  double m = 1.0;
+  for (const Rope& rope : s.ropes) m = std::max(m, reference::rope_magnitude(rope));
   const double bound =
       roundoff * vmax * (1.0 + 2.0 * s.softmax_scale() * m * m * largest_norm(inputs.q) * largest_norm(inputs.k));
   Tolerance t;
@@ -106,6 +107,8 @@ class RotationCheck {
         inverse_magnitude_(1.0 / reference::rope_magnitude(rope)),
         rope_(rope),
         bound_(bound) {}
+
+  const Rope& rope() const { return rope_; }
 
   double error(const float* stored, const float* raw, std::int64_t position) {
     if (unrotated_) return plain(stored, raw);
@@ -233,17 +236,25 @@ class StepChecker::Impl {
         inputs_(inputs),
         options_(options),
         max_position_(largest_position(s)),
-        rotations_(s.dims.head_dim, s.rope, largest_position(s)),
+
         paged_(s),
         precision_(s),
         paths_(s) {
     if (s.quantized()) quant_.emplace(s, inputs);
+    // One rotation table per distinct rope (SPEC 10.1), shared by the layers that use it.
+    for (const Rope& rope : s.ropes) {
+      auto same = std::find_if(rotations_.begin(), rotations_.end(),
+                               [&](const RotationCheck& r) { return r.rope() == rope; });
+      if (same == rotations_.end())
+        same = rotations_.insert(rotations_.end(), RotationCheck(s.dims.head_dim, rope, largest_position(s)));
+      rotation_of_layer_.push_back(static_cast<std::size_t>(same - rotations_.begin()));
+    }
     // The list, in its order: paged first (it names shared and hit slots by the row's own
     // uids), then the codes, then the precision map (both SPEC 9: a quantized cache only).
     checks_ = {&paged_};
     if (quant_) checks_.insert(checks_.end(), {&*quant_, &precision_});
     checks_.push_back(&paths_);
-    rotations_.set_unrotated(options_.key_positions == KeyPositions::unrotated);
+    for (RotationCheck& r : rotations_) r.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
                        fmt::format("step {} does not exist: this scenario has steps 0 to {} (decode expanded)",
@@ -625,9 +636,9 @@ class StepChecker::Impl {
       if (!lazy) continue;
       const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
       const double tol = rotation_tolerance(raw, D, key_roundoff_in(view, l));
-      const bool lazy_misfit = rotations_.error(v.key, raw, *lazy) > tol;
+      const bool lazy_misfit = rotations(l).error(v.key, raw, *lazy) > tol;
       lazy_misfits += lazy_misfit;
-      eager_misfits += *eager == *lazy ? lazy_misfit : rotations_.error(v.key, raw, *eager) > tol;
+      eager_misfits += *eager == *lazy ? lazy_misfit : rotations(l).error(v.key, raw, *eager) > tol;
     }
     return eager_misfits < lazy_misfits ? Convention::eager : Convention::lazy;
   }
@@ -644,7 +655,7 @@ class StepChecker::Impl {
       const std::vector<double>& stored =
           rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i].heads[static_cast<std::size_t>(g)].key;
       const std::vector<float> as_float(stored.begin(), stored.end());
-      return rotations_.error(as_float.data(), raw, position);
+      return rotations(l).error(as_float.data(), raw, position);
     }
     return 0.0;
   }
@@ -710,7 +721,7 @@ class StepChecker::Impl {
       state.keys[v.uid] = v.key;
     }
     const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
-    const double error = rotations_.error(v.key, raw, claim);
+    const double error = rotations(l).error(v.key, raw, claim);
     step_rotation_error_ = std::max(step_rotation_error_, error);
     // A coarse quantized key whose codes the source does not show is held to the value the
     // reference simulates at its claimed position, within a code step: the rotation check's
@@ -724,13 +735,13 @@ class StepChecker::Impl {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
     }
-    const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope, max_position_, key_roundoff_in(view, l));
+    const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope(l), max_position_, key_roundoff_in(view, l), other_ropes(l));
     if (g == 0 && r.status != RecoveredPosition::Status::not_rotation) state.key_position[v.uid] = r.position + shift;
     // Rotated back by its claim the key is still closest to its raw key, by far: the right
     // position, carrying more rounding error than one rounding to the storage explains.
-    const double at_claim = rotations_.error(v.key, raw, claim);
+    const double at_claim = rotations(l).error(v.key, raw, claim);
     const bool best_at_claim =
-        at_claim < 0.5 * std::min(rotations_.error(v.key, raw, claim - 1), rotations_.error(v.key, raw, claim + 1));
+        at_claim < 0.5 * std::min(rotations(l).error(v.key, raw, claim - 1), rotations(l).error(v.key, raw, claim + 1));
     if (g == 0 && is_fine(row.verdict)) row.verdict = SlotVerdict::key_off_claim;
     rotation_.fail(
         fmt::format("{} slot {} (uid {}, token {}): the key is not its raw key rotated by {} {} "
@@ -969,14 +980,16 @@ class StepChecker::Impl {
     const auto& tokens = rec.append->rows[b];
     // Dense prefill: a chunk's queries saw a state the trace does not show. Unrotated keys
     // carry no position to measure a distance against.
-    if (tokens.empty() || s_.policy(l).prefill != Prefill::streaming || options_.key_positions == KeyPositions::unrotated)
+    // A NoPE layer (SPEC 10.1) has no positions to measure: no score depends on them.
+    if (tokens.empty() || s_.policy(l).prefill != Prefill::streaming ||
+        options_.key_positions == KeyPositions::unrotated || s_.rope(l).nope)
       return;
     const int H = s_.dims.heads, D = s_.dims.head_dim;
     const std::int64_t n = rec.append->chunk;
     const auto& last = tokens.back();
     const float* rotated = view.layers[l].q + ((static_cast<std::size_t>(b) * n + n - 1) * H + 0) * D;
     const RecoveredPosition r =
-        recover_position(inputs_.q_at(l, last.uid, 0), rotated, D, s_.rope, max_position_, view.query_roundoff);
+        recover_position(inputs_.q_at(l, last.uid, 0), rotated, D, s_.rope(l), max_position_, view.query_roundoff);
     pairs_seen_ = true;
     if (r.status == RecoveredPosition::Status::not_rotation) {
       positions_.fail(
@@ -1077,7 +1090,8 @@ class StepChecker::Impl {
         if (const auto it = state.keys.find(r.uid); it != state.keys.end())
           r.position_recovered =
               describe(recover_position(inputs_.k_at(d.layer, static_cast<std::uint64_t>(r.uid), 0), it->second,
-                                        s_.dims.head_dim, s_.rope, max_position_, key_roundoff_in(view, d.layer)));
+                                        s_.dims.head_dim, s_.rope(d.layer), max_position_, key_roundoff_in(view, d.layer),
+                                        other_ropes(d.layer)));
     }
     return d;
   }
@@ -1169,7 +1183,16 @@ class StepChecker::Impl {
   const InputTable& inputs_;
   const CheckOptions options_;  // a copy: callers build it on the spot
   const std::int64_t max_position_;
-  RotationCheck rotations_;
+  std::vector<RotationCheck> rotations_;      // one per distinct rope
+  std::vector<std::size_t> rotation_of_layer_;  // per layer, its rope's
+  RotationCheck& rotations(int layer) { return rotations_[rotation_of_layer_[static_cast<std::size_t>(layer)]]; }
+  // The ropes of the other layers, for recovery's guesses (SPEC 10.1).
+  std::vector<Rope> other_ropes(int layer) const {
+    std::vector<Rope> out;
+    for (const Rope& r : s_.ropes)
+      if (!(r == s_.rope(layer)) && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
+    return out;
+  }
   CacheTrace trace_;
   StepContext context_;
   bool stopped_ = false;  // an earlier step ended the run's meaning (the cache raised)

@@ -32,6 +32,7 @@ json dims_json(const Dims& d) {
 // The rope as the reference resolved it: every parameter, defaults and yarn's derived
 // attention factor included, so an implementation needs nothing else.
 json rope_json(const Rope& r) {
+  if (r.nope) return nullptr;  // SPEC 10.1: a NoPE layer
   json j = {{"theta", r.theta}, {"layout", to_string(r.layout)}, {"scaling", to_string(r.scaling)}};
   if (r.rotary_dim > 0) j["rotary_dim"] = r.rotary_dim;
   if (r.scaling != RopeScaling::none) j["factor"] = r.factor;
@@ -333,7 +334,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
                    {"description", s.description},
                    {"scenario", json::parse(s.source_json)},
                    {"dimensions", dims_json(s.dims)},
-                   {"rope", rope_json(s.rope)},
+                   {"rope", rope_json(s.rope(0))},  // a list when the layers' differ, below
                    {"policy", policy_json(s.policies.front())},  // a list when the layers' differ, below
                    {"softmax_scale", s.softmax_scale()},
 
@@ -351,6 +352,11 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     manifest["kv_quant"] = json::array();
     for (const KvQuant& q : s.quants)  // null: a layer stored in kv_dtype
       manifest["kv_quant"].push_back(q.k || q.v ? kv_quant_json(q, s.dims.head_dim) : json(nullptr));
+  }
+  if (!s.shared_rope()) {
+    json ropes = json::array();
+    for (const Rope& r : s.ropes) ropes.push_back(rope_json(r));
+    manifest["rope"] = ropes;
   }
   if (s.hybrid()) {
     json policies = json::array();

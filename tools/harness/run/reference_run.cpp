@@ -209,7 +209,7 @@ void ReferenceStepper::record_writes(const std::vector<std::int64_t>& lengths_be
 ReferenceStepper::ReferenceStepper(const Scenario& s, const InputTable& inputs, std::vector<bool> attend)
     : scenario_(s),
       state_(new State{
-          reference::ReferenceModel(s.dims, s.rope, s.policies, s.softmax_scale(), inputs, s.attention), {}, {}, {}}),
+          reference::ReferenceModel(s.dims, s.ropes, s.policies, s.softmax_scale(), inputs, s.attention), {}, {}, {}}),
       attend_(std::move(attend)) {
   if (s.quantized()) state_->model.store_as(s.quants, s.kv_dtype);
   if (s.paging && s.paging->prefix_cache) state_->prefix_blocks.emplace(s.paging->block_size, s.paging->token_reuse);

@@ -42,9 +42,11 @@ namespace {
 // cache. Such a scenario asks for the impossible: bad input.
 void require_float16_range(const Scenario& s, const InputTable& t) {
   constexpr double kLargest = 65504.0;
-  const int D = s.dims.head_dim, rotary = s.rope.rotary_dim > 0 ? s.rope.rotary_dim : D;
-  const double m = s.rope.scaling == RopeScaling::yarn ? std::max(1.0, s.rope.attention_factor) : 1.0;
-  for (int l = 0; l < t.layers; ++l)
+  const int D = s.dims.head_dim;
+  for (int l = 0; l < t.layers; ++l) {
+    const Rope& rope = s.rope(l);
+    const int rotary = rope.nope ? 0 : rope.rotary_dim > 0 ? rope.rotary_dim : D;
+    const double m = rope.scaling == RopeScaling::yarn ? std::max(1.0, rope.attention_factor) : 1.0;
     for (std::int64_t u = 0; u < t.uids; ++u)
       for (int g = 0; g < t.kv_heads; ++g) {
         const float* k = t.k_at(l, static_cast<std::uint64_t>(u), g);
@@ -54,7 +56,7 @@ void require_float16_range(const Scenario& s, const InputTable& t) {
           double reach = std::abs(static_cast<double>(k[d]));
           if (d < rotary) {
             const int half = rotary / 2;
-            const int other = s.rope.layout == RopeLayout::half ? (d < half ? d + half : d - half) : (d ^ 1);
+            const int other = rope.layout == RopeLayout::half ? (d < half ? d + half : d - half) : (d ^ 1);
             reach = m * std::hypot(static_cast<double>(k[d]), static_cast<double>(k[other]));
           }
           const double worst = std::max(reach, std::abs(static_cast<double>(v[d])));
@@ -65,6 +67,7 @@ void require_float16_range(const Scenario& s, const InputTable& t) {
                                          l, u, g, worst));
         }
       }
+  }
 }
 
 InputTable load_raw_inputs(const Scenario& s);

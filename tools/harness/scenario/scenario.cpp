@@ -54,6 +54,12 @@ const Policy* Scenario::shared_policy() const {
   return std::all_of(policies.begin(), policies.end(), [&](const Policy& p) { return p == first; }) ? &first : nullptr;
 }
 
+const Rope* Scenario::shared_rope() const {
+  if (ropes.empty()) return nullptr;
+  const Rope& first = ropes.front();
+  return std::all_of(ropes.begin(), ropes.end(), [&](const Rope& r) { return r == first; }) ? &first : nullptr;
+}
+
 bool Scenario::mixed_quant() const {
   return std::any_of(quants.begin(), quants.end(), [&](const KvQuant& q) { return !(q == quants.front()); });
 }
@@ -143,7 +149,7 @@ void parse_scaling_object(const Reader& r, const json& j, const std::string& p, 
     r.fail(p + "/truncate", "only \"truncate\": true is supported (SPEC 7 rounds the correction range to whole dims)");
   rope.scaling = RopeScaling::yarn;
   if (rope.theta <= 1.0)
-    r.fail("/rope/theta", fmt::format("yarn needs theta > 1 (it divides by ln theta), got {}", rope.theta));
+    r.fail(p.substr(0, p.rfind('/')) + "/theta", fmt::format("yarn needs theta > 1 (it divides by ln theta), got {}", rope.theta));
   rope.original_max_position_embeddings = original_length();
   if (j.contains("beta_fast")) rope.beta_fast = r.number(j["beta_fast"], p + "/beta_fast", false);
   if (j.contains("beta_slow")) rope.beta_slow = r.number(j["beta_slow"], p + "/beta_slow", false);
@@ -155,9 +161,12 @@ void parse_scaling_object(const Reader& r, const json& j, const std::string& p, 
                               : (rope.factor > 1.0 ? 0.1 * std::log(rope.factor) + 1.0 : 1.0);
 }
 
-Rope parse_rope(const Reader& r, const json& j, int head_dim) {
-  const std::string p = "/rope";
-  if (j.is_array()) not_yet(r, p, "a rope per layer (a list; null for a NoPE layer)", "SPEC 10.1");
+Rope parse_rope(const Reader& r, const json& j, int head_dim, const std::string& p = "/rope") {
+  if (j.is_null()) {  // SPEC 10.1: a NoPE layer
+    Rope nope;
+    nope.nope = true;
+    return nope;
+  }
   r.object(j, p, {"theta", "layout", "scaling", "factor", "rotary_dim", "partial_rotary_factor"});
   Rope rope;
   if (j.contains("theta")) rope.theta = r.number(j["theta"], p + "/theta", false);
@@ -585,7 +594,17 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
                                 kMaxNameLength, s.name.size()));
   if (j.contains("description")) s.description = r.string(j["description"], "/description");
   s.dims = parse_dims(r, r.field(j, "", "dimensions"));
-  if (j.contains("rope")) s.rope = parse_rope(r, j["rope"], s.dims.head_dim);
+  // SPEC 10.1: one rope for every layer, or a list of one per layer (null: NoPE).
+  s.ropes.assign(static_cast<std::size_t>(s.dims.layers), Rope{});
+  if (j.contains("rope") && j["rope"].is_array()) {
+    if (j["rope"].size() != static_cast<std::size_t>(s.dims.layers))
+      r.fail("/rope", fmt::format("expected one rope per layer ({}), got {}", s.dims.layers, j["rope"].size()));
+    for (std::size_t l = 0; l < j["rope"].size(); ++l)
+      s.ropes[l] = parse_rope(r, j["rope"][l], s.dims.head_dim, "/rope/" + std::to_string(l));
+  } else if (j.contains("rope")) {
+    if (j["rope"].is_null()) r.fail("/rope", "expected a rope object, or a list of one per layer with null for NoPE");
+    s.ropes.assign(static_cast<std::size_t>(s.dims.layers), parse_rope(r, j["rope"], s.dims.head_dim));
+  }
   if (j.contains("attention")) s.attention = parse_attention(r, j["attention"], s.dims);
   if (j.contains("kv_dtype")) {
     const std::string dtype = r.choice(j["kv_dtype"], "/kv_dtype", {"float32", "float16", "bfloat16"});
@@ -606,6 +625,8 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   } else {
     s.policies.assign(static_cast<std::size_t>(s.dims.layers), parse_policy(r, policy));
   }
+  if (s.quantized() && !s.shared_rope())
+    not_yet(r, "/kv_quant", "quantized storage (SPEC 9) with a rope per layer (SPEC 10.1)", "SPEC 9 and 10.1 together");
   if (s.quantized() && s.quant_rules().holds_raw())
     for (std::size_t l = 0; l < s.policies.size(); ++l)
       if (s.policies[l].kind != PolicyKind::full)

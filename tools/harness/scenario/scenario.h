@@ -83,7 +83,7 @@ struct Scenario {
   std::string description;
   std::string source_json;  // the scenario as written, echoed into manifests
   Dims dims;
-  Rope rope;
+  std::vector<Rope> ropes;  // one per layer (SPEC 10.1: `rope` as a list; Rope::nope for a NoPE layer)
   Attention attention;                  // learned sink logits (SPEC 7)
   KvDtype kv_dtype = KvDtype::float32;  // the caches' storage (SPEC 7)
   // Quantized storage (SPEC 9), one per layer; empty: nothing is quantized. The layers' "k"
@@ -109,6 +109,9 @@ struct Scenario {
   const Policy* shared_policy() const;
   // The layers follow different policies.
   bool hybrid() const { return shared_policy() == nullptr; }
+  const Rope& rope(int layer) const { return ropes.at(static_cast<std::size_t>(layer)); }
+  // The rope every layer rotates with; nullptr when the layers' differ (SPEC 10.1).
+  const Rope* shared_rope() const;
   // Every layer follows one policy, of this kind.
   bool every_layer(PolicyKind kind) const {
     const Policy* p = shared_policy();

@@ -28,8 +28,10 @@ constexpr EnumName<Feature> kFeatureNames[] = {
     {Feature::quantized, "quantized"},
     {Feature::per_layer_quant, "per_layer_quant"},
     {Feature::paged, "paged"},
+    {Feature::per_layer_rope, "per_layer_rope"},
+    {Feature::nope_layer, "nope_layer"},
 };
-static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::paged) + 1, "a feature without a name");
+static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::nope_layer) + 1, "a feature without a name");
 }  // namespace
 
 const char* to_string(Feature f) { return name_in(kFeatureNames, f); }
@@ -65,9 +67,12 @@ std::vector<Feature> scenario_features(const Scenario& s) {
   add(Feature::reset, has_op(StepOp::reset));
   add(Feature::per_layer_policy, s.hybrid());
   add(Feature::learned_sinks, !s.attention.sink_logits.empty());
-  add(Feature::rope_scaling, s.rope.scaling != RopeScaling::none);
-  add(Feature::partial_rotary, s.rope.rotary_dim != 0 && s.rope.rotary_dim < s.dims.head_dim);
-  add(Feature::interleaved_rope, s.rope.layout == RopeLayout::interleaved);
+  auto any_rope = [&](auto pred) { return std::any_of(s.ropes.begin(), s.ropes.end(), pred); };
+  add(Feature::rope_scaling, any_rope([](const Rope& r) { return !r.nope && r.scaling != RopeScaling::none; }));
+  add(Feature::partial_rotary, any_rope([&](const Rope& r) {
+        return !r.nope && r.rotary_dim != 0 && r.rotary_dim < s.dims.head_dim;
+      }));
+  add(Feature::interleaved_rope, any_rope([](const Rope& r) { return !r.nope && r.layout == RopeLayout::interleaved; }));
   add(Feature::half_precision, s.kv_dtype != KvDtype::float32);
   add(Feature::dense_prefill, any_policy([](const Policy& p) { return p.prefill == Prefill::dense; }));
   add(Feature::original_positions, any_policy([](const Policy& p) {
@@ -82,6 +87,8 @@ std::vector<Feature> scenario_features(const Scenario& s) {
                           has_op(StepOp::evict) || std::any_of(s.steps.begin(), s.steps.end(), [](const Step& step) {
                             return step.chunk > 0;
                           }));
+  add(Feature::per_layer_rope, !s.shared_rope());
+  add(Feature::nope_layer, any_rope([](const Rope& r) { return r.nope; }));
   return f;
 }
 

@@ -28,6 +28,8 @@ enum class Feature {
   quantized,           // kv_quant (SPEC 9): codes and scales, not floats
   per_layer_quant,     // kv_quant is a list whose layers quantize differently (SPEC 9)
   paged,               // SPEC 8: paging, content "prefix", free/evict, chunked or id-given appends
+  per_layer_rope,      // rope is a list that differs between layers (SPEC 10.1)
+  nope_layer,          // a NoPE layer: no rotation (SPEC 10.1)
 };
 
 const char* to_string(Feature f);

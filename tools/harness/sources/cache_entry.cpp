@@ -33,6 +33,7 @@ optimized::LayerPolicy layer_policy(const Policy& p) {
 optimized::RopeSpec rope_spec(const Rope& r, int head_dim) {
   optimized::RopeSpec spec;
   spec.head_dim = head_dim;
+  spec.identity = r.nope;
   spec.theta = r.theta;
   spec.layout = r.layout == RopeLayout::half ? PairLayout::half : PairLayout::interleaved;
   spec.position_divisor = r.scaling == RopeScaling::linear ? r.factor : 1.0;
@@ -85,7 +86,7 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.kv_heads = s.dims.kv_heads;
   c.head_dim = s.dims.head_dim;
   c.batch = s.dims.batch;
-  c.rope = rope_spec(s.rope, s.dims.head_dim);
+  for (const Rope& r : s.ropes) c.ropes.push_back(rope_spec(r, s.dims.head_dim));
   for (const std::vector<double>& layer : s.attention.sink_logits)
     c.sink_logits.emplace_back(layer.begin(), layer.end());
   c.softmax_scale = static_cast<float>(s.softmax_scale());
