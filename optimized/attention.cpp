@@ -432,8 +432,15 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       w.k.resize(n);
       w.v.resize(n);
 
+      const bool tempered = shape.temperature_floor > 0 && shape.temperature_layers[layer];
       for (std::size_t j = 0; j < block.count; ++j) {
         const PlannedQuery& pq = queries[block.first + j];
+        // Written from SPEC 10.3 apart from reference/: floor of (t + 1) / F by integer division.
+        const float temperature =
+            tempered ? static_cast<float>(std::log1p(static_cast<double>((pq.plan.index + 1) / shape.temperature_floor)) *
+                                              shape.temperature_scale +
+                                          1.0)
+                     : 1.0f;
         for (int hh = 0; hh < G; ++hh) {
           const float* raw = q[layer] + row_offset + (pq.chunk_pos * H + g * G + hh) * D;
           float* qw = w.q_window.data() + (j * G + hh) * D;
@@ -446,6 +453,11 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
           } else {
             std::copy_n(qw, D, qs);
           }
+          if (tempered)
+            for (int i = 0; i < D; ++i) {
+              qw[i] *= temperature;
+              qs[i] *= temperature;
+            }
         }
       }
       // Half-precision and quantized rows are decoded as they are read: a key row just

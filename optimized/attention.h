@@ -48,6 +48,11 @@ struct KernelShape {
   float scale = 1.0f;
   // Learned sink logits [layer][head] (gpt-oss): each joins its head's softmax with no value.
   const std::vector<std::vector<float>>* sink_logits = nullptr;
+  // SPEC 10.3 (Llama 4's NoPE layers): where temperature_layers[layer] is set, the query of
+  // token t is multiplied by log1p(floor((t + 1) / temperature_floor)) * temperature_scale + 1.
+  std::int64_t temperature_floor = 0;  // 0: no temperature
+  double temperature_scale = 0.0;
+  const char* temperature_layers = nullptr;
 };
 
 // Slots a query may read: a row of a store, or `count` slots of it from `first` (a block of

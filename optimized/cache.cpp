@@ -129,7 +129,10 @@ void attend_all_layers(const CacheConfig& config, AttentionKernel& kernel, const
                           config.kv_heads,
                           config.head_dim,
                           config.softmax_scale,
-                          config.sink_logits.empty() ? nullptr : &config.sink_logits};
+                          config.sink_logits.empty() ? nullptr : &config.sink_logits,
+                          config.temperature_floor,
+                          config.temperature_scale,
+                          config.temperature_layers.empty() ? nullptr : config.temperature_layers.data()};
   const std::size_t per_row = static_cast<std::size_t>(row) * chunk.length * config.heads * config.head_dim;
   kernel.attend(shape, rope, chunk.q, out, per_row, plans, sources, log, row);
 }

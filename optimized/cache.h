@@ -64,6 +64,11 @@ struct CacheConfig {
   Storage storage = Storage::float32;           // how keys and values are stored (SPEC 7, kv_dtype)
   std::vector<LayerQuant> quant;                // quantized instead (SPEC 9): per layer; empty: nothing is
   std::vector<std::vector<float>> sink_logits;  // learned sink logit per layer and query head; empty: none
+  // SPEC 10.3: a query temperature on the layers marked in temperature_layers (Llama 4's NoPE
+  // layers); temperature_floor 0: none.
+  std::int64_t temperature_floor = 0;
+  double temperature_scale = 0.0;
+  std::vector<char> temperature_layers;
   std::optional<PagedLayout> paging;            // the paged cache's pool
   std::optional<Residual> residual;             // quantized stores holding some tokens raw (SPEC 9)
   bool poison_blocks = false;                   // paged: new and freed blocks hold marked NaNs (poison.h)

@@ -18,6 +18,7 @@ HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
     one.threads = 1;
     one.policies = {p};
     one.ropes = {config.ropes.at(static_cast<std::size_t>(l))};
+    if (!config.temperature_layers.empty()) one.temperature_layers = {config.temperature_layers[static_cast<std::size_t>(l)]};
     one.sink_logits.clear();
     if (!config.sink_logits.empty()) one.sink_logits.push_back(config.sink_logits[static_cast<std::size_t>(l)]);
     one.quant.clear();

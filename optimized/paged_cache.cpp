@@ -354,8 +354,15 @@ void PagedCache::run_forward(const Chunk& chunk, const std::vector<float*>& out,
     for (std::int64_t block : table)
       if (block >= 0) sources.push_back({&pool, 0, block * B, B});
     const auto& logits = sink_logits_[static_cast<std::size_t>(l)];
-    const KernelShape shape{1, config_.heads, config_.kv_heads, config_.head_dim, config_.softmax_scale,
-                            logits.empty() ? nullptr : &logits};
+    const KernelShape shape{1,
+                            config_.heads,
+                            config_.kv_heads,
+                            config_.head_dim,
+                            config_.softmax_scale,
+                            logits.empty() ? nullptr : &logits,
+                            config_.temperature_floor,
+                            config_.temperature_scale,
+                            config_.temperature_layers.empty() ? nullptr : config_.temperature_layers.data() + l};
     const std::size_t per_row = static_cast<std::size_t>(b) * chunk.length * config_.heads * config_.head_dim;
     kernel_.attend(shape, rope_, {chunk.q[l]}, {out[l]}, per_row, plans_, sources, l == 0 ? log : nullptr, b);
   }

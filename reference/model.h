@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,9 +43,18 @@ inline const char* to_string(KvDtype d) {
   return d == KvDtype::float32 ? "float32" : d == KvDtype::float16 ? "float16" : "bfloat16";
 }
 
+// SPEC 10.3: Llama 4's attn_temperature_tuning, on its NoPE layers: the query of the token
+// at position p is multiplied by log1p(floor((p + 1) / F)) * a + 1.
+struct QueryTemperature {
+  std::int64_t floor_scale = 8192;  // F
+  double attn_scale = 0.1;          // a
+  bool operator==(const QueryTemperature&) const = default;
+};
+
 // SPEC 7: learned sink logits, one per query head, per layer ([L][H]); empty: none.
 struct Attention {
   std::vector<std::vector<double>> sink_logits;
+  std::optional<QueryTemperature> query_temperature;  // SPEC 10.3: on every NoPE layer
 };
 
 enum class PolicyKind { full, sliding, sink, chunked };

@@ -44,6 +44,14 @@ void ReferenceModel::store_as(std::vector<KvQuant> layers, KvDtype kv_dtype) {
   stored_->reset(batch());
 }
 
+// SPEC 10.3: a NoPE layer's query times its temperature at position p (the parser allows
+// the temperature only where every NoPE layer's Pq is its token's index).
+void ReferenceModel::scale_query(int layer, std::int64_t position, double* query, int d) const {
+  if (!attention_.query_temperature || !angles(layer).rope.nope) return;
+  const double factor = query_temperature(*attention_.query_temperature, position);
+  for (int i = 0; i < d; ++i) query[i] *= factor;
+}
+
 void ReferenceModel::ensure_positions(std::int64_t largest) {
   for (AngleTable& table : tables_) {
     const int half = table.rotary / 2;
@@ -140,8 +148,9 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   for (int k = 0; k < heads_per_group; ++k) {
     const int head = group * heads_per_group + k;
     const AngleTable& a = angles(layer);
-    rotate_into(inputs_.q_at(layer, row[t], head), a.at(view.query_position), d, a.rotary, a.rope.layout,
-                scratch.query.data() + static_cast<std::size_t>(k) * D);
+    double* query = scratch.query.data() + static_cast<std::size_t>(k) * D;
+    rotate_into(inputs_.q_at(layer, row[t], head), a.at(view.query_position), d, a.rotary, a.rope.layout, query);
+    scale_query(layer, view.query_position, query, d);
     scratch.query_rows[static_cast<std::size_t>(k)] = scratch.query.data() + static_cast<std::size_t>(k) * D;
     scratch.sink_rows[static_cast<std::size_t>(k)] =
         attention_.sink_logits.empty() ? nullptr : &attention_.sink_logits[static_cast<std::size_t>(layer)][head];
@@ -297,6 +306,7 @@ void ReferenceModel::attend_stored(int row, int layer, std::int64_t t, const Que
       const AngleTable& a = angles(layer);
       rotate_into(inputs_.q_at(layer, history[static_cast<std::size_t>(t)], head), a.at(view.query_position),
                   dims_.head_dim, a.rotary, a.rope.layout, query);
+      scale_query(layer, view.query_position, query, dims_.head_dim);
       slack[head] = stored_->quantize_query(layer, query, view.query_position);
       scratch.query_rows[static_cast<std::size_t>(k)] = query;
       scratch.sink_rows[static_cast<std::size_t>(k)] =

@@ -135,6 +135,7 @@ class ReferenceModel {
   };
   const AngleTable& angles(int layer) const { return tables_[static_cast<std::size_t>(table_of_[static_cast<std::size_t>(layer)])]; }
   void ensure_positions(std::int64_t largest);
+  void scale_query(int layer, std::int64_t position, double* query, int d) const;
 
   Dims dims_;
   Policy policy_;                       // layer 0's

@@ -58,6 +58,11 @@ double rope_angle(int pair, int head_dim, double position, const Rope& rope) {
   return scaled * inverse_frequency(pair, head_dim, rope);
 }
 
+double query_temperature(const QueryTemperature& t, std::int64_t position) {
+  const std::int64_t steps = (position + 1) / t.floor_scale;
+  return std::log1p(static_cast<double>(steps)) * t.attn_scale + 1.0;
+}
+
 double rope_magnitude(const Rope& rope) { return rope.scaling == RopeScaling::yarn ? rope.attention_factor : 1.0; }
 
 int pair_first(int pair, RopeLayout layout) { return layout == RopeLayout::half ? pair : 2 * pair; }

@@ -29,6 +29,10 @@ int pair_second(int pair, int rotary, RopeLayout layout);
 // the other dims pass through. A negative position rotates the other way.
 std::vector<double> rotate(const std::vector<double>& x, double position, const Rope& rope);
 
+// SPEC 10.3: what a NoPE layer's query at position p is multiplied by,
+// log1p(floor((p + 1) / F)) * a + 1 (floor of a non-negative quotient: integer division).
+double query_temperature(const QueryTemperature& t, std::int64_t position);
+
 // The inverse: x = unrotate(rotate(x, p), p).
 std::vector<double> unrotate(const std::vector<double>& y, double position, const Rope& rope);
 

@@ -390,6 +390,16 @@ class Transformers5CacheLayersTest(PeerTest):
             self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
             self.assertIn("steps recorded: 11 of 11 steps", verify.stdout)
 
+    def test_chunked_layers_from_a_llama4_config_pass(self):
+        # Llama4TextConfig(attention_chunk_size=C, layer_types=...): a DynamicSlidingWindowLayer
+        # of C per chunked layer (it keeps C - 1 tokens), a DynamicLayer for the NoPE full
+        # layer; kvtrace's mask shows token t its own chunk (SPEC 10.2). C = 300 crosses a
+        # chunk edge inside a 50-token chunk.
+        for scenario in ("llama4_chunked_nope_decodes", "chunked_past_the_buffer_step"):
+            result, verify = self.drive(scenario, hf_caches.dynamic_cache, DATA)
+            self.assertIsNone(result.error, scenario)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+
     def test_crop_takes_the_tokens_to_remove(self):
         # 5's crop(tokens_to_remove) refuses a positive count: kvtrace calls crop(-removed), as
         # generate() does, and crop(0) for a crop past the end (step 13 of full_crop_accepted).

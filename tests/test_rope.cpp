@@ -74,3 +74,17 @@ TEST(Rope, DotProductDependsOnlyOnTheDistance) {
     EXPECT_GT(std::abs(dot(5, 2) - dot(5, 3)), 1e-3);  // and it does depend on the distance
   }
 }
+
+// SPEC 10.3 by hand, F = 4, a = 0.1: floor((p + 1) / 4) is 0 up to p = 2, 1 from p = 3, 3 at
+// p = 11; T = ln(1 + floor) * 0.1 + 1.
+TEST(Rope, QueryTemperatureGrowsWithTheLogOfTheFloorSteps) {
+  const kvcheck::QueryTemperature t{4, 0.1};
+  EXPECT_EQ(kvcheck::reference::query_temperature(t, 0), 1.0);
+  EXPECT_EQ(kvcheck::reference::query_temperature(t, 2), 1.0);
+  EXPECT_NEAR(kvcheck::reference::query_temperature(t, 3), 1.0693147180559945, 1e-15);
+  EXPECT_NEAR(kvcheck::reference::query_temperature(t, 11), 1.1386294361119891, 1e-15);
+  // Llama 4's defaults: 1 until position 8190, then 1 + 0.1 ln 2.
+  const kvcheck::QueryTemperature defaults;
+  EXPECT_EQ(kvcheck::reference::query_temperature(defaults, 8190), 1.0);
+  EXPECT_NEAR(kvcheck::reference::query_temperature(defaults, 8191), 1.0693147180559945, 1e-15);
+}

@@ -249,7 +249,7 @@ TEST(ScenarioValidation, LearnedSinkLogitsOnePerQueryHeadOrPerLayer) {
   EXPECT_EQ(error_of(with_attention(R"({"sink_logits": [0.5, "1", 2, 3]})")),
             "s.json: /attention/sink_logits/1: expected a finite number, got \"1\"");
   EXPECT_EQ(error_of(with_attention(R"({"sinks": [1, 2, 3, 4]})")),
-            "s.json: /attention/sinks: unknown key \"sinks\" (expected one of: sink_logits)");
+            "s.json: /attention/sinks: unknown key \"sinks\" (expected one of: sink_logits, query_temperature)");
 }
 
 TEST(ScenarioValidation, PastedConfigVariants) {

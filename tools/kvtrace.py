@@ -30,7 +30,7 @@ import numpy as np
 
 from kvtrace_base import (  # noqa: F401 (re-exported: users reach them as kvtrace.NAME)
     DriveResult, Export, TraceWriter, UsageError, _CODE_NAMES, _foreign_entries, _is_trace, evicted,
-    hf_cos_sin, rope_frequencies, rotate, to_numpy, unrotate)
+    hf_cos_sin, query_temperature, rope_frequencies, rotate, to_numpy, unrotate)
 
 
 def fixtures(kvcheck="kvcheck", paths=(), policies=(), without=(), features=()):
@@ -320,6 +320,7 @@ class _Driver:
         if logits and not isinstance(logits[0], list):
             logits = [logits] * layers
         self.sink_logits = logits or [None] * layers
+        self.temperature = export.manifest.get("attention", {}).get("query_temperature")
         self.kv_dtype = export.manifest.get("kv_dtype", "float32")
         self.numpy_given = as_tensor is None
         self.as_index = np.asarray  # beam indices for reorder_cache
@@ -552,6 +553,8 @@ class _Driver:
             k = np.where(mask4, np.transpose(exp.k[l][safe], (0, 2, 1, 3)), 0.0)   # [B, Hkv, n, D]
             v = np.where(mask4, np.transpose(exp.v[l][safe], (0, 2, 1, 3)), 0.0)
             q_rot = rotate(q, pos[:, None, :], rope)
+            if rope is None and self.temperature is not None:  # SPEC 10.3: a NoPE layer's query
+                q_rot = q_rot * query_temperature(self.temperature, pos)[:, None, :, None]
             k_rot = rotate(k, pos[:, None, :], rope)
             policy = exp.layer_policy(l)
             kwargs = {"cos": self.as_tensor(cos), "sin": self.as_tensor(sin),

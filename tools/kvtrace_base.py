@@ -138,6 +138,13 @@ def rotate(x, positions, rope, scaled=True):
     return out
 
 
+def query_temperature(temperature, positions):
+    """SPEC 10.3 (Llama 4's attn_temperature_tuning on its NoPE layers): what the query at
+    each position p is multiplied by, log1p(floor((p + 1) / F)) * a + 1."""
+    p = np.asarray(positions, dtype=np.float64)
+    return np.log1p(np.floor((p + 1.0) / temperature["floor_scale"])) * temperature["attn_scale"] + 1.0
+
+
 def unrotate(x, positions, rope):
     """The raw vector of one rotated at positions: rotate's inverse (m divided out)."""
     out = rotate(x, -np.asarray(positions, dtype=np.float64), rope, scaled=False)

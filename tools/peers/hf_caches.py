@@ -32,10 +32,21 @@ def release():
 
 def model_config(scenario):
     """Mistral's config at the scenario's dimensions, one layer type per policy (sliding or
-    full): what DynamicCache(config=...) and StaticCache(config=...) build their layers from."""
+    full): what DynamicCache(config=...) and StaticCache(config=...) build their layers from.
+    With chunked layers (SPEC 10.2), Llama 4's text config: attention_chunk_size and
+    layer_types "chunked_attention" / "full_attention"."""
     from transformers import MistralConfig
     dims, policy = scenario["dimensions"], scenario["policy"]
     policies = policy if isinstance(policy, list) else [policy] * dims["layers"]
+    if any(p["type"] == "chunked" for p in policies):
+        from transformers import Llama4TextConfig
+        return Llama4TextConfig(hidden_size=dims["heads"] * dims["head_dim"], head_dim=dims["head_dim"],
+                                num_attention_heads=dims["heads"],
+                                num_key_value_heads=dims.get("kv_heads", dims["heads"]),
+                                num_hidden_layers=dims["layers"],
+                                attention_chunk_size=next(p["chunk"] for p in policies if p["type"] == "chunked"),
+                                layer_types=["chunked_attention" if p["type"] == "chunked" else "full_attention"
+                                             for p in policies])
     windows = {p["window"] for p in policies if p["type"] == "sliding"}
     config = MistralConfig(hidden_size=dims["heads"] * dims["head_dim"], num_attention_heads=dims["heads"],
                            num_key_value_heads=dims.get("kv_heads", dims["heads"]),
@@ -108,10 +119,19 @@ def claims(cls, scenario):
         return "quantized or paged"
     if cls in ("DynamicCache", "StaticCache"):
         policies = policy if isinstance(policy, list) else [policy]
-        if any(p.get("type") not in ("full", "sliding") for p in policies):
-            return "not a full or sliding policy"
+        if any(p.get("type") not in ("full", "sliding", "chunked") for p in policies):
+            return "not a full, sliding or chunked policy"
         if len({p["window"] for p in policies if p["type"] == "sliding"}) > 1:
             return "sliding layers of different windows"
+        chunked = any(p.get("type") == "chunked" for p in policies)
+        if chunked and any(p.get("type") == "sliding" for p in policies):
+            return "sliding and chunked layers in one stack"
+        if chunked and cls == "StaticCache":
+            return "chunked layers in a static buffer (not driven yet)"
+        if chunked and any(step["op"] == "crop" for step in scenario["steps"]):
+            return ("not judged: a chunked layer (DynamicSlidingWindowLayer) crops only after "
+                    "activate_past_recording(), as assisted generation calls it, and then keeps every token "
+                    "until the crop; kvtrace does not drive that mode yet")
         if cls == "StaticCache" and tokens(scenario) > 64:
             return "longer than the buffer"
         if cls == "StaticCache" and any(step["op"] == "crop" for step in scenario["steps"]):

@@ -104,6 +104,22 @@ ZooMutant nope_layers_rotated() {
       {"llama4_chunked_nope"});
 }
 
+// SPEC 10.3: the hybrid cache with the query temperature left out.
+ZooMutant query_temperature_missing() {
+  CacheEntry entry{"zoo/query_temperature_missing",
+                   "leaves a NoPE layer's query unscaled: Llama 4's attention temperature not applied",
+                   [](const Scenario& s) { return s.attention.query_temperature.has_value(); },
+                   [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     optimized::CacheConfig plain = config;
+                     plain.temperature_floor = 0;
+                     return std::make_unique<optimized::HybridCache>(plain);
+                   }};
+  return {entry,
+          "Llama 4 ports whose attention skips attn_temperature_tuning (a config flag that defaults to on), "
+          "invisible below floor_scale (8192) tokens",
+          BugClass::query_temperature_missing, {"llama4_chunked_nope"}};
+}
+
 // Chunked attention (SPEC 10.2) served by the sliding ring with one mistake.
 bool every_layer_chunked(const Scenario& s) { return s.every_layer(PolicyKind::chunked); }
 
@@ -507,11 +523,12 @@ const std::vector<ZooMutant>& zoo_mutants() {
       chunk_as_sliding_window(),
       one_rope_for_every_layer(),
       nope_layers_rotated(),
+      query_temperature_missing(),
   };
     // The other mutants keep one cos/sin table: they serve scenarios of one rope.
     for (ZooMutant& m : list)
       if (m.cache.name != "zoo/one_rope_for_every_layer" && m.cache.name != "zoo/nope_layers_rotated" &&
-          m.cache.name != "zoo/hybrid_layers_shifted")
+          m.cache.name != "zoo/hybrid_layers_shifted" && m.cache.name != "zoo/query_temperature_missing")
         m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return s.shared_rope() && inner(s); };
     return list;
   }();

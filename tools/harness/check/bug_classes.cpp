@@ -246,6 +246,10 @@ constexpr BugClassRow kBugClasses[] = {
     {BugClass::nope_layer_rotated, "NoPE layer rotated",
      "A layer without positional encoding (NoPE: Llama 4's every fourth layer) holds rotated keys: the "
      "cache or the model applied RoPE to every layer, or re-rotated a NoPE layer's keys at a shift."},
+    {BugClass::query_temperature_missing, "query temperature missing",
+     "A NoPE layer's outputs are those of its query left unscaled: Llama 4's attn_temperature_tuning "
+     "(the query times log1p(floor((p + 1) / floor_scale)) * attn_scale + 1) is not applied, or applied "
+     "only where it is 1 (positions below floor_scale - 1)."},
 };
 
 // Row i describes class i, and every class has its row.
@@ -255,8 +259,8 @@ constexpr bool rows_in_enum_order() {
   return true;
 }
 static_assert(rows_in_enum_order(), "kBugClasses: one row per BugClass, in the enum's order");
-static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::nope_layer_rotated) + 1,
-              "kBugClasses: a BugClass without its row (the last enumerator must be nope_layer_rotated)");
+static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::query_temperature_missing) + 1,
+              "kBugClasses: a BugClass without its row (the last enumerator must be query_temperature_missing)");
 
 }  // namespace
 

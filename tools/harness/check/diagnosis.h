@@ -77,6 +77,7 @@ enum class BugClass {
   chunk_as_sliding_window,  // SPEC 10.2: a chunked layer sees the last C keys
   layer_rotated_with_another_layers_rope,  // SPEC 10.1
   nope_layer_rotated,                      // SPEC 10.1
+  query_temperature_missing,               // SPEC 10.3
 };
 
 // Both from the one table of bug classes (bug_classes.cpp).
@@ -227,6 +228,7 @@ struct StepEvidence {
   bool outputs_fit_window_off_by_one = false;  // a sliding layer's, over W + 1 or W - 1 keys
   bool outputs_fit_chunk_edge_off_by_one = false;  // a chunked layer's, its chunks moved by one token
   bool outputs_fit_chunk_as_window = false;        // a chunked layer's, over a sliding window of C
+  bool outputs_fit_without_query_temperature = false;  // a NoPE layer's query not scaled (SPEC 10.3)
   // The diagnosed query should see a token that is dead after the step and gone: dropping it
   // is allowed after this forward, not before it.
   bool dropped_before_last_use = false;

@@ -14,13 +14,17 @@ struct KeyAt {
 };
 
 // One query head's attention in double over the given keys at the given positions.
+// The query temperature (SPEC 10.3) applies unless `temperature` is false.
 std::vector<double> attend_over(const Scenario& s, const InputTable& inputs, int layer, int head, std::uint64_t query,
-                                std::int64_t query_position, const std::vector<KeyAt>& keys_at, bool learned_sinks) {
+                                std::int64_t query_position, const std::vector<KeyAt>& keys_at, bool learned_sinks,
+                                bool temperature = true) {
   const int D = s.dims.head_dim, group = head / (s.dims.heads / s.dims.kv_heads);
   const auto rotated = [&](const float* x, std::int64_t position) {
     return reference::rotate(std::vector<double>(x, x + D), static_cast<double>(position), s.rope(layer));
   };
-  const std::vector<double> q = rotated(inputs.q_at(layer, query, head), query_position);
+  std::vector<double> q = rotated(inputs.q_at(layer, query, head), query_position);
+  if (temperature && s.attention.query_temperature && s.rope(layer).nope)
+    for (double& x : q) x *= reference::query_temperature(*s.attention.query_temperature, query_position);
   std::vector<double> keys, values;
   for (const KeyAt& key : keys_at) {
     const std::vector<double> k = rotated(inputs.k_at(layer, key.uid, group), key.position);
@@ -51,6 +55,13 @@ std::vector<double> output_without_learned_sinks(const Scenario& s, const InputT
                                                  const reference::AppendedToken& token, int layer, int head) {
   const reference::QueryView& view = token.view_in(layer);
   return attend_over(s, inputs, layer, head, token.uid, view.query_position, visible_keys(history, view), false);
+}
+
+std::vector<double> output_without_query_temperature(const Scenario& s, const InputTable& inputs,
+                                                    std::span<const std::uint64_t> history,
+                                                    const reference::AppendedToken& token, int layer, int head) {
+  const reference::QueryView& view = token.view_in(layer);
+  return attend_over(s, inputs, layer, head, token.uid, view.query_position, visible_keys(history, view), true, false);
 }
 
 std::vector<double> output_with_later_chunk_keys(const Scenario& s, const InputTable& inputs,

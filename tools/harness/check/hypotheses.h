@@ -17,6 +17,12 @@ std::vector<double> output_without_learned_sinks(const Scenario& scenario, const
                                                  std::span<const std::uint64_t> history,
                                                  const reference::AppendedToken& token, int layer, int head);
 
+// The output of `token`'s query head without the query temperature of a NoPE layer (SPEC
+// 10.3: Llama 4's attn_temperature_tuning missing), from the same visible keys.
+std::vector<double> output_without_query_temperature(const Scenario& scenario, const InputTable& inputs,
+                                                    std::span<const std::uint64_t> history,
+                                                    const reference::AppendedToken& token, int layer, int head);
+
 // The output of the chunk's token i with the chunk's later tokens visible too, each key at
 // the position its own token's query had (a causal mask missing inside the chunk: a
 // model's mask built from slot indices and cache_position over a cache that shifts).

@@ -870,6 +870,9 @@ class StepChecker::Impl {
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
           fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
+    if (s_.attention.query_temperature && s_.rope(l).nope)
+      evidence.outputs_fit_without_query_temperature =
+          fits(output_without_query_temperature(s_, inputs_, history, ref.rows[b][i], l, h));
     for (const SubCheck* check : checks_) check->explain_output(rec, l, b, i, h, out, tol, evidence);
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =

@@ -345,7 +345,9 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     manifest["paging"] = {{"block_size", s.paging->block_size},
                           {"num_blocks", s.paging->num_blocks},
                           {"prefix_cache", s.paging->prefix_cache}};
-  if (!s.attention.sink_logits.empty()) manifest["attention"] = {{"sink_logits", s.attention.sink_logits}};
+  if (!s.attention.sink_logits.empty()) manifest["attention"]["sink_logits"] = s.attention.sink_logits;
+  if (const auto& t = s.attention.query_temperature)  // SPEC 10.3: applies to the NoPE layers
+    manifest["attention"]["query_temperature"] = {{"floor_scale", t->floor_scale}, {"attn_scale", t->attn_scale}};
   if (s.kv_dtype != KvDtype::float32) manifest["kv_dtype"] = to_string(s.kv_dtype);
   if (s.quantized() && !s.mixed_quant()) manifest["kv_quant"] = kv_quant_json(s.quant(0), s.dims.head_dim);
   if (s.mixed_quant()) {  // one per layer

@@ -216,10 +216,17 @@ Rope parse_rope(const Reader& r, const json& j, int head_dim, const std::string&
 // SPEC 7: "sink_logits": one finite number per query head, or per layer a list of them.
 Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
   const std::string p = "/attention";
-  if (j.is_object() && j.contains("query_temperature"))
-    not_yet(r, p + "/query_temperature", "query temperature scaling (Llama 4's attn_temperature_tuning)", "SPEC 10.3");
-  r.object(j, p, {"sink_logits"});
+  r.object(j, p, {"sink_logits", "query_temperature"});
   Attention a;
+  if (j.contains("query_temperature")) {  // SPEC 10.3
+    const json& t = j["query_temperature"];
+    const std::string tp = p + "/query_temperature";
+    r.object(t, tp, {"floor_scale", "attn_scale"});
+    QueryTemperature temperature;
+    if (t.contains("floor_scale")) temperature.floor_scale = r.integer(t["floor_scale"], tp + "/floor_scale", 1);
+    if (t.contains("attn_scale")) temperature.attn_scale = r.number(t["attn_scale"], tp + "/attn_scale", true);
+    a.query_temperature = temperature;
+  }
   if (!j.contains("sink_logits")) return a;
   const json& s = j["sink_logits"];
   const std::string sp = p + "/sink_logits";
@@ -624,6 +631,18 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
       s.policies.push_back(parse_policy(r, policy[l], "/policy/" + std::to_string(l)));
   } else {
     s.policies.assign(static_cast<std::size_t>(s.dims.layers), parse_policy(r, policy));
+  }
+  if (s.attention.query_temperature) {  // SPEC 10.3: on the NoPE layers, at each token's index
+    const std::string tp = "/attention/query_temperature";
+    bool nope = false;
+    for (int l = 0; l < s.dims.layers; ++l) {
+      if (!s.rope(l).nope) continue;
+      nope = true;
+      if (s.policy(l).kind == PolicyKind::sink)
+        not_yet(r, tp, fmt::format("a query temperature on a NoPE layer under a sink policy (layer {})", l), "SPEC 10.3");
+    }
+    if (!nope) r.fail(tp, "applies to the NoPE layers (a null entry of \"rope\"), and this scenario has none");
+    if (s.quantized()) not_yet(r, tp, "a query temperature with quantized storage", "SPEC 9 and 10.3 together");
   }
   if (s.quantized() && !s.shared_rope())
     not_yet(r, "/kv_quant", "quantized storage (SPEC 9) with a rope per layer (SPEC 10.1)", "SPEC 9 and 10.1 together");

@@ -87,6 +87,11 @@ CacheConfig cache_config(const Scenario& s, std::int64_t capacity) {
   c.head_dim = s.dims.head_dim;
   c.batch = s.dims.batch;
   for (const Rope& r : s.ropes) c.ropes.push_back(rope_spec(r, s.dims.head_dim));
+  if (const auto& t = s.attention.query_temperature) {  // SPEC 10.3: on the NoPE layers
+    c.temperature_floor = t->floor_scale;
+    c.temperature_scale = t->attn_scale;
+    for (const Rope& r : s.ropes) c.temperature_layers.push_back(r.nope ? 1 : 0);
+  }
   for (const std::vector<double>& layer : s.attention.sink_logits)
     c.sink_logits.emplace_back(layer.begin(), layer.end());
   c.softmax_scale = static_cast<float>(s.softmax_scale());
