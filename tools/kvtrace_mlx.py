@@ -111,7 +111,9 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
         raise UsageError("chunks must be \"whole\" or \"generate\", got %r" % (chunks,))
     exp = export
     layers, head_dim = exp.dims["layers"], exp.dims["head_dim"]
-    rope = mlx_rope(exp.one_rope("kvtrace.drive_mlx_cache"), head_dim)
+    # One rope per layer (SPEC 10.1: Gemma 3's two bases); None: a NoPE layer, not rotated.
+    rope = [None if exp.layer_rope(l) is None else mlx_rope(exp.layer_rope(l), head_dim) for l in range(layers)]
+    temperature = exp.manifest.get("attention", {}).get("query_temperature")
     if window_size == "policy":
         windows = [p.get("window") if p.get("type") == "sliding" else None
                    for p in map(exp.layer_policy, range(layers))]
@@ -169,7 +171,7 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
                                  for c in caches])
                 else:
                     _forward(exp, step, caches, rope, windows, sinks, writer,
-                             prefill_step_size if first_append and chunks == "generate" else None)
+                             prefill_step_size if first_append and chunks == "generate" else None, temperature)
                     first_append = False
             except _Failed as e:
                 writer.error_step(str(e))
@@ -190,8 +192,18 @@ def _trim(caches, length):
     return None
 
 
-def _forward(exp, step, caches, rope, windows, sinks, writer, prefill):
-    """One append (or decode) step: its forwards, then what each layer holds."""
+def nope_temperature(queries, offset, temperature):
+    """SPEC 10.3 as mlx_lm/models/llama4.py scales a NoPE layer's queries [B, H, L, D]:
+    log(floor((offset + 1 .. offset + L) / floor_scale) + 1) * attn_scale + 1 per position."""
+    n = queries.shape[2]
+    scales = mx.log(mx.floor(mx.arange(offset + 1, offset + n + 1) / temperature["floor_scale"]) + 1.0) \
+        * temperature["attn_scale"] + 1.0
+    return (queries * scales[:, None]).astype(queries.dtype)
+
+
+def _forward(exp, step, caches, rope, windows, sinks, writer, prefill, temperature=None):
+    """One append (or decode) step: its forwards, then what each layer holds. rope: one per
+    layer (None: NoPE, with the query temperature when the scenario gives one)."""
     layers, kv_dtype = exp.dims["layers"], exp.manifest.get("kv_dtype", "float32")
     uids = np.array([r["uids"] for r in step["rows"]], dtype=np.int64)  # [B, n]
     batch, n = uids.shape
@@ -213,7 +225,12 @@ def _forward(exp, step, caches, rope, windows, sinks, writer, prefill):
                     mask = chunk_mask(cache, b - a)
                 else:
                     mask = mlx_base.create_attention_mask(h, cache, window_size=windows[l])
-                q_rotated, k_rotated = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
+                if rope[l] is None:  # NoPE (SPEC 10.1), the temperature as llama4.py applies it
+                    q_rotated, k_rotated = q, k
+                    if temperature is not None:
+                        q_rotated = nope_temperature(q, cache.offset, temperature)
+                else:
+                    q_rotated, k_rotated = rope[l](q, offset=cache.offset), rope[l](k, offset=cache.offset)
                 keys, values = cache.update_and_fetch(k_rotated, v)
                 out = mlx_base.scaled_dot_product_attention(q_rotated, keys, values, cache=cache, scale=exp.scale,
                                                             mask=mask, sinks=sinks[l])
