@@ -297,7 +297,7 @@ void by_chunk_count(int count, F&& f) {
 }
 
 bool sees(const QueryPlan& p, std::int64_t index) {
-  return index <= p.index + p.sees_ahead && (index < p.sink_end || index >= p.window_begin);
+  return index <= p.index + p.sees_ahead && ((index >= p.sink_begin && index < p.sink_end) || index >= p.window_begin);
 }
 
 // x[i] = exp(x[i] - top) for n floats; returns their sum.

@@ -30,6 +30,7 @@ struct QueryPlan {
   std::int64_t sink_query_position = 0;  // against sink keys (differs only in sink_ring)
   std::int64_t sees_ahead = 0;           // slots of index <= index + sees_ahead are visible: 0 is causal,
                                          // and only a zoo mutant reads ahead
+  std::int64_t sink_begin = 0;           // sinks below it are not visible (SPEC 10.4's window inside a sink cache)
 };
 
 // One visible (query, key) pair as the kernel used it: the integers SPEC 5.3 checks.

@@ -25,6 +25,7 @@ struct LayerPolicy {
   std::int64_t evict = 1;       // sink: tokens dropped at once when full
   bool shift_positions = true;  // sink: cache-relative positions (false: original ones)
   bool dense_prefill = false;   // sink: a chunk is one dense forward, trimmed afterwards
+  std::int64_t swa = 0;         // sink: SPEC 10.4's sliding window inside it (Pq - Pk < swa); 0: none
   bool operator==(const LayerPolicy&) const = default;
 };
 

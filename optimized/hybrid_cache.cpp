@@ -8,7 +8,7 @@
 
 namespace kvcheck::optimized {
 
-HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
+HybridCache::HybridCache(const CacheConfig& config, const MakeLayer& make_sink) : layer_out_(1) {
   for (int l = 0; l < config.layers; ++l) {
     const LayerPolicy& p = layer_policy(config, l);
     CacheConfig one = config;
@@ -32,7 +32,7 @@ HybridCache::HybridCache(const CacheConfig& config) : layer_out_(1) {
         layers_.push_back(std::make_unique<SlidingCache>(one));
         break;
       case LayerPolicy::Kind::sink:
-        layers_.push_back(std::make_unique<SinkRingCache>(one));
+        layers_.push_back(make_sink ? make_sink(one) : std::make_unique<SinkRingCache>(one));
         break;
     }
   }

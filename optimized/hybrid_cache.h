@@ -4,6 +4,7 @@
 // q, k and v.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -13,8 +14,10 @@ namespace kvcheck::optimized {
 
 class HybridCache : public KvCache {
  public:
-  // config.layer_policies names each layer's policy.
-  explicit HybridCache(const CacheConfig& config);
+  // config.policies names each layer's policy. `make_sink`, when given, makes the sink
+  // layers' caches instead of SinkRingCache (a zoo mutant plants its fault there).
+  using MakeLayer = std::function<std::unique_ptr<KvCache>(const CacheConfig&)>;
+  explicit HybridCache(const CacheConfig& config, const MakeLayer& make_sink = nullptr);
 
   void append(const Chunk& chunk, const std::vector<float*>& out, AttentionLog* log) override;
   void reorder(const std::vector<int>& rows) override;

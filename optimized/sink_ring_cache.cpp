@@ -34,7 +34,12 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
       store_token(chunk_, rope_, chunk, b, pad + i, pad + i, {chunk.uids[b * chunk.length + pad + i], t, t}, &frozen_);
       // A dense chunk is one forward over what the cache held before it: E stays E(first).
       const std::int64_t e = sink_evicted(W, k, policy_.dense_prefill ? first : t);
-      plans_.push_back({pad + i, QueryPlan{t, S, S + e, t, policy_.shift_positions ? t - e : t}});
+      QueryPlan plan{t, S, S + e, t, policy_.shift_positions ? t - e : t};
+      if (policy_.swa > 0) {  // SPEC 10.4: keys within swa positions of the query
+        plan.window_begin = std::max(plan.window_begin, t - policy_.swa + 1);  // window keys: Pq - Pk = t - j
+        plan.sink_begin = first_sink_seen(t, plan.sink_query_position);
+      }
+      plans_.push_back({pad + i, plan});
     }
     const SlotSource sources[] = {{&store_, b}, {&chunk_, b}};
     attend_all_layers(config_, kernel_, rope_, chunk, out, b, plans_, sources, log);
@@ -45,6 +50,12 @@ void SinkRingCache::append(const Chunk& chunk, const std::vector<float*>& out, A
     for (std::int64_t s = S; s < W; ++s)
       if (store_.meta(b, s).uid >= 0 && store_.meta(b, s).index < window_begin) store_.clear_slot(b, s);
   }
+}
+
+// A sink j is seen while Pq - j < swa, Pq the query's position against the sinks.
+std::int64_t SinkRingCache::first_sink_seen(std::int64_t t, std::int64_t sink_query_position) const {
+  (void)t;
+  return std::max<std::int64_t>(0, sink_query_position - policy_.swa + 1);
 }
 
 void SinkRingCache::reorder(const std::vector<int>& rows) {

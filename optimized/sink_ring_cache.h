@@ -8,6 +8,9 @@
 // (stored at j) gives t - j, and rotating it at t - E against sink keys (also stored at j)
 // gives t - E - j. Two query rotations, O(D) per head, replace re-rotating W keys per
 // eviction, O(W D). With `positions: original` both query rotations are t.
+//
+// A sliding layer under the shift (SPEC 10.4, `swa`) keeps the same slots and sees, of them,
+// the keys with Pq - Pk < swa: window keys from t - swa + 1, sinks from Pq - swa + 1.
 #pragma once
 
 #include "optimized/cache.h"
@@ -26,6 +29,11 @@ class SinkRingCache : public KvCache {
   void check_crop(std::int64_t length) const override;
   const SlotStore& slots() const override { return store_; }
   std::int64_t row_length(int row) const override { return lengths_[row]; }
+
+ protected:
+  // SPEC 10.4: the first sink query t sees under `swa` (a zoo mutant measures it elsewhere).
+  virtual std::int64_t first_sink_seen(std::int64_t t, std::int64_t sink_query_position) const;
+  const LayerPolicy& policy() const { return policy_; }
 
  private:
   std::int64_t slot_of(std::int64_t index) const;

@@ -70,6 +70,10 @@ struct Policy {
   std::int64_t evict = 1;   // sink: k tokens dropped at once when full
   SinkPositions positions = SinkPositions::cache;
   Prefill prefill = Prefill::streaming;
+  // SPEC 10.4: a sliding layer under layer `shift_with`'s sink policy (whose fields above it
+  // takes): it retains what that layer retains and sees only keys with Pq - Pk < swa.
+  std::int64_t swa = 0;  // 0: none
+  int shift_with = -1;
   bool operator==(const Policy&) const = default;
 };
 

@@ -11,7 +11,10 @@ std::int64_t evicted_count(const Policy& policy, std::int64_t t) {
   return k * ((over + k - 1) / k);
 }
 
-QueryView streaming_view(const Policy& policy, std::int64_t t) {
+namespace {
+
+// V(t), Pk, Pq of the policy before SPEC 10.4's sliding window inside a sink policy.
+QueryView unfiltered_view(const Policy& policy, std::int64_t t) {
   QueryView view;
   switch (policy.kind) {
     case PolicyKind::full:
@@ -39,6 +42,15 @@ QueryView streaming_view(const Policy& policy, std::int64_t t) {
   return view;
 }
 
+}  // namespace
+
+QueryView streaming_view(const Policy& policy, std::int64_t t) {
+  QueryView view = unfiltered_view(policy, t);
+  if (policy.swa > 0)  // SPEC 10.4: of what the sink policy shows, the keys within swa positions
+    std::erase_if(view.keys, [&](const VisibleKey& k) { return view.query_position - k.position >= policy.swa; });
+  return view;
+}
+
 QueryView chunk_view(const Policy& policy, std::int64_t chunk_start, std::int64_t t) {
   if (policy.prefill == Prefill::streaming || t == chunk_start) return streaming_view(policy, t);
 
@@ -61,13 +73,15 @@ QueryView chunk_view(const Policy& policy, std::int64_t chunk_start, std::int64_
   return view;
 }
 
+// SPEC 10.4: a sliding layer under a shift retains (and keeps live) what its sink policy
+// does; its window only narrows what a query sees.
 QueryView retained_view(const Policy& policy, std::int64_t length) {
   if (length == 0) return {};
-  return streaming_view(policy, length - 1);
+  return unfiltered_view(policy, length - 1);
 }
 
 QueryView live_view(const Policy& policy, std::int64_t length) {
-  QueryView view = streaming_view(policy, length);
+  QueryView view = unfiltered_view(policy, length);
   view.keys.pop_back();  // the next token itself is not in the cache yet
   return view;
 }

@@ -649,6 +649,13 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("gemma3_sliding_full_two_bases", names)
         self.assertIn("llama4_chunked_nope", names)
 
+    def test_a_sliding_layer_under_a_shift_passes_through_kvtrace(self):
+        # SPEC 10.4 from NumPy: SpecCache keeps what the sink layer keeps (cache positions),
+        # and the driver's mask shows a sliding layer's query the keys within its window of
+        # places; the sinks leave and return with each shift.
+        found = self.drive_every_fixture(["sink", "sliding"], features=["per_layer_policy"])
+        self.assertIn("gemma3_sliding_under_context_shift", [f["name"] for f in found])
+
     def test_every_chunked_fixture_passes_through_kvtrace(self):
         # SPEC 10.2 from NumPy: SpecCache keeps exactly each row's last chunk, and the
         # driver's mask shows token t its last t % C + 1 written slots.

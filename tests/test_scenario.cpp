@@ -286,7 +286,7 @@ TEST(ScenarioValidation, OnePolicyPerLayer) {
             "s.json: /policy: expected one policy per layer (2), got 1");
   EXPECT_EQ(error_of(scenario(two_layers, R"([{"type": "full"}, {"type": "sliding", "widow": 4}])",
                               R"([{"op": "append", "tokens": 3}])")),
-            "s.json: /policy/1/widow: unknown key \"widow\" (expected one of: type, window)");
+            "s.json: /policy/1/widow: unknown key \"widow\" (expected one of: type, window, shift_with)");
 }
 
 TEST(ScenarioValidation, Float16StorageRefusesInputsBeyondItsRange) {

@@ -665,6 +665,10 @@ class _Driver:
             sink = (counts - 1) < policy["sinks"]                                                 # [B, Hkv, S]
             in_window = (upto[..., None] - counts[:, :, None, :]) < recent[:, None, :, None]
             visible &= sink[:, :, None, :] | in_window
+            if policy.get("swa"):
+                # SPEC 10.4: a sliding layer under the shift sees keys with Pq - Pk < swa; with
+                # positions "cache" a slot's position is its place among the written slots.
+                visible &= (upto[..., None] - counts[:, :, None, :]) < policy["swa"]
         elif policy.get("type") == "chunked":
             # SPEC 10.2: token t sees its own chunk up to itself, the last t % C + 1 written
             # slots up to its own (a cache may hold more of the previous chunk).

@@ -58,7 +58,10 @@ const std::vector<CacheEntry>& real_caches() {
            const bool shifted_sink_layer = std::any_of(
                s.policies.begin(), s.policies.end(),
                [](const Policy& p) { return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache; });
-           return !(s.quantized() && (s.quant_rules().holds_raw() || (quantizes_keys(s) && shifted_sink_layer)));
+           // A sliding layer under a shift (SPEC 10.4) is the hybrid cache's only.
+           const bool swa = std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.swa > 0; });
+           return !swa &&
+                  !(s.quantized() && (s.quant_rules().holds_raw() || (quantizes_keys(s) && shifted_sink_layer)));
          },
          [](const CacheConfig& c) { return std::make_unique<PagedCache>(c); }, Eviction::any},
         // Layers of different policies (SPEC 7), each served by the cache above that fits it.

@@ -12,6 +12,7 @@
 #include "optimized/dense_cache.h"
 #include "optimized/hybrid_cache.h"
 #include "optimized/paged_cache.h"
+#include "optimized/sink_ring_cache.h"
 #include "optimized/sink_shift_cache.h"
 #include "optimized/sliding_cache.h"
 #include "tools/harness/scenario/scenario.h"
@@ -102,6 +103,37 @@ ZooMutant nope_layers_rotated() {
           if (r.identity) r = first;
       },
       {"llama4_chunked_nope"});
+}
+
+// SPEC 10.4: sliding layers under a shift whose window is measured in token indices.
+class SinkWindowInIndices : public optimized::SinkRingCache {
+ public:
+  using SinkRingCache::SinkRingCache;
+
+ protected:
+  std::int64_t first_sink_seen(std::int64_t t, std::int64_t sink_query_position) const override {
+    (void)sink_query_position;
+    return std::max<std::int64_t>(0, t - policy().swa + 1);
+  }
+};
+
+ZooMutant sliding_window_in_token_indices() {
+  CacheEntry entry{"zoo/sliding_window_in_token_indices",
+                   "measures a sliding layer's window under a shift in token indices, not in the shifted "
+                   "positions: the sinks leave its view for good",
+                   [](const Scenario& s) {
+                     return std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.swa > 0; });
+                   },
+                   [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     return std::make_unique<optimized::HybridCache>(
+                         config, [](const optimized::CacheConfig& one) -> std::unique_ptr<optimized::KvCache> {
+                           return std::make_unique<SinkWindowInIndices>(one);
+                         });
+                   }};
+  return {entry,
+          "iSWA caches under a context shift whose sliding mask reads unshifted positions (llama.cpp issue 12357's "
+          "family: Gemma 3 and the shift's two sections of the cache)",
+          BugClass::sliding_window_in_token_indices, {"gemma3_sliding_under_context_shift"}};
 }
 
 // SPEC 10.3: the hybrid cache with the query temperature left out.
@@ -524,11 +556,13 @@ const std::vector<ZooMutant>& zoo_mutants() {
       one_rope_for_every_layer(),
       nope_layers_rotated(),
       query_temperature_missing(),
+      sliding_window_in_token_indices(),
   };
     // The other mutants keep one cos/sin table: they serve scenarios of one rope.
     for (ZooMutant& m : list)
       if (m.cache.name != "zoo/one_rope_for_every_layer" && m.cache.name != "zoo/nope_layers_rotated" &&
-          m.cache.name != "zoo/hybrid_layers_shifted" && m.cache.name != "zoo/query_temperature_missing")
+          m.cache.name != "zoo/hybrid_layers_shifted" && m.cache.name != "zoo/query_temperature_missing" &&
+          m.cache.name != "zoo/sliding_window_in_token_indices")
         m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return s.shared_rope() && inner(s); };
     return list;
   }();

@@ -250,6 +250,11 @@ constexpr BugClassRow kBugClasses[] = {
      "A NoPE layer's outputs are those of its query left unscaled: Llama 4's attn_temperature_tuning "
      "(the query times log1p(floor((p + 1) / floor_scale)) * attn_scale + 1) is not applied, or applied "
      "only where it is 1 (positions below floor_scale - 1)."},
+    {BugClass::sliding_window_in_token_indices, "sliding window measured before the shift",
+     "A sliding layer that shares a sink cache's cells (llama.cpp's iSWA cache with swa_full under a "
+     "context shift) measures its window in token indices, or in positions the shift has not moved, "
+     "instead of the shifted positions: the sinks leave its view too early and never come back after a "
+     "shift. Look where the sliding mask reads the cells' positions."},
 };
 
 // Row i describes class i, and every class has its row.
@@ -259,8 +264,8 @@ constexpr bool rows_in_enum_order() {
   return true;
 }
 static_assert(rows_in_enum_order(), "kBugClasses: one row per BugClass, in the enum's order");
-static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::query_temperature_missing) + 1,
-              "kBugClasses: a BugClass without its row (the last enumerator must be query_temperature_missing)");
+static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::sliding_window_in_token_indices) + 1,
+              "kBugClasses: a BugClass without its row (the last enumerator must be sliding_window_in_token_indices)");
 
 }  // namespace
 

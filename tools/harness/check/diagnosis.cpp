@@ -1,5 +1,7 @@
 #include "tools/harness/check/diagnosis.h"
 
+#include "reference/policy.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -53,6 +55,35 @@ bool pairs_fit_visibility(const StepEvidence& e, F policy_first, G first_visible
     if (keys != differ) return false;
   }
   return true;
+}
+
+// Every query's mismatching pairs are exactly the keys j <= t where `truth` and `rule`
+// disagree: the rule explains every key the query used or missed.
+template <class F, class G>
+bool pairs_fit_rule(const StepEvidence& e, F truth, G rule) {
+  if (e.pairs.empty()) return false;
+  std::map<std::pair<int, std::int64_t>, std::set<std::int64_t>> listed;  // (row, query) -> keys
+  for (const PairMismatch& p : e.pairs) {
+    if (p.key_index < 0 || p.expected.has_value() == p.actual.has_value()) return false;
+    listed[{p.row, p.query_index}].insert(p.key_index);
+  }
+  for (const auto& [query, keys] : listed) {
+    std::set<std::int64_t> differ;
+    for (std::int64_t j = 0; j <= query.second; ++j)
+      if (truth(query.second, j) != rule(query.second, j)) differ.insert(j);
+    if (keys != differ) return false;
+  }
+  return true;
+}
+
+// SPEC 10.4: whether token t of a sliding layer under a sink policy sees token j, with the
+// window measured in the shifted positions (Pq - Pk < swa) or in token indices (t - j < swa).
+bool sees_under_shift(const Policy& p, std::int64_t t, std::int64_t j, bool in_token_indices) {
+  const std::int64_t e = reference::evicted_count(p, t);
+  const bool sink = j < std::min(p.sinks, t + 1);
+  if (!sink && !(j >= p.sinks + e && j <= t)) return false;
+  const std::int64_t distance = in_token_indices ? t - j : (t - e) - (sink ? j : j - e);
+  return distance < p.swa;
 }
 
 }  // namespace
@@ -277,6 +308,10 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   const bool sink_missing = policy.kind == PolicyKind::sink && any(e.pairs, [&](const PairMismatch& p) {
                               return p.expected && !p.actual && p.key_index < policy.sinks;
                             });
+  if (policy.swa > 0 &&
+      pairs_fit_rule(e, [&](std::int64_t t, std::int64_t j) { return sees_under_shift(policy, t, j, false); },
+                     [&](std::int64_t t, std::int64_t j) { return sees_under_shift(policy, t, j, true); }))
+    return BugClass::sliding_window_in_token_indices;
   if (sink_missing) return BugClass::sink_count_wrong;
   if (policy.kind == PolicyKind::chunked) {
     const std::int64_t c = policy.window;

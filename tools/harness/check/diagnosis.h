@@ -78,6 +78,7 @@ enum class BugClass {
   layer_rotated_with_another_layers_rope,  // SPEC 10.1
   nope_layer_rotated,                      // SPEC 10.1
   query_temperature_missing,               // SPEC 10.3
+  sliding_window_in_token_indices,         // SPEC 10.4
 };
 
 // Both from the one table of bug classes (bug_classes.cpp).

@@ -59,6 +59,10 @@ json policy_json(const Policy& p) {
     j["evict"] = p.evict;
     j["positions"] = to_string(p.positions);
     j["prefill"] = to_string(p.prefill);
+    if (p.swa > 0) {  // SPEC 10.4: a sliding layer under layer shift_with's sink policy
+      j["swa"] = p.swa;
+      j["shift_with"] = p.shift_with;
+    }
   }
   return j;
 }

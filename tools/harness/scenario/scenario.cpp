@@ -258,7 +258,6 @@ Attention parse_attention(const Reader& r, const json& j, const Dims& dims) {
 Policy parse_policy(const Reader& r, const json& j, const std::string& p = "/policy") {
   if (!j.is_object()) r.fail(p, "expected an object, got " + describe(j));
   Policy policy;
-  if (j.contains("shift_with")) not_yet(r, p + "/shift_with", "a sliding layer under a sink cache's shift", "SPEC 10.4");
   const std::string type = r.choice(r.field(j, p, "type"), p + "/type", {"full", "sliding", "sink", "chunked"});
   if (type == "full") {
     r.object(j, p, {"type"});
@@ -268,9 +267,11 @@ Policy parse_policy(const Reader& r, const json& j, const std::string& p = "/pol
     policy.kind = PolicyKind::chunked;
     policy.window = r.integer(r.field(j, p, "chunk"), p + "/chunk", 1);
   } else if (type == "sliding") {
-    r.object(j, p, {"type", "window"});
+    r.object(j, p, {"type", "window", "shift_with"});
     policy.kind = PolicyKind::sliding;
     policy.window = r.integer(r.field(j, p, "window"), p + "/window", 1);
+    // SPEC 10.4: resolved against layer shift_with's sink policy once every layer is read.
+    if (j.contains("shift_with")) policy.shift_with = static_cast<int>(r.integer(j["shift_with"], p + "/shift_with", 0));
   } else {
     r.object(j, p, {"type", "sinks", "window", "evict", "positions", "prefill"});
     policy.kind = PolicyKind::sink;
@@ -631,6 +632,31 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
       s.policies.push_back(parse_policy(r, policy[l], "/policy/" + std::to_string(l)));
   } else {
     s.policies.assign(static_cast<std::size_t>(s.dims.layers), parse_policy(r, policy));
+  }
+  // SPEC 10.4: a sliding layer under a sink layer's shift takes that layer's sink policy and
+  // sees, of it, the keys within its window.
+  for (std::size_t l = 0; l < s.policies.size(); ++l) {
+    const Policy here = s.policies[l];
+    if (here.shift_with < 0) continue;
+    const std::string sp = policy.is_array() ? "/policy/" + std::to_string(l) + "/shift_with" : "/policy/shift_with";
+    const auto L = static_cast<std::size_t>(here.shift_with);
+    if (L >= s.policies.size() || L == l)
+      r.fail(sp, fmt::format("expected another layer's index (0 to {}, not {}), got {}", s.policies.size() - 1, l,
+                             here.shift_with));
+    const Policy& sink = s.policies[L];
+    if (sink.kind != PolicyKind::sink || sink.shift_with >= 0)
+      r.fail(sp, fmt::format("expected a layer whose policy is \"sink\", got layer {} ({})", L,
+                             sink.shift_with >= 0 ? "a sliding layer under a shift" : to_string(sink.kind)));
+    if (sink.positions != SinkPositions::cache || sink.prefill != Prefill::streaming)
+      not_yet(r, sp, fmt::format("a sliding layer under a sink layer with positions \"original\" or prefill "
+                                 "\"dense\" (layer {})", L), "SPEC 10.4");
+    if (here.window >= sink.window)
+      r.fail(sp.substr(0, sp.rfind('/')) + "/window",
+             fmt::format("expected a window below layer {}'s capacity ({}), got {}", L, sink.window, here.window));
+    Policy resolved = sink;
+    resolved.swa = here.window;
+    resolved.shift_with = here.shift_with;
+    s.policies[l] = resolved;
   }
   if (s.attention.query_temperature) {  // SPEC 10.3: on the NoPE layers, at each token's index
     const std::string tp = "/attention/query_temperature";

@@ -25,6 +25,7 @@ optimized::LayerPolicy layer_policy(const Policy& p) {
   // A sliding window keeps absolute positions: it is a sink cache without sinks that never shifts.
   l.shift_positions = p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
   l.dense_prefill = p.prefill == Prefill::dense;
+  l.swa = p.swa;
   return l;
 }
 
