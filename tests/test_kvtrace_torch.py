@@ -2,7 +2,7 @@
 `kvcheck verify`. transformers itself is not installed in this venv: the caches below are
 written here to behave as transformers' caches do (4.46 unless said otherwise), so each
 test pins down what kvcheck says about one cache design. Where the real class now runs
-(SinkCache, SlidingWindowCache, 5.x's DynamicCache and hybrid StaticCache:
+(SinkCache, SlidingWindowCache, HybridCache, 5.x's DynamicCache and hybrid StaticCache:
 tests/test_peer_transformers.py, in each release's venv), the stand-in's tests are retired;
 the rest wait for their real classes (issue "Real engines from PyPI"), and DynamicCache's
 stand-in stays as the plain cache the driver's own argument tests need. Runs in the venv build/venvs/torch (PyTorch 2.13.0, CPU), which tools/test makes."""
@@ -106,55 +106,6 @@ class StaticCache:
     def reorder_cache(self, beam_idx):
         self.key_cache = [k.index_select(0, beam_idx) for k in self.key_cache]
         self.value_cache = [v.index_select(0, beam_idx) for v in self.value_cache]
-
-
-class HybridCache(StaticCache):
-    """transformers' HybridCache (Gemma 2 and 3, gpt-oss): per layer a static buffer of
-    max_cache_len slots or, on a sliding layer, a buffer of min(window, max_cache_len) slots
-    updated like SlidingWindowCache (a prefill longer than it keeps its last `window` tokens
-    and is returned whole). 4.52 (default): layer i slides when (i + 1) % pattern != 0 and
-    rolls when the chunk's last cache position passes the buffer; 4.46: even layers get
-    sliding buffers, update() picks the sliding path when cache_kwargs["sliding_window"] is
-    set (a model that does not pass it gets the static path into the short buffer), and it
-    rolls one position early. No crop, as in both."""
-
-    def __init__(self, batch, max_cache_len, window, pattern=2, version="4.52"):
-        super().__init__(batch, max_cache_len)
-        self.window, self.pattern, self.version = window, pattern, version
-
-    def sliding(self, layer_idx):
-        return layer_idx % 2 == 0 if self.version == "4.46" else (layer_idx + 1) % self.pattern != 0
-
-    def buffers(self, key_states, layer_idx):
-        if layer_idx == len(self.key_cache):
-            _, heads, _, dim = key_states.shape
-            size = min(self.window, self.max_cache_len) if self.sliding(layer_idx) else self.max_cache_len
-            for store in (self.key_cache, self.value_cache):
-                store.append(torch.zeros(self.batch, heads, size, dim, dtype=key_states.dtype))
-        return self.key_cache[layer_idx], self.value_cache[layer_idx]
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs):
-        keys, values = self.buffers(key_states, layer_idx)
-        slides = cache_kwargs.get("sliding_window") if self.version == "4.46" else self.sliding(layer_idx)
-        position, size = cache_kwargs["cache_position"], keys.shape[2]
-        if not slides:
-            keys.index_copy_(2, position, key_states.to(keys.dtype))  # 4.46: past a short buffer, raises
-            values.index_copy_(2, position, value_states.to(values.dtype))
-            return keys, values
-        if position.shape[0] > size:
-            keys.copy_(key_states[:, :, -size:])
-            values.copy_(value_states[:, :, -size:])
-            return key_states, value_states
-        last = int(position[-1])
-        roll = last >= size - 1 if self.version == "4.46" else last + 1 > size
-        order = (torch.arange(size) + int(roll)) % size
-        rolled_keys, rolled_values = keys[:, :, order], values[:, :, order]
-        slots = position.clamp(0, size - 1)
-        rolled_keys.index_copy_(2, slots, key_states.to(keys.dtype))
-        rolled_values.index_copy_(2, slots, value_states.to(values.dtype))
-        keys.copy_(rolled_keys)
-        values.copy_(rolled_values)
-        return rolled_keys, rolled_values
 
 
 def manifest(trace):
@@ -611,26 +562,6 @@ class KvtraceTorchTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
         self.assertIn("class: padding counted as sink or position", verify.stdout)
-
-    def test_hybrid_cache_has_no_crop(self):
-        # gemma_hybrid_sliding_full crops at step 1: HybridCache has no crop in 4.46 or 4.52.
-        result, verify = self.drive("gemma_hybrid_sliding_full", lambda batch: HybridCache(batch, 64, 8, pattern=5),
-                                    positions="absolute")
-        self.assertEqual((result.error_step, result.error), (1, "the cache does not support crop"))
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        self.assertIn("class: the cache raised", verify.stdout)
-
-    def test_hybrid_cache_of_4_46_rolls_its_sliding_buffer_one_early(self):
-        # W 6, a 4-token prompt: at token 5 the 4.46 buffer rolls token 0 out before token 5
-        # attends to it; 4.52 waits until the buffer is passed.
-        _, verify = self.drive("hybrid_short_prompt", lambda batch: HybridCache(batch, 16, 6, version="4.46"), DATA,
-                               positions="absolute")
-        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
-        self.assertIn("first divergence: step 2 (decode, /steps/1), row 0, layer 0", verify.stdout)
-        self.assertIn("class: token dropped before its last use", verify.stdout)
-        _, verify = self.drive("hybrid_short_prompt", lambda batch: HybridCache(batch, 16, 6), DATA,
-                               positions="absolute")
-        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
     def test_argument_errors_are_clear(self):
         exp = export(self.work, "sliding_baseline")

@@ -360,6 +360,53 @@ class TransformersSlidingWindowCacheTest(PeerTest):
         self.assertIn("class: evicted the wrong token", verify.stdout)
 
 
+class TransformersHybridCacheTest(PeerTest):
+    """HybridCache (Gemma 2 and 3, gpt-oss), by the recipe of tools/peers/hf_caches.py: made for
+    each batch, absolute positions, its own mask. 4.46 alternates sliding and global layers;
+    4.52 follows sliding_window_pattern (Gemma 3's 6). Replaces tests/test_kvtrace_torch.py's
+    stand-in."""
+
+    def drive(self, scenario, folder=SCENARIOS):
+        with open(os.path.join(folder, scenario + ".json")) as f:
+            make_cache, options = hf_caches.hybrid_cache(json.load(f))
+        result = kvtrace.drive_hf_cache(export(self.work, scenario, folder), make_cache, self.trace, **options)
+        return result, self.verify(scenario, folder)
+
+    def test_gemma3s_two_bases_pass_until_a_chunk_crosses_the_full_window(self):
+        # Five sliding layers (theta 10,000) and a global one (theta 1,000,000, linear 8). In
+        # 4.52 the prompt past the window and the decodes pass in every layer; the 3-token
+        # chunk after them goes through the sliding layers' _sliding_cache_update, which
+        # clamps it to the last slot (docs/findings/transformers/sliding-window-cache-chunk-
+        # clamped-to-last-slot.md). 4.46's alternating layers give layer 1 a full buffer.
+        result, verify = self.drive("gemma3_sliding_full_two_bases")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        if RELEASE >= (4, 50):
+            self.assertIn("first divergence: step 7 (append, /steps/2), row 0, layer 0", verify.stdout)
+            self.assertIn("class: evicted the wrong token", verify.stdout)
+        else:
+            self.assertIn("first divergence: step 0 (append, /steps/0), row 0, layer 1", verify.stdout)
+            self.assertIn("class: layer given another layer's policy", verify.stdout)
+
+    def test_its_sliding_buffer_rolls_one_early_before_4_52(self):
+        # W 6, a 4-token prompt: at token 5 the 4.46 buffer rolls token 0 out before token 5
+        # attends to it; 4.52 waits until the buffer is passed.
+        _, verify = self.drive("hybrid_short_prompt", DATA)
+        if RELEASE < (4, 52):
+            self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+            self.assertIn("first divergence: step 2 (decode, /steps/1), row 0, layer 0", verify.stdout)
+            self.assertIn("class: token dropped before its last use", verify.stdout)
+        else:
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_it_has_no_crop(self):
+        # gemma_hybrid_sliding_full crops at step 1 (a crop the policy accepts).
+        result, verify = self.drive("gemma_hybrid_sliding_full")
+        self.assertEqual((result.error_step, result.error), (1, "the cache does not support crop"))
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("class: the cache raised", verify.stdout)
+
+
 class Transformers5CacheLayersTest(PeerTest):
     """transformers 5: a cache is a list of layers built from the model's config
     (DynamicCache(config=...): DynamicSlidingWindowLayer / DynamicLayer; StaticCache(config=...,

@@ -83,6 +83,19 @@ def sliding_window_cache(scenario, cls=None):
     return (lambda batch: cls(config, batch, 64, "cpu", dtype), dict(positions="absolute", as_tensor="torch"))
 
 
+def hybrid_cache(scenario):
+    """HybridCache(config, batch, max_cache_len, device, dtype) (4.46 to 4.5x), made for each
+    batch, with the config's sliding_window and, from 4.50 (Gemma 3), sliding_window_pattern
+    (layer i slides unless (i + 1) % pattern == 0; 4.46 alternates, Gemma 2's), absolute
+    positions and its cache_position mask."""
+    from transformers.cache_utils import HybridCache
+    config, dtype = model_config(scenario), dtype_of(scenario)
+    policies = scenario["policy"]
+    config.sliding_window_pattern = next(i for i, p in enumerate(policies) if p["type"] == "full") + 1
+    config.head_dim = scenario["dimensions"]["head_dim"]
+    return (lambda batch: HybridCache(config, batch, 64, "cpu", dtype), dict(positions="absolute", as_tensor="torch"))
+
+
 def dynamic_cache(scenario):
     """DynamicCache(config=...) (5.x): a DynamicSlidingWindowLayer per sliding layer, a
     DynamicLayer per full one, as a model's generate() builds it."""
@@ -138,6 +151,21 @@ def claims(cls, scenario):
             return ("not judged: a static layer's crop keeps the cropped slots, which the mask hides, and "
                     "kvtrace records the whole buffer")
         return None
+    if cls == "HybridCache":
+        if not isinstance(policy, list) or any(p.get("type") not in ("full", "sliding") for p in policy):
+            return "not a stack of sliding and full layers"
+        if len({p["window"] for p in policy if p["type"] == "sliding"}) != 1 or policy[0]["type"] != "sliding":
+            return "not one window"
+        pattern = next((i for i, p in enumerate(policy) if p["type"] == "full"), len(policy)) + 1
+        if any((p["type"] == "sliding") != bool((i + 1) % pattern) for i, p in enumerate(policy)):
+            return "not a periodic sliding_window_pattern"
+        if release() < (4, 50) and pattern != 2:
+            return "not Gemma 2's alternating layers (sliding_window_pattern is 4.50's)"
+        if tokens(scenario) > 64:
+            return "longer than the buffer"
+        if any(step["op"] == "crop" and "expect_error" not in step for step in scenario["steps"]):
+            return "not judged: HybridCache has no crop"
+        return None
     if not isinstance(policy, dict):
         return "a policy per layer"
     if cls == "SinkCache":
@@ -157,6 +185,8 @@ def recipes():
         found["SinkCache"] = sink_cache
     if (4, 42) <= release() < (5, 0):
         found["SlidingWindowCache"] = sliding_window_cache
+    if (4, 46) <= release() < (5, 0):  # 4.46 alternates (Gemma 2); 4.50 reads sliding_window_pattern
+        found["HybridCache"] = hybrid_cache
     if release() >= (5, 0):
         found["DynamicCache"] = dynamic_cache
         found["StaticCache"] = static_cache
