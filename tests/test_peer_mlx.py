@@ -88,7 +88,7 @@ class MlxCacheTest(unittest.TestCase):
 
     def test_chunked_cache_passes_chunked_attention(self):
         # ChunkedKVCache(C) under llama4.py's own mask: decodes and 3-token chunks across
-        # chunk edges, a rollback inside the last forward; C = 300 past the 256-slot buffer
+        # chunk edges, a rollback within the last chunk; C = 300 past the 256-slot buffer
         # step (where mlx-lm 0.31.3 lost chunk 0's tokens).
         for scenario, make in (("chunked_trim_and_chunks", lambda: ChunkedKVCache(4)),
                                ("chunked_past_the_buffer_step", lambda: ChunkedKVCache(300))):

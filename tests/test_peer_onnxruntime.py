@@ -116,10 +116,37 @@ class OnnxRuntimeGqaTest(DriveTest):
             self.assertIn(words, str(caught.exception))
         self.assertFalse(os.path.exists(self.trace))
 
+    def test_gemma3s_two_bases_pass_one_node_per_layer(self):
+        # SPEC 10.1: each layer's node takes its own cos/sin caches (theta 10,000 for the sliding
+        # layers, 1,000,000 with linear 8 for the global one), as a Gemma 3 export does. Every
+        # step passes up to the crop the policy refuses: the caller's buffers can serve it, and
+        # accepting is named, as for every policy (SPEC 10.2's known limit).
+        result, verify = self.drive("gemma3_sliding_full_two_bases")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 8 (crop, /steps/3)", verify.stdout)
+        self.assertIn("class: refusal mismatch", verify.stdout)
+
+    def test_every_node_given_the_global_rope_is_named(self):
+        # llama.cpp issue 12357's mistake, made by the caller: every node gets the global
+        # layer's cos/sin caches. The op returns the keys it rotated, so the trace shows the
+        # sliding layers' keys under the other layer's rope; they hold the right tokens (the
+        # caller's buffers never evict), which is not another layer's policy.
+        real = kvtrace_ort._rotary_caches
+        global_rope = export(self.work, "gemma3_sliding_full_two_bases").layer_rope(5)
+        kvtrace_ort._rotary_caches = lambda exp, rope, positions: real(exp, global_rope, positions)
+        try:
+            _, verify = self.drive("gemma3_sliding_full_two_bases")
+        finally:
+            kvtrace_ort._rotary_caches = real
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0), row 0, layer 0", verify.stdout)
+        self.assertIn("class: layer rotated with another layer's rope", verify.stdout)
+
     def test_what_the_op_cannot_take_is_refused_before_running(self):
         for scenario, words in (("sliding_baseline", "multiples of 16"), ("sink_decode_through_windows", "sink"),
                                 ("sliding_prompt_longer_than_window_float16", "kv_dtype float16"),
-                                ("gemma3_sliding_full_two_bases", "different ropes (SPEC 10.1)")):
+                                ("llama4_chunked_nope", "no chunked attention (SPEC 10.2)")):
             with self.assertRaises(kvtrace.UsageError) as caught:
                 kvtrace_ort.drive_ort_gqa(export(self.work, scenario), self.trace)
             self.assertIn(words, str(caught.exception))

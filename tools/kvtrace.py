@@ -641,6 +641,9 @@ class _Driver:
                                  % (list(allowed.shape), values.shape[0], n, slots))
             return allowed[:, None] & written[:, :, None, :]
         policy = self.exp.layer_policy(layer)
+        if policy.get("swa") and self.preallocated:
+            raise UsageError("layer %d is a sliding layer under a shift (SPEC 10.4): the driver's mask applies its "
+                             "window to a growing cache only; give a mask function for a preallocated one" % layer)
         window = policy.get("window") if policy.get("type") == "sliding" else None
         j = np.arange(slots)
         if self.preallocated:

@@ -101,7 +101,8 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
     chunks: "whole" (one forward per append) or "generate" (as generate_step: the first
     append but its last token in forwards of prefill_step_size, then the last token alone).
     Crops go through trim_prompt_cache: refused when a layer is not trimmable, or when it
-    trims fewer tokens than asked (its return value says so). Rows of different lengths and
+    trims fewer tokens than asked (its return value says so; the layers it did trim stay
+    trimmed, as they would for mlx-lm's caller, and later steps are judged from there). Rows of different lengths and
     reorders are refused (mlx-lm pads and reorders with BatchKVCache).
     eviction: the trace's declaration; default "never" when a layer is a ChunkedKVCache,
     else "deferred"."""
@@ -128,6 +129,8 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
     paged = [step["op"] for step in exp.steps if step["op"] in ("free", "preempt", "resume", "evict")]
     if paged:
         raise UsageError("step %r is a paged cache's (SPEC 8): mlx-lm's caches have no such operation" % paged[0])
+    if any(exp.layer_policy(l).get("swa") for l in range(layers)):
+        raise UsageError("a sliding layer under a sink layer's shift (SPEC 10.4): mlx-lm has no such cache")
     for step in exp.steps:
         if step["op"] == "reorder":
             raise UsageError("mlx-lm's single-sequence caches have no reorder (BatchKVCache has)")

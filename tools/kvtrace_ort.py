@@ -33,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from kvtrace_base import DriveResult, Export, TraceWriter, UsageError, rope_frequencies
+from kvtrace_base import DriveResult, Export, TraceWriter, UsageError, query_temperature, rope_frequencies
 
 
 def ort_version():
@@ -118,6 +118,7 @@ class _Quantized:
 
 
 def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantized=None):
+    """One GroupQueryAttention node; rotary_dim 0: a NoPE layer (do_rotary=0, no cos/sin)."""
     heads, kv_heads, d = exp.dims["heads"], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"]
     f = TensorProto.FLOAT
     cache = f if quantized is None else (TensorProto.INT8 if quantized.bits == 8 else TensorProto.UINT8)
@@ -128,10 +129,11 @@ def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantize
               helper.make_tensor_value_info("past_key", cache, [1, kv_heads, None, stored]),
               helper.make_tensor_value_info("past_value", cache, [1, kv_heads, None, stored]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
-              helper.make_tensor_value_info("cos_cache", f, [None, rotary_dim // 2]),
-              helper.make_tensor_value_info("sin_cache", f, [None, rotary_dim // 2])]
-    names = [i.name for i in inputs]
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    if rotary_dim:
+        inputs += [helper.make_tensor_value_info("cos_cache", f, [None, rotary_dim // 2]),
+                   helper.make_tensor_value_info("sin_cache", f, [None, rotary_dim // 2])]
+    names = [i.name for i in inputs] + ([] if rotary_dim else ["", ""])
     # Inputs 9 and 10 (position_ids, attention_bias) left out; 11 is head_sink, 12 and 13 the
     # K and V scales.
     optional = []
@@ -150,7 +152,8 @@ def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantize
         attributes["sliding_window_cache"] = 1
     node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
                             domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=float(exp.scale),
-                            do_rotary=1, rotary_interleaved=int(interleaved), local_window_size=int(window),
+                            do_rotary=int(rotary_dim > 0), rotary_interleaved=int(interleaved),
+                            local_window_size=int(window),
                             **attributes)
     outputs = [helper.make_tensor_value_info("output", f, [1, None, heads * d]),
                helper.make_tensor_value_info("present_key", cache, [1, kv_heads, None, stored]),
@@ -164,9 +167,9 @@ def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantize
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _rotary_caches(exp, positions):
-    """cos and sin [P, R/2] of the scenario's rope at positions 0..P-1, yarn's m folded in."""
-    inv, m = rope_frequencies(exp.one_rope("kvtrace.drive_ort_gqa"), exp.dims["head_dim"])
+def _rotary_caches(exp, rope, positions):
+    """cos and sin [P, R/2] of a layer's rope at positions 0..P-1, yarn's m folded in."""
+    inv, m = rope_frequencies(rope, exp.dims["head_dim"])
     angles = np.arange(positions, dtype=np.float64)[:, None] * inv[None, :]
     return (np.cos(angles) * m).astype(np.float32), (np.sin(angles) * m).astype(np.float32)
 
@@ -201,6 +204,9 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
         p = exp.layer_policy(l)
         if p["type"] == "sink":
             raise UsageError("GroupQueryAttention has no sink cache (StreamingLLM's): layer %d's policy is sink" % l)
+        if p["type"] == "chunked":
+            raise UsageError("GroupQueryAttention has no chunked attention (SPEC 10.2): layer %d's policy is chunked"
+                             % l)
         if isinstance(local_window_size, (list, tuple)):
             windows.append(int(local_window_size[l]))
         elif p["type"] == "full":
@@ -209,14 +215,18 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
             windows.append(p["window"] if window_meaning_changed() else p["window"] - 1)
         else:
             windows.append(int(local_window_size))
-    rope = exp.one_rope("kvtrace.drive_ort_gqa")
-    layout = rope.get("layout", "half")
-    if layout not in ("half", "interleaved"):
-        raise UsageError("unknown rope layout %r" % layout)
-    rotary_dim = int(rope.get("rotary_dim") or d)
-    if d % 16 or rotary_dim % 16:
+    # One node per layer with its own rope (SPEC 10.1: each node takes its cos/sin caches);
+    # a NoPE layer's node does no rotary, and its queries take the temperature (SPEC 10.3)
+    # before the node, as a model scales them.
+    ropes = [exp.layer_rope(l) for l in range(layers)]
+    for rope in ropes:
+        if rope is not None and rope.get("layout", "half") not in ("half", "interleaved"):
+            raise UsageError("unknown rope layout %r" % rope.get("layout"))
+    rotary_dims = [0 if rope is None else int(rope.get("rotary_dim") or d) for rope in ropes]
+    if d % 16 or any(r % 16 for r in rotary_dims):
         raise UsageError("GroupQueryAttention on the CPU needs head_dim and the rotary dims multiples of 16 "
-                         "(head_dim %d, rotary dims %d)" % (d, rotary_dim))
+                         "(head_dim %d, rotary dims %s)" % (d, sorted(set(r for r in rotary_dims if r))))
+    temperature = exp.manifest.get("attention", {}).get("query_temperature")
     logits = exp.manifest.get("attention", {}).get("sink_logits")
     if logits and not isinstance(logits[0], list):
         logits = [logits] * layers
@@ -235,10 +245,10 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
         if windowed[l] and window_cache < windows[l]:
             raise UsageError("window_cache %d is smaller than layer %d's local_window_size %d (the op refuses C < W)"
                              % (window_cache, l, windows[l]))
-    sessions = [_session(exp, windows[l], layout == "interleaved", rotary_dim, bool(logits), windowed[l], quantized)
-                for l in range(layers)]
+    sessions = [_session(exp, windows[l], ropes[l] is not None and ropes[l].get("layout") == "interleaved",
+                         rotary_dims[l], bool(logits), windowed[l], quantized) for l in range(layers)]
     longest = 1 + sum(max((len(r["uids"]) for r in s.get("rows", [])), default=0) for s in exp.steps)
-    cos, sin = _rotary_caches(exp, max(longest, 16))
+    caches = [None if rope is None else _rotary_caches(exp, rope, max(longest, 16)) for rope in ropes]
     buffer_type = np.float32 if quantized is None else quantized.dtype
     buffer_width = d if quantized is None else quantized.stored
 
@@ -324,13 +334,17 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
                         for l in range(layers):
                             state = rows[b][l]
                             n, total = len(uids), state["total"] + len(uids)
-                            feed = {"query": exp.q[l][uids].reshape(1, n, heads * d).astype(np.float32),
+                            query = exp.q[l][uids].astype(np.float64)  # [n, H, D]
+                            if ropes[l] is None and temperature is not None:
+                                query = query * query_temperature(temperature, np.arange(state["total"], total))[:, None, None]
+                            feed = {"query": query.reshape(1, n, heads * d).astype(np.float32),
                                     "key": exp.k[l][uids].reshape(1, n, kv_heads * d).astype(np.float32),
                                     "value": exp.v[l][uids].reshape(1, n, kv_heads * d).astype(np.float32),
                                     "past_key": state["k"], "past_value": state["v"],
                                     "seqlens_k": np.array([total - 1], np.int32),
-                                    "total_sequence_length": np.array(total, np.int32),
-                                    "cos_cache": cos, "sin_cache": sin}
+                                    "total_sequence_length": np.array(total, np.int32)}
+                            if caches[l] is not None:
+                                feed["cos_cache"], feed["sin_cache"] = caches[l]
                             if logits:
                                 feed["head_sink"] = np.asarray(logits[l], np.float32)
                             if quantized is not None:

@@ -59,6 +59,10 @@ class _PagedDriver:
         if any(export.layer_policy(l)["type"] == "sink" for l in range(export.dims["layers"])):
             raise UsageError("drive_paged_cache drives full and sliding layers (kvcheck refuses paging with "
                                      "a sink policy)")
+        if any(export.layer_policy(l)["type"] == "chunked" for l in range(export.dims["layers"])):
+            raise UsageError("drive_paged_cache does not drive chunked attention (SPEC 10.2) yet")
+        if export.manifest.get("attention", {}).get("query_temperature"):
+            raise UsageError("drive_paged_cache does not apply a query temperature (SPEC 10.3) yet")
         if dump not in ("referenced", "pool"):
             raise UsageError("dump must be \"referenced\" or \"pool\", got %r" % (dump,))
         self.exp, self.make, self.writer, self.dump = export, make_cache, writer, dump

@@ -85,6 +85,8 @@ void require_supported(const Scenario& s) {
   };
   if (s.hybrid()) no("/policy", "one policy for every layer (llama.cpp's unified cache)");
   if (!s.shared_rope()) no("/rope", "one rope for every layer (the llama arch rotates every layer alike)");
+  if (s.shared_rope()->nope) no("/rope", "NoPE layers: the llama arch rotates every layer");
+  if (s.attention.query_temperature) no("/attention/query_temperature", "the llama arch has no query temperature");
   const Policy& p = *s.shared_policy();
   if (p.kind == PolicyKind::sliding) no("/policy/type", "sliding: the llama arch has no sliding window; use sink or full");
   if (p.kind == PolicyKind::chunked) no("/policy/type", "chunked: the llama arch has no chunked attention; use sink or full");

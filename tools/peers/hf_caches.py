@@ -137,6 +137,8 @@ def claims(cls, scenario):
         if len({p["window"] for p in policies if p["type"] == "sliding"}) > 1:
             return "sliding layers of different windows"
         chunked = any(p.get("type") == "chunked" for p in policies)
+        if len({p["chunk"] for p in policies if p.get("type") == "chunked"}) > 1:
+            return "chunked layers of different sizes (one attention_chunk_size)"
         if chunked and any(p.get("type") == "sliding" for p in policies):
             return "sliding and chunked layers in one stack"
         if chunked and cls == "StaticCache":

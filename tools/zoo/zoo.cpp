@@ -189,7 +189,8 @@ ZooMutant chunk_as_sliding_window() {
                    }};
   return {entry,
           "a model whose chunked layers reuse the sliding-window mask with attention_chunk_size as the window, "
-          "over a cache that keeps the last C tokens (mlx-lm's ChunkedKVCache keeps them)",
+          "over a cache that keeps the last C tokens (a ring of C slots, or mlx-lm's ChunkedKVCache before a "
+          "forward)",
           BugClass::chunk_as_sliding_window, {"llama4_chunked_decode_and_chunks"}};
 }
 

@@ -83,7 +83,8 @@ InvarianceSample invariance_sample(const Scenario& s, double budget) {
         const std::int64_t t = lengths[b] + pos - pad;
         for (const Policy& p : s.policies)
           chosen = chosen || (p.kind != PolicyKind::full && std::abs(t - (p.window - 1)) <= 4) ||
-                   (p.kind == PolicyKind::sink && std::abs(t - p.sinks) <= 4);
+                   (p.kind == PolicyKind::sink && std::abs(t - p.sinks) <= 4) ||
+                   (p.kind == PolicyKind::chunked && (t % p.window <= 1 || t % p.window == p.window - 1));
       }
       sample.attend.push_back(chosen);
       sample.sampled += chosen ? 1 : 0;

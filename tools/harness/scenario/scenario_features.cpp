@@ -30,8 +30,12 @@ constexpr EnumName<Feature> kFeatureNames[] = {
     {Feature::paged, "paged"},
     {Feature::per_layer_rope, "per_layer_rope"},
     {Feature::nope_layer, "nope_layer"},
+    {Feature::chunked, "chunked"},
+    {Feature::query_temperature, "query_temperature"},
+    {Feature::sliding_under_shift, "sliding_under_shift"},
 };
-static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::nope_layer) + 1, "a feature without a name");
+static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::sliding_under_shift) + 1,
+              "a feature without a name");
 }  // namespace
 
 const char* to_string(Feature f) { return name_in(kFeatureNames, f); }
@@ -89,6 +93,9 @@ std::vector<Feature> scenario_features(const Scenario& s) {
                           }));
   add(Feature::per_layer_rope, !s.shared_rope());
   add(Feature::nope_layer, any_rope([](const Rope& r) { return r.nope; }));
+  add(Feature::chunked, any_policy([](const Policy& p) { return p.kind == PolicyKind::chunked; }));
+  add(Feature::query_temperature, s.attention.query_temperature.has_value());
+  add(Feature::sliding_under_shift, any_policy([](const Policy& p) { return p.swa > 0; }));
   return f;
 }
 

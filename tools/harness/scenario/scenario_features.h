@@ -30,6 +30,9 @@ enum class Feature {
   paged,               // SPEC 8: paging, content "prefix", free/evict, chunked or id-given appends
   per_layer_rope,      // rope is a list that differs between layers (SPEC 10.1)
   nope_layer,          // a NoPE layer: no rotation (SPEC 10.1)
+  chunked,             // a chunked attention layer (SPEC 10.2)
+  query_temperature,   // attention.query_temperature (SPEC 10.3)
+  sliding_under_shift,  // a sliding layer under a sink layer's shift (SPEC 10.4)
 };
 
 const char* to_string(Feature f);
