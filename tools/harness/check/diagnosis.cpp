@@ -36,27 +36,6 @@ bool off_by_one(const StepEvidence& e) {
   return !e.pairs.empty() && (extra_at.empty() || missing_at.empty());
 }
 
-// The mismatching pairs of each query are exactly those where the rule `first_visible(t)`
-// .. t and the policy's `policy_first(t)` .. t differ: the rule explains every key the
-// query used or missed.
-template <class F, class G>
-bool pairs_fit_visibility(const StepEvidence& e, F policy_first, G first_visible) {
-  if (e.pairs.empty()) return false;
-  std::map<std::pair<int, std::int64_t>, std::set<std::int64_t>> listed;  // (row, query) -> keys
-  for (const PairMismatch& p : e.pairs) {
-    if (p.key_index < 0 || p.expected.has_value() == p.actual.has_value()) return false;
-    listed[{p.row, p.query_index}].insert(p.key_index);
-  }
-  for (const auto& [query, keys] : listed) {
-    const std::int64_t t = query.second;
-    const std::int64_t a = std::max<std::int64_t>(0, policy_first(t)), b = std::max<std::int64_t>(0, first_visible(t));
-    std::set<std::int64_t> differ;  // the indices in one range only
-    for (std::int64_t j = std::min(a, b); j < std::max(a, b); ++j) differ.insert(j);
-    if (keys != differ) return false;
-  }
-  return true;
-}
-
 // Every query's mismatching pairs are exactly the keys j <= t where `truth` and `rule`
 // disagree: the rule explains every key the query used or missed.
 template <class F, class G>
@@ -74,6 +53,14 @@ bool pairs_fit_rule(const StepEvidence& e, F truth, G rule) {
     if (keys != differ) return false;
   }
   return true;
+}
+
+// The same for visibility rules that are runs ending at the query: `policy_first(t)` .. t
+// against `first_visible(t)` .. t.
+template <class F, class G>
+bool pairs_fit_visibility(const StepEvidence& e, F policy_first, G first_visible) {
+  return pairs_fit_rule(e, [&](std::int64_t t, std::int64_t j) { return j >= policy_first(t); },
+                        [&](std::int64_t t, std::int64_t j) { return j >= first_visible(t); });
 }
 
 // SPEC 10.4: whether token t of a sliding layer under a sink policy sees token j, with the
