@@ -147,6 +147,29 @@ class GrowingCache:
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
 
+class CroppableGrowingCache(GrowingCache):
+    """A GrowingCache with crop(length): every layer keeps its first `length` slots."""
+
+    def crop(self, length):
+        self.key_cache = [k[:, :, :length] for k in self.key_cache]
+        self.value_cache = [v[:, :, :length] for v in self.value_cache]
+
+
+class CroppableRing(CroppableGrowingCache):
+    """Keeps the last `window` slots, and crops by slots like its parent: a crop past what
+    it evicted is accepted and leaves the wrong tokens."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        super().update(key_states, value_states, layer_idx)
+        self.key_cache[layer_idx] = self.key_cache[layer_idx][:, :, -self.window:]
+        self.value_cache[layer_idx] = self.value_cache[layer_idx][:, :, -self.window:]
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+
 class StartRecentShifted:
     """StartRecent for keys stored at cache positions: after the forward the dead tokens
     go and the kept window keys are re-rotated back by as many, ready for the next token
@@ -454,6 +477,30 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("first divergence: step 2 (decode, /steps/1)", result.stdout)
         self.assertIn("class: dropped a live token", result.stdout)
         self.assertIn("missing: the cache dropped it", result.stdout)
+
+    def test_a_crop_the_policy_refuses_may_be_served_by_a_cache_that_kept_the_tokens(self):
+        # sliding_crop_refused_after_eviction, W = 6: after 10 tokens the crop to 8 needs
+        # tokens 2..7 and the policy has evicted 0..3, so it refuses. A cache that keeps every
+        # token serves it (SPEC 4): judged from the cut rows, and the steps after it (which
+        # assume the refusal) are not judged. A ring of 6 that accepts it holds 4..9, not the
+        # cut row: that is a refusal mismatch.
+        name = "sliding_crop_refused_after_eviction"
+        exp = export(self.work, name)
+        served = os.path.join(self.work, "served")
+        kvtrace.drive_hf_cache(exp, CroppableGrowingCache, served, positions="absolute", key_positions="absolute",
+                               eviction="never")
+        result = kvcheck("verify", os.path.join(SCENARIOS, name + ".json"), "--trace", served)
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        self.assertIn("but step 9 (crop, /steps/3) was served", result.stdout)
+        self.assertIn("so the 4 steps after it, which assume the refusal, are not judged", result.stdout)
+        ring = os.path.join(self.work, "ring")
+        kvtrace.drive_hf_cache(exp, lambda: CroppableRing(6), ring, positions="absolute", key_positions="absolute")
+        result = kvcheck("verify", os.path.join(SCENARIOS, name + ".json"), "--trace", ring)
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("first divergence: step 9 (crop, /steps/3)", result.stdout)
+        self.assertIn("class: refusal mismatch", result.stdout)
+        self.assertIn("and its rows are not the cut rows: cut to 8 tokens: layer 0 row 0 kv head 0 slot 4 holds "
+                      "uid 18, not this row's token", result.stdout)
 
     def test_eager_eviction_with_or_without_reencoding_passes_verify(self):
         # S = 2, W = 10, k = 4 (tests/data/sink_evict_blocks.json): dead tokens go in blocks.

@@ -89,13 +89,17 @@ class MlxCacheTest(unittest.TestCase):
     def test_chunked_cache_passes_chunked_attention(self):
         # ChunkedKVCache(C) under llama4.py's own mask: decodes and 3-token chunks across
         # chunk edges, a rollback within the last chunk; C = 300 past the 256-slot buffer
-        # step (where mlx-lm 0.31.3 lost chunk 0's tokens).
+        # step (where mlx-lm 0.31.3 lost chunk 0's tokens); a rollback across the edge the last
+        # forward crossed, which the policy refuses and the cache (trimming before its next
+        # forward) still serves (SPEC 4).
         for scenario, make in (("chunked_trim_and_chunks", lambda: ChunkedKVCache(4)),
-                               ("chunked_past_the_buffer_step", lambda: ChunkedKVCache(300))):
+                               ("chunked_past_the_buffer_step", lambda: ChunkedKVCache(300)),
+                               ("chunked_crop_back_across_the_last_edge", lambda: ChunkedKVCache(4))):
             result, verify = self.drive(scenario, make, DATA)
             self.assertIsNone(result.error, scenario)
             self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
             shutil.rmtree(self.trace)
+        self.assertIn("but step 2 (crop, /steps/2) was served", verify.stdout)
 
     def test_chunked_cache_accepts_a_rollback_into_a_chunk_it_dropped(self):
         # C = 4: after 12 tokens it holds 7..11; trim(5) to 7 tokens is accepted, though token

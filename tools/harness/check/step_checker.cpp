@@ -268,6 +268,7 @@ class StepChecker::Impl {
   }
 
   bool step(std::size_t i, const StepRecord& rec, CacheView& view) {
+    if (!served_crop_.empty()) return options_.trace;  // after a served crop: nothing to judge
     advance(context_, rec);  // what led up to the end of this step, this step included
     StepEvidence evidence;
     evidence.step = i;
@@ -402,10 +403,20 @@ class StepChecker::Impl {
   bool check(const StepRecord& rec, CacheView& view, StepEvidence& evidence, std::vector<std::vector<RowState>>& rows) {
     bool go_on = true;
     if (!rec.refused.empty()) {
-      if (!view.error)
-        evidence.refusal =
-            fmt::format("the cache accepted a step the policy refuses ({}: {})", rec.refused, rec.refusal_message);
-      else if (!view.refusal_code.empty() && view.refusal_code != rec.refused)
+      if (!view.error) {
+        const std::string unserved = rec.served ? crop_not_served(rec, view) : std::string("not a crop");
+        if (unserved.empty()) {
+          // Served: the scenario's later steps assume the refusal, so they mean nothing here.
+          served_crop_ = fmt::format(
+              "{} was served (the policy refuses it; the cache still held what the cut rows need), so the {} "
+              "steps after it, which assume the refusal, are not judged",
+              evidence.label, s_.steps.size() - 1 - evidence.step);
+          return false;
+        }
+        evidence.refusal = fmt::format("the cache accepted a step the policy refuses ({}: {}){}", rec.refused,
+                                       rec.refusal_message,
+                                       rec.served ? ", and its rows are not the cut rows: " + unserved : "");
+      } else if (!view.refusal_code.empty() && view.refusal_code != rec.refused)
         evidence.refusal = fmt::format("the cache refused with \"{}\" ({}), the policy refuses with \"{}\"",
                                        view.refusal_code, *view.error, rec.refused);
     } else if (view.error) {
@@ -469,6 +480,36 @@ class StepChecker::Impl {
       for (std::size_t b = 0; b < rows[l].size(); ++b)
         fill_distances(rec, view, static_cast<int>(l), static_cast<int>(b), rows[l][b]);
     return true;
+  }
+
+  // A crop the policy refuses, accepted: empty when the cache holds what serving it needs
+  // (every layer and row judged against the cut rows, as after an accepted crop), else the
+  // first thing it lacks. Nothing of this judgement enters the run's tallies.
+  std::string crop_not_served(const StepRecord& rec, const CacheView& view) {
+    if (view.layers.empty()) return "the cache shows no state to judge";
+    if (view.batch != static_cast<int>(rec.rows()))
+      return fmt::format("the cache has {} rows, the reference {}", view.batch, rec.rows());
+    StepRecord cut = rec;
+    cut.retained = rec.served->retained;
+    cut.histories = rec.served->histories;
+    cut.refused.clear();
+    cut.served.reset();
+    const Tally retained = retained_, positions = positions_, rotation = rotation_;
+    const std::int64_t lazy = lazy_rows_, eager = eager_rows_;
+    const double rotation_error = step_rotation_error_;
+    retained_ = positions_ = rotation_ = Tally{};
+    StepEvidence scratch;
+    scratch.label = fmt::format("cut to {} tokens", rec.step.length);
+    for (std::size_t l = 0; l < view.layers.size(); ++l)
+      for (int b = 0; b < static_cast<int>(cut.rows()); ++b) {
+        RowState state;
+        if (!cut.is_preempted(b)) check_row(cut, view, static_cast<int>(l), b, scratch, state);
+      }
+    std::string first = !retained_.first.empty() ? retained_.first : !positions_.first.empty() ? positions_.first : rotation_.first;
+    if (first.empty() && !scratch.slots.empty()) first = "a slot does not hold what the cut row needs";
+    retained_ = retained, positions_ = positions, rotation_ = rotation;
+    lazy_rows_ = lazy, eager_rows_ = eager, step_rotation_error_ = rotation_error;
+    return first;
   }
 
   // SPEC 5.2 and 5.4 for one row of one layer: every kv head's slots identified, the set
@@ -1161,7 +1202,7 @@ class StepChecker::Impl {
     if (options_.trace)
       add("steps recorded", unrecorded_,
           fmt::format("{} of {} steps{}", recorded_, s_.steps.size(), skipped_.empty() ? "" : "; " + skipped_));
-    add("refusals", refusals_, "as the policy says");
+    add("refusals", refusals_, served_crop_.empty() ? "as the policy says" : "as the policy says, but " + served_crop_);
     add("outputs", outputs_,
         outputs_seen_ ? fmt::format("within atol {:.3g} + rtol {:.3g}", used_tolerance_.atol, used_tolerance_.rtol)
                       : "no outputs to compare");
@@ -1229,6 +1270,7 @@ class StepChecker::Impl {
   }
   Tolerance used_tolerance_{0.0, 0.0};
   std::string skipped_;
+  std::string served_crop_;  // a crop the policy refuses, served: the run stops being judged
   std::int64_t lazy_rows_ = 0, eager_rows_ = 0, recorded_ = 0;
   bool outputs_seen_ = false, pairs_seen_ = false;
   double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;

@@ -4,6 +4,7 @@
 
 #include <map>
 #include <set>
+#include <span>
 
 #include "reference/prefix_reuse.h"
 #include "tools/harness/scenario/content_keys.h"
@@ -97,6 +98,27 @@ std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained
     out.push_back(std::move(rows));
   }
   return out;
+}
+
+// A refused crop as a cache that still held the tokens would serve it: every row cut to
+// `length`, its retained set that of the cut history under each layer's policy.
+std::shared_ptr<const StepRecord::ServedCrop> served_crop(const Scenario& s, const std::vector<RowHistory>& histories,
+                                                          std::int64_t length) {
+  auto served = std::make_shared<StepRecord::ServedCrop>();
+  for (const RowHistory& h : histories) served->histories.push_back(h.prefix(static_cast<std::size_t>(length)));
+  for (int l = 0; l < s.dims.layers; ++l) {
+    const auto first = s.policies.begin();
+    const auto same = std::find(first, first + l, s.policy(l));
+    if (same != first + l) {
+      served->retained.push_back(served->retained[static_cast<std::size_t>(same - first)]);
+      continue;
+    }
+    auto rows = std::make_shared<std::vector<reference::RowRetained>>();
+    for (const RowHistory& h : served->histories)
+      rows->push_back(reference::retained_of(s.policy(l), std::span<const std::uint64_t>(h.begin(), h.size())));
+    served->retained.push_back(std::move(rows));
+  }
+  return served;
 }
 
 }  // namespace
@@ -281,6 +303,8 @@ StepRecord ReferenceStepper::next() {
       preempted_[static_cast<std::size_t>(b)] = step.op == StepOp::preempt;
   record.preempted = preempted_;
   record.histories = state_->histories.after(step, model);
+  if (step.op == StepOp::crop && !record.refused.empty())
+    record.served = served_crop(scenario_, record.histories, step.length);
   if (const reference::StoredKv* stored = model.stored()) {
     record.stored.resize(static_cast<std::size_t>(scenario_.dims.layers));
     for (int l = 0; l < scenario_.dims.layers; ++l)

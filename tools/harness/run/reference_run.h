@@ -78,6 +78,14 @@ struct StepRecord {
   }
   std::string refused;                // the code when the step was refused
   std::string refusal_message;
+  // A refused crop (SPEC 4): what the rows would hold had a cache served it, each cut to
+  // the crop and kept under its policy as if only those tokens had been appended. A cache
+  // that kept more than the retained set may serve it (section 5, item 2).
+  struct ServedCrop {
+    std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained;  // [layer]
+    std::vector<RowHistory> histories;
+  };
+  std::shared_ptr<const ServedCrop> served;
 };
 
 struct ReferenceRun {
