@@ -454,6 +454,50 @@ class Transformers5CacheLayersTest(PeerTest):
         self.assertIsNone(result.error)
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
+    def test_assisted_generation_mode_serves_crops_the_policy_refuses(self):
+        # Only assisted generation crops, and generate() then calls activate_past_recording()
+        # after the prefill: a sliding or chunked layer keeps every token until the crop,
+        # which cuts it and trims it back to W - 1. A crop the policy refuses is then served
+        # (SPEC 4): Llama 4's stack back from 30 to 20 tokens (chunk 16..19), a sliding W 6
+        # back from 10 to 8 tokens (window 2..7).
+        for scenario, step in (("llama4_chunked_full_hybrid", 9), ("sliding_crop_refused_after_eviction", 9)):
+            result, verify = self.drive(scenario, hf_caches.dynamic_cache)
+            self.assertIsNone(result.error, scenario)
+            self.assertEqual(verify.returncode, 0, scenario + "\n" + verify.stdout + verify.stderr)
+            self.assertIn("but step %d (crop, /steps/3) was served" % step, verify.stdout)
+            shutil.rmtree(self.trace)
+
+    def test_a_crop_that_keeps_tokens_past_the_cut_is_a_refusal_mismatch(self):
+        # Planted (transformers' own crop is right): past the window, the crop keeps the last
+        # W - 1 slots of the uncut row, so the tokens after the cut stay. Accepting the crop
+        # the policy refuses is then not serving it.
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        class CropKeepsTheLatestSlots(DynamicSlidingWindowLayer):
+            def crop(self, tokens_to_remove):
+                if self.get_seq_length() < self.sliding_window or tokens_to_remove >= 0:
+                    return super().crop(tokens_to_remove)
+                self.keys = self.keys[:, :, -self.sliding_window + 1:, :]
+                self.values = self.values[:, :, -self.sliding_window + 1:, :]
+                self.cumulative_length += tokens_to_remove
+
+        def planted(scenario):
+            make, options = hf_caches.dynamic_cache(scenario)
+
+            def make_planted():
+                cache = make()
+                for layer in cache.layers:
+                    if isinstance(layer, DynamicSlidingWindowLayer):
+                        layer.__class__ = CropKeepsTheLatestSlots
+                return cache
+            return make_planted, options
+
+        result, verify = self.drive("sliding_crop_refused_after_eviction", planted)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 9 (crop, /steps/3)", verify.stdout)
+        self.assertIn("class: refusal mismatch", verify.stdout)
+        self.assertIn("its rows are not the cut rows", verify.stdout)
+
     def test_a_crop_removing_different_counts_per_row_is_refused_by_the_driver(self):
         # Rows of 3, 8 and 5 tokens left-padded to 8 slots, cropped to 4 tokens: 0, 4 and 1
         # to remove, but crop(tokens_to_remove) removes the same slots from every row. Said as
@@ -461,6 +505,12 @@ class Transformers5CacheLayersTest(PeerTest):
         with self.assertRaisesRegex(kvtrace.UsageError, r"removes \[0, 1, 4\] tokens from the rows of \[3, 8, 5\]"):
             self.drive("full_crop_mixed_lengths", hf_caches.dynamic_cache)
         self.assertFalse(os.path.exists(self.trace))
+        # A crop the policy refuses is offered as the most any row loses (10 slots of rows of
+        # 22 and 18 tokens cut to 12): accepting it cuts another crop, so the rest is skipped.
+        result, verify = self.drive("gemma3_sliding_full_two_bases", hf_caches.dynamic_cache)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("step 8 (crop, /steps/3) skipped: the cache accepted crop(-10), which removes 10 slots from "
+                      "every row, not the crop to 12 tokens of rows of [22, 18] (removing [6, 10])", verify.stdout)
 
 
 def run_finding(name, *options):

@@ -358,12 +358,15 @@ class _Driver:
                 "follows the scenario's layout" % next(layout for layout in layouts if layout != "half"))
 
     def run(self, writer):
-        self.writer, self.result = writer, DriveResult()
+        self.writer, self.result, self.stopped = writer, DriveResult(), None
         self.new_cache(self.exp.dims["batch"])
         for index, step in enumerate(self.exp.steps):
             op = step["op"]
             if self.result.error is not None:
                 writer.skip_step()
+            elif self.stopped:
+                writer.skipped_step(self.stopped)
+                self.result.skipped.append((index, self.stopped))
             elif op == "reset":
                 self.new_cache(step.get("batch", self.batch))
                 writer.skip_step()
@@ -398,6 +401,15 @@ class _Driver:
                 if not refused:
                     raise
                 return  # refusing is what the policy wants: the cache goes on intact
+            removed = sorted({n - min(n, step["length"]) for n in self.lengths})
+            if refused and self.crop_takes_tokens_to_remove() and len(removed) > 1:
+                # Accepted, but what it cut is not the scenario's crop: nothing after is judged.
+                self.stopped = ("the cache accepted crop(%d), which removes %d slots from every row, not the crop to "
+                                "%d tokens of rows of %s (removing %s)"
+                                % (-removed[-1], removed[-1], step["length"], self.lengths, removed))
+                self.writer.skipped_step(self.stopped)
+                self.result.skipped.append((index, self.stopped))
+                return
             if self.crop_takes_tokens_to_remove():  # the slots removed from every row
                 self.seen -= max((n - min(n, step["length"]) for n in self.lengths), default=0)
             else:
@@ -443,7 +455,8 @@ class _Driver:
         or, for transformers 5, minus the slots removed, as its generate() calls it. A 5 crop
         removes the same slots from every row, so one that must remove different counts from
         left-padded rows cannot be said to it, and is refused, unless the policy refuses the
-        crop anyway (then the most any row loses is offered: accepting it is the finding)."""
+        crop anyway (then the most any row loses is offered: refusing is right, and a cache that
+        accepts it cut another crop, so the rest of the run is skipped)."""
         if not self.crop_takes_tokens_to_remove():
             return length
         removed = {n - min(n, length) for n in self.lengths}

@@ -641,9 +641,10 @@ class StepChecker::Impl {
       // Tokens the cache should hold but does not.
       for (const auto& [uid, key] : sets.retained) {
         if (held.count(uid)) continue;
+        // A cache that never evicts masks instead: a dead token no query sees again may be gone
+        // (assisted generation's transformers layers trim to W - 1 before they start keeping).
         const bool dead = !sets.live.count(uid);
-        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred &&
-                          options_.eviction != Eviction::never;
+        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred;
         if (g == 0) {
           SlotRow row;
           row.row = b;
