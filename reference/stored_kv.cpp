@@ -170,6 +170,12 @@ double StoredKv::quantize_query(int layer, double* q, std::int64_t position) con
                        : 0.0;
 }
 
+bool StoredKv::written(int row, int layer, std::int64_t index) const {
+  const auto& tokens = rows_.at(static_cast<std::size_t>(row));
+  return index >= 0 && index < static_cast<std::int64_t>(tokens.size()) &&
+         tokens[static_cast<std::size_t>(index)][static_cast<std::size_t>(layer)].position >= 0;
+}
+
 const StoredLayer& StoredKv::at(int row, int layer, std::int64_t index) const {
   return rows_.at(static_cast<std::size_t>(row)).at(static_cast<std::size_t>(index)).at(static_cast<std::size_t>(layer));
 }

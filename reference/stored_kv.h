@@ -77,6 +77,8 @@ class StoredKv {
   const StoredLayer& settle(int row, int layer, std::int64_t index, std::uint64_t uid, std::int64_t position);
   // As stored now (settle() must have written it).
   const StoredLayer& at(int row, int layer, std::int64_t index) const;
+  // Whether settle() has written it.
+  bool written(int row, int layer, std::int64_t index) const;
 
   // The residual's rule after the tokens [0, length) of `row` are written (each settled):
   // "append" quantizes the oldest raw tokens until `residual` remain; "block" the oldest

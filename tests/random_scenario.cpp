@@ -27,14 +27,16 @@ class Bits {
   std::uint64_t state_;
 };
 
-// Would a cache of this policy accept cropping rows of these lengths to `length`?
-bool crop_accepted(const Policy& policy, const std::vector<std::int64_t>& rows, std::int64_t length) {
-  for (std::int64_t n : rows) {
-    if (n <= length) continue;
-    const auto held = reference::retained_view(policy, n).keys;
-    for (const auto& need : reference::retained_view(policy, length).keys)
-      if (std::none_of(held.begin(), held.end(), [&](const auto& k) { return k.index == need.index; })) return false;
-  }
+// Would a cache of these layers' policies accept cropping rows of these lengths to `length`?
+bool crop_accepted(const std::vector<Policy>& policies, const std::vector<std::int64_t>& rows, std::int64_t length) {
+  for (const Policy& policy : policies)
+    for (std::int64_t n : rows) {
+      if (n <= length) continue;
+      const auto held = reference::retained_view(policy, n).keys;
+      for (const auto& need : reference::retained_view(policy, length).keys)
+        if (std::none_of(held.begin(), held.end(), [&](const auto& k) { return k.index == need.index; }))
+          return false;
+    }
   return true;
 }
 
@@ -84,8 +86,12 @@ std::string random_scenario_json(std::uint64_t seed) {
   if (bits.chance(20)) j["kv_dtype"] = bits.chance(50) ? "float16" : "bfloat16";
 
   Policy policy;
-  const auto kind = bits.between(0, 4);  // sink twice as often: it has the most cases
-  if (kind == 0) {
+  const auto kind = bits.between(0, 5);  // sink twice as often: it has the most cases
+  if (kind == 5) {  // SPEC 10.2
+    policy.kind = PolicyKind::chunked;
+    policy.window = bits.chance(20) ? bits.between(33, 40) : bits.between(1, 10);
+    j["policy"] = {{"type", "chunked"}, {"chunk", policy.window}};
+  } else if (kind == 0) {
     j["policy"] = {{"type", "full"}};
   } else if (kind == 1) {
     policy.kind = PolicyKind::sliding;
@@ -105,6 +111,29 @@ std::string random_scenario_json(std::uint64_t seed) {
                    {"evict", policy.evict},
                    {"positions", to_string(policy.positions)},
                    {"prefill", to_string(policy.prefill)}};
+  }
+
+  std::vector<Policy> policies = {policy};
+  // SPEC 10 on two layers: the second a layer of another kind beside the first (a full layer
+  // beside chunked or sliding ones, or a sliding layer under a sink layer's shift), with its
+  // own rope (Gemma 3's global base) or none (NoPE, maybe with Llama 4's query temperature).
+  if (j["dimensions"]["layers"] == 2 && bits.chance(30)) {
+    json second = {{"type", "full"}};
+    Policy other;
+    if (policy.kind == PolicyKind::sink && policy.positions == SinkPositions::cache &&
+        policy.prefill == Prefill::streaming && policy.window > 1 && bits.chance(60)) {
+      other = policy;  // it retains what layer 0 retains (SPEC 10.4)
+      second = {{"type", "sliding"}, {"window", bits.between(1, policy.window - 1)}, {"shift_with", 0}};
+    }
+    j["policy"] = json::array({j["policy"], second});
+    policies.push_back(other);
+    const bool nope = second["type"] == "full" && policy.kind != PolicyKind::sink && bits.chance(50);
+    json global = nope ? json(nullptr) : json({{"theta", 1000000.0}, {"scaling", "linear"}, {"factor", 8.0}});
+    if (!nope && rope.contains("layout")) global["layout"] = rope["layout"];
+    j["rope"] = json::array({rope, global});
+    if (nope && bits.chance(50))
+      j["attention"]["query_temperature"] = {{"floor_scale", bits.pick<std::int64_t>({1, 2, 4})},
+                                             {"attn_scale", bits.pick<double>({0.1, 0.5})}};
   }
 
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(batch), 0);
@@ -154,7 +183,7 @@ std::string random_scenario_json(std::uint64_t seed) {
       const auto longest = *std::max_element(lengths.begin(), lengths.end());
       const auto length = bits.between(0, longest);
       json step = {{"op", "crop"}, {"length", length}};
-      if (crop_accepted(policy, lengths, length)) {
+      if (crop_accepted(policies, lengths, length)) {
         for (auto& len : lengths) len = std::min(len, length);
       } else {
         step["expect_error"] = "crop_evicted";
@@ -177,7 +206,12 @@ std::string random_sweep_candidate_json(std::uint64_t seed, int attempt) {
   const int kv_heads = j["dimensions"]["kv_heads"].get<int>();
   if (bits.chance(25)) {  // GQA and ggml's blocks want wider heads than the base draws
     j["dimensions"]["head_dim"] = bits.pick<std::int64_t>({32, 64});
-    j["rope"].erase("rotary_dim");
+    if (j["rope"].is_array())
+      for (json& rope : j["rope"]) {
+        if (rope.is_object()) rope.erase("rotary_dim");
+      }
+    else
+      j["rope"].erase("rotary_dim");
   }
   const int d = j["dimensions"]["head_dim"].get<int>();
   auto tensor = [&]() {

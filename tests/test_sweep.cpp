@@ -65,16 +65,24 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   const std::uint64_t base = base_seed();
   std::cout << "sweep base seed " << base << " (replay: KVCHECK_SWEEP_SEED=" << base << ")\n";
   int quantized = 0, paged = 0, failures = 0, shifted_quantized = 0;
+  int chunked = 0, per_layer_rope = 0, nope = 0, temperature = 0, sliding_under_shift = 0, hybrid_runs = 0;
   for (int i = 0; i < kScenarios; ++i) {
     const std::uint64_t seed = base + static_cast<std::uint64_t>(i);
     const auto [text, s] = valid_scenario(seed);
     quantized += s.quantized();
     paged += s.paging.has_value();
+    // SPEC 10's schemes, drawn on two layers (tests/random_scenario.cpp).
+    chunked += std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.kind == PolicyKind::chunked; });
+    per_layer_rope += s.shared_rope() == nullptr;
+    nope += std::any_of(s.ropes.begin(), s.ropes.end(), [](const Rope& r) { return r.nope; });
+    temperature += s.attention.query_temperature.has_value();
+    sliding_under_shift += std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.swa > 0; });
     const InputTable inputs = load_inputs(s);
     const ReferenceRun run = run_reference(s, inputs);
     for (const CacheEntry& cache : real_caches()) {
       if (!cache.serves(s)) continue;
       shifted_quantized += cache.name == "sink_shift" && quantizes_keys(s);
+      hybrid_runs += cache.name == "hybrid" && (s.shared_rope() == nullptr || s.hybrid());
       const Outcome o = check_cache(s, inputs, run, cache);
       if (o.passed()) continue;
       ++failures;
@@ -91,10 +99,20 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
     }
   }
   std::cout << kScenarios << " scenarios, " << quantized << " quantized, " << paged << " paged; " << shifted_quantized
-            << " runs of sink_shift on quantized keys\n";
+            << " runs of sink_shift on quantized keys; " << chunked << " chunked, " << per_layer_rope
+            << " with a rope per layer, " << nope << " with a NoPE layer, " << temperature << " with a query temperature, "
+            << sliding_under_shift << " with a sliding layer under a shift; " << hybrid_runs
+            << " runs of the hybrid cache on layers that differ\n";
   // The sweep must mostly exercise what the fixed suites do not: storage and paging.
   EXPECT_GE(quantized, kScenarios / 4);
   EXPECT_GE(paged, kScenarios / 10);
+  // SPEC 10 on the hybrid cache, each scheme at least once.
+  EXPECT_GE(chunked, kScenarios / 10);
+  EXPECT_GE(per_layer_rope, kScenarios / 20);
+  EXPECT_GE(hybrid_runs, per_layer_rope);
+  EXPECT_GE(nope, 1);
+  EXPECT_GE(temperature, 1);
+  EXPECT_GE(sliding_under_shift, 1);
   // Keys re-quantized at every shift of a chunk (the class that once needed every store shown).
   EXPECT_GE(shifted_quantized, kScenarios / 20);
 }

@@ -703,15 +703,29 @@ class StepChecker::Impl {
   double simulated_drift(const StepRecord& rec, int l, int b, int g, std::int64_t uid, std::int64_t position,
                          const float* raw) {
     if (rec.stored.empty() || !s_.quant(l).k) return 0.0;
+    const reference::StoredLayer* token = stored_key(rec, l, b, uid, position);
+    if (token == nullptr) return 0.0;
+    const std::vector<double>& stored = token->heads[static_cast<std::size_t>(g)].key;
+    const std::vector<float> as_float(stored.begin(), stored.end());
+    return rotations(l).error(as_float.data(), raw, position);
+  }
+
+  // What the reference stored for token `uid` of row b in layer l with its key at
+  // `position`: a retained token, or one a chunked layer's ring may still hold. Null: none.
+  static const reference::StoredLayer* stored_key(const StepRecord& rec, int l, int b, std::int64_t uid,
+                                                  std::int64_t position) {
+    if (rec.stored.empty()) return nullptr;
     const auto& keys = rec.retained_in(l, b).keys;
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (static_cast<std::int64_t>(keys[i].uid) != uid || keys[i].position != position) continue;
-      const std::vector<double>& stored =
-          rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i].heads[static_cast<std::size_t>(g)].key;
-      const std::vector<float> as_float(stored.begin(), stored.end());
-      return rotations(l).error(as_float.data(), raw, position);
-    }
-    return 0.0;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (static_cast<std::int64_t>(keys[i].uid) == uid && keys[i].position == position)
+        return &rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i];
+    if (static_cast<std::size_t>(l) >= rec.stored_ring.size()) return nullptr;
+    const auto& rows = rec.stored_ring[static_cast<std::size_t>(l)];
+    if (static_cast<std::size_t>(b) >= rows.size()) return nullptr;
+    const std::int64_t index = index_of(rec.histories[static_cast<std::size_t>(b)], uid);
+    for (const auto& [i, token] : rows[static_cast<std::size_t>(b)])
+      if (i == index && i == position) return &token;  // chunked layers keep true positions
+    return nullptr;
   }
 
   // Without codes, a quantized key against the simulated one at `position` (SPEC 9.2.5):
@@ -725,10 +739,8 @@ class StepChecker::Impl {
       return p.kind == PolicyKind::sink && p.positions == SinkPositions::cache;
     });
     if (moves) return std::nullopt;
-    const auto& keys = rec.retained_in(l, b).keys;
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (static_cast<std::int64_t>(keys[i].uid) != v.uid || keys[i].position != position) continue;
-      const reference::StoredLayer& token = rec.stored[static_cast<std::size_t>(l)][static_cast<std::size_t>(b)][i];
+    if (const reference::StoredLayer* found = stored_key(rec, l, b, v.uid, position)) {
+      const reference::StoredLayer& token = *found;
       if (token.raw) return std::nullopt;  // in the residual: held in kv_dtype
       const reference::StoredHead& h = token.heads[static_cast<std::size_t>(g)];
       const TensorQuant& format = *s_.quant(l).k;

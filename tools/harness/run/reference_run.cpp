@@ -312,6 +312,19 @@ StepRecord ReferenceStepper::next() {
         auto& keys = record.stored[static_cast<std::size_t>(l)].emplace_back();
         for (const reference::RetainedKey& key : record.retained_in(l, b).keys) keys.push_back(stored->at(b, l, key.index));
       }
+    record.stored_ring.resize(static_cast<std::size_t>(scenario_.dims.layers));
+    for (int l = 0; l < scenario_.dims.layers; ++l) {
+      if (scenario_.policy(l).kind != PolicyKind::chunked) continue;
+      for (int b = 0; b < model.batch(); ++b) {
+        auto& ring = record.stored_ring[static_cast<std::size_t>(l)].emplace_back();
+        const auto n = static_cast<std::int64_t>(model.history(b).size());
+        const auto& kept = record.retained_in(l, b).keys;
+        for (std::int64_t i = std::max<std::int64_t>(0, n - scenario_.policy(l).window); i < n; ++i)
+          if (std::none_of(kept.begin(), kept.end(), [&](const reference::RetainedKey& k) { return k.index == i; }) &&
+              stored->written(b, l, i))
+            ring.emplace_back(i, stored->at(b, l, i));
+      }
+    }
     // Between two forwards a row holds what one of its appended tokens saw.
     if (step.op == StepOp::append && step.chunk > 0 && record.append) {
       record.stored_window.resize(static_cast<std::size_t>(scenario_.dims.layers));

@@ -65,6 +65,10 @@ struct StepRecord {
   // `stored_from[layer][row]` to the row's end, the keys any forward's state may hold.
   std::vector<std::vector<std::vector<reference::StoredLayer>>> stored_window;
   std::vector<std::vector<std::int64_t>> stored_from;
+  // SPEC 10.2: a chunked layer's ring of C slots may still hold the previous chunk's tail,
+  // dead and outside the retained set: [layer][row] the stored value of each of the row's
+  // last C tokens that is not retained (at its index; empty for other policies).
+  std::vector<std::vector<std::vector<std::pair<std::int64_t, reference::StoredLayer>>>> stored_ring;
   // SPEC 8.4, paged scenarios' appends: per row, the largest prefix hit a correct cache may
   // report (0 for rows that do not start).
   std::vector<std::int64_t> largest_hit;
