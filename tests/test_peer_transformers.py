@@ -566,5 +566,19 @@ class TransformersSlidingWindowFindingsTest(unittest.TestCase):
         self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
 
 
+class Llama4TemperatureFindingTest(unittest.TestCase):
+    """docs/findings/transformers/llama4-temperature-counts-left-padding: Llama 4's NoPE layers
+    take the attention temperature from slot indices (4.52.4: cache_position; 5.25.0:
+    arange + get_seq_length), so a left-padded row's padding moves it."""
+
+    def test_a_padded_row_takes_another_temperature_and_position_ids_fix_it(self):
+        run = run_finding("llama4-temperature-counts-left-padding")
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn("T(slot) = [1.3466, 1.5493, 1.5493, 1.6931] in the padded batch", run.stdout)
+        self.assertIn("token 0: max |alone - batched| = 0\n", run.stdout)  # it sees itself alone
+        run = run_finding("llama4-temperature-counts-left-padding", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("the padded batch agrees with the prompt alone", run.stdout)
+
 if __name__ == "__main__":
     unittest.main()
