@@ -11,16 +11,16 @@ drives the same ones."""
 import glob
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvtrace  # noqa: E402
+import peer_verdict  # noqa: E402
 
 SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
 
@@ -200,39 +200,10 @@ def recipes():
     return found
 
 
-def kvcheck(*args):
-    binary = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
-    return subprocess.run([binary, *args], capture_output=True, text=True)
-
-
 def verdict(name, cls, recipe, work):
-    path = os.path.join(SCENARIOS, name + ".json")
-    exported, trace = os.path.join(work, "export"), os.path.join(work, "trace")
-    done = kvcheck("export", path, "--out", exported)
-    if done.returncode != 0:
-        return "export failed: " + done.stderr.strip()[:120]
     make, options = recipe
-    try:
-        result = kvtrace.drive_hf_cache(kvtrace.Export(exported), make, trace, **options)
-    except kvtrace.UsageError as e:
-        return "not driven: " + str(e).split(", but")[0].split(": transformers")[0]
-    report = kvcheck("verify", path, "--trace", trace)
-    served = re.search(r"but (step \d+) \(crop, [^)]*\) was served", report.stdout)
-    if report.returncode == 0 and served:
-        return "pass; served the crop the policy refuses at %s (the later steps not judged)" % served.group(1)
-    if report.returncode == 0 and result.skipped:
-        step, why = result.skipped[0]
-        return "pass up to step %d; not judged after: %s" % (step, why)
-    if report.returncode == 0:
-        return "pass"
-    lines = report.stdout.splitlines()
-    first = next((l for l in lines if l.startswith("first divergence: ")), "")
-    named = next((l[len("class: "):] for l in lines if l.startswith("class: ")), "")
-    step = re.match(r"first divergence: (step \d+) \((\w+)", first)
-    text = "%s at %s" % (named or "fails", "%s (%s)" % step.groups() if step else "?")
-    if result.error is not None and not named.startswith("the cache raised"):
-        text += "; raised at step %d" % result.error_step
-    return text
+    return peer_verdict.verdict(os.path.join(SCENARIOS, name + ".json"), work,
+                                lambda exported, trace: kvtrace.drive_hf_cache(exported, make, trace, **options))
 
 
 def main(names):
@@ -246,14 +217,15 @@ def main(names):
             reason = claims(cls, scenario)
             if reason is not None:
                 if reason.startswith("not judged"):
-                    print("| %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, reason), flush=True)
+                    print("| transformers %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, reason),
+                          flush=True)
                 continue
             work = tempfile.mkdtemp(prefix="kvcheck-peers-")
             try:
                 text = verdict(name, cls, make_recipe(scenario), work)
             finally:
                 shutil.rmtree(work, True)
-            print("| %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, text), flush=True)
+            print("| transformers %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, text), flush=True)
 
 
 if __name__ == "__main__":
