@@ -1,0 +1,187 @@
+/* What the standalone reproductions of docs/findings/llamacpp/ share: a tiny `llama` model
+ * written with ggml's own gguf API, a context over it, embeddings decoded one forward at a
+ * time, and one cell's K row read back through llama_state_seq_get_data. It uses only
+ * llama.cpp's public headers and libraries (no kvcheck). C11.
+ *
+ * Build (the npm package's libraries and the headers of the same build, as tools/setup
+ * unpacks them under build/llamacpp/):
+ *   cc -std=c11 -O1 -I INC -I INC/../ggml/include repro.c -o repro \
+ *      -L LIB -l:libllama.v0.5.0.so -l:libggml-base.so -l:libggml.v0.5.0.so -Wl,-rpath,LIB -lm
+ * and run `repro LIB` (the folder whose CPU backends it loads). */
+#ifndef KVCHECK_REPRO_TINY_LLAMA_H
+#define KVCHECK_REPRO_TINY_LLAMA_H
+#define _DEFAULT_SOURCE /* mkdtemp */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "gguf.h"
+#include "llama.h"
+
+enum { TINY_HEADS = 2, TINY_HEAD_DIM = 16, TINY_EMBD = TINY_HEADS * TINY_HEAD_DIM, TINY_FF = 16, TINY_VOCAB = 8 };
+
+/* A deterministic value in [-1, 1) for element i of tensor `tag`. */
+static float tiny_value(uint32_t tag, uint32_t i) {
+  uint64_t x = ((uint64_t)tag << 32 | i) + 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static void tiny_tensor(struct gguf_context *g, struct ggml_context *c, const char *name, int64_t ne0, int64_t ne1,
+                        float scale, uint32_t tag) {
+  struct ggml_tensor *t = ne1 ? ggml_new_tensor_2d(c, GGML_TYPE_F32, ne0, ne1) : ggml_new_tensor_1d(c, GGML_TYPE_F32, ne0);
+  float *data = (float *)t->data;
+  for (int64_t i = 0; i < ggml_nelements(t); ++i) data[i] = scale == 0.0f ? 1.0f : scale * tiny_value(tag, (uint32_t)i);
+  ggml_set_name(t, name);
+  gguf_add_tensor(g, t);
+}
+
+/* One layer, 2 heads of 16 dims, RoPE theta 10000; yarn_factor > 0 adds YaRN scaling
+ * (original context 32), as a GGUF converted from a YaRN checkpoint carries it. */
+static int tiny_llama_write(const char *path, float yarn_factor) {
+  struct ggml_init_params params = {64u << 20, NULL, false};
+  struct ggml_context *c = ggml_init(params);
+  struct gguf_context *g = gguf_init_empty();
+  gguf_set_val_str(g, "general.architecture", "llama");
+  gguf_set_val_str(g, "general.name", "tiny");
+  gguf_set_val_u32(g, "llama.vocab_size", TINY_VOCAB);
+  gguf_set_val_u32(g, "llama.context_length", 8192);
+  gguf_set_val_u32(g, "llama.embedding_length", TINY_EMBD);
+  gguf_set_val_u32(g, "llama.block_count", 1);
+  gguf_set_val_u32(g, "llama.feed_forward_length", TINY_FF);
+  gguf_set_val_u32(g, "llama.attention.head_count", TINY_HEADS);
+  gguf_set_val_u32(g, "llama.attention.head_count_kv", TINY_HEADS);
+  gguf_set_val_u32(g, "llama.attention.key_length", TINY_HEAD_DIM);
+  gguf_set_val_u32(g, "llama.attention.value_length", TINY_HEAD_DIM);
+  gguf_set_val_f32(g, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  gguf_set_val_u32(g, "llama.rope.dimension_count", TINY_HEAD_DIM);
+  gguf_set_val_f32(g, "llama.rope.freq_base", 10000.0f);
+  if (yarn_factor > 0.0f) {
+    gguf_set_val_str(g, "llama.rope.scaling.type", "yarn");
+    gguf_set_val_f32(g, "llama.rope.scaling.factor", yarn_factor);
+    gguf_set_val_u32(g, "llama.rope.scaling.original_context_length", 32);
+  }
+  gguf_set_val_str(g, "tokenizer.ggml.model", "none");
+  const float s = 1.0f / sqrtf((float)TINY_EMBD);
+  tiny_tensor(g, c, "token_embd.weight", TINY_EMBD, TINY_VOCAB, s, 1);
+  tiny_tensor(g, c, "output_norm.weight", TINY_EMBD, 0, 0.0f, 2);
+  tiny_tensor(g, c, "output.weight", TINY_EMBD, TINY_VOCAB, s, 3);
+  tiny_tensor(g, c, "blk.0.attn_norm.weight", TINY_EMBD, 0, 0.0f, 4);
+  tiny_tensor(g, c, "blk.0.attn_q.weight", TINY_EMBD, TINY_EMBD, 2 * s, 5);
+  tiny_tensor(g, c, "blk.0.attn_k.weight", TINY_EMBD, TINY_EMBD, 2 * s, 6);
+  tiny_tensor(g, c, "blk.0.attn_v.weight", TINY_EMBD, TINY_EMBD, 2 * s, 7);
+  tiny_tensor(g, c, "blk.0.attn_output.weight", TINY_EMBD, TINY_EMBD, s, 8);
+  tiny_tensor(g, c, "blk.0.ffn_norm.weight", TINY_EMBD, 0, 0.0f, 9);
+  tiny_tensor(g, c, "blk.0.ffn_gate.weight", TINY_EMBD, TINY_FF, s, 10);
+  tiny_tensor(g, c, "blk.0.ffn_up.weight", TINY_EMBD, TINY_FF, s, 11);
+  tiny_tensor(g, c, "blk.0.ffn_down.weight", TINY_FF, TINY_EMBD, 0.1f * s, 12);
+  const int ok = gguf_write_to_file(g, path, false);
+  gguf_free(g);
+  ggml_free(c);
+  return ok ? 0 : -1;
+}
+
+/* A context of `cells` f32 cells over the model, without flash attention. */
+static struct llama_context *tiny_context(struct llama_model *model, uint32_t cells) {
+  struct llama_context_params p = llama_context_default_params();
+  p.n_ctx = cells;
+  p.n_batch = cells;
+  p.n_ubatch = cells;
+  p.n_seq_max = 1;
+  p.type_k = GGML_TYPE_F32;
+  p.type_v = GGML_TYPE_F32;
+  p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  return llama_init_from_model(model, p);
+}
+
+/* n tokens of sequence 0 at positions pos0.. as embeddings (token t's embedding is
+ * deterministic in t), one forward. */
+static int tiny_decode(struct llama_context *ctx, int n, int pos0, int first_token) {
+  struct llama_batch b = llama_batch_init(n, TINY_EMBD, 1);
+  b.n_tokens = n;
+  for (int i = 0; i < n; ++i) {
+    for (int d = 0; d < TINY_EMBD; ++d) b.embd[i * TINY_EMBD + d] = tiny_value(100 + (uint32_t)(first_token + i), (uint32_t)d);
+    b.pos[i] = pos0 + i;
+    b.n_seq_id[i] = 1;
+    b.seq_id[i][0] = 0;
+    b.logits[i] = i == n - 1;
+  }
+  const int rc = llama_decode(ctx, b);
+  llama_batch_free(b);
+  return rc;
+}
+
+/* The K row (heads x dims floats) of the cell of sequence 0 at position `pos` in layer 0,
+ * from the sequence's state (f32 K): 0 when found. */
+static int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
+  const size_t size = llama_state_seq_get_size(ctx, 0);
+  uint8_t *state = (uint8_t *)malloc(size);
+  if (!state || llama_state_seq_get_data(ctx, state, size, 0) != size) return -1;
+  size_t at = 0;
+  uint32_t u32;
+  memcpy(&u32, state, 4);
+  if (u32 == 0xaf143cd8u) at = 8; /* v0.5.0's prefix: magic and seq id */
+  uint32_t streams, cells;
+  memcpy(&streams, state + at, 4);
+  memcpy(&cells, state + at + 4, 4);
+  at += 8;
+  int found = -1;
+  for (uint32_t i = 0; i < cells; ++i) {
+    int32_t p;
+    uint32_t seqs;
+    memcpy(&p, state + at, 4);
+    memcpy(&seqs, state + at + 4, 4);
+    if (p == pos) found = (int)i;
+    at += 8 + 4 * (size_t)seqs;
+  }
+  at += 8; /* v_trans, n_layer */
+  int32_t type;
+  uint64_t row;
+  memcpy(&type, state + at, 4);
+  memcpy(&row, state + at + 4, 8);
+  at += 12;
+  const int ok = streams == 1 && found >= 0 && type == GGML_TYPE_F32 && row == TINY_EMBD * sizeof(float);
+  if (ok) memcpy(key, state + at + (size_t)found * row, row);
+  free(state);
+  return ok ? 0 : -1;
+}
+
+static double tiny_norm(const float *x, int n) {
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s += (double)x[i] * x[i];
+  return sqrt(s);
+}
+
+static void tiny_quiet(enum ggml_log_level level, const char *text, void *user) {
+  (void)user;
+  if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+}
+
+/* llama.cpp's CPU backends from `dir`, and the model written to a fresh temporary folder
+ * (llama.cpp's log: errors only). */
+static struct llama_model *tiny_load(const char *dir, float yarn_factor, char *folder, char *path) {
+  llama_log_set(tiny_quiet, NULL);
+  ggml_backend_load_all_from_path(dir);
+  llama_backend_init();
+  strcpy(folder, "/tmp/llamacpp-repro-XXXXXX");
+  if (!mkdtemp(folder)) return NULL;
+  snprintf(path, 512, "%s/tiny.gguf", folder);
+  if (tiny_llama_write(path, yarn_factor) != 0) return NULL;
+  struct llama_model_params mp = llama_model_default_params();
+  return llama_model_load_from_file(path, mp);
+}
+
+static void tiny_cleanup(const char *folder, const char *path) {
+  remove(path);
+  rmdir(folder);
+}
+
+#endif
