@@ -21,7 +21,7 @@ int main(int argc, char **argv) {
   char folder[64], path[512];
   const float factor = argc == 3 ? 0.0f : 4.0f;
   struct llama_model *model = tiny_load(argv[1], factor, folder, path);
-  struct llama_context *ctx = model ? tiny_context(model, 64) : NULL;
+  struct llama_context *ctx = model ? tiny_context(model, 64, GGML_TYPE_F32) : NULL;
   if (!ctx || tiny_decode(ctx, 8, 0, 0) != 0) {
     fprintf(stderr, "could not load or run the tiny model\n");
     return 2;

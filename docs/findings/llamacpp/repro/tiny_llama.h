@@ -27,7 +27,7 @@
 enum { TINY_HEADS = 2, TINY_HEAD_DIM = 16, TINY_EMBD = TINY_HEADS * TINY_HEAD_DIM, TINY_FF = 16, TINY_VOCAB = 8 };
 
 /* A deterministic value in [-1, 1) for element i of tensor `tag`. */
-static float tiny_value(uint32_t tag, uint32_t i) {
+static inline float tiny_value(uint32_t tag, uint32_t i) {
   uint64_t x = ((uint64_t)tag << 32 | i) + 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
@@ -35,7 +35,7 @@ static float tiny_value(uint32_t tag, uint32_t i) {
   return (float)((double)(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
-static void tiny_tensor(struct gguf_context *g, struct ggml_context *c, const char *name, int64_t ne0, int64_t ne1,
+static inline void tiny_tensor(struct gguf_context *g, struct ggml_context *c, const char *name, int64_t ne0, int64_t ne1,
                         float scale, uint32_t tag) {
   struct ggml_tensor *t = ne1 ? ggml_new_tensor_2d(c, GGML_TYPE_F32, ne0, ne1) : ggml_new_tensor_1d(c, GGML_TYPE_F32, ne0);
   float *data = (float *)t->data;
@@ -46,7 +46,7 @@ static void tiny_tensor(struct gguf_context *g, struct ggml_context *c, const ch
 
 /* One layer, 2 heads of 16 dims, RoPE theta 10000; yarn_factor > 0 adds YaRN scaling
  * (original context 32), as a GGUF converted from a YaRN checkpoint carries it. */
-static int tiny_llama_write(const char *path, float yarn_factor) {
+static inline int tiny_llama_write(const char *path, float yarn_factor) {
   struct ggml_init_params params = {64u << 20, NULL, false};
   struct ggml_context *c = ggml_init(params);
   struct gguf_context *g = gguf_init_empty();
@@ -89,22 +89,23 @@ static int tiny_llama_write(const char *path, float yarn_factor) {
   return ok ? 0 : -1;
 }
 
-/* A context of `cells` f32 cells over the model, without flash attention. */
-static struct llama_context *tiny_context(struct llama_model *model, uint32_t cells) {
+/* A context of `cells` cells over the model, K and V stored as `type` (GGML_TYPE_F32, ...),
+ * without flash attention. */
+static inline struct llama_context *tiny_context(struct llama_model *model, uint32_t cells, enum ggml_type type) {
   struct llama_context_params p = llama_context_default_params();
   p.n_ctx = cells;
   p.n_batch = cells;
   p.n_ubatch = cells;
   p.n_seq_max = 1;
-  p.type_k = GGML_TYPE_F32;
-  p.type_v = GGML_TYPE_F32;
+  p.type_k = type;
+  p.type_v = type;
   p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
   return llama_init_from_model(model, p);
 }
 
 /* n tokens of sequence 0 at positions pos0.. as embeddings (token t's embedding is
  * deterministic in t), one forward. */
-static int tiny_decode(struct llama_context *ctx, int n, int pos0, int first_token) {
+static inline int tiny_decode(struct llama_context *ctx, int n, int pos0, int first_token) {
   struct llama_batch b = llama_batch_init(n, TINY_EMBD, 1);
   b.n_tokens = n;
   for (int i = 0; i < n; ++i) {
@@ -121,7 +122,7 @@ static int tiny_decode(struct llama_context *ctx, int n, int pos0, int first_tok
 
 /* The K row (heads x dims floats) of the cell of sequence 0 at position `pos` in layer 0,
  * from the sequence's state (f32 K): 0 when found. */
-static int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
+static inline int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
   const size_t size = llama_state_seq_get_size(ctx, 0);
   uint8_t *state = (uint8_t *)malloc(size);
   if (!state || llama_state_seq_get_data(ctx, state, size, 0) != size) return -1;
@@ -154,20 +155,20 @@ static int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
   return ok ? 0 : -1;
 }
 
-static double tiny_norm(const float *x, int n) {
+static inline double tiny_norm(const float *x, int n) {
   double s = 0.0;
   for (int i = 0; i < n; ++i) s += (double)x[i] * x[i];
   return sqrt(s);
 }
 
-static void tiny_quiet(enum ggml_log_level level, const char *text, void *user) {
+static inline void tiny_quiet(enum ggml_log_level level, const char *text, void *user) {
   (void)user;
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
 }
 
 /* llama.cpp's CPU backends from `dir`, and the model written to a fresh temporary folder
  * (llama.cpp's log: errors only). */
-static struct llama_model *tiny_load(const char *dir, float yarn_factor, char *folder, char *path) {
+static inline struct llama_model *tiny_load(const char *dir, float yarn_factor, char *folder, char *path) {
   llama_log_set(tiny_quiet, NULL);
   ggml_backend_load_all_from_path(dir);
   llama_backend_init();
@@ -179,7 +180,7 @@ static struct llama_model *tiny_load(const char *dir, float yarn_factor, char *f
   return llama_model_load_from_file(path, mp);
 }
 
-static void tiny_cleanup(const char *folder, const char *path) {
+static inline void tiny_cleanup(const char *folder, const char *path) {
   remove(path);
   rmdir(folder);
 }
