@@ -24,7 +24,11 @@
 #include "gguf.h"
 #include "llama.h"
 
-enum { TINY_HEADS = 2, TINY_HEAD_DIM = 16, TINY_EMBD = TINY_HEADS * TINY_HEAD_DIM, TINY_FF = 16, TINY_VOCAB = 8 };
+/* A reproduction may define TINY_HEAD_DIM before including this (a model's head size). */
+#ifndef TINY_HEAD_DIM
+#define TINY_HEAD_DIM 32
+#endif
+enum { TINY_HEADS = 2, TINY_EMBD = TINY_HEADS * TINY_HEAD_DIM, TINY_FF = 16, TINY_VOCAB = 8 };
 
 /* A deterministic value in [-1, 1) for element i of tensor `tag`. */
 static inline float tiny_value(uint32_t tag, uint32_t i) {
@@ -44,7 +48,7 @@ static inline void tiny_tensor(struct gguf_context *g, struct ggml_context *c, c
   gguf_add_tensor(g, t);
 }
 
-/* One layer, 2 heads of 16 dims, RoPE theta 10000; yarn_factor > 0 adds YaRN scaling
+/* One layer, 2 heads of TINY_HEAD_DIM dims, RoPE theta 10000; yarn_factor > 0 adds YaRN scaling
  * (original context 32), as a GGUF converted from a YaRN checkpoint carries it. */
 static inline int tiny_llama_write(const char *path, float yarn_factor) {
   struct ggml_init_params params = {64u << 20, NULL, false};
@@ -89,8 +93,9 @@ static inline int tiny_llama_write(const char *path, float yarn_factor) {
   return ok ? 0 : -1;
 }
 
-/* A context of `cells` cells over the model, K and V stored as `type` (GGML_TYPE_F32, ...),
- * without flash attention. */
+/* A context of `cells` cells over the model, K stored as `type` (GGML_TYPE_F32, ...) and V
+ * too unless `type` is quantized (V stays f32: a quantized V needs flash attention), without
+ * flash attention. */
 static inline struct llama_context *tiny_context(struct llama_model *model, uint32_t cells, enum ggml_type type) {
   struct llama_context_params p = llama_context_default_params();
   p.n_ctx = cells;
@@ -98,7 +103,7 @@ static inline struct llama_context *tiny_context(struct llama_model *model, uint
   p.n_ubatch = cells;
   p.n_seq_max = 1;
   p.type_k = type;
-  p.type_v = type;
+  p.type_v = ggml_is_quantized(type) ? GGML_TYPE_F32 : type;
   p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
   return llama_init_from_model(model, p);
 }
@@ -120,8 +125,47 @@ static inline int tiny_decode(struct llama_context *ctx, int n, int pos0, int fi
   return rc;
 }
 
+/* IEEE half to float (f16 cells, q8_0's block scales). */
+static inline float tiny_half(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023;
+  float f;
+  if (exponent == 0) {
+    f = ldexpf((float)mantissa, -24);
+  } else if (exponent == 31) {
+    f = mantissa ? NAN : INFINITY;
+  } else {
+    uint32_t bits = ((exponent + 112) << 23) | (mantissa << 13);
+    memcpy(&f, &bits, 4);
+  }
+  return sign ? -f : f;
+}
+
+/* One K row of TINY_EMBD elements stored as `type` (f32, f16, or q8_0: blocks of an f16
+ * scale and 32 int8 codes), as floats. */
+static inline int tiny_row(const uint8_t *row, int32_t type, uint64_t bytes, float *out) {
+  if (type == GGML_TYPE_F32 && bytes == TINY_EMBD * 4) {
+    memcpy(out, row, bytes);
+  } else if (type == GGML_TYPE_F16 && bytes == TINY_EMBD * 2) {
+    for (int i = 0; i < TINY_EMBD; ++i) {
+      uint16_t h;
+      memcpy(&h, row + 2 * i, 2);
+      out[i] = tiny_half(h);
+    }
+  } else if (type == GGML_TYPE_Q8_0 && TINY_EMBD % 32 == 0 && bytes == TINY_EMBD / 32 * 34) {
+    for (int i = 0; i < TINY_EMBD; ++i) {
+      const uint8_t *block = row + (i / 32) * 34;
+      uint16_t h;
+      memcpy(&h, block, 2);
+      out[i] = tiny_half(h) * (float)(int8_t)block[2 + i % 32];
+    }
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
 /* The K row (heads x dims floats) of the cell of sequence 0 at position `pos` in layer 0,
- * from the sequence's state (f32 K): 0 when found. */
+ * from the sequence's state (f32, f16 or q8_0 K): 0 when found. */
 static inline int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
   const size_t size = llama_state_seq_get_size(ctx, 0);
   uint8_t *state = (uint8_t *)malloc(size);
@@ -149,8 +193,7 @@ static inline int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
   memcpy(&type, state + at, 4);
   memcpy(&row, state + at + 4, 8);
   at += 12;
-  const int ok = streams == 1 && found >= 0 && type == GGML_TYPE_F32 && row == TINY_EMBD * sizeof(float);
-  if (ok) memcpy(key, state + at + (size_t)found * row, row);
+  const int ok = streams == 1 && found >= 0 && tiny_row(state + at + (size_t)found * row, type, row, key) == 0;
   free(state);
   return ok ? 0 : -1;
 }
