@@ -244,8 +244,12 @@ int cmd_list(const std::vector<std::string>& paths, const ListFilter& filter) {
   fmt::print("scenarios:\n");
   for (const auto& [s, features] : shown) {
     std::string tags;
-    for (const Policy& p : s.policies)
-      if (tags.find(to_string(p.kind)) == std::string::npos) tags += (tags.empty() ? "" : ",") + std::string(to_string(p.kind));
+    for (const Policy& p : s.policies) {
+      // A sliding layer under a sink layer's shift (SPEC 10.4) resolves to that sink policy;
+      // a reader knows it as sliding.
+      const std::string kind = p.swa > 0 ? "sliding" : to_string(p.kind);
+      if (("," + tags + ",").find("," + kind + ",") == std::string::npos) tags += (tags.empty() ? "" : ",") + kind;
+    }
     for (Feature f : features) tags += std::string(" ") + to_string(f);
     fmt::print("  {:<40} {}\n  {:<40} {}\n", s.name, tags, "", s.description);
   }
