@@ -86,7 +86,7 @@ std::string random_scenario_json(std::uint64_t seed) {
   if (bits.chance(20)) j["kv_dtype"] = bits.chance(50) ? "float16" : "bfloat16";
 
   Policy policy;
-  const auto kind = bits.between(0, 5);  // sink twice as often: it has the most cases
+  const auto kind = bits.between(0, 5);  // sink 3 times in 6: it has the most cases
   if (kind == 5) {  // SPEC 10.2
     policy.kind = PolicyKind::chunked;
     policy.window = bits.chance(20) ? bits.between(33, 40) : bits.between(1, 10);

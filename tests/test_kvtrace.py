@@ -170,6 +170,19 @@ class CroppableRing(CroppableGrowingCache):
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
 
+class Int8KeysGrowingCache(CroppableGrowingCache):
+    """Keeps every token, its keys quantized as SPEC 9's int8 per token (one scale per row
+    of head_dim: amax / 127, codes rounded half away from zero) and dequantized."""
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        k = np.asarray(key_states, dtype=np.float32)
+        scale = (np.abs(k).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+        scale = np.where(scale == 0, np.float32(1), scale)
+        q = k / scale
+        codes = np.clip(np.sign(q) * np.floor(np.abs(q) + 0.5), -127, 127)
+        return super().update((codes * scale).astype(np.float32), value_states, layer_idx, cache_kwargs)
+
+
 class StartRecentShifted:
     """StartRecent for keys stored at cache positions: after the forward the dead tokens
     go and the kept window keys are re-rotated back by as many, ready for the next token
@@ -501,6 +514,21 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("class: refusal mismatch", result.stdout)
         self.assertIn("and its rows are not the cut rows: cut to 8 tokens: layer 0 row 0 kv head 0 slot 4 holds "
                       "uid 18, not this row's token", result.stdout)
+
+    def test_a_served_crop_of_quantized_keys_is_judged_with_each_tokens_own_codes(self):
+        # The cut rows' retained keys are other tokens than the uncut rows' (sliding: 2..7
+        # instead of 4..9; chunked: 0..2, more than 4..5): each must be held to its own
+        # stored key. Compared with another token's, a correct cache was a refusal mismatch
+        # (sliding) or crashed the checker (chunked, reading past the uncut list).
+        for name in ("quant_int8_sliding_crop_served", "quant_int8_chunked_crop_served"):
+            exp = export(self.work, name, DATA)
+            trace = os.path.join(self.work, "trace-" + name)
+            kvtrace.drive_hf_cache(exp, Int8KeysGrowingCache, trace, positions="absolute", key_positions="absolute",
+                                   eviction="never")
+            result = kvcheck("verify", os.path.join(DATA, name + ".json"), "--trace", trace)
+            self.assertEqual(result.returncode, 0, name + "\n" + result.stdout + result.stderr)
+            self.assertIn("(crop, /steps/2) was served", result.stdout)
+            shutil.rmtree(os.path.join(self.work, "export"))
 
     def test_eager_eviction_with_or_without_reencoding_passes_verify(self):
         # S = 2, W = 10, k = 4 (tests/data/sink_evict_blocks.json): dead tokens go in blocks.

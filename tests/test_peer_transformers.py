@@ -505,12 +505,14 @@ class Transformers5CacheLayersTest(PeerTest):
         with self.assertRaisesRegex(kvtrace.UsageError, r"removes \[0, 1, 4\] tokens from the rows of \[3, 8, 5\]"):
             self.drive("full_crop_mixed_lengths", hf_caches.dynamic_cache)
         self.assertFalse(os.path.exists(self.trace))
-        # A crop the policy refuses is offered as the most any row loses (10 slots of rows of
-        # 22 and 18 tokens cut to 12): accepting it cuts another crop, so the rest is skipped.
+        # A crop the policy refuses that removes different counts (rows of 22 and 18 tokens cut
+        # to 12) is not offered: any single count is another crop. The cache stays as a refusal
+        # leaves it, so the steps after it are driven and judged.
         result, verify = self.drive("gemma3_sliding_full_two_bases", hf_caches.dynamic_cache)
         self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
-        self.assertIn("step 8 (crop, /steps/3) skipped: the cache accepted crop(-10), which removes 10 slots from "
-                      "every row, not the crop to 12 tokens of rows of [22, 18] (removing [6, 10])", verify.stdout)
+        self.assertIn("step 8 (crop, /steps/3) skipped: not offered: a crop to 12 tokens removes [6, 10] tokens from "
+                      "the rows of [22, 18]", verify.stdout)
+        self.assertIn("steps recorded: 10 of 11 steps", verify.stdout)
 
 
 def run_finding(name, *options):

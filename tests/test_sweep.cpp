@@ -65,7 +65,8 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   const std::uint64_t base = base_seed();
   std::cout << "sweep base seed " << base << " (replay: KVCHECK_SWEEP_SEED=" << base << ")\n";
   int quantized = 0, paged = 0, failures = 0, shifted_quantized = 0;
-  int chunked = 0, per_layer_rope = 0, nope = 0, temperature = 0, sliding_under_shift = 0, hybrid_runs = 0;
+  int chunked = 0, per_layer_rope = 0, nope = 0, temperature = 0, sliding_under_shift = 0, hybrid_runs = 0,
+      scheme_runs = 0;
   for (int i = 0; i < kScenarios; ++i) {
     const std::uint64_t seed = base + static_cast<std::uint64_t>(i);
     const auto [text, s] = valid_scenario(seed);
@@ -77,12 +78,19 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
     nope += std::any_of(s.ropes.begin(), s.ropes.end(), [](const Rope& r) { return r.nope; });
     temperature += s.attention.query_temperature.has_value();
     sliding_under_shift += std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.swa > 0; });
+    const bool has_scheme =
+        s.shared_rope() == nullptr || s.attention.query_temperature.has_value() ||
+        std::any_of(s.policies.begin(), s.policies.end(),
+                    [](const Policy& p) { return p.kind == PolicyKind::chunked || p.swa > 0; }) ||
+        std::any_of(s.ropes.begin(), s.ropes.end(), [](const Rope& r) { return r.nope; });
     const InputTable inputs = load_inputs(s);
     const ReferenceRun run = run_reference(s, inputs);
     for (const CacheEntry& cache : real_caches()) {
       if (!cache.serves(s)) continue;
       shifted_quantized += cache.name == "sink_shift" && quantizes_keys(s);
+      // Runs, not draws: a scheme no cache served would be counted for nothing.
       hybrid_runs += cache.name == "hybrid" && (s.shared_rope() == nullptr || s.hybrid());
+      scheme_runs += has_scheme;
       const Outcome o = check_cache(s, inputs, run, cache);
       if (o.passed()) continue;
       ++failures;
@@ -101,8 +109,8 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   std::cout << kScenarios << " scenarios, " << quantized << " quantized, " << paged << " paged; " << shifted_quantized
             << " runs of sink_shift on quantized keys; " << chunked << " chunked, " << per_layer_rope
             << " with a rope per layer, " << nope << " with a NoPE layer, " << temperature << " with a query temperature, "
-            << sliding_under_shift << " with a sliding layer under a shift; " << hybrid_runs
-            << " runs of the hybrid cache on layers that differ\n";
+            << sliding_under_shift << " with a sliding layer under a shift; " << scheme_runs
+            << " cache runs of those; " << hybrid_runs << " runs of the hybrid cache on layers that differ\n";
   // The sweep must mostly exercise what the fixed suites do not: storage and paging.
   EXPECT_GE(quantized, kScenarios / 4);
   EXPECT_GE(paged, kScenarios / 10);
@@ -110,6 +118,7 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   EXPECT_GE(chunked, kScenarios / 10);
   EXPECT_GE(per_layer_rope, kScenarios / 20);
   EXPECT_GE(hybrid_runs, per_layer_rope);
+  EXPECT_GE(scheme_runs, chunked + per_layer_rope);  // they ran: more cache runs than such draws
   EXPECT_GE(nope, 1);
   EXPECT_GE(temperature, 1);
   EXPECT_GE(sliding_under_shift, 1);

@@ -145,7 +145,9 @@ def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_posit
     crop(), reorder_cache() or after_forward, or a missing crop/reorder_cache, becomes the
     step's {"error": "Type: message"}; driving stops there (later steps {}), except on a
     crop the policy refuses, where refusing is right and driving goes on. A crop the policy
-    refuses is still offered to the cache.
+    refuses is still offered to the cache, which may refuse it or serve it (SPEC 4); one that
+    crop(tokens_to_remove) cannot express (rows losing different counts) is not offered, and
+    the step is recorded as skipped.
     as_tensor: "torch" hands update() torch tensors in the scenario's kv_dtype (float32,
     float16 or bfloat16; cache_position and beam indices as int64), None NumPy arrays
     (float16 for float16, float32 rounded to bfloat16 for bfloat16), or any function
@@ -358,15 +360,12 @@ class _Driver:
                 "follows the scenario's layout" % next(layout for layout in layouts if layout != "half"))
 
     def run(self, writer):
-        self.writer, self.result, self.stopped = writer, DriveResult(), None
+        self.writer, self.result = writer, DriveResult()
         self.new_cache(self.exp.dims["batch"])
         for index, step in enumerate(self.exp.steps):
             op = step["op"]
             if self.result.error is not None:
                 writer.skip_step()
-            elif self.stopped:
-                writer.skipped_step(self.stopped)
-                self.result.skipped.append((index, self.stopped))
             elif op == "reset":
                 self.new_cache(step.get("batch", self.batch))
                 writer.skip_step()
@@ -395,21 +394,23 @@ class _Driver:
             self.record_state()
         elif op == "crop":
             refused = "refused" in step
+            removed = sorted({n - min(n, step["length"]) for n in self.lengths})
+            if refused and self.crop_takes_tokens_to_remove() and len(removed) > 1:
+                # The crop cannot be said to crop(tokens_to_remove), and any crop offered in its
+                # place is not the scenario's: not offered. The cache is left as a refusal leaves
+                # it, which is what the reference follows, so the run goes on.
+                why = ("not offered: a crop to %d tokens removes %s tokens from the rows of %s, and transformers 5's "
+                       "crop(tokens_to_remove) removes the same slots from every row; the policy refuses it, so the "
+                       "cache is left as a refusal leaves it" % (step["length"], removed, self.lengths))
+                self.writer.skipped_step(why)
+                self.result.skipped.append((index, why))
+                return
             try:
                 self.call(index, "crop", "crop", self.crop_argument(step["length"], refused), refusal=refused)
             except _CacheFailed:
                 if not refused:
                     raise
                 return  # refusing is what the policy wants: the cache goes on intact
-            removed = sorted({n - min(n, step["length"]) for n in self.lengths})
-            if refused and self.crop_takes_tokens_to_remove() and len(removed) > 1:
-                # Accepted, but what it cut is not the scenario's crop: nothing after is judged.
-                self.stopped = ("the cache accepted crop(%d), which removes %d slots from every row, not the crop to "
-                                "%d tokens of rows of %s (removing %s)"
-                                % (-removed[-1], removed[-1], step["length"], self.lengths, removed))
-                self.writer.skipped_step(self.stopped)
-                self.result.skipped.append((index, self.stopped))
-                return
             if self.crop_takes_tokens_to_remove():  # the slots removed from every row
                 self.seen -= max((n - min(n, step["length"]) for n in self.lengths), default=0)
             else:
@@ -454,14 +455,11 @@ class _Driver:
         """What cache.crop takes to keep `length` tokens of every row: `length` (crop(length)),
         or, for transformers 5, minus the slots removed, as its generate() calls it. A 5 crop
         removes the same slots from every row, so one that must remove different counts from
-        left-padded rows cannot be said to it, and is refused, unless the policy refuses the
-        crop anyway (then the most any row loses is offered: refusing is right, and a cache that
-        accepts it cut another crop, so the rest of the run is skipped)."""
+        left-padded rows cannot be said to it: refused (run_step does not offer it when the
+        policy refuses it anyway)."""
         if not self.crop_takes_tokens_to_remove():
             return length
         removed = {n - min(n, length) for n in self.lengths}
-        if refused:
-            return -max(removed, default=0)
         if len(removed) > 1:
             raise UsageError("a crop to %d tokens removes %s tokens from the rows of %s: transformers 5's "
                              "crop(tokens_to_remove) removes the same slots from every row"

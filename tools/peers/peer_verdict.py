@@ -53,7 +53,8 @@ def verdict(path, work, drive):
         return "pass; served the crop the policy refuses at %s (the later steps not judged)" % served.group(1)
     if report.returncode == 0 and result.skipped:
         step, why = result.skipped[0]
-        return "pass up to step %d; not judged after: %s" % (step, why)
+        steps = "step %d" % step if len(result.skipped) == 1 else "the steps from %d" % step
+        return "pass; %s skipped (%s)" % (steps, why)
     if report.returncode == 0:
         return "pass"
     if report.returncode != 1:

@@ -31,6 +31,10 @@ int main(int argc, char **argv) {
          ggml_type_name(type), llama_memory_can_shift(mem) ? "true" : "false");
   fflush(stdout);
   const pid_t child = fork();
+  if (child < 0) {
+    perror("fork");
+    return 2;
+  }
   if (child == 0) {
     llama_memory_seq_rm(mem, 0, 2, 4);
     llama_memory_seq_add(mem, 0, 4, 8, -2);

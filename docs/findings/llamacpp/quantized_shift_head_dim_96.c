@@ -7,10 +7,13 @@
  * A one-layer llama model with 2 heads of 96 dims, K in q8_0 (V f32), 8 tokens decoded, then
  * a shift as llama-server makes it (keep 2, discard 2) and one token, in a child process so
  * that its crash can be reported. Exit 1 when the child dies of a signal (the bug), 0 when
- * it decodes; --f16 stores K in f16 (the control, which exits 0).
+ * it decodes; --f16 stores K in f16 (a control, which exits 0). The same program at head
+ * size 64 (quantized_shift_head_dim_64.c), where K is stored rotated, shifts and exits 0.
  *
  *   quantized_shift_head_dim_96 LIB_DIR [--f16]   (LIB_DIR: libllama and its CPU backends) */
-#define TINY_HEAD_DIM 96
+#ifndef TINY_HEAD_DIM
+#define TINY_HEAD_DIM 96 /* quantized_shift_head_dim_64.c, the head-size control, sets 64 */
+#endif
 #include "repro/tiny_llama.h"
 
 #include <signal.h>
@@ -34,6 +37,10 @@ int main(int argc, char **argv) {
          TINY_HEAD_DIM, ggml_type_name(type), llama_memory_can_shift(mem) ? "true" : "false");
   fflush(stdout);
   const pid_t child = fork();
+  if (child < 0) {
+    perror("fork");
+    return 2;
+  }
   if (child == 0) {
     llama_memory_seq_rm(mem, 0, 2, 4);
     llama_memory_seq_add(mem, 0, 4, 8, -2);

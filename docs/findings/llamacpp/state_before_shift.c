@@ -35,7 +35,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   float unshifted[TINY_EMBD], key_a[TINY_EMBD], key_b[TINY_EMBD];
-  tiny_key_at(a, 4, unshifted); /* token 4 rotated at position 4 */
+  if (tiny_key_at(a, 4, unshifted) != 0) return 2; /* token 4 rotated at position 4 */
   llama_memory_t mem = llama_get_memory(a);
   llama_memory_seq_rm(mem, 0, 2, 4);
   llama_memory_seq_add(mem, 0, 4, 8, -2);

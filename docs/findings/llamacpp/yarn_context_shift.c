@@ -32,8 +32,10 @@ int main(int argc, char **argv) {
   else
     printf("llama.cpp %s, no YaRN (the control)\n", llama_version());
   float sink[TINY_EMBD], moved[TINY_EMBD], key[TINY_EMBD];
-  tiny_key_at(ctx, 0, sink);
-  tiny_key_at(ctx, 4, moved); /* token 4: at position 2 after the first shift */
+  if (tiny_key_at(ctx, 0, sink) != 0 || tiny_key_at(ctx, 4, moved) != 0) { /* token 4: at 2 after the first shift */
+    fprintf(stderr, "could not read the keys back\n");
+    return 2;
+  }
   const double sink0 = tiny_norm(sink, TINY_EMBD), moved0 = tiny_norm(moved, TINY_EMBD);
   int next = 8, token = 8, wrong = 0;
   for (int shift = 1; shift <= 3; ++shift) {

@@ -49,8 +49,11 @@ def install_fix():
         position_ids = kwargs.pop("fix_position_ids", None)
         if not self.attn_temperature_tuning or self.use_rope or position_ids is None:
             return shipped_forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-        slots = torch.arange(hidden_states.shape[1]) + past
+        if kwargs.get("cache_position") is not None:  # 4.52.4: the slots are cache_position
+            slots = kwargs["cache_position"]
+        else:  # 5.25.0: the cache's length plus the chunk's places
+            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            slots = torch.arange(hidden_states.shape[1]) + past
         ratio = temperature(position_ids, self.config) / temperature(slots, self.config)[None, :]  # [B, n]
         hook = self.q_proj.register_forward_hook(lambda module, args, out: out * ratio[..., None])
         try:

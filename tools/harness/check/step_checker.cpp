@@ -344,9 +344,11 @@ class StepChecker::Impl {
 
   CacheTrace finish() {
     if (options_.focus_step && !trace_.focus)
-      throw InputError(
-          "--step", "",
-          fmt::format("step {} was not reached: the run stopped at the first failure", *options_.focus_step));
+      throw InputError("--step", "",
+                       served_crop_.empty()
+                           ? fmt::format("step {} was not reached: the run stopped at the first failure",
+                                         *options_.focus_step)
+                           : fmt::format("step {} was not judged: {}", *options_.focus_step, served_crop_));
     // A drift line only where positions were off at all.
     if (trace_.first && std::any_of(drift_.begin(), drift_.end(), [](const Drift::Point& p) { return p.error != 0; }))
       trace_.drift = summarize_drift(std::move(drift_));
@@ -492,6 +494,8 @@ class StepChecker::Impl {
     StepRecord cut = rec;
     cut.retained = rec.served->retained;
     cut.histories = rec.served->histories;
+    cut.stored = rec.served->stored;
+    cut.stored_ring = rec.served->stored_ring;
     cut.refused.clear();
     cut.served.reset();
     const Tally retained = retained_, positions = positions_, rotation = rotation_;
@@ -1214,7 +1218,8 @@ class StepChecker::Impl {
     };
     if (options_.trace)
       add("steps recorded", unrecorded_,
-          fmt::format("{} of {} steps{}", recorded_, s_.steps.size(), skipped_.empty() ? "" : "; " + skipped_));
+          fmt::format("{} of {} steps{}{}", recorded_, s_.steps.size(), skipped_.empty() ? "" : "; " + skipped_,
+                      served_crop_.empty() ? "" : "; the steps after a served crop not judged (refusals)"));
     add("refusals", refusals_, served_crop_.empty() ? "as the policy says" : "as the policy says, but " + served_crop_);
     add("outputs", outputs_,
         outputs_seen_ ? fmt::format("within atol {:.3g} + rtol {:.3g}", used_tolerance_.atol, used_tolerance_.rtol)

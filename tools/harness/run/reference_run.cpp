@@ -100,10 +100,40 @@ std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained
   return out;
 }
 
+// SPEC 9: what each retained token is stored as ([layer][row][i] for the i-th key of the
+// row's retained set) and, for a chunked layer, each of the row's last C tokens its ring
+// may still hold outside the retained set. `strict`: false when a retained token was never
+// written (else it is taken as the store holds it).
+bool stored_values(const Scenario& s, const reference::StoredKv& stored, bool strict,
+                   const std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>>& retained,
+                   const std::vector<RowHistory>& histories,
+                   std::vector<std::vector<std::vector<reference::StoredLayer>>>& out,
+                   std::vector<std::vector<std::vector<std::pair<std::int64_t, reference::StoredLayer>>>>& ring) {
+  out.assign(static_cast<std::size_t>(s.dims.layers), {});
+  ring.assign(static_cast<std::size_t>(s.dims.layers), {});
+  for (int l = 0; l < s.dims.layers; ++l)
+    for (std::size_t b = 0; b < histories.size(); ++b) {
+      const int row = static_cast<int>(b);
+      const auto& kept = retained[static_cast<std::size_t>(l)]->at(b).keys;
+      auto& keys = out[static_cast<std::size_t>(l)].emplace_back();
+      for (const reference::RetainedKey& key : kept) {
+        if (strict && !stored.written(row, l, key.index)) return false;
+        keys.push_back(stored.at(row, l, key.index));
+      }
+      if (s.policy(l).kind != PolicyKind::chunked) continue;
+      auto& held = ring[static_cast<std::size_t>(l)].emplace_back();
+      const auto n = static_cast<std::int64_t>(histories[b].size());
+      const std::int64_t first_kept = kept.empty() ? n : kept.front().index;  // a chunk: a run to the row's end
+      for (std::int64_t i = std::max<std::int64_t>(0, n - s.policy(l).window); i < first_kept; ++i)
+        if (stored.written(row, l, i)) held.emplace_back(i, stored.at(row, l, i));
+    }
+  return true;
+}
+
 // A refused crop as a cache that still held the tokens would serve it: every row cut to
 // `length`, its retained set that of the cut history under each layer's policy.
 std::shared_ptr<const StepRecord::ServedCrop> served_crop(const Scenario& s, const std::vector<RowHistory>& histories,
-                                                          std::int64_t length) {
+                                                          std::int64_t length, const reference::StoredKv* stored) {
   auto served = std::make_shared<StepRecord::ServedCrop>();
   for (const RowHistory& h : histories) served->histories.push_back(h.prefix(static_cast<std::size_t>(length)));
   for (int l = 0; l < s.dims.layers; ++l) {
@@ -118,6 +148,10 @@ std::shared_ptr<const StepRecord::ServedCrop> served_crop(const Scenario& s, con
       rows->push_back(reference::retained_of(s.policy(l), std::span<const std::uint64_t>(h.begin(), h.size())));
     served->retained.push_back(std::move(rows));
   }
+  // Quantized, a token of the cut rows that was never written leaves nothing to judge
+  // its slot by: no served state, and accepting the crop stays a refusal mismatch.
+  if (stored && !stored_values(s, *stored, true, served->retained, served->histories, served->stored, served->stored_ring))
+    return nullptr;
   return served;
 }
 
@@ -304,27 +338,9 @@ StepRecord ReferenceStepper::next() {
   record.preempted = preempted_;
   record.histories = state_->histories.after(step, model);
   if (step.op == StepOp::crop && !record.refused.empty())
-    record.served = served_crop(scenario_, record.histories, step.length);
+    record.served = served_crop(scenario_, record.histories, step.length, model.stored());
   if (const reference::StoredKv* stored = model.stored()) {
-    record.stored.resize(static_cast<std::size_t>(scenario_.dims.layers));
-    for (int l = 0; l < scenario_.dims.layers; ++l)
-      for (int b = 0; b < model.batch(); ++b) {
-        auto& keys = record.stored[static_cast<std::size_t>(l)].emplace_back();
-        for (const reference::RetainedKey& key : record.retained_in(l, b).keys) keys.push_back(stored->at(b, l, key.index));
-      }
-    record.stored_ring.resize(static_cast<std::size_t>(scenario_.dims.layers));
-    for (int l = 0; l < scenario_.dims.layers; ++l) {
-      if (scenario_.policy(l).kind != PolicyKind::chunked) continue;
-      for (int b = 0; b < model.batch(); ++b) {
-        auto& ring = record.stored_ring[static_cast<std::size_t>(l)].emplace_back();
-        const auto n = static_cast<std::int64_t>(model.history(b).size());
-        const auto& kept = record.retained_in(l, b).keys;
-        for (std::int64_t i = std::max<std::int64_t>(0, n - scenario_.policy(l).window); i < n; ++i)
-          if (std::none_of(kept.begin(), kept.end(), [&](const reference::RetainedKey& k) { return k.index == i; }) &&
-              stored->written(b, l, i))
-            ring.emplace_back(i, stored->at(b, l, i));
-      }
-    }
+    stored_values(scenario_, *stored, false, record.retained, record.histories, record.stored, record.stored_ring);
     // Between two forwards a row holds what one of its appended tokens saw.
     if (step.op == StepOp::append && step.chunk > 0 && record.append) {
       record.stored_window.resize(static_cast<std::size_t>(scenario_.dims.layers));

@@ -88,6 +88,10 @@ struct StepRecord {
   struct ServedCrop {
     std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained;  // [layer]
     std::vector<RowHistory> histories;
+    // SPEC 9: what the cut rows' tokens are stored as (a crop re-quantizes nothing), laid
+    // out as `stored` and `stored_ring` are; empty unless the scenario quantizes.
+    std::vector<std::vector<std::vector<reference::StoredLayer>>> stored;
+    std::vector<std::vector<std::vector<std::pair<std::int64_t, reference::StoredLayer>>>> stored_ring;
   };
   std::shared_ptr<const ServedCrop> served;
 };

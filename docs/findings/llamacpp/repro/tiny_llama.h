@@ -165,35 +165,47 @@ static inline int tiny_row(const uint8_t *row, int32_t type, uint64_t bytes, flo
 }
 
 /* The K row (heads x dims floats) of the cell of sequence 0 at position `pos` in layer 0,
- * from the sequence's state (f32, f16 or q8_0 K): 0 when found. */
+ * from the sequence's state (f32, f16 or q8_0 K): 0 when found, -1 when not (or the state
+ * is not what this reader knows). */
 static inline int tiny_key_at(struct llama_context *ctx, int pos, float *key) {
   const size_t size = llama_state_seq_get_size(ctx, 0);
   uint8_t *state = (uint8_t *)malloc(size);
-  if (!state || llama_state_seq_get_data(ctx, state, size, 0) != size) return -1;
+  int ok = 0;
   size_t at = 0;
-  uint32_t u32;
-  memcpy(&u32, state, 4);
+#define TINY_TAKE(dst, n) \
+  do {                    \
+    if (at + (n) > size) goto done; \
+    memcpy((dst), state + at, (n)); \
+    at += (n);            \
+  } while (0)
+  if (!state || llama_state_seq_get_data(ctx, state, size, 0) != size) goto done;
+  uint32_t u32, streams, cells;
+  TINY_TAKE(&u32, 4);
   if (u32 == 0xaf143cd8u) at = 8; /* v0.5.0's prefix: magic and seq id */
-  uint32_t streams, cells;
-  memcpy(&streams, state + at, 4);
-  memcpy(&cells, state + at + 4, 4);
-  at += 8;
+  else at = 0;
+  TINY_TAKE(&streams, 4);
+  TINY_TAKE(&cells, 4);
   int found = -1;
   for (uint32_t i = 0; i < cells; ++i) {
     int32_t p;
     uint32_t seqs;
-    memcpy(&p, state + at, 4);
-    memcpy(&seqs, state + at + 4, 4);
+    TINY_TAKE(&p, 4);
+    TINY_TAKE(&seqs, 4);
     if (p == pos) found = (int)i;
-    at += 8 + 4 * (size_t)seqs;
+    if (at + 4 * (size_t)seqs > size) goto done;
+    at += 4 * (size_t)seqs;
   }
-  at += 8; /* v_trans, n_layer */
+  uint32_t v_trans, layers;
   int32_t type;
   uint64_t row;
-  memcpy(&type, state + at, 4);
-  memcpy(&row, state + at + 4, 8);
-  at += 12;
-  const int ok = streams == 1 && found >= 0 && tiny_row(state + at + (size_t)found * row, type, row, key) == 0;
+  TINY_TAKE(&v_trans, 4);
+  TINY_TAKE(&layers, 4);
+  TINY_TAKE(&type, 4);
+  TINY_TAKE(&row, 8);
+  if (streams != 1 || found < 0 || layers < 1 || at + (size_t)cells * row > size) goto done;
+  ok = tiny_row(state + at + (size_t)found * row, type, row, key) == 0;
+done:
+#undef TINY_TAKE
   free(state);
   return ok ? 0 : -1;
 }
