@@ -502,10 +502,13 @@ class KvtraceTest(unittest.TestCase):
         served = os.path.join(self.work, "served")
         kvtrace.drive_hf_cache(exp, CroppableGrowingCache, served, positions="absolute", key_positions="absolute",
                                eviction="never")
-        result = kvcheck("verify", os.path.join(SCENARIOS, name + ".json"), "--trace", served)
+        junit = os.path.join(self.work, "junit.xml")
+        result = kvcheck("verify", os.path.join(SCENARIOS, name + ".json"), "--trace", served, "--junit", junit)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         self.assertIn("but step 9 (crop, /steps/3) was served", result.stdout)
         self.assertIn("so the 4 steps after it, which assume the refusal, are not judged", result.stdout)
+        with open(junit) as f:  # a CI's passing test case says so too
+            self.assertIn("<system-out>steps recorded: 10 of 14 steps; the steps after a served crop not judged", f.read())
         ring = os.path.join(self.work, "ring")
         kvtrace.drive_hf_cache(exp, lambda: CroppableRing(6), ring, positions="absolute", key_positions="absolute")
         result = kvcheck("verify", os.path.join(SCENARIOS, name + ".json"), "--trace", ring)

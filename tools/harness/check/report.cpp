@@ -71,6 +71,19 @@ std::string xml_escape(const std::string& text) {
   return out;
 }
 
+// A passed check that left steps unjudged (a crop the cache served, steps a trace
+// skipped): shown beside a PASS, which must not hide them.
+bool leaves_steps_unjudged(const Check& c) {
+  return c.passed && (c.detail.find("not judged") != std::string::npos || c.detail.find("skipped") != std::string::npos);
+}
+
+std::string unjudged(const Outcome& o) {
+  std::string notes;
+  for (const Check& c : o.checks)
+    if (leaves_steps_unjudged(c)) notes += c.name + ": " + c.detail + "\n";
+  return notes;
+}
+
 }  // namespace
 
 void print_table(std::FILE* out, const std::vector<Outcome>& outcomes, bool colour) {
@@ -96,6 +109,9 @@ void print_table(std::FILE* out, const std::vector<Outcome>& outcomes, bool colo
     if (!o.passed()) ++failed;
     for (const Check& c : o.checks)
       if (!c.passed) fmt::print(out, "    {}: {}\n", c.name, c.detail);
+    if (o.passed())
+      for (const Check& c : o.checks)
+        if (leaves_steps_unjudged(c)) fmt::print(out, "    note, {}: {}\n", c.name, c.detail);
   }
   fmt::print(out, "\n{} passed, {} failed\n", outcomes.size() - failed, failed);
 }
@@ -116,6 +132,8 @@ void write_junit(const std::string& path, const std::vector<Outcome>& outcomes) 
       cases += fmt::format("    <failure message=\"{}\">{}</failure>\n", xml_escape(first->name + ": " + first->detail),
                            xml_escape(text));
     }
+    else if (const std::string notes = unjudged(o); !notes.empty())
+      cases += fmt::format("    <system-out>{}</system-out>\n", xml_escape(notes));
     cases += "  </testcase>\n";
   }
   const std::string xml = fmt::format(
