@@ -16,9 +16,6 @@
 #endif
 #include "repro/tiny_llama.h"
 
-#include <signal.h>
-#include <sys/wait.h>
-
 int main(int argc, char **argv) {
   if (argc < 2 || argc > 3 || (argc == 3 && strcmp(argv[2], "--f16") != 0)) {
     fprintf(stderr, "usage: %s LIB_DIR [--f16]\n", argv[0]);
@@ -35,27 +32,9 @@ int main(int argc, char **argv) {
   llama_memory_t mem = llama_get_memory(ctx);
   printf("llama.cpp %s, head_dim %d, K cells in %s: 8 tokens decoded; llama_memory_can_shift: %s\n", llama_version(),
          TINY_HEAD_DIM, ggml_type_name(type), llama_memory_can_shift(mem) ? "true" : "false");
-  fflush(stdout);
-  const pid_t child = fork();
-  if (child < 0) {
-    perror("fork");
-    return 2;
-  }
-  if (child == 0) {
-    llama_memory_seq_rm(mem, 0, 2, 4);
-    llama_memory_seq_add(mem, 0, 4, 8, -2);
-    _exit(tiny_decode(ctx, 1, 6, 8) == 0 ? 0 : 4);
-  }
-  int status = 0;
-  waitpid(child, &status, 0);
+  const int verdict = tiny_shift_in_child(ctx);
   llama_free(ctx);
   llama_model_free(model);
   tiny_cleanup(folder, path);
-  if (WIFSIGNALED(status)) {
-    printf("the decode after the shift: the process died of signal %d (%s)\n", WTERMSIG(status),
-           strsignal(WTERMSIG(status)));
-    return 1;
-  }
-  printf("the decode after the shift: %s\n", WEXITSTATUS(status) == 0 ? "done" : "llama_decode failed");
-  return WEXITSTATUS(status) == 0 ? 0 : 1;
+  return verdict;
 }

@@ -13,10 +13,12 @@
 #define _DEFAULT_SOURCE /* mkdtemp */
 
 #include <math.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "ggml-backend.h"
@@ -233,6 +235,33 @@ static inline struct llama_model *tiny_load(const char *dir, float yarn_factor, 
   if (tiny_llama_write(path, yarn_factor) != 0) return NULL;
   struct llama_model_params mp = llama_model_default_params();
   return llama_model_load_from_file(path, mp);
+}
+
+/* After 8 tokens: a shift as llama-server makes it (keep 2, discard 2), then one token, in a
+ * child process so that a crash in llama.cpp can be reported; prints what became of the
+ * decode. Returns 1 when the child died of a signal, 0 when the decode was done, 2 else. */
+static inline int tiny_shift_in_child(struct llama_context *ctx) {
+  llama_memory_t mem = llama_get_memory(ctx);
+  fflush(stdout);
+  const pid_t child = fork();
+  if (child < 0) {
+    perror("fork");
+    return 2;
+  }
+  if (child == 0) {
+    llama_memory_seq_rm(mem, 0, 2, 4);
+    llama_memory_seq_add(mem, 0, 4, 8, -2);
+    _exit(tiny_decode(ctx, 1, 6, 8) == 0 ? 0 : 4);
+  }
+  int status = 0;
+  if (waitpid(child, &status, 0) != child) return 2;
+  if (WIFSIGNALED(status)) {
+    printf("the decode after the shift: the process died of signal %d (%s)\n", WTERMSIG(status),
+           strsignal(WTERMSIG(status)));
+    return 1;
+  }
+  printf("the decode after the shift: %s\n", WEXITSTATUS(status) == 0 ? "done" : "llama_decode failed");
+  return WEXITSTATUS(status) == 0 ? 0 : 2;
 }
 
 static inline void tiny_cleanup(const char *folder, const char *path) {
