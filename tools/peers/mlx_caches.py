@@ -22,7 +22,7 @@ from peer_verdict import kvtrace  # noqa: E402
 
 
 def layer_cache(policy):
-    """(class name, factory) for one layer's policy, or a reason it has no mlx-lm cache."""
+    """(class name, factory) for one layer's policy; None when mlx-lm has no cache for it."""
     from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
     kind = policy.get("type")
     if kind == "full":

@@ -406,8 +406,8 @@ class StepChecker::Impl {
     bool go_on = true;
     if (!rec.refused.empty()) {
       if (!view.error) {
-        const std::string unserved = rec.served ? crop_not_served(rec, view) : std::string("not a crop");
-        if (unserved.empty()) {
+        const std::string unserved = rec.served ? crop_not_served(rec, view) : std::string();
+        if (rec.served && unserved.empty()) {
           // Served: the scenario's later steps assume the refusal, so they mean nothing here.
           served_crop_ = fmt::format(
               "{} was served (the policy refuses it; the cache still held what the cut rows need), so the {} "

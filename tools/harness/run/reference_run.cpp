@@ -81,10 +81,10 @@ std::vector<std::uint64_t> row_contexts(const Scenario& s, const std::vector<std
   return out;
 }
 
-// Each layer's rows after the step; a layer whose policy an earlier layer has shares that
-// layer's vector.
+// Each layer's rows as their histories leave them (retained_of, a pure function of the
+// history); a layer whose policy an earlier layer has shares that layer's vector.
 std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained_by_layer(
-    const Scenario& s, const reference::ReferenceModel& model) {
+    const Scenario& s, const std::vector<RowHistory>& histories) {
   std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> out;
   for (int l = 0; l < s.dims.layers; ++l) {
     const auto first = s.policies.begin();
@@ -94,7 +94,8 @@ std::vector<std::shared_ptr<const std::vector<reference::RowRetained>>> retained
       continue;
     }
     auto rows = std::make_shared<std::vector<reference::RowRetained>>();
-    for (int b = 0; b < model.batch(); ++b) rows->push_back(model.retained(b, l));
+    for (const RowHistory& h : histories)
+      rows->push_back(reference::retained_of(s.policy(l), std::span<const std::uint64_t>(h.begin(), h.size())));
     out.push_back(std::move(rows));
   }
   return out;
@@ -136,18 +137,7 @@ std::shared_ptr<const StepRecord::ServedCrop> served_crop(const Scenario& s, con
                                                           std::int64_t length, const reference::StoredKv* stored) {
   auto served = std::make_shared<StepRecord::ServedCrop>();
   for (const RowHistory& h : histories) served->histories.push_back(h.prefix(static_cast<std::size_t>(length)));
-  for (int l = 0; l < s.dims.layers; ++l) {
-    const auto first = s.policies.begin();
-    const auto same = std::find(first, first + l, s.policy(l));
-    if (same != first + l) {
-      served->retained.push_back(served->retained[static_cast<std::size_t>(same - first)]);
-      continue;
-    }
-    auto rows = std::make_shared<std::vector<reference::RowRetained>>();
-    for (const RowHistory& h : served->histories)
-      rows->push_back(reference::retained_of(s.policy(l), std::span<const std::uint64_t>(h.begin(), h.size())));
-    served->retained.push_back(std::move(rows));
-  }
+  served->retained = retained_by_layer(s, served->histories);
   // Quantized, a token of the cut rows that was never written leaves nothing to judge
   // its slot by: no served state, and accepting the crop stays a refusal mismatch.
   if (stored && !stored_values(s, *stored, true, served->retained, served->histories, served->stored, served->stored_ring))
@@ -328,7 +318,6 @@ StepRecord ReferenceStepper::next() {
                                       step.expect_error.empty() ? ", which the scenario does not expect"
                                                                 : ", expected \"" + step.expect_error + "\""));
   }
-  record.retained = retained_by_layer(scenario_, model);
   preempted_.resize(static_cast<std::size_t>(model.batch()), false);
   if (step.op == StepOp::reset || step.op == StepOp::reorder)
     preempted_.assign(static_cast<std::size_t>(model.batch()), false);
@@ -337,6 +326,7 @@ StepRecord ReferenceStepper::next() {
       preempted_[static_cast<std::size_t>(b)] = step.op == StepOp::preempt;
   record.preempted = preempted_;
   record.histories = state_->histories.after(step, model);
+  record.retained = retained_by_layer(scenario_, record.histories);
   if (step.op == StepOp::crop && !record.refused.empty())
     record.served = served_crop(scenario_, record.histories, step.length, model.stored());
   if (const reference::StoredKv* stored = model.stored()) {
