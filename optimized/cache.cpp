@@ -109,6 +109,11 @@ void drop_from(SlotStore& store, int row, std::int64_t length) {
     if (store.meta(row, s).uid >= 0 && store.meta(row, s).index >= length) store.clear_slot(row, s);
 }
 
+void KvCache::prune(std::int64_t sinks, std::int64_t recent, bool rerotate) {
+  (void)sinks, (void)recent, (void)rerotate;
+  throw std::logic_error("this cache does not implement prune (SPEC 11)");
+}
+
 void KvCache::free_rows(const std::vector<int>& rows) {
   (void)rows;
   throw std::logic_error("this cache does not implement free (SPEC 8.7)");

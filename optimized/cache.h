@@ -140,6 +140,10 @@ class KvCache {
   virtual void reorder(const std::vector<int>& rows) = 0;
   virtual void reset(int batch) = 0;
   virtual void crop(std::int64_t length) = 0;
+  // SPEC 11: every row keeps its first `sinks` and last `recent` tokens; with `rerotate`
+  // the kept keys move to positions in the cache. Only a cache whose catalog entry serves
+  // prune implements it.
+  virtual void prune(std::int64_t sinks, std::int64_t recent, bool rerotate);
   // Those rows end (SPEC 8.7): they become empty and may start again.
   virtual void free_rows(const std::vector<int>& rows);
   // Drops `blocks` cached blocks (every one when negative); nothing to do unless paged.

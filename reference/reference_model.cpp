@@ -189,10 +189,15 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
   for (int b = 0; b < B; ++b) {
     const std::vector<std::uint64_t>& row = histories_[b];
     const std::int64_t start = static_cast<std::int64_t>(row.size()) - counts[b];
+    const PrunedRun pruned = PrunedRun::of(row);
     for (std::int64_t t = start; t < static_cast<std::int64_t>(row.size()); ++t) {
       AppendedToken token{row[t], t, chunk_view(policy_, start, t), {}};
+      pruned.apply(token.view, t);
       if (hybrid_)
-        for (const Policy& p : layer_policies_) token.layer_views.push_back(chunk_view(p, start, t));
+        for (const Policy& p : layer_policies_) {
+          token.layer_views.push_back(chunk_view(p, start, t));
+          pruned.apply(token.layer_views.back(), t);
+        }
       for (int l = 0; l < L; ++l) {
         const QueryView& view = token.view_in(l);
         largest = std::max(largest, view.query_position);
@@ -369,13 +374,43 @@ void ReferenceModel::crop(std::int64_t length) {
   if (stored_) stored_->crop(length);
 }
 
+void ReferenceModel::prune(std::int64_t sinks, std::int64_t recent, bool rerotate) {
+  for (auto& row : histories_) {
+    const auto n = static_cast<std::int64_t>(row.size());
+    // Kept: [0, S) and [n - R, n); pruned: what lies between.
+    const std::int64_t first = std::min(sinks, n), end = std::clamp(n - recent, first, n);
+    for (std::int64_t i = first; i < end; ++i)
+      row[static_cast<std::size_t>(i)] |= kPrunedBit | (rerotate ? kRerotatedBit : 0);
+  }
+}
+
+PrunedRun PrunedRun::of(std::span<const std::uint64_t> history) {
+  PrunedRun run;
+  const auto at = std::find_if(history.begin(), history.end(), is_pruned);
+  if (at == history.end()) return run;
+  run.rerotated = (*at & kRerotatedBit) != 0;
+  run.first = at - history.begin();
+  run.end = std::find_if_not(at, history.end(), is_pruned) - history.begin();
+  return run;
+}
+
+void PrunedRun::apply(QueryView& view, std::int64_t t) const {
+  if (first == end) return;
+  std::erase_if(view.keys, [&](const VisibleKey& k) { return k.index >= first && k.index < end; });
+  for (VisibleKey& k : view.keys) k.position -= shift(k.index);
+  view.query_position -= shift(t);
+}
+
 RowRetained retained_of(const Policy& policy, std::span<const std::uint64_t> history) {
   const auto length = static_cast<std::int64_t>(history.size());
-  const QueryView view = retained_view(policy, length);
+  const PrunedRun pruned = PrunedRun::of(history);
+  QueryView view = retained_view(policy, length);
+  pruned.apply(view, length - 1);
   RowRetained out;
   out.query_position = view.query_position;
   for (const VisibleKey& key : view.keys) out.keys.push_back({history[key.index], key.index, key.position});
-  const QueryView next = live_view(policy, length);
+  QueryView next = live_view(policy, length);
+  pruned.apply(next, length);
   out.next_query_position = next.query_position;
   for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index], key.index, key.position});
   return out;

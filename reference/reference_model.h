@@ -2,6 +2,7 @@
 // attention is recomputed from scratch with V(t), Pq and Pk from the policy table.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -48,6 +49,29 @@ struct RetainedKey {
   std::int64_t position;  // Pk as seen by the row's last token
 };
 
+// SPEC 11: a pruned token stays in its row's history with its uid marked, so the others
+// keep their indices and a history stays sorted by uid under kUidBits. At most one run of
+// them per row (one prune per row).
+inline constexpr std::uint64_t kPrunedBit = std::uint64_t{1} << 63;
+inline constexpr std::uint64_t kRerotatedBit = std::uint64_t{1} << 62;  // the later keys moved down
+inline constexpr std::uint64_t kUidBits = kRerotatedBit - 1;
+inline bool is_pruned(std::uint64_t entry) { return (entry & kPrunedBit) != 0; }
+
+// The run of pruned tokens [first, end) in a row (empty: never pruned) and how it moves
+// positions: re-rotated, every token after it sits end - first positions lower.
+struct PrunedRun {
+  std::int64_t first = 0, end = 0;
+  bool rerotated = false;
+  static PrunedRun of(std::span<const std::uint64_t> history);
+  // How many positions lower than its index token i sits.
+  std::int64_t shift(std::int64_t i) const {
+    return rerotated ? std::clamp<std::int64_t>(i - first, 0, end - first) : 0;
+  }
+  // The view without the pruned keys, at the positions the prune left (full policy: the
+  // positions are the indices).
+  void apply(QueryView& view, std::int64_t t) const;
+};
+
 struct RowRetained {
   std::vector<RetainedKey> keys;
   std::int64_t query_position = 0;  // Pq of the row's last token (0 for an empty row)
@@ -83,6 +107,10 @@ class ReferenceModel {
   // the retained set of the cropped row holds a token this policy has already evicted (in
   // any layer).
   void crop(std::int64_t length);
+  // SPEC 11: every row keeps its first `sinks` and last `recent` tokens; the others are
+  // pruned for good. `rerotate`: the kept keys and every later token take positions in the
+  // cache (rank among the kept). Full-attention layers only (the scenario checks it).
+  void prune(std::int64_t sinks, std::int64_t recent, bool rerotate);
 
   // Threads that share an append's attention (each output is computed by one thread
   // alone, so results do not depend on the count). Default: the machine's cores.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # docs/real-engines.md's table of real engines' caches on every fixture they claim is what
-# tools/peers/{hf_caches,mlx_caches,ort_gqa}.py print now, engine by engine and release by
+# tools/peers/{hf_caches,mlx_caches,ort_gqa,kvpress_presses}.py print now, engine by engine and release by
 # release (what `tools/kvcheck peers` runs):
 # a release whose verdicts changed, or a fixture added, fails here until the table is
 # regenerated. Usage: check_peer_table.sh ROOT VENVS KVCHECK_BIN
@@ -30,6 +30,7 @@ run() {  # VENV SCRIPT: one engine's rows
 run mlx mlx_caches.py
 run onnxruntime-1.23 ort_gqa.py
 run onnxruntime-1.31 ort_gqa.py
+run kvpress kvpress_presses.py
 if [ "$got" != "$want" ]; then
   echo "FAIL: docs/real-engines.md's table is not what the releases say now; regenerate it with"
   echo "tools/kvcheck peers (between the 'kvcheck peers' markers). Difference (docs, then now):"

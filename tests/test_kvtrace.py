@@ -253,6 +253,51 @@ class KvtraceTest(unittest.TestCase):
         self.work = tempfile.mkdtemp(prefix="kvtrace-test-")
         self.addCleanup(shutil.rmtree, self.work, True)
 
+    def test_prune_fixtures_match_an_independent_numpy_reference(self):
+        # SPEC 11 written again from its text alone: a row keeps [0, S) and [n - R, n) of its
+        # n tokens at the prune; re-rotated, kept token j sits at its rank and a later token t
+        # at k + (t - n); otherwise every token at its index. Each output is softmax attention
+        # over what the row keeps, in float64, against the export's reference outputs.
+        for name in ("prune_streaming_llm_original_positions", "prune_key_rerotation"):
+            with tempfile.TemporaryDirectory() as work:
+                exp = export(work, name)
+                d = exp.dims
+                group = d["heads"] // d["kv_heads"]
+                rows = [[] for _ in range(d["batch"])]  # per row: (uid, index, position) kept
+                pruned = 0  # the prune's n - k when it re-rotates (the positions later tokens lose)
+                checked = 0
+                for i, step in enumerate(exp.steps):
+                    if step["op"] == "prune":
+                        for b, row in enumerate(rows):
+                            n = len(row)
+                            keep = [e for e in row if e[1] < step["sinks"] or e[1] >= n - step["recent"]]
+                            if step["rerotate"]:
+                                keep = [(u, j, r) for r, (u, j, _) in enumerate(keep)]
+                                pruned = n - len(keep)
+                            rows[b] = keep
+                    elif step["op"] == "crop":
+                        rows = [[e for e in row if e[1] < step["length"]] for row in rows]
+                    elif step["op"] in ("append", "decode"):
+                        out = exp.reference_output(i)  # [L, B, n, H, D]
+                        for b, r in enumerate(step["rows"]):
+                            for place, (uid, t) in enumerate(zip(r["uids"], r["indices"])):
+                                rows[b].append((uid, t, t - pruned))
+                                uids = [e[0] for e in rows[b]]
+                                where = np.array([e[2] for e in rows[b]], dtype=np.float64)
+                                for l in range(d["layers"]):
+                                    rope = exp.layer_rope(l)
+                                    for h in range(d["heads"]):
+                                        q = kvtrace.rotate(exp.q[l][uid, h][None], where[-1:], rope)[0]
+                                        keys = kvtrace.rotate(exp.k[l][uids, h // group], where, rope)
+                                        scores = keys @ q * exp.scale
+                                        w = np.exp(scores - scores.max())
+                                        expected = (w / w.sum()) @ exp.v[l][uids, h // group].astype(np.float64)
+                                        got = out[l, b, out.shape[2] - len(r["uids"]) + place, h]
+                                        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+                                        checked += 1
+                # Both fixtures: 2 rows x 2 layers x 4 heads x (14 + 3 + 3 + 2 queries).
+                self.assertEqual(checked, 2 * 2 * 4 * 22, name)
+
     def test_correct_sliding_cache_passes_verify(self):
         exp = export(self.work, "sliding_baseline")
         trace = os.path.join(self.work, "trace")
@@ -681,8 +726,11 @@ class KvtraceTest(unittest.TestCase):
     def drive_every_fixture(self, policies, features=(), without=()):
         """Every built-in fixture of these policies, driven through kvtrace by SpecCache (a
         cache that claims exactly the policy), must pass verify; none may be refused.
-        SpecCache stores floats: the quantized fixtures (SPEC 9) are not its to pass."""
-        found = kvtrace.fixtures(KVCHECK, policies=policies, features=features, without=("quantized", "paged", *without))
+        SpecCache stores floats: the quantized fixtures (SPEC 9) are not its to pass. A prune
+        (SPEC 11) is a press's, not a cache's call: those fixtures are checked by
+        test_prune_fixtures_match_an_independent_numpy_reference and by kvpress (peer.kvpress)."""
+        found = kvtrace.fixtures(KVCHECK, policies=policies, features=features,
+                                 without=("quantized", "paged", "prune", *without))
         self.assertGreater(len(found), 0)
         failures = []
         for fixture in found:

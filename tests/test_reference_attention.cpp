@@ -138,3 +138,46 @@ TEST(ReferenceAttention, TheDotProductSumsInItsDocumentedOrder) {
   const double ones[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
   EXPECT_EQ(reference::dot(a, ones, 9), 1e16 + 6);
 }
+
+// SPEC 11 by hand: five tokens with q = k = (1, 0), v_j = (j, 1), pruned to sink 0 and recent
+// 3, 4, then token 5. Without re-rotation every token keeps its index as position (Pq 5);
+// re-rotated, the kept tokens sit at 0, 1, 2 and token 5 at 3, so only key 0's distance
+// changes (5 -> 3).
+class ReferencePrune : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ReferencePrune, KeepsSinksAndRecentAtTheSpecPositions) {
+  const bool rerotate = GetParam();
+  InputTable inputs;
+  inputs.layers = 1;
+  inputs.uids = 6;
+  inputs.heads = inputs.kv_heads = 1;
+  inputs.head_dim = 2;
+  for (int j = 0; j < 6; ++j) {
+    inputs.q.insert(inputs.q.end(), {1, 0});
+    inputs.k.insert(inputs.k.end(), {1, 0});
+    inputs.v.insert(inputs.v.end(), {static_cast<float>(j), 1});
+  }
+  Dims dims;
+  reference::ReferenceModel model(dims, Rope{}, Policy{}, 0.5, inputs);
+  model.append({5});
+  model.prune(1, 2, rerotate);
+  const reference::RowRetained kept = model.retained(0);
+  ASSERT_EQ(kept.keys.size(), 3u);
+  const std::int64_t indices[] = {0, 3, 4}, positions[] = {0, rerotate ? 1 : 3, rerotate ? 2 : 4};
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(kept.keys[i].uid, static_cast<std::uint64_t>(indices[i]));
+    EXPECT_EQ(kept.keys[i].index, indices[i]);
+    EXPECT_EQ(kept.keys[i].position, positions[i]);
+  }
+  EXPECT_EQ(kept.next_query_position, rerotate ? 3 : 5);
+
+  const auto result = model.append({1});
+  const double w[] = {std::exp(0.5 * std::cos(rerotate ? 3.0 : 5.0)), std::exp(0.5 * std::cos(2.0)),
+                      std::exp(0.5 * std::cos(1.0)), std::exp(0.5)};
+  const double sum = w[0] + w[1] + w[2] + w[3];
+  EXPECT_NEAR(result.out[0], (0 * w[0] + 3 * w[1] + 4 * w[2] + 5 * w[3]) / sum, 1e-15);
+  EXPECT_NEAR(result.out[1], 1.0, 1e-15);
+  EXPECT_EQ(result.rows[0][0].view.query_position, rerotate ? 3 : 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(OriginalAndRerotated, ReferencePrune, ::testing::Bool());

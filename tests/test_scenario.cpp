@@ -91,7 +91,7 @@ TEST(ScenarioValidation, ReorderIndicesMustBeInRangeOfTheCurrentBatch) {
 TEST(ScenarioValidation, UnknownOpAndUnknownErrorName) {
   EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
                               R"([{"op": "apend", "tokens": 2}])")),
-            "s.json: /steps/0/op: expected one of append, decode, reorder, reset, crop, free, evict, preempt, resume, got \"apend\"");
+            "s.json: /steps/0/op: expected one of append, decode, reorder, reset, crop, free, evict, preempt, resume, prune, got \"apend\"");
   EXPECT_EQ(error_of(scenario(R"({"layers": 1, "batch": 1, "heads": 1, "head_dim": 2})", R"({"type": "full"})",
                               R"([{"op": "crop", "length": 2, "expect_error": "oops"}])")),
             "s.json: /steps/0/expect_error: expected one of crop_evicted, got \"oops\"");

@@ -83,6 +83,15 @@ def drive_ort_gqa(export, trace_path, **options):
     return drive(export, trace_path, **options)
 
 
+def drive_kvpress(export, trace_path, **options):
+    """Drives kvpress's presses (StreamingLLMPress, KeyRerotationPress) over a tiny transformers
+    Llama whose attention computes with the export's q, k and v, as kvpress's pipeline runs them,
+    for scenarios with a prune (SPEC 11); see kvtrace_kvpress.py (it needs torch, transformers
+    and kvpress). Returns a DriveResult."""
+    from kvtrace_kvpress import drive_kvpress as drive
+    return drive(export, trace_path, **options)
+
+
 def drive_hf_cache(export, make_cache, trace_path, positions="policy", key_positions="absolute",
                    producer="kvtrace.drive_hf_cache", as_tensor=None, mask="auto", dtype="float32",
                    eviction=None, after_forward=None, chunks="whole"):
@@ -301,6 +310,7 @@ class _Driver:
 
     def __init__(self, export, make_cache, positions, as_tensor, mask, after_forward, record_q, chunks):
         self.exp = export
+        export.refuse_prune("drive_hf_cache")
         self.make = _cache_factory(make_cache)
         self.position_of = _position_function(positions)
         self.model_mask = None

@@ -69,6 +69,14 @@ class Export:
         NoPE layer, which rotate() leaves as it is)."""
         return self.rope[layer] if isinstance(self.rope, list) else self.rope
 
+    def refuse_prune(self, driver):
+        """UsageError naming `driver` when a step prunes (SPEC 11): only a press prunes, and
+        kvtrace.drive_kvpress drives kvpress's."""
+        for i, step in enumerate(self.steps):
+            if step["op"] == "prune":
+                raise UsageError("%s: step %d prunes (SPEC 11), which a cache has no call for; a press does it: "
+                                 "drive the scenario with kvtrace.drive_kvpress" % (driver, i))
+
     def one_rope(self, driver):
         """The rope every layer shares; UsageError naming `driver` when the layers' differ."""
         if isinstance(self.rope, list):

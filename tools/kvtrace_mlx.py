@@ -126,6 +126,7 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
     if logits and not isinstance(logits[0], list):
         logits = [logits] * layers
     sinks = [None if not logits else mx.array(np.asarray(logits[l], np.float32)) for l in range(layers)]
+    exp.refuse_prune("drive_mlx_cache")
     paged = [step["op"] for step in exp.steps if step["op"] in ("free", "preempt", "resume", "evict")]
     if paged:
         raise UsageError("step %r is a paged cache's (SPEC 8): mlx-lm's caches have no such operation" % paged[0])

@@ -230,6 +230,7 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
     logits = exp.manifest.get("attention", {}).get("sink_logits")
     if logits and not isinstance(logits[0], list):
         logits = [logits] * layers
+    exp.refuse_prune("drive_ort_gqa")
     for step in exp.steps:
         if step["op"] in ("free", "preempt", "resume", "evict"):
             raise UsageError("step %r is a paged cache's (SPEC 8): GroupQueryAttention has no such operation"

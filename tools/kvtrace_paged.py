@@ -311,5 +311,6 @@ def drive_paged_cache(export, make_cache, trace_path, producer="kvtrace.drive_pa
     a fresh cache (called again at a `reset`). A failure of the cache is written into the
     trace at its step, and driving stops there. dump: "referenced" writes the blocks the
     tables reference (with block_ids), "pool" the whole pools after every step."""
+    export.refuse_prune("drive_paged_cache")
     with TraceWriter(trace_path, export.name, producer, "absolute", dtype=dtype) as writer:
         return _PagedDriver(export, make_cache, writer, dump).run()

@@ -334,6 +334,31 @@ for value, message in LAYER_QUANT_CASES:
     doc["policy"] = {"type": "full"}
     case("scenario", "kv_quant per layer=" + json.dumps(value)[-24:], 2, "s.json: " + message, scenario_file(doc))
 
+# SPEC 11's prune: on full-attention layers, once per row.
+PRUNE_CASES = [
+    ({"op": "prune", "sinks": -1, "recent": 2}, "/steps/1/sinks: expected an integer >= 0"),
+    ({"op": "prune", "sinks": 1}, "/steps/1/recent: missing required field"),
+    ({"op": "prune", "sinks": 0, "recent": 0}, "/steps/1/recent: expected sinks \\+ recent >= 1"),
+    ({"op": "prune", "sinks": 1, "recent": 1, "rerotate": "yes"}, "/steps/1/rerotate: expected true or false"),
+    ({"op": "prune", "sinks": 1, "recent": 1, "keep": 3}, "/steps/1/keep: unknown key"),
+]
+for value, message in PRUNE_CASES:
+    doc = with_field("/policy", {"type": "full"})
+    doc["steps"] = [{"op": "append", "tokens": 5}, value]
+    case("scenario", "prune " + json.dumps(value)[-32:], 2, "s.json: " + message, scenario_file(doc))
+case("scenario", "prune of a sink layer", 2, "s.json: /steps/1/op: a prune \\(SPEC 11\\) keeps tokens of full-attention "
+     "layers, but layer 0's policy is \"sink\"",
+     scenario_file(with_field("/steps", [{"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}])))
+case("scenario", "a second prune", 2, "s.json: /steps/3/op: row 0 was pruned at /steps/1 already",
+     scenario_file(with_field("/policy", {"type": "full"}) | {"steps": [
+         {"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}, {"op": "decode", "steps": 1},
+         {"op": "prune", "sinks": 1, "recent": 2}]}))
+case("scenario", "a prune of a quantized store", 2, "s.json: /steps/1/op: a prune of a quantized store is in SPEC 11, "
+     "but kvcheck's caches do not implement it yet",
+     scenario_file(with_field("/policy", {"type": "full"}) | {
+         "kv_quant": {"k": {"format": "q8_0"}}, "dimensions": {"layers": 1, "batch": 1, "heads": 2, "head_dim": 32},
+         "steps": [{"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}]}))
+
 RAW_CASES = [
     ("empty file", "", "s.json: not valid JSON"),
     ("not json", "hello", "s.json: not valid JSON"),

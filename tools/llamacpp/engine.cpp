@@ -112,7 +112,7 @@ void require_supported(const Scenario& s) {
   // Steps the driver cannot express are refused here, naming the step, never run into.
   for (const Step& step : s.steps)
     if (step.op == StepOp::free_rows || step.op == StepOp::evict || step.op == StepOp::preempt ||
-        step.op == StepOp::resume)
+        step.op == StepOp::resume || step.op == StepOp::prune)
       no(fmt::format("/steps/{}/op", step.source_index),
          fmt::format("\"{}\": the llama.cpp driver runs append, decode, reorder, reset and crop only",
                      to_string(step.op)));

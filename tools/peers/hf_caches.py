@@ -139,6 +139,8 @@ def claims(cls, scenario):
     policy = scenario.get("policy")
     if "kv_quant" in scenario or "paging" in scenario:
         return "quantized or paged"
+    if any(step["op"] == "prune" for step in scenario["steps"]):
+        return "a prune (SPEC 11): a press's, driven by kvpress_presses.py"
     if cls in ("DynamicCache", "StaticCache"):
         policies = policy if isinstance(policy, list) else [policy]
         if any(p.get("type") not in ("full", "sliding", "chunked") for p in policies):

@@ -47,6 +47,7 @@ def recipe(scenario):
     # Left out: mlx-lm pads and reorders rows with BatchKVCache (not driven), and its
     # QuantizedKVCache has no SPEC 9 format row yet.
     if any(m is None for m in made) or "kv_quant" in scenario or "paging" in scenario or \
+            any(step["op"] == "prune" for step in scenario["steps"]) or \
             peer_verdict.uneven_rows(scenario):
         return None
     names = []

@@ -29,7 +29,7 @@ def claims(scenario, quantized_kv):
     formats = {quant.get(t, {}).get("format") for t in ("k", "v")} if isinstance(quant, dict) else set()
     even = isinstance(quant, dict) and quant.get("residual", 0) == 0 and len(formats) == 1 and \
         formats <= {"int8_even", "int4_even"}  # one format for K and V alike
-    return ("paging" not in scenario and scenario.get("kv_dtype", "float32") == "float32" and d % 16 == 0 and
+    return ("paging" not in scenario and all(step["op"] != "prune" for step in scenario["steps"]) and scenario.get("kv_dtype", "float32") == "float32" and d % 16 == 0 and
             all(r is None or r.get("rotary_dim", d) % 16 == 0 for r in ropes) and
             (quant is None or (quantized_kv and even)) and
             all(p.get("type") == "full" or (p.get("type") == "sliding" and "shift_with" not in p) for p in policies))

@@ -32,7 +32,9 @@ std::int64_t largest_position(const Scenario& s) { return 2 * longest_row(s) + 1
 // reorder or crop keeps a row's order), so the search is binary.
 std::int64_t index_of(const RowHistory& history, std::int64_t uid) {
   if (uid < 0) return -1;
-  const auto it = std::lower_bound(history.begin(), history.end(), static_cast<std::uint64_t>(uid));
+  // Sorted by uid; a pruned entry (SPEC 11) compares as its uid and is never found.
+  const auto it = std::lower_bound(history.begin(), history.end(), static_cast<std::uint64_t>(uid),
+                                   [](std::uint64_t entry, std::uint64_t u) { return (entry & reference::kUidBits) < u; });
   return it == history.end() || *it != static_cast<std::uint64_t>(uid) ? -1 : it - history.begin();
 }
 

@@ -321,6 +321,11 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     if (!r.stored.empty()) write_stored_codes(dir.path(), step_stem(i), s, r, step);
     if (r.step.op == StepOp::reorder) step["rows_from"] = r.step.rows;
     if (r.step.op == StepOp::crop) step["length"] = r.step.length;
+    if (r.step.op == StepOp::prune) {
+      step["sinks"] = r.step.prune_sinks;
+      step["recent"] = r.step.prune_recent;
+      step["rerotate"] = r.step.rerotate;
+    }
     if (r.step.op == StepOp::free_rows) step["rows_freed"] = r.step.rows;
     if (r.step.op == StepOp::evict) step["blocks"] = r.step.evict_blocks;  // -1: all
     if (r.step.op == StepOp::preempt || r.step.op == StepOp::resume) step["rows_preempted"] = r.step.rows;

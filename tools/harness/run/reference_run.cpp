@@ -38,7 +38,9 @@ class SharedHistories {
     for (std::size_t b = 0; b < rows_.size(); ++b) {
       const std::vector<std::uint64_t>& h = model.history(static_cast<int>(b));
       auto& mine = rows_[b];
-      const bool extends = mine && step.op != StepOp::reset && mine->size() <= h.size() && !shared(b);
+      // A prune rewrites the row in place (SPEC 11): a vector of its own.
+      const bool extends = mine && step.op != StepOp::reset && step.op != StepOp::prune && mine->size() <= h.size() &&
+                           !shared(b);
       if (!extends)
         mine = std::make_shared<std::vector<std::uint64_t>>(h);
       else
@@ -305,6 +307,9 @@ StepRecord ReferenceStepper::next() {
         break;
       case StepOp::crop:
         model.crop(step.length);
+        break;
+      case StepOp::prune:
+        model.prune(step.prune_sinks, step.prune_recent, step.rerotate);
         break;
     }
     if (!step.expect_error.empty())

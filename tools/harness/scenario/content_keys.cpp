@@ -74,6 +74,7 @@ void assign_content_keys(Scenario& s) {
       case StepOp::evict:
       case StepOp::preempt:
       case StepOp::resume:
+      case StepOp::prune:  // never paged (SPEC 11)
         break;
     }
   }

@@ -42,6 +42,8 @@ const char* to_string(StepOp op) {
       return "preempt";
     case StepOp::resume:
       return "resume";
+    case StepOp::prune:
+      return "prune";
   }
   return "?";
 }
@@ -442,6 +444,35 @@ void parse_append_paging(const Reader& r, const json& s, const std::string& p, c
   if (s.contains("chunk")) step.chunk = r.integer(s["chunk"], p + "/chunk", 1);
 }
 
+// SPEC 11: a one-time prune of every row to its sinks and recent tokens (kvpress's
+// StreamingLLMPress, re-rotated or not). Defined for full-attention layers only: a window
+// or sink layer already decides what it keeps.
+void parse_prune(const Reader& r, const json& s, const std::string& p, const Scenario& scenario,
+                 const std::vector<int>& pruned, Step& step) {
+  r.object(s, p, {"op", "sinks", "recent", "rerotate"});
+  step.op = StepOp::prune;
+  step.prune_sinks = r.integer(r.field(s, p, "sinks"), p + "/sinks", 0);
+  step.prune_recent = r.integer(r.field(s, p, "recent"), p + "/recent", 0);
+  if (step.prune_sinks + step.prune_recent == 0)
+    r.fail(p + "/recent", "expected sinks + recent >= 1: a prune keeps at least one token of each row");
+  if (s.contains("rerotate")) {
+    if (!s["rerotate"].is_boolean()) r.fail(p + "/rerotate", "expected true or false, got " + describe(s["rerotate"]));
+    step.rerotate = s["rerotate"].get<bool>();
+  }
+  for (int l = 0; l < scenario.dims.layers; ++l)
+    if (scenario.policy(l).kind != PolicyKind::full)
+      r.fail(p + "/op", fmt::format("a prune (SPEC 11) keeps tokens of full-attention layers, but layer {}'s policy is "
+                                    "\"{}\"",
+                                    l, to_string(scenario.policy(l).kind)));
+  if (scenario.quantized()) not_yet(r, p + "/op", "a prune of a quantized store", "SPEC 11");
+  if (scenario.paging) not_yet(r, p + "/op", "a prune of a paged cache", "SPEC 11");
+  for (std::size_t b = 0; b < pruned.size(); ++b)
+    if (pruned[b] >= 0)
+      r.fail(p + "/op", fmt::format("row {} was pruned at /steps/{} already: one prune per row until a reset or free "
+                                    "(SPEC 11)",
+                                    b, pruned[b]));
+}
+
 // Parses the steps while tracking the batch size, so per-row counts and reorder indices
 // are checked against the rows that exist at that point.
 std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const Scenario& scenario) {
@@ -449,6 +480,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
   std::vector<Step> steps;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(batch), 0);  // to tell which rows start
   std::vector<int> preempted(static_cast<std::size_t>(batch), -1);        // the preempt step's index, or -1
+  std::vector<int> pruned(static_cast<std::size_t>(batch), -1);           // the prune step's index, or -1
   // Every expanded step stores a count per row: bound their number before expanding.
   std::int64_t step_rows = 0;
   auto count = [&](const std::string& p, std::int64_t steps_added) {
@@ -463,7 +495,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
     const std::string p = "/steps/" + std::to_string(i);
     if (!s.is_object()) r.fail(p, "expected an object, got " + describe(s));
     const std::string op = r.choice(r.field(s, p, "op"), p + "/op",
-                                    {"append", "decode", "reorder", "reset", "crop", "free", "evict", "preempt", "resume"});
+                                    {"append", "decode", "reorder", "reset", "crop", "free", "evict", "preempt", "resume", "prune"});
     // Preempted rows (SPEC 8.6) take no tokens and no row change until they resume.
     auto require_running = [&](const std::string& path, const std::string& what) {
       for (std::size_t b = 0; b < preempted.size(); ++b)
@@ -515,6 +547,11 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       step.rows = row_list(r, r.field(s, p, "rows"), p + "/rows", batch);
       batch = static_cast<int>(step.rows.size());
       preempted.assign(static_cast<std::size_t>(batch), -1);
+      pruned = [&] {
+        std::vector<int> next;
+        for (int row : step.rows) next.push_back(pruned[static_cast<std::size_t>(row)]);
+        return next;
+      }();
       count(p, 1);
       steps.push_back(step);
     } else if (op == "reset") {
@@ -523,6 +560,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       if (s.contains("batch")) batch = static_cast<int>(r.integer(s["batch"], p + "/batch", 1, kMaxBatch));
       step.batch = batch;
       preempted.assign(static_cast<std::size_t>(batch), -1);
+      pruned.assign(static_cast<std::size_t>(batch), -1);
       count(p, 1);
       steps.push_back(step);
     } else if (op == "free") {
@@ -532,6 +570,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       std::set<int> distinct(step.rows.begin(), step.rows.end());
       if (distinct.size() != step.rows.size()) r.fail(p + "/rows", "expected each row at most once");
       for (int b : step.rows) preempted[static_cast<std::size_t>(b)] = -1;  // a preempted row may end
+      for (int b : step.rows) pruned[static_cast<std::size_t>(b)] = -1;
       count(p, 1);
       steps.push_back(step);
     } else if (op == "preempt" || op == "resume") {
@@ -563,6 +602,12 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
         r.choice(blocks, p + "/blocks", {"all"});
       else
         step.evict_blocks = r.integer(blocks, p + "/blocks", 1);
+      count(p, 1);
+      steps.push_back(step);
+    } else if (op == "prune") {
+      parse_prune(r, s, p, scenario, pruned, step);
+      for (std::size_t b = 0; b < lengths.size(); ++b)
+        if (lengths[b] > 0) pruned[b] = static_cast<int>(i);
       count(p, 1);
       steps.push_back(step);
     } else {

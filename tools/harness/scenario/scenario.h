@@ -15,7 +15,7 @@
 
 namespace kvcheck {
 
-enum class StepOp { append, reorder, reset, crop, free_rows, evict, preempt, resume };
+enum class StepOp { append, reorder, reset, crop, free_rows, evict, preempt, resume, prune };
 
 // A row's extras (SPEC 8.1): they enter its tokens' context keys, so equal ids under
 // another adapter or salt are other tokens.
@@ -38,6 +38,10 @@ struct Step {
   std::optional<int> batch;          // reset
   std::int64_t length = 0;           // crop
   std::int64_t evict_blocks = -1;    // evict: blocks to drop, -1 for all
+  // prune (SPEC 11): every row keeps its first `sinks` and last `recent` tokens; `rerotate`
+  // moves the kept keys (and every later token) to positions in the cache.
+  std::int64_t prune_sinks = 0, prune_recent = 0;
+  bool rerotate = false;
   // append (SPEC 8): the forward size (0: one forward); the rows' extras (content
   // "prefix", every row); per row the tokens a prefix hit may cover (rows that start).
   std::int64_t chunk = 0;
@@ -113,6 +117,11 @@ struct Scenario {
   // The rope every layer rotates with; nullptr when the layers' differ (SPEC 10.1).
   const Rope* shared_rope() const;
   // Every layer follows one policy, of this kind.
+  // A step prunes rows (SPEC 11); `rerotated`: one that re-rotates the kept keys.
+  bool prunes(bool rerotated = false) const {
+    return std::any_of(steps.begin(), steps.end(),
+                       [&](const Step& step) { return step.op == StepOp::prune && (!rerotated || step.rerotate); });
+  }
   bool every_layer(PolicyKind kind) const {
     const Policy* p = shared_policy();
     return p && p->kind == kind;

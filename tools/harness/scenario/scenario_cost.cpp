@@ -53,6 +53,7 @@ void advance_lengths(const Step& step, std::vector<std::int64_t>& lengths) {
     case StepOp::evict:
     case StepOp::preempt:  // the row keeps its tokens (SPEC 8.6): they come back on resume
     case StepOp::resume:
+    case StepOp::prune:    // the pruned tokens keep their indices (SPEC 11)
       break;
   }
 }

@@ -33,8 +33,9 @@ constexpr EnumName<Feature> kFeatureNames[] = {
     {Feature::chunked, "chunked"},
     {Feature::query_temperature, "query_temperature"},
     {Feature::sliding_under_shift, "sliding_under_shift"},
+    {Feature::prune, "prune"},
 };
-static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::sliding_under_shift) + 1,
+static_assert(std::size(kFeatureNames) == static_cast<std::size_t>(Feature::prune) + 1,
               "a feature without a name");
 }  // namespace
 
@@ -66,6 +67,7 @@ std::vector<Feature> scenario_features(const Scenario& s) {
       }));
   add(Feature::reorder, has_op(StepOp::reorder));
   add(Feature::crop, has_op(StepOp::crop));
+  add(Feature::prune, has_op(StepOp::prune));
   add(Feature::refused_step,
       std::any_of(s.steps.begin(), s.steps.end(), [](const Step& step) { return !step.expect_error.empty(); }));
   add(Feature::reset, has_op(StepOp::reset));

@@ -33,6 +33,7 @@ enum class Feature {
   chunked,             // a chunked attention layer (SPEC 10.2)
   query_temperature,   // attention.query_temperature (SPEC 10.3)
   sliding_under_shift,  // a sliding layer under a sink layer's shift (SPEC 10.4)
+  prune,               // a one-time prune to sinks and recent tokens (SPEC 11)
 };
 
 const char* to_string(Feature f);

@@ -233,6 +233,7 @@ std::optional<QuantFormat> quant_format_named(const std::string& name) { return 
 
 std::string quantize_scenario(Scenario& s, QuantFormat format) {
   if (!s.shared_rope()) return "quantized storage (SPEC 9) with a rope per layer (SPEC 10.1) is not implemented yet";
+  if (s.prunes()) return "quantized storage (SPEC 9) with a prune (SPEC 11) is not implemented yet";
   // The defaults of a scenario file's {"format": ...} with no "scale".
   nlohmann::json tensor = {{"format", to_string(format)}};
   nlohmann::json j = {{"k", tensor}, {"v", tensor}};

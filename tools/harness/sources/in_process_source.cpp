@@ -315,6 +315,9 @@ void InProcessCache::apply(std::size_t index, const StepRecord& rec) {
     case StepOp::crop:
       cache_->crop(rec.step.length);
       break;
+    case StepOp::prune:
+      cache_->prune(rec.step.prune_sinks, rec.step.prune_recent, rec.step.rerotate);
+      break;
     case StepOp::free_rows:
       cache_->free_rows(rec.step.rows);
       break;

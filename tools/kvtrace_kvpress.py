@@ -1,0 +1,243 @@
+"""kvpress's presses driven as its pipeline drives them, written as a kvcheck trace
+(kvtrace.drive_kvpress calls this; it needs torch, transformers and kvpress, kvtrace itself
+only NumPy).
+
+kvpress compresses a cache through forward hooks on a model's attention modules, so the
+driver runs a real model: a tiny transformers `LlamaForCausalLM` built from a config (no
+download), whose attention computes with the scenario's own q, k and v. Per layer:
+
+- hidden size (H + 2 Hkv) D, and q_proj, k_proj, v_proj the matrices that select a token's
+  q, k and v from it (no bias); a forward pre-hook on `self_attn` hands it the step's
+  [q; k; v] as `hidden_states` (the decoder layer passes them by keyword, and kvpress's hook
+  reads the same keyword, so its scorers see the same states);
+- the model's own rotary embedding (rope_theta, its rope_parameters) rotates q and k at
+  the `position_ids` the driver passes, and the model's eager attention reads the cache;
+- a forward pre-hook on `o_proj` reads the attention's output before the projection.
+
+The schedule, as `KVPressTextGenerationPipeline._forward` (kvpress 0.5.5) runs it:
+
+- the first append of a generation followed by a `prune` step runs
+  `with press(model): model.model(inputs_embeds=..., past_key_values=cache, position_ids=...)`
+  with `StreamingLLMPress(compression_ratio, n_sink=S)`, wrapped in `KeyRerotationPress` when
+  the prune re-rotates. The press compresses after each layer's attention (a dense prefill):
+  the append step is recorded from the cache before the press's hook runs, the prune step
+  from the cache after the forward. compression_ratio is 1 - (S + R + 0.5) / n, so that
+  kvpress's int(n (1 - ratio)) keeps exactly S + R tokens;
+- every later append runs outside the press with position_ids from the export (the original
+  index, or the compressed one after a re-rotating prune, as the pipeline's
+  `context_length` makes them); cache_position is left to the model (the slots held);
+- a crop is `cache.crop`, in slots: the scenario's length minus the pruned tokens below it
+  (the pipeline trims an answer off the same way).
+
+What kvpress cannot do is refused by name (UsageError): a prune anywhere but right after a
+generation's first append (kvpress compresses only a forward that starts on an empty cache),
+rows of different lengths (it prunes slots, so padding would count as sinks), reorders,
+sliding or sink policies, per-layer ropes, and rope layouts or scalings a Llama config does
+not express."""
+
+import numpy as np
+
+from kvtrace_base import DriveResult, Export, TraceWriter, UsageError
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvpress
+
+
+def _llama_config(exp):
+    """The tiny LlamaConfig whose attention is the scenario's: its heads, head size and rope."""
+    d = exp.dims
+    heads, kv_heads, head_dim, layers = d["heads"], d.get("kv_heads", d["heads"]), d["head_dim"], d["layers"]
+    rope = exp.layer_rope(0)
+    if any(exp.layer_rope(l) != rope for l in range(layers)):
+        raise UsageError("one rope per layer (SPEC 10.1): a Llama model has one rotary embedding")
+    if rope is None:
+        raise UsageError("a NoPE scenario: a Llama model rotates every layer")
+    if rope["layout"] != "half":
+        raise UsageError("the %s RoPE layout: transformers' Llama rotates halves (rotate_half)" % rope["layout"])
+    if int(rope.get("rotary_dim") or head_dim) != head_dim:
+        raise UsageError("partial rotary: a Llama model rotates the whole head")
+    parameters = {"rope_type": "default", "rope_theta": float(rope["theta"])}
+    scaling = rope.get("scaling", "none")
+    if scaling == "linear":
+        parameters.update(rope_type="linear", factor=float(rope["factor"]))
+    elif scaling == "llama3":
+        parameters.update(rope_type="llama3", **{k: rope[k] for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")})
+    elif scaling != "none":
+        raise UsageError("rope scaling %r: not driven through kvpress" % scaling)
+    if abs(exp.scale - head_dim ** -0.5) > 1e-12:
+        raise UsageError("a softmax scale other than 1/sqrt(head_dim): Llama's attention scales by that")
+    hidden = (heads + 2 * kv_heads) * head_dim
+    return LlamaConfig(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       max_position_embeddings=4096, rope_parameters=parameters, attention_bias=False,
+                       attn_implementation="eager", dtype=torch.float32)
+
+
+class _Model:
+    """The tiny model with its projections set to select q, k and v, and the hooks that feed
+    each layer the step's inputs and read its output."""
+
+    def __init__(self, exp):
+        self.exp = exp
+        config = _llama_config(exp)
+        torch.manual_seed(0)
+        self.model = LlamaForCausalLM(config).eval()
+        d = exp.dims
+        h, hkv, dim = d["heads"], d.get("kv_heads", d["heads"]), d["head_dim"]
+        eye = torch.eye(config.hidden_size)
+        self.inputs, self.outputs, self.before_press = {}, {}, {}
+        for l, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
+            with torch.no_grad():
+                attn.q_proj.weight.copy_(eye[: h * dim])
+                attn.k_proj.weight.copy_(eye[h * dim: (h + hkv) * dim])
+                attn.v_proj.weight.copy_(eye[(h + hkv) * dim:])
+            attn.register_forward_pre_hook(self._feed(l), with_kwargs=True)
+            # Registered before any press's: it sees the cache as the forward wrote it.
+            attn.register_forward_hook(self._snapshot(l), with_kwargs=True)
+            attn.o_proj.register_forward_pre_hook(self._read(l))
+
+    def _feed(self, l):
+        def hook(module, args, kwargs):
+            kwargs["hidden_states"] = self.inputs[l]
+            return args, kwargs
+        return hook
+
+    def _snapshot(self, l):
+        def hook(module, args, kwargs, output):
+            layer = kwargs["past_key_values"].layers[l]
+            self.before_press[l] = (layer.keys.detach().clone(), layer.values.detach().clone())
+        return hook
+
+    def _read(self, l):
+        def hook(module, args):
+            self.outputs[l] = args[0].detach().clone()
+        return hook
+
+    def forward(self, uids, positions, cache):
+        """One forward of every row's tokens uids [B, n] at positions [B, n]; returns the
+        outputs per layer [B, H, n, D]."""
+        exp = self.exp
+        b, n = uids.shape
+        h, dim = exp.dims["heads"], exp.dims["head_dim"]
+        for l in range(exp.dims["layers"]):
+            parts = [exp.q[l][uids], exp.k[l][uids], exp.v[l][uids]]  # [B, n, heads, D] each
+            self.inputs[l] = torch.from_numpy(np.concatenate([p.reshape(b, n, -1) for p in parts], axis=-1)
+                                              .astype(np.float32))
+        embeds = torch.zeros(b, n, self.model.config.hidden_size)
+        with torch.no_grad():
+            self.model.model(inputs_embeds=embeds, past_key_values=cache,
+                             position_ids=torch.as_tensor(positions, dtype=torch.long), use_cache=True)
+        return [self.outputs[l].reshape(b, n, h, dim).permute(0, 2, 1, 3).double().numpy()
+                for l in range(exp.dims["layers"])]
+
+
+def _press(prune, n):
+    """kvpress's press for a prune of a prompt of n tokens: StreamingLLMPress keeping exactly
+    S + R (none pruned: compression_ratio 0), re-rotated by KeyRerotationPress if asked."""
+    kept = prune["sinks"] + prune["recent"]
+    ratio = 0.0 if kept >= n else 1.0 - (kept + 0.5) / n
+    press = kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=prune["sinks"])
+    return kvpress.KeyRerotationPress(press=press) if prune.get("rerotate") else press
+
+
+def _state(cache, layers):
+    return [{"keys": cache.layers[l].keys.double().numpy(), "values": cache.layers[l].values.double().numpy()}
+            for l in range(layers)]
+
+
+def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=None, positions="pipeline"):
+    """Drives kvpress over the export's schedule and writes a trace; returns a DriveResult.
+    press: press(prune_step, n) -> the press for a prune of an n-token prompt (default: the
+    StreamingLLMPress, re-rotated or not, that the step asks for).
+    positions: where later tokens sit: "pipeline" (the export's, as kvpress's pipeline places
+    them), "generate" (the original index n + i even after a re-rotating prune, as
+    model.generate() inside the press places them) or "seq_length" (the model's default
+    without position_ids: cache.get_seq_length() + i, the compressed length)."""
+    if positions not in ("pipeline", "generate", "seq_length"):
+        raise UsageError("positions must be \"pipeline\", \"generate\" or \"seq_length\", got %r" % (positions,))
+    make_press = press or _press
+    if not isinstance(export, Export):
+        raise TypeError("export must be a kvtrace.Export")
+    exp = export
+    layers = exp.dims["layers"]
+    for l in range(layers):
+        if exp.layer_policy(l).get("type") != "full":
+            raise UsageError("layer %d's policy is %r: kvpress's presses are driven on full-attention layers"
+                             % (l, exp.layer_policy(l).get("type")))
+    if "kv_quant" in exp.manifest or exp.manifest.get("kv_dtype", "float32") != "float32":
+        raise UsageError("kvpress is driven in float32 storage")
+    steps = exp.steps
+    for i, step in enumerate(steps):
+        if step["op"] not in ("append", "decode", "prune", "crop", "reset"):
+            raise UsageError("step %d (%s): not driven through kvpress" % (i, step["op"]))
+        if step["op"] in ("append", "decode") and len({len(r["uids"]) for r in step["rows"]}) > 1:
+            raise UsageError("rows of different lengths: kvpress prunes slots, so a row's padding would count as "
+                             "its sinks")
+        if step["op"] == "prune":
+            starts = i > 0 and steps[i - 1]["op"] in ("append", "decode") and \
+                all(r["indices"] and r["indices"][0] == 0 for r in steps[i - 1]["rows"])
+            if not starts:
+                raise UsageError("step %d prunes, but not right after a generation's first append: kvpress "
+                                 "compresses only a forward that starts on an empty cache" % i)
+    model = _Model(exp)
+    result = DriveResult()
+    with TraceWriter(trace_path, exp.name, producer, "cache-relative", "float32") as writer:
+        kv, pruned = DynamicCache(), None  # pruned: (first, end) of the pruned indices
+        prune_state = None
+        for index, step in enumerate(steps):
+            op = step["op"]
+            if result.error is not None:
+                writer.skip_step()
+            elif op == "reset":
+                kv, pruned = DynamicCache(), None
+                writer.skip_step()
+            elif op == "prune":
+                writer.step(prune_state)
+            elif op == "crop":
+                length = step["length"]
+                slots = length if pruned is None else length - min(max(length - pruned[0], 0), pruned[1] - pruned[0])
+                try:
+                    kv.crop(slots)
+                except Exception as e:  # the cache failed: a finding, written into the trace
+                    writer.error_step("%s: %s" % (type(e).__name__, e))
+                    result.error, result.error_step = "%s: %s" % (type(e).__name__, e), index
+                    continue
+                if pruned is not None and length <= pruned[0]:
+                    pruned = None
+                writer.step(_state(kv, layers))
+            else:
+                uids = np.array([r["uids"] for r in step["rows"]], dtype=np.int64)
+                where = np.array([r["query_positions"] for r in step["rows"]], dtype=np.int64)
+                if positions == "generate":
+                    where = np.array([r["indices"] for r in step["rows"]], dtype=np.int64)
+                elif positions == "seq_length":
+                    where = kv.get_seq_length() + np.zeros_like(where) + np.arange(uids.shape[1])
+                following = steps[index + 1] if index + 1 < len(steps) else None
+                try:
+                    if following is not None and following["op"] == "prune":
+                        n = uids.shape[1]
+                        with make_press(following, n)(model.model):
+                            outs = model.forward(uids, where, kv)
+                        first = min(following["sinks"], n)
+                        pruned = (first, min(max(n - following["recent"], first), n))
+                        prune_state = _state(kv, layers)
+                        recorded = [{"keys": model.before_press[l][0].double().numpy(),
+                                     "values": model.before_press[l][1].double().numpy(), "out": outs[l]}
+                                    for l in range(layers)]
+                    else:
+                        outs = model.forward(uids, where, kv)
+                        recorded = [dict(s, out=o) for s, o in zip(_state(kv, layers), outs)]
+                except UsageError:
+                    raise
+                except Exception as e:  # kvpress or the model failed: a finding, written into the trace
+                    message = "%s: %s" % (type(e).__name__, e)
+                    writer.error_step(message)
+                    result.error, result.error_step = message, index
+                    continue
+                writer.step(recorded)
+        result.recorded = sum(1 for s in writer.manifest["steps"] if "layers" in s)
+    return result

@@ -1,0 +1,53 @@
+"""kvpress's presses (StreamingLLMPress, and KeyRerotationPress around it) on a tiny
+transformers Llama, driven through tools/kvtrace_kvpress.py as kvpress's pipeline runs them,
+over every built-in fixture with a prune (SPEC 11), each judged by `kvcheck verify`. A third
+row per re-rotating fixture places later tokens as `model.generate()` inside the press does
+(kvpress's README offers it), which is what a user who generates that way gets. Prints one
+markdown row each for `tools/kvcheck peers`. Run in the venv build/venvs/kvpress.
+
+usage: python tools/peers/kvpress_presses.py [FIXTURE...]   (default: every fixture with a prune)"""
+
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_verdict  # noqa: E402
+
+
+def main(names):
+    import kvpress
+    import transformers
+    import kvtrace_kvpress
+    warnings.filterwarnings("ignore")
+    release = "kvpress %s (transformers %s)" % (kvpress.__version__ if hasattr(kvpress, "__version__")
+                                                else _version("kvpress"), transformers.__version__)
+    for name, scenario in peer_verdict.fixtures():
+        prunes = [s for s in scenario["steps"] if s["op"] == "prune"]
+        if (names and name not in names) or not prunes:
+            continue
+        rerotates = any(s.get("rerotate") for s in prunes)
+        press = "`KeyRerotationPress(StreamingLLMPress)`" if rerotates else "`StreamingLLMPress`"
+        runs = [(press + ", pipeline's positions", {})]
+        if rerotates:
+            runs.append((press + ", `generate()`'s positions", {"positions": "generate"}))
+        for what, options in runs:
+            work = tempfile.mkdtemp(prefix="kvcheck-peers-")
+            try:
+                text = peer_verdict.verdict(
+                    os.path.join(peer_verdict.SCENARIOS, name + ".json"), work,
+                    lambda exported, trace: kvtrace_kvpress.drive_kvpress(exported, trace, **options))
+            finally:
+                shutil.rmtree(work, True)
+            print("| %s | %s | `%s` | %s |" % (release, what, name, text), flush=True)
+
+
+def _version(package):
+    from importlib.metadata import version
+    return version(package)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
