@@ -21,7 +21,7 @@ class DenseCache : public KvCache {
   void free_rows(const std::vector<int>& rows) override;
   void prune(std::int64_t sinks, std::int64_t recent, bool rerotate) override;
   const SlotStore& slots() const override { return store_; }
-  std::int64_t row_length(int row) const override { return lengths_[row]; }
+  std::int64_t row_length(int row) const override { return lengths_[row] + pruned_[row].count; }  // pruned included
 
  private:
   CacheConfig config_;

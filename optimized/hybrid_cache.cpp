@@ -11,6 +11,7 @@ namespace kvcheck::optimized {
 HybridCache::HybridCache(const CacheConfig& config, const MakeLayer& make_sink) : layer_out_(1) {
   for (int l = 0; l < config.layers; ++l) {
     const LayerPolicy& p = layer_policy(config, l);
+    full_.push_back(p.kind == LayerPolicy::Kind::full);
     CacheConfig one = config;
     one.layers = 1;
     // Each layer's cache would start its own worker pool: L pools of idle threads for a deep
@@ -68,6 +69,11 @@ void HybridCache::free_rows(const std::vector<int>& rows) {
 
 void HybridCache::check_crop(std::int64_t length) const {
   for (const auto& layer : layers_) layer->check_crop(length);
+}
+
+void HybridCache::prune(std::int64_t sinks, std::int64_t recent, bool rerotate) {
+  for (std::size_t l = 0; l < layers_.size(); ++l)
+    if (full_[l]) layers_[l]->prune(sinks, recent, rerotate);
 }
 
 void HybridCache::crop(std::int64_t length) {

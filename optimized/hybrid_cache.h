@@ -25,12 +25,15 @@ class HybridCache : public KvCache {
   void check_crop(std::int64_t length) const override;
   void crop(std::int64_t length) override;
   void free_rows(const std::vector<int>& rows) override;
+  // SPEC 11: the full layers prune; the window layers keep what their policy keeps.
+  void prune(std::int64_t sinks, std::int64_t recent, bool rerotate) override;
   const SlotStore& slots() const override { return layers_[0]->slots(); }
   const SlotStore& layer_slots(int layer) const override { return layers_[static_cast<std::size_t>(layer)]->slots(); }
   std::int64_t row_length(int row) const override { return layers_[0]->row_length(row); }
 
  private:
   std::vector<std::unique_ptr<KvCache>> layers_;
+  std::vector<bool> full_;         // per layer: its policy is full attention
   Chunk layer_chunk_;              // one layer's view of a chunk, reused
   std::vector<float*> layer_out_;  // one layer's output
 };

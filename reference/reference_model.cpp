@@ -114,7 +114,7 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   slots.resize(n);
   for (std::size_t j = 0; j < n; ++j) {
     const VisibleKey& key = view.keys[j];
-    const std::uint64_t uid = row[key.index];
+    const std::uint64_t uid = row[key.index] & kUidBits;  // a window layer sees tokens a prune took from full ones
     auto [it, added] = memo.slot_of_uid.try_emplace(uid, memo.position.size());
     const std::size_t slot = it->second;
     if (added) {
@@ -192,11 +192,11 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
     const PrunedRun pruned = PrunedRun::of(row);
     for (std::int64_t t = start; t < static_cast<std::int64_t>(row.size()); ++t) {
       AppendedToken token{row[t], t, chunk_view(policy_, start, t), {}};
-      pruned.apply(token.view, t);
+      if (policy_.kind == PolicyKind::full) pruned.apply(token.view, t);
       if (hybrid_)
         for (const Policy& p : layer_policies_) {
           token.layer_views.push_back(chunk_view(p, start, t));
-          pruned.apply(token.layer_views.back(), t);
+          if (p.kind == PolicyKind::full) pruned.apply(token.layer_views.back(), t);  // SPEC 11: full layers only
         }
       for (int l = 0; l < L; ++l) {
         const QueryView& view = token.view_in(l);
@@ -403,16 +403,17 @@ void PrunedRun::apply(QueryView& view, std::int64_t t) const {
 
 RowRetained retained_of(const Policy& policy, std::span<const std::uint64_t> history) {
   const auto length = static_cast<std::int64_t>(history.size());
-  const PrunedRun pruned = PrunedRun::of(history);
+  // SPEC 11: a prune takes tokens from the full layers; a window layer keeps what its policy keeps.
+  const PrunedRun pruned = policy.kind == PolicyKind::full ? PrunedRun::of(history) : PrunedRun{};
   QueryView view = retained_view(policy, length);
   pruned.apply(view, length - 1);
   RowRetained out;
   out.query_position = view.query_position;
-  for (const VisibleKey& key : view.keys) out.keys.push_back({history[key.index], key.index, key.position});
+  for (const VisibleKey& key : view.keys) out.keys.push_back({history[key.index] & kUidBits, key.index, key.position});
   QueryView next = live_view(policy, length);
   pruned.apply(next, length);
   out.next_query_position = next.query_position;
-  for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index], key.index, key.position});
+  for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index] & kUidBits, key.index, key.position});
   return out;
 }
 

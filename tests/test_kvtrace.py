@@ -254,22 +254,26 @@ class KvtraceTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.work, True)
 
     def test_prune_fixtures_match_an_independent_numpy_reference(self):
-        # SPEC 11 written again from its text alone: a row keeps [0, S) and [n - R, n) of its
-        # n tokens at the prune; re-rotated, kept token j sits at its rank and a later token t
-        # at k + (t - n); otherwise every token at its index. Each output is softmax attention
-        # over what the row keeps, in float64, against the export's reference outputs.
-        for name in ("prune_streaming_llm_original_positions", "prune_key_rerotation"):
+        # SPEC 11 written again from its text alone: a row's full layers keep [0, S) and
+        # [n - R, n) of its n tokens at the prune; re-rotated, kept token j sits at its rank
+        # and a later token t at k + (t - n); otherwise every token at its index. A sliding
+        # layer keeps its window of the whole row at the indices. Each output is softmax
+        # attention over what the layer keeps, in float64, against the export's outputs.
+        queries = {"prune_streaming_llm_original_positions": 2 * 2 * 4 * 22, "prune_key_rerotation": 2 * 2 * 4 * 22,
+                   "prune_gemma3_full_layer_beside_sliding": 1 * 2 * 4 * 22}
+        for name, expected_count in queries.items():
             with tempfile.TemporaryDirectory() as work:
                 exp = export(work, name)
                 d = exp.dims
                 group = d["heads"] // d["kv_heads"]
-                rows = [[] for _ in range(d["batch"])]  # per row: (uid, index, position) kept
+                rows = [[] for _ in range(d["batch"])]  # per row: (uid, index, position) a full layer keeps
+                whole = [[] for _ in range(d["batch"])]  # per row: (uid, index) of every token
                 pruned = 0  # the prune's n - k when it re-rotates (the positions later tokens lose)
                 checked = 0
                 for i, step in enumerate(exp.steps):
                     if step["op"] == "prune":
                         for b, row in enumerate(rows):
-                            n = len(row)
+                            n = len(whole[b])
                             keep = [e for e in row if e[1] < step["sinks"] or e[1] >= n - step["recent"]]
                             if step["rerotate"]:
                                 keep = [(u, j, r) for r, (u, j, _) in enumerate(keep)]
@@ -277,15 +281,21 @@ class KvtraceTest(unittest.TestCase):
                             rows[b] = keep
                     elif step["op"] == "crop":
                         rows = [[e for e in row if e[1] < step["length"]] for row in rows]
+                        whole = [[e for e in row if e[1] < step["length"]] for row in whole]
                     elif step["op"] in ("append", "decode"):
                         out = exp.reference_output(i)  # [L, B, n, H, D]
                         for b, r in enumerate(step["rows"]):
                             for place, (uid, t) in enumerate(zip(r["uids"], r["indices"])):
                                 rows[b].append((uid, t, t - pruned))
-                                uids = [e[0] for e in rows[b]]
-                                where = np.array([e[2] for e in rows[b]], dtype=np.float64)
+                                whole[b].append((uid, t))
                                 for l in range(d["layers"]):
-                                    rope = exp.layer_rope(l)
+                                    policy, rope = exp.layer_policy(l), exp.layer_rope(l)
+                                    if policy["type"] == "full":
+                                        seen = rows[b]
+                                    else:
+                                        seen = [(u, j, j) for u, j in whole[b] if t - j < policy["window"]]
+                                    uids = [e[0] for e in seen]
+                                    where = np.array([e[2] for e in seen], dtype=np.float64)
                                     for h in range(d["heads"]):
                                         q = kvtrace.rotate(exp.q[l][uid, h][None], where[-1:], rope)[0]
                                         keys = kvtrace.rotate(exp.k[l][uids, h // group], where, rope)
@@ -295,8 +305,8 @@ class KvtraceTest(unittest.TestCase):
                                         got = out[l, b, out.shape[2] - len(r["uids"]) + place, h]
                                         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
                                         checked += 1
-                # Both fixtures: 2 rows x 2 layers x 4 heads x (14 + 3 + 3 + 2 queries).
-                self.assertEqual(checked, 2 * 2 * 4 * 22, name)
+                # rows x layers x heads x (14 + 3 + 3 + 2 queries)
+                self.assertEqual(checked, expected_count, name)
 
     def test_correct_sliding_cache_passes_verify(self):
         exp = export(self.work, "sliding_baseline")

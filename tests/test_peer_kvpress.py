@@ -115,6 +115,38 @@ class KvpressTest(unittest.TestCase):
         fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
         self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
 
+    def test_gemma3_with_the_pipelines_cache_raises_at_the_first_token_after_the_prune(self):
+        # DynamicCache() as kvpress's pipeline makes it: the full layer holds 8 slots, the mask
+        # is sized from the sliding layer 0's 15.
+        result, verify = self.drive("prune_gemma3_full_layer_beside_sliding")
+        self.assertEqual(result.error_step, 2, result)
+        self.assertIn("RuntimeError: The size of tensor a (8) must match the size of tensor b (15)", result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 2 (decode, /steps/2)", verify.stdout)
+        self.assertIn("class: the cache raised", verify.stdout)
+
+    def test_gemma3_with_the_models_cache_lets_a_chunk_see_its_later_tokens(self):
+        # DynamicCache(config): the full layer's causal mask compares its slots 7.. with query
+        # positions 17.. counted from the sliding layer: the chunk's first tokens see the rest.
+        result, verify = self.drive("prune_gemma3_full_layer_beside_sliding", cache="model")
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 5 (append, /steps/3), row 0, layer 1", verify.stdout)
+        self.assertIn("class: chunk sees future keys", verify.stdout)
+
+    def test_the_gemma3_finding_reproduces_and_the_suggested_fixes_fix_it(self):
+        script = os.path.join(FINDINGS, "gemma3-chunk-after-compression-sees-later-tokens.py")
+        shipped = subprocess.run([sys.executable, script], capture_output=True, text=True)
+        self.assertEqual(shipped.returncode, 1, shipped.stdout + shipped.stderr)
+        self.assertIn("the pipeline's DynamicCache(): the chunk after the compression raises RuntimeError",
+                      shipped.stdout)
+        self.assertIn("DynamicCache(config=model.config): max |chunk - one at a time| per token: 0.0597, 0.0295",
+                      shipped.stdout)
+        self.assertIn("KeyRerotationPress: the prompt raises AttributeError: 'Gemma3RotaryEmbedding' object has no "
+                      "attribute 'inv_freq'", shipped.stdout)
+        fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
+        self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
+
     def test_what_kvpress_cannot_do_is_refused_by_name(self):
         scenario = {"name": "prune_late", "dimensions": {"layers": 1, "batch": 1, "heads": 2, "head_dim": 8},
                     "policy": {"type": "full"}, "seed": 5,

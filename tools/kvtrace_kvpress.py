@@ -29,35 +29,35 @@ The schedule, as `KVPressTextGenerationPipeline._forward` (kvpress 0.5.5) runs i
 - a crop is `cache.crop`, in slots: the scenario's length minus the pruned tokens below it
   (the pipeline trims an answer off the same way).
 
+A stack of sliding and full layers runs on a tiny `Gemma3ForConditionalGeneration` instead
+(q_norm and k_norm set to identity, query_pre_attn_scalar = head_dim, a rope per layer type):
+the class whose sliding layers kvpress leaves alone, as SPEC 11 prunes full layers only.
+
 What kvpress cannot do is refused by name (UsageError): a prune anywhere but right after a
 generation's first append (kvpress compresses only a forward that starts on an empty cache),
 rows of different lengths (it prunes slots, so padding would count as sinks), reorders,
-sliding or sink policies, per-layer ropes, and rope layouts or scalings a Llama config does
-not express."""
+sink or chunked policies, per-layer ropes among full layers, a re-rotating prune beside
+window layers, and rope layouts or scalings the configs do not express."""
 
 import numpy as np
 
 from kvtrace_base import DriveResult, Export, TraceWriter, UsageError
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (DynamicCache, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, SiglipVisionConfig)
 
 import kvpress
 
 
-def _llama_config(exp):
-    """The tiny LlamaConfig whose attention is the scenario's: its heads, head size and rope."""
-    d = exp.dims
-    heads, kv_heads, head_dim, layers = d["heads"], d.get("kv_heads", d["heads"]), d["head_dim"], d["layers"]
-    rope = exp.layer_rope(0)
-    if any(exp.layer_rope(l) != rope for l in range(layers)):
-        raise UsageError("one rope per layer (SPEC 10.1): a Llama model has one rotary embedding")
+def _rope_parameters(rope, head_dim):
+    """The rope_parameters a transformers config takes for the scenario's rope of one layer."""
     if rope is None:
-        raise UsageError("a NoPE scenario: a Llama model rotates every layer")
+        raise UsageError("a NoPE layer: the Llama and Gemma 3 models rotate every layer")
     if rope["layout"] != "half":
-        raise UsageError("the %s RoPE layout: transformers' Llama rotates halves (rotate_half)" % rope["layout"])
+        raise UsageError("the %s RoPE layout: transformers rotates halves (rotate_half)" % rope["layout"])
     if int(rope.get("rotary_dim") or head_dim) != head_dim:
-        raise UsageError("partial rotary: a Llama model rotates the whole head")
+        raise UsageError("partial rotary: Llama and Gemma 3 rotate the whole head")
     parameters = {"rope_type": "default", "rope_theta": float(rope["theta"])}
     scaling = rope.get("scaling", "none")
     if scaling == "linear":
@@ -67,13 +67,51 @@ def _llama_config(exp):
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")})
     elif scaling != "none":
         raise UsageError("rope scaling %r: not driven through kvpress" % scaling)
+    return parameters
+
+
+def _model_config(exp):
+    """The tiny config whose attention is the scenario's: a LlamaConfig when every layer is
+    full, else a Gemma3Config (sliding and full layers, a rope per layer type; the multimodal
+    class, the one kvpress leaves the sliding layers of)."""
+    d = exp.dims
+    heads, kv_heads, head_dim, layers = d["heads"], d.get("kv_heads", d["heads"]), d["head_dim"], d["layers"]
     if abs(exp.scale - head_dim ** -0.5) > 1e-12:
-        raise UsageError("a softmax scale other than 1/sqrt(head_dim): Llama's attention scales by that")
+        raise UsageError("a softmax scale other than 1/sqrt(head_dim): the model's attention scales by that")
     hidden = (heads + 2 * kv_heads) * head_dim
-    return LlamaConfig(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                       max_position_embeddings=4096, rope_parameters=parameters, attention_bias=False,
-                       attn_implementation="eager", dtype=torch.float32)
+    policies = [exp.layer_policy(l) for l in range(layers)]
+    if all(p["type"] == "full" for p in policies):
+        rope = exp.layer_rope(0)
+        if any(exp.layer_rope(l) != rope for l in range(layers)):
+            raise UsageError("one rope per layer (SPEC 10.1) in a stack of full layers: a Llama model has one "
+                             "rotary embedding")
+        return LlamaConfig(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                           max_position_embeddings=4096, rope_parameters=_rope_parameters(rope, head_dim),
+                           attention_bias=False, attn_implementation="eager", dtype=torch.float32)
+    kinds = {"sliding": "sliding_attention", "full": "full_attention"}
+    if any(p["type"] not in kinds or "shift_with" in p for p in policies):
+        raise UsageError("layer policies %s: kvpress is driven on full layers, or Gemma 3's sliding and full ones"
+                         % sorted({p["type"] for p in policies}))
+    windows = {p["window"] for p in policies if p["type"] == "sliding"}
+    if len(windows) != 1:
+        raise UsageError("sliding layers of different windows: Gemma 3 has one sliding_window")
+    ropes = {}
+    for l, p in enumerate(policies):
+        parameters = _rope_parameters(exp.layer_rope(l), head_dim)
+        if ropes.setdefault(kinds[p["type"]], parameters) != parameters:
+            raise UsageError("two %s layers with different ropes: Gemma 3 has one rope per layer type" % p["type"])
+    text = Gemma3TextConfig(vocab_size=64, hidden_size=hidden, intermediate_size=8, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                            query_pre_attn_scalar=head_dim, sliding_window=windows.pop(),
+                            layer_types=[kinds[p["type"]] for p in policies], rope_parameters=ropes,
+                            max_position_embeddings=4096)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=60, boi_token_index=58, eoi_token_index=59)
+    config._attn_implementation = config.text_config._attn_implementation = "eager"
+    return config
 
 
 class _Model:
@@ -82,15 +120,22 @@ class _Model:
 
     def __init__(self, exp):
         self.exp = exp
-        config = _llama_config(exp)
+        config = _model_config(exp)
         torch.manual_seed(0)
-        self.model = LlamaForCausalLM(config).eval()
+        if isinstance(config, LlamaConfig):
+            self.model = LlamaForCausalLM(config).eval()
+            self.layers, self.hidden = self.model.model.layers, config.hidden_size
+        else:
+            self.model = Gemma3ForConditionalGeneration(config).eval()
+            self.layers, self.hidden = self.model.model.language_model.layers, config.text_config.hidden_size
         d = exp.dims
         h, hkv, dim = d["heads"], d.get("kv_heads", d["heads"]), d["head_dim"]
-        eye = torch.eye(config.hidden_size)
+        eye = torch.eye(self.hidden)
         self.inputs, self.outputs, self.before_press = {}, {}, {}
-        for l, layer in enumerate(self.model.model.layers):
+        for l, layer in enumerate(self.layers):
             attn = layer.self_attn
+            if hasattr(attn, "q_norm"):  # Gemma 3 normalizes q and k per head: the scenario's are final
+                attn.q_norm, attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
             with torch.no_grad():
                 attn.q_proj.weight.copy_(eye[: h * dim])
                 attn.k_proj.weight.copy_(eye[h * dim: (h + hkv) * dim])
@@ -127,7 +172,7 @@ class _Model:
             parts = [exp.q[l][uids], exp.k[l][uids], exp.v[l][uids]]  # [B, n, heads, D] each
             self.inputs[l] = torch.from_numpy(np.concatenate([p.reshape(b, n, -1) for p in parts], axis=-1)
                                               .astype(np.float32))
-        embeds = torch.zeros(b, n, self.model.config.hidden_size)
+        embeds = torch.zeros(b, n, self.hidden)
         with torch.no_grad():
             self.model.model(inputs_embeds=embeds, past_key_values=cache,
                              position_ids=torch.as_tensor(positions, dtype=torch.long), use_cache=True)
@@ -144,13 +189,29 @@ def _press(prune, n):
     return kvpress.KeyRerotationPress(press=press) if prune.get("rerotate") else press
 
 
+def _one_position_list(positions, step):
+    """A row's query positions, which a model gives every layer in one position_ids: the
+    export's list, or its per-layer lists (SPEC 7) when they agree."""
+    if positions and isinstance(positions[0], list):
+        if any(p != positions[0] for p in positions):
+            raise UsageError("step %d places its tokens at other positions in different layers (a re-rotating prune "
+                             "beside window layers): a model passes one position_ids to every layer" % step)
+        return positions[0]
+    return positions
+
+
 def _state(cache, layers):
     return [{"keys": cache.layers[l].keys.double().numpy(), "values": cache.layers[l].values.double().numpy()}
             for l in range(layers)]
 
 
-def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=None, positions="pipeline"):
+def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=None, positions="pipeline",
+                  cache="pipeline"):
     """Drives kvpress over the export's schedule and writes a trace; returns a DriveResult.
+    cache: "pipeline" (DynamicCache(), as kvpress's pipeline makes it: every layer keeps every
+    token it is given, a sliding layer's window is the mask's, so the trace declares eviction
+    "never") or "model" (DynamicCache(config=model.config), as a model called without a cache
+    makes it: a Gemma 3 sliding layer keeps its window).
     press: press(prune_step, n) -> the press for a prune of an n-token prompt (default: the
     StreamingLLMPress, re-rotated or not, that the step asks for).
     positions: where later tokens sit: "pipeline" (the export's, as kvpress's pipeline places
@@ -164,10 +225,8 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
         raise TypeError("export must be a kvtrace.Export")
     exp = export
     layers = exp.dims["layers"]
-    for l in range(layers):
-        if exp.layer_policy(l).get("type") != "full":
-            raise UsageError("layer %d's policy is %r: kvpress's presses are driven on full-attention layers"
-                             % (l, exp.layer_policy(l).get("type")))
+    if cache not in ("pipeline", "model"):
+        raise UsageError("cache must be \"pipeline\" or \"model\", got %r" % (cache,))
     if "kv_quant" in exp.manifest or exp.manifest.get("kv_dtype", "float32") != "float32":
         raise UsageError("kvpress is driven in float32 storage")
     steps = exp.steps
@@ -185,15 +244,18 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
                                  "compresses only a forward that starts on an empty cache" % i)
     model = _Model(exp)
     result = DriveResult()
-    with TraceWriter(trace_path, exp.name, producer, "cache-relative", "float32") as writer:
-        kv, pruned = DynamicCache(), None  # pruned: (first, end) of the pruned indices
+    fresh = (lambda: DynamicCache()) if cache == "pipeline" else (lambda: DynamicCache(config=model.model.config))
+    windows = any(exp.layer_policy(l)["type"] != "full" for l in range(layers))
+    eviction = "never" if windows and cache == "pipeline" else None
+    with TraceWriter(trace_path, exp.name, producer, "cache-relative", "float32", eviction) as writer:
+        kv, pruned = fresh(), None  # pruned: (first, end) of the pruned indices
         prune_state = None
         for index, step in enumerate(steps):
             op = step["op"]
             if result.error is not None:
                 writer.skip_step()
             elif op == "reset":
-                kv, pruned = DynamicCache(), None
+                kv, pruned = fresh(), None
                 writer.skip_step()
             elif op == "prune":
                 writer.step(prune_state)
@@ -211,7 +273,8 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
                 writer.step(_state(kv, layers))
             else:
                 uids = np.array([r["uids"] for r in step["rows"]], dtype=np.int64)
-                where = np.array([r["query_positions"] for r in step["rows"]], dtype=np.int64)
+                where = np.array([_one_position_list(r["query_positions"], index) for r in step["rows"]],
+                                 dtype=np.int64)
                 if positions == "generate":
                     where = np.array([r["indices"] for r in step["rows"]], dtype=np.int64)
                 elif positions == "seq_length":

@@ -346,9 +346,13 @@ for value, message in PRUNE_CASES:
     doc = with_field("/policy", {"type": "full"})
     doc["steps"] = [{"op": "append", "tokens": 5}, value]
     case("scenario", "prune " + json.dumps(value)[-32:], 2, "s.json: " + message, scenario_file(doc))
-case("scenario", "prune of a sink layer", 2, "s.json: /steps/1/op: a prune \\(SPEC 11\\) keeps tokens of full-attention "
-     "layers, but layer 0's policy is \"sink\"",
+case("scenario", "prune of a sink layer", 2, "s.json: /steps/1/op: a prune \\(SPEC 11\\) takes tokens from full-attention "
+     "layers beside window layers, but layer 0's policy is \"sink\"",
      scenario_file(with_field("/steps", [{"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}])))
+case("scenario", "prune with window layers alone", 2, "s.json: /steps/1/op: a prune \\(SPEC 11\\) takes tokens from "
+     "full-attention layers, and no layer is one",
+     scenario_file(with_field("/policy", {"type": "sliding", "window": 3}) | {"steps": [
+         {"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}]}))
 case("scenario", "a second prune", 2, "s.json: /steps/3/op: row 0 was pruned at /steps/1 already",
      scenario_file(with_field("/policy", {"type": "full"}) | {"steps": [
          {"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}, {"op": "decode", "steps": 1},

@@ -80,13 +80,14 @@ const std::vector<CacheEntry>& real_caches() {
     // cache that takes the hit holds what the reference expects.
     // Only the hybrid cache gives each layer its own rope (SPEC 10.1): the others keep one
     // cos/sin table.
-    // Only the dense caches prune (SPEC 11); re-rotating a half-precision key rounds it again,
-    // so a re-rotating prune is float32's (as sink_shift).
+    // Only the dense caches prune (SPEC 11), alone or as the hybrid's full layers;
+    // re-rotating a half-precision key rounds it again, so a re-rotating prune is float32's
+    // (as sink_shift).
     for (CacheEntry& e : list)
       e.serves = [inner = e.serves, paged = e.name == "paged", hybrid = e.name == "hybrid",
-                  dense = e.name == "dynamic" || e.name == "static"](const Scenario& s) {
+                  prunes = e.name == "dynamic" || e.name == "static" || e.name == "hybrid"](const Scenario& s) {
         const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
-        const bool prune_served = !s.prunes() || (dense && (!s.prunes(true) || s.kv_dtype == KvDtype::float32));
+        const bool prune_served = !s.prunes() || (prunes && (!s.prunes(true) || s.kv_dtype == KvDtype::float32));
         return !(s.quantized() && s.quant_rules().query) && (paged || !shared_scales) &&
                (hybrid || s.shared_rope()) && prune_served && inner(s);
       };

@@ -1,8 +1,10 @@
 """kvpress's presses (StreamingLLMPress, and KeyRerotationPress around it) on a tiny
 transformers Llama, driven through tools/kvtrace_kvpress.py as kvpress's pipeline runs them,
-over every built-in fixture with a prune (SPEC 11), each judged by `kvcheck verify`. A third
+over every built-in fixture with a prune (SPEC 11), each judged by `kvcheck verify`. A second
 row per re-rotating fixture places later tokens as `model.generate()` inside the press does
-(kvpress's README offers it), which is what a user who generates that way gets. Prints one
+(kvpress's README offers it), which is what a user who generates that way gets; a fixture
+with sliding layers runs on a tiny Gemma 3 with the pipeline's cache and with the one the
+model makes from its config. Prints one
 markdown row each for `tools/kvcheck peers`. Run in the venv build/venvs/kvpress.
 
 usage: python tools/peers/kvpress_presses.py [FIXTURE...]   (default: every fixture with a prune)"""
@@ -33,6 +35,10 @@ def main(names):
         runs = [(press + ", pipeline's positions", {})]
         if rerotates:
             runs.append((press + ", `generate()`'s positions", {"positions": "generate"}))
+        policies = scenario["policy"] if isinstance(scenario["policy"], list) else [scenario["policy"]]
+        if any(p["type"] != "full" for p in policies):  # Gemma 3: the pipeline's cache, then the model's
+            runs = [(press + ", the pipeline's `DynamicCache()`", {}),
+                    (press + ", `DynamicCache(config=model.config)`", {"cache": "model"})]
         for what, options in runs:
             work = tempfile.mkdtemp(prefix="kvcheck-peers-")
             try:

@@ -40,6 +40,7 @@ std::string bounds_violation(const Scenario& s, const StepRecord& rec, std::size
         return fmt::format("{}: {}row {} token {} (uid {}): {}", step_label(rec.step, i),
                            s.hybrid() ? fmt::format("layer {} ", l) : "", b, token.index, token.uid, what);
       };
+      const auto moved = [&](std::int64_t i) { return p.kind == PolicyKind::full ? pruned.shift(i) : 0; };
       const auto& keys = token.view_in(l).keys;
       const std::int64_t pq = token.view_in(l).query_position;
       if (keys.empty() || keys.back().index != token.index) return fail("does not see itself");
@@ -50,7 +51,7 @@ std::string bounds_violation(const Scenario& s, const StepRecord& rec, std::size
       for (const auto& key : keys) {
         const bool sink = p.kind == PolicyKind::sink && key.index < p.sinks;
         if (key.index < 0 || key.index > token.index || key.position < 0 || key.position > pq ||
-            (!sink && pq - key.position != token.index - key.index - pruned.shift(token.index) + pruned.shift(key.index)))
+            (!sink && pq - key.position != token.index - key.index - moved(token.index) + moved(key.index)))
           return fail(fmt::format("key {} at position {} with query position {}", key.index, key.position, pq));
       }
     }

@@ -32,10 +32,12 @@ std::int64_t largest_position(const Scenario& s) { return 2 * longest_row(s) + 1
 // reorder or crop keeps a row's order), so the search is binary.
 std::int64_t index_of(const RowHistory& history, std::int64_t uid) {
   if (uid < 0) return -1;
-  // Sorted by uid; a pruned entry (SPEC 11) compares as its uid and is never found.
+  // Sorted by uid; an entry a prune marked (SPEC 11) is still its token, which a window
+  // layer keeps.
   const auto it = std::lower_bound(history.begin(), history.end(), static_cast<std::uint64_t>(uid),
                                    [](std::uint64_t entry, std::uint64_t u) { return (entry & reference::kUidBits) < u; });
-  return it == history.end() || *it != static_cast<std::uint64_t>(uid) ? -1 : it - history.begin();
+  return it == history.end() || (*it & reference::kUidBits) != static_cast<std::uint64_t>(uid) ? -1
+                                                                                              : it - history.begin();
 }
 
 // Outputs from half-precision keys and values. A stored element is off by at most u of
@@ -938,7 +940,10 @@ class StepChecker::Impl {
         if (!(std::abs(out[at + d] - other[d]) <= tol.atol + tol.rtol * std::abs(other[d]))) return false;
       return true;
     };
-    const std::span<const std::uint64_t> history(rec.histories[b].begin(), rec.histories[b].size());
+    // The row's uids (a prune's marks dropped: the hypotheses read inputs by uid).
+    std::vector<std::uint64_t> uids(rec.histories[b].size());
+    for (std::size_t t = 0; t < uids.size(); ++t) uids[t] = rec.histories[b][t];
+    const std::span<const std::uint64_t> history(uids);
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
           fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));

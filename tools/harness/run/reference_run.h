@@ -24,7 +24,9 @@ class RowHistory {
       : uids_(std::move(uids)), size_(size) {}
   std::size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
-  std::uint64_t operator[](std::size_t i) const { return (*uids_)[i]; }
+  // The uid of token i (a token a prune took from the full layers keeps its uid; SPEC 11).
+  std::uint64_t operator[](std::size_t i) const { return (*uids_)[i] & reference::kUidBits; }
+  // begin()/end() give the entries as the reference holds them, prune marks included.
   const std::uint64_t* begin() const { return uids_ ? uids_->data() : nullptr; }
   const std::uint64_t* end() const { return begin() + size_; }
   // The first n tokens (the history at an earlier point of the same step).

@@ -444,9 +444,9 @@ void parse_append_paging(const Reader& r, const json& s, const std::string& p, c
   if (s.contains("chunk")) step.chunk = r.integer(s["chunk"], p + "/chunk", 1);
 }
 
-// SPEC 11: a one-time prune of every row to its sinks and recent tokens (kvpress's
-// StreamingLLMPress, re-rotated or not). Defined for full-attention layers only: a window
-// or sink layer already decides what it keeps.
+// SPEC 11: a one-time prune of every row's full-attention layers to its sinks and recent
+// tokens (kvpress's StreamingLLMPress, re-rotated or not). A window layer (sliding,
+// chunked) keeps what its policy keeps; beside a sink layer's shifts it is not defined.
 void parse_prune(const Reader& r, const json& s, const std::string& p, const Scenario& scenario,
                  const std::vector<int>& pruned, Step& step) {
   r.object(s, p, {"op", "sinks", "recent", "rerotate"});
@@ -459,11 +459,16 @@ void parse_prune(const Reader& r, const json& s, const std::string& p, const Sce
     if (!s["rerotate"].is_boolean()) r.fail(p + "/rerotate", "expected true or false, got " + describe(s["rerotate"]));
     step.rerotate = s["rerotate"].get<bool>();
   }
-  for (int l = 0; l < scenario.dims.layers; ++l)
-    if (scenario.policy(l).kind != PolicyKind::full)
-      r.fail(p + "/op", fmt::format("a prune (SPEC 11) keeps tokens of full-attention layers, but layer {}'s policy is "
-                                    "\"{}\"",
-                                    l, to_string(scenario.policy(l).kind)));
+  bool full = false;
+  for (int l = 0; l < scenario.dims.layers; ++l) {
+    const PolicyKind kind = scenario.policy(l).kind;
+    full = full || kind == PolicyKind::full;
+    if (kind == PolicyKind::sink || scenario.policy(l).swa > 0)
+      r.fail(p + "/op", fmt::format("a prune (SPEC 11) takes tokens from full-attention layers beside window layers, "
+                                    "but layer {}'s policy is \"sink\"",
+                                    l));
+  }
+  if (!full) r.fail(p + "/op", "a prune (SPEC 11) takes tokens from full-attention layers, and no layer is one");
   if (scenario.quantized()) not_yet(r, p + "/op", "a prune of a quantized store", "SPEC 11");
   if (scenario.paging) not_yet(r, p + "/op", "a prune of a paged cache", "SPEC 11");
   for (std::size_t b = 0; b < pruned.size(); ++b)

@@ -412,8 +412,8 @@ class TraceSource {
       if (m < best_misfit) best_misfit = m, best = static_cast<std::int64_t>(uid);
       return !quantized && best >= 0;
     };
-    for (std::uint64_t uid : history)
-      if (consider(uid)) return best;
+    for (std::size_t i = 0; i < history.size(); ++i)  // operator[]: a pruned token is still its uid
+      if (consider(history[i])) return best;
     if (best >= 0) return best;
     for (std::int64_t uid = 0; uid < inputs_.uids; ++uid)
       if (consider(static_cast<std::uint64_t>(uid))) return best;
