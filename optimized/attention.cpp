@@ -435,9 +435,10 @@ void AttentionKernel::attend(const KernelShape& shape, const RopeTable& rope, co
       const bool tempered = shape.temperature_floor > 0 && shape.temperature_layers[layer];
       for (std::size_t j = 0; j < block.count; ++j) {
         const PlannedQuery& pq = queries[block.first + j];
-        // Written from SPEC 10.3 apart from reference/: floor of (t + 1) / F by integer division.
+        // Written from SPEC 10.3 apart from reference/: floor of (Pq + 1) / F by integer division
+        // (Pq is the token's index unless a prune re-rotated the row, SPEC 11).
         const float temperature =
-            tempered ? static_cast<float>(std::log1p(static_cast<double>((pq.plan.index + 1) / shape.temperature_floor)) *
+            tempered ? static_cast<float>(std::log1p(static_cast<double>((pq.plan.query_position + 1) / shape.temperature_floor)) *
                                               shape.temperature_scale +
                                           1.0)
                      : 1.0f;

@@ -38,7 +38,7 @@ void DenseCache::append(const Chunk& chunk, const std::vector<float*>& out, Atte
     if (lengths_[b] == 0 && chunk.counts[b] > 0) frozen_.freeze(b, chunk, rope_);
     for (std::int64_t i = 0; i < chunk.counts[b]; ++i) {
       const std::int64_t slot = lengths_[b] + i, t = slot + pruned_[b].count;
-      const std::int64_t position = pruned_[b].rerotated ? slot : t;
+      const std::int64_t position = position_of(b, slot, t);
       store_token(store_, rope_, chunk, b, pad + i, slot, {chunk.uids[b * chunk.length + pad + i], t, position},
                   &frozen_);
       plans_.push_back({pad + i, QueryPlan{t, 0, 0, position, position}});

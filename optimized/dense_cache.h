@@ -23,6 +23,13 @@ class DenseCache : public KvCache {
   const SlotStore& slots() const override { return store_; }
   std::int64_t row_length(int row) const override { return lengths_[row] + pruned_[row].count; }  // pruned included
 
+ protected:
+  // Where a token appended at `slot` with index `t` sits (SPEC 11: after a re-rotating
+  // prune, at its slot); the zoo plants a prune's position bug here.
+  virtual std::int64_t position_of(int row, std::int64_t slot, std::int64_t t) const {
+    return pruned_[static_cast<std::size_t>(row)].rerotated ? slot : t;
+  }
+
  private:
   CacheConfig config_;
   Growth growth_;

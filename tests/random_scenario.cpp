@@ -191,6 +191,24 @@ std::string random_scenario_json(std::uint64_t seed) {
       steps.push_back(step);
     }
   }
+  // SPEC 11: at most one prune, after an append, where the layers allow one (a full layer,
+  // no sink layer). Drawn from a stream of its own, so the other draws stay as they were.
+  Bits pruning(seed ^ 0x9e3779b97f4a7c15ull);
+  const bool prunable =
+      std::any_of(policies.begin(), policies.end(), [](const Policy& p) { return p.kind == PolicyKind::full; }) &&
+      std::none_of(policies.begin(), policies.end(),
+                   [](const Policy& p) { return p.kind == PolicyKind::sink || p.swa > 0; });
+  if (prunable && pruning.chance(50)) {
+    std::vector<std::size_t> appends;
+    for (std::size_t k = 0; k < steps.size(); ++k)
+      if (steps[k]["op"] == "append" || steps[k]["op"] == "decode") appends.push_back(k);
+    const auto at = appends[static_cast<std::size_t>(pruning.between(0, static_cast<std::int64_t>(appends.size()) - 1))];
+    json prune = {{"op", "prune"}, {"sinks", pruning.between(0, 3)}, {"recent", pruning.between(0, 6)}};
+    if (prune["sinks"] == 0 && prune["recent"] == 0) prune["recent"] = 1;
+    // Re-rotated half-precision keys round again: no cache serves that (catalog), so float32.
+    if (!j.contains("kv_dtype") && pruning.chance(50)) prune["rerotate"] = true;
+    steps.insert(steps.begin() + static_cast<std::ptrdiff_t>(at) + 1, prune);
+  }
   // Every scenario ends by decoding, so what a step left behind is read.
   steps.push_back({{"op", "decode"}, {"steps", bits.between(1, 3)}});
   j["steps"] = steps;
@@ -261,6 +279,14 @@ std::string random_sweep_candidate_json(std::uint64_t seed, int attempt) {
   } else if (storage <= 7) {  // paged, over the policy drawn
     j["paging"] = {{"block_size", bits.pick<std::int64_t>({1, 2, 4, 8, 16})}, {"num_blocks", 1024}};
     if (bits.chance(30)) j["paging"]["prefix_cache"] = true;
+  }
+  // A prune is not defined with quantized or paged storage yet (SPEC 11): such a candidate
+  // keeps its storage and loses the prune.
+  if (j.contains("kv_quant") || j.contains("paging")) {
+    json steps = json::array();
+    for (const json& step : j["steps"])
+      if (step["op"] != "prune") steps.push_back(step);
+    j["steps"] = steps;
   }
   return j.dump();
 }

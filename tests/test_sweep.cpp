@@ -66,7 +66,7 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   std::cout << "sweep base seed " << base << " (replay: KVCHECK_SWEEP_SEED=" << base << ")\n";
   int quantized = 0, paged = 0, failures = 0, shifted_quantized = 0;
   int chunked = 0, per_layer_rope = 0, nope = 0, temperature = 0, sliding_under_shift = 0, hybrid_runs = 0,
-      scheme_runs = 0;
+      scheme_runs = 0, pruned = 0, prune_runs = 0;
   for (int i = 0; i < kScenarios; ++i) {
     const std::uint64_t seed = base + static_cast<std::uint64_t>(i);
     const auto [text, s] = valid_scenario(seed);
@@ -74,9 +74,11 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
     paged += s.paging.has_value();
     // SPEC 10's schemes, drawn on two layers (tests/random_scenario.cpp).
     chunked += std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.kind == PolicyKind::chunked; });
-    per_layer_rope += s.shared_rope() == nullptr;
+    // A re-rotating prune in half precision is no cache's (SPEC 11): not counted as the hybrid's.
+    per_layer_rope += s.shared_rope() == nullptr && !(s.prunes(true) && s.kv_dtype != KvDtype::float32);
     nope += std::any_of(s.ropes.begin(), s.ropes.end(), [](const Rope& r) { return r.nope; });
     temperature += s.attention.query_temperature.has_value();
+    pruned += s.prunes();  // SPEC 11
     sliding_under_shift += std::any_of(s.policies.begin(), s.policies.end(), [](const Policy& p) { return p.swa > 0; });
     const bool has_scheme =
         s.shared_rope() == nullptr || s.attention.query_temperature.has_value() ||
@@ -91,6 +93,7 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
       // Runs, not draws: a scheme no cache served would be counted for nothing.
       hybrid_runs += cache.name == "hybrid" && (s.shared_rope() == nullptr || s.hybrid());
       scheme_runs += has_scheme;
+      prune_runs += s.prunes();
       const Outcome o = check_cache(s, inputs, run, cache);
       if (o.passed()) continue;
       ++failures;
@@ -110,7 +113,8 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
             << " runs of sink_shift on quantized keys; " << chunked << " chunked, " << per_layer_rope
             << " with a rope per layer, " << nope << " with a NoPE layer, " << temperature << " with a query temperature, "
             << sliding_under_shift << " with a sliding layer under a shift; " << scheme_runs
-            << " cache runs of those; " << hybrid_runs << " runs of the hybrid cache on layers that differ\n";
+            << " cache runs of those; " << hybrid_runs << " runs of the hybrid cache on layers that differ; " << pruned
+            << " with a prune, " << prune_runs << " cache runs of them\n";
   // The sweep must mostly exercise what the fixed suites do not: storage and paging.
   EXPECT_GE(quantized, kScenarios / 4);
   EXPECT_GE(paged, kScenarios / 10);
@@ -122,6 +126,8 @@ TEST(Sweep, FiveHundredRandomValidScenariosPassEveryServingCache) {
   EXPECT_GE(nope, 1);
   EXPECT_GE(temperature, 1);
   EXPECT_GE(sliding_under_shift, 1);
+  EXPECT_GE(pruned, kScenarios / 50);
+  EXPECT_GE(prune_runs, pruned);  // a cache served each
   // Keys re-quantized at every shift of a chunk (the class that once needed every store shown).
   EXPECT_GE(shifted_quantized, kScenarios / 20);
 }

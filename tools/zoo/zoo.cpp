@@ -194,6 +194,57 @@ ZooMutant chunk_as_sliding_window() {
           BugClass::chunk_as_sliding_window, {"llama4_chunked_decode_and_chunks"}};
 }
 
+// SPEC 11's prune done the way users of kvpress go wrong, in kvcheck's dense cache.
+bool prunes_with_rerotation(const Scenario& s) {
+  return s.prunes(true) && s.every_layer(PolicyKind::full) && s.kv_dtype == KvDtype::float32;
+}
+
+class PruneWithoutRerotation : public optimized::DenseCache {
+ public:
+  PruneWithoutRerotation(const optimized::CacheConfig& c) : DenseCache(c, Growth::dynamic) {}
+  void prune(std::int64_t sinks, std::int64_t recent, bool rerotate) override {
+    (void)rerotate;
+    DenseCache::prune(sinks, recent, false);
+  }
+};
+
+class PruneThenOriginalIndex : public optimized::DenseCache {
+ public:
+  PruneThenOriginalIndex(const optimized::CacheConfig& c) : DenseCache(c, Growth::dynamic) {}
+
+ protected:
+  std::int64_t position_of(int row, std::int64_t slot, std::int64_t t) const override {
+    (void)row, (void)slot;
+    return t;
+  }
+};
+
+ZooMutant prune_keys_not_rerotated() {
+  CacheEntry entry{"zoo/prune_keys_not_rerotated",
+                   "prunes to the sinks and the recent tokens but leaves the kept keys at their original positions "
+                   "where the prune re-rotates them",
+                   prunes_with_rerotation, [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     return std::make_unique<PruneWithoutRerotation>(config);
+                   }};
+  return {entry,
+          "kvpress's StreamingLLMPress alone, which keeps original positions, where StreamingLLM places keys in the "
+          "cache (kvpress issue 158; KeyRerotationPress does it)",
+          BugClass::kept_keys_not_shifted, {"prune_key_rerotation"}};
+}
+
+ZooMutant prune_new_tokens_at_original_index() {
+  CacheEntry entry{"zoo/prune_new_tokens_at_original_index",
+                   "re-rotates the kept keys to their ranks, then stores and queries later tokens at their original "
+                   "index, n - k positions too far",
+                   prunes_with_rerotation, [](const optimized::CacheConfig& config) -> std::unique_ptr<optimized::KvCache> {
+                     return std::make_unique<PruneThenOriginalIndex>(config);
+                   }};
+  return {entry,
+          "model.generate() inside kvpress's KeyRerotationPress, which continues at the prompt's length "
+          "(docs/findings/kvpress/generate-after-key-rerotation-misplaces-new-tokens.md)",
+          BugClass::new_key_not_shifted, {"prune_key_rerotation"}};
+}
+
 // A mutant whose bug needs half-precision storage: it is a correct cache in float32.
 ZooMutant half_only(ZooMutant m) {
   m.cache.serves = [inner = m.cache.serves](const Scenario& s) {
@@ -558,6 +609,8 @@ const std::vector<ZooMutant>& zoo_mutants() {
       nope_layers_rotated(),
       query_temperature_missing(),
       sliding_window_in_token_indices(),
+      prune_keys_not_rerotated(),
+      prune_new_tokens_at_original_index(),
   };
     // The other mutants keep one cos/sin table: they serve scenarios of one rope.
     for (ZooMutant& m : list)
