@@ -55,6 +55,21 @@ class OnnxRuntimeGqaTest(DriveTest):
         self.assertIn("class: wrong rope layout", verify.stdout)
         self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
 
+    def test_smooth_softmax_is_a_sink_of_logit_zero_in_every_head(self):
+        # The attribute in place of head_sink, on a scenario whose sink logits are all 0.
+        result, verify = self.drive("ort_smooth_softmax_sliding", DATA, smooth_softmax=True)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_smooth_softmax_on_a_model_without_sinks_is_named(self):
+        result, verify = self.drive("gqa_full_two_kv_heads", smooth_softmax=True)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("class: softmax with an extra 1", verify.stdout)
+        with self.assertRaisesRegex(kvtrace.UsageError, "sink_logits are not all 0"):
+            self.drive("gpt_oss_yarn_learned_sinks_sliding", smooth_softmax=True)
+
     def test_a_sliding_window_by_mask_over_a_growing_past_passes_when_declared(self):
         # W = 16 over a 40-token prompt, then decodes: the past keeps every token (eviction
         # "never", which the driver declares); declared lazy, the masked-out tokens are extra.

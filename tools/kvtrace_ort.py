@@ -117,7 +117,7 @@ class _Quantized:
         return np.stack([low, high], axis=-1).reshape(*stored.shape[:-1], -1).astype(np.int8)
 
 
-def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantized=None):
+def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantized=None, smooth=False):
     """One GroupQueryAttention node; rotary_dim 0: a NoPE layer (do_rotary=0, no cos/sin)."""
     heads, kv_heads, d = exp.dims["heads"], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"]
     f = TensorProto.FLOAT
@@ -150,6 +150,8 @@ def _session(exp, window, interleaved, rotary_dim, sinks, window_cache, quantize
         names += [""] * (at - len(names)) + [name]
     if window_cache and window > 0:
         attributes["sliding_window_cache"] = 1
+    if smooth:
+        attributes["smooth_softmax"] = 1
     node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
                             domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=float(exp.scale),
                             do_rotary=int(rotary_dim > 0), rotary_interleaved=int(interleaved),
@@ -175,7 +177,7 @@ def _rotary_caches(exp, rope, positions):
 
 
 def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtrace.drive_ort_gqa",
-                  eviction="auto", window_cache=None):
+                  eviction="auto", window_cache=None, smooth_softmax=False):
     """Drives one GroupQueryAttention node per layer through an export's steps and writes a
     trace; returns a DriveResult. local_window_size: "policy" (the scenario's window as this
     release means it; -1 for full layers), an int for every sliding layer, or a list per layer.
@@ -185,7 +187,11 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
     window_cache: None (the past grows), or a capacity C >= W: sliding layers run the op's
     windowed cache (sliding_window_cache=1), whose buffers hold C rows; what it holds is rows
     [0, L(T)) (resident()). A crop there is driven as the op says (a shorter seqlens_k over the
-    same buffer) when L(T - k) = L(T) - k, else skipped (the window would need rebuilding)."""
+    same buffer) when L(T - k) = L(T) - k, else skipped (the window would need rebuilding).
+    smooth_softmax: the op's attribute smooth_softmax=1 (a 1 added to every softmax's
+    denominator: SPEC 7's learned sink of logit 0 in every head), in place of head_sink, for a
+    scenario whose sink_logits are all 0; True on another scenario drives it as asked, which
+    kvcheck judges (a sink the model does not have)."""
     if not isinstance(export, Export):
         raise TypeError("export must be a kvtrace.Export")
     exp = export
@@ -230,6 +236,11 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
     logits = exp.manifest.get("attention", {}).get("sink_logits")
     if logits and not isinstance(logits[0], list):
         logits = [logits] * layers
+    if smooth_softmax and logits and any(any(x != 0 for x in layer) for layer in logits):
+        raise UsageError("smooth_softmax is a sink of logit 0 in every head; this scenario's sink_logits are not "
+                         "all 0: drive them through head_sink (smooth_softmax=False)")
+    if smooth_softmax:
+        logits = None  # the attribute stands for them
     exp.refuse_prune("drive_ort_gqa")
     for step in exp.steps:
         if step["op"] in ("free", "preempt", "resume", "evict"):
@@ -247,7 +258,8 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
             raise UsageError("window_cache %d is smaller than layer %d's local_window_size %d (the op refuses C < W)"
                              % (window_cache, l, windows[l]))
     sessions = [_session(exp, windows[l], ropes[l] is not None and ropes[l].get("layout") == "interleaved",
-                         rotary_dims[l], bool(logits), windowed[l], quantized) for l in range(layers)]
+                         rotary_dims[l], bool(logits), windowed[l], quantized, smooth_softmax)
+                for l in range(layers)]
     longest = 1 + sum(max((len(r["uids"]) for r in s.get("rows", [])), default=0) for s in exp.steps)
     caches = [None if rope is None else _rotary_caches(exp, rope, max(longest, 16)) for rope in ropes]
     buffer_type = np.float32 if quantized is None else quantized.dtype

@@ -194,6 +194,26 @@ ZooMutant chunk_as_sliding_window() {
           BugClass::chunk_as_sliding_window, {"llama4_chunked_decode_and_chunks"}};
 }
 
+// A softmax with an extra 1 in its denominator (a sink of logit 0) for a model without sinks.
+ZooMutant smooth_softmax_without_sinks() {
+  CacheEntry entry{"zoo/smooth_softmax_without_sinks",
+                   "adds 1 to every softmax's denominator (a sink of logit 0 in every head) for a model that has no "
+                   "sinks",
+                   [](const Scenario& s) {
+                     return s.attention.sink_logits.empty() && s.every_layer(PolicyKind::full) && !s.quantized() &&
+                            !s.prunes();
+                   },
+                   [](optimized::CacheConfig config) -> std::unique_ptr<optimized::KvCache> {
+                     config.sink_logits.assign(static_cast<std::size_t>(config.layers),
+                                               std::vector<float>(static_cast<std::size_t>(config.heads), 0.0f));
+                     return std::make_unique<optimized::DenseCache>(config, optimized::DenseCache::Growth::dynamic);
+                   }};
+  return {entry,
+          "ONNX Runtime's GroupQueryAttention exported with smooth_softmax=1 for a model without attention sinks "
+          "(the attribute is one flag on the op)",
+          BugClass::zero_sink_added, {"full_baseline"}};
+}
+
 // SPEC 11's prune done the way users of kvpress go wrong, in kvcheck's dense cache.
 bool prunes_with_rerotation(const Scenario& s) {
   return s.prunes(true) && s.every_layer(PolicyKind::full) && s.kv_dtype == KvDtype::float32;
@@ -611,6 +631,7 @@ const std::vector<ZooMutant>& zoo_mutants() {
       sliding_window_in_token_indices(),
       prune_keys_not_rerotated(),
       prune_new_tokens_at_original_index(),
+      smooth_softmax_without_sinks(),
   };
     // The other mutants keep one cos/sin table: they serve scenarios of one rope.
     for (ZooMutant& m : list)

@@ -110,6 +110,11 @@ constexpr BugClassRow kBugClasses[] = {
     {BugClass::learned_sinks_dropped, "learned sinks dropped",
      "Positions and visible tokens are right and the outputs equal the attention without the learned "
      "sink logits: the per-head sink (gpt-oss) was left out of the softmax, or confused with sink tokens."},
+    {BugClass::zero_sink_added, "softmax with an extra 1",
+     "Positions and visible tokens are right and the outputs equal the attention with a sink of logit 0 in "
+     "every head, which the model does not have: 1 was added to every softmax's denominator (ONNX Runtime's "
+     "GroupQueryAttention with smooth_softmax=1, or a learned-sink kernel given zeros for a model without "
+     "sinks)."},
     {BugClass::rerotation_drift, "re-rotation drift",
      "Stored keys sit at their claimed positions but further from an exact rotation than one rounding to "
      "the storage format explains: the cache re-rotates stored keys (in half precision) at every shift, "

@@ -359,6 +359,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (s.quantized() && !e.outputs.empty() && e.slots.empty() && e.pairs.empty())
     return BugClass::quant_dequantization_layout;
   if (e.outputs_fit_without_learned_sinks) return BugClass::learned_sinks_dropped;
+  if (e.outputs_fit_with_a_zero_sink) return BugClass::zero_sink_added;
   if (e.outputs_fit_without_query_temperature) return BugClass::query_temperature_missing;
   if (e.outputs_fit_with_later_chunk_keys) return BugClass::chunk_sees_future_keys;
   if (e.outputs_fit_plain_window) return BugClass::sinks_masked_out;

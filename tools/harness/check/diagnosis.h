@@ -42,6 +42,7 @@ enum class BugClass {
   wrong_rotary_dim,
   attention_factor_wrong,
   learned_sinks_dropped,
+  zero_sink_added,
   rerotation_drift,
   layer_policy_swapped,
   dropped_before_last_use,
@@ -224,6 +225,7 @@ struct StepEvidence {
   std::optional<std::pair<int, int>> layer_holds_policy_of;
   bool hypotheses_tested = false;                  // the first output mismatch was recomputed under named mistakes:
   bool outputs_fit_without_learned_sinks = false;  // without learned sinks: it matched, the cache dropped them
+  bool outputs_fit_with_a_zero_sink = false;       // a sink of logit 0 added where the model has none
   bool outputs_fit_with_later_chunk_keys = false;  // with the chunk's later tokens visible: the mask missed causality
   bool outputs_fit_plain_window = false;  // over a plain window of W, no sinks: the mask forgot the sinks
   bool outputs_fit_window_off_by_one = false;  // a sliding layer's, over W + 1 or W - 1 keys

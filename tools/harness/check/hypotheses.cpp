@@ -17,7 +17,7 @@ struct KeyAt {
 // The query temperature (SPEC 10.3) applies unless `temperature` is false.
 std::vector<double> attend_over(const Scenario& s, const InputTable& inputs, int layer, int head, std::uint64_t query,
                                 std::int64_t query_position, const std::vector<KeyAt>& keys_at, bool learned_sinks,
-                                bool temperature = true) {
+                                bool temperature = true, const double* sink_logit = nullptr) {
   const int D = s.dims.head_dim, group = head / (s.dims.heads / s.dims.kv_heads);
   const auto rotated = [&](const float* x, std::int64_t position) {
     return reference::rotate(std::vector<double>(x, x + D), static_cast<double>(position), s.rope(layer));
@@ -32,7 +32,7 @@ std::vector<double> attend_over(const Scenario& s, const InputTable& inputs, int
     const float* v = inputs.v_at(layer, key.uid, group);
     values.insert(values.end(), v, v + D);
   }
-  const double* sink = nullptr;
+  const double* sink = sink_logit;
   if (learned_sinks && !s.attention.sink_logits.empty())
     sink = &s.attention.sink_logits[static_cast<std::size_t>(layer)][static_cast<std::size_t>(head)];
   std::vector<double> scores(keys_at.size()), out(static_cast<std::size_t>(D));
@@ -55,6 +55,15 @@ std::vector<double> output_without_learned_sinks(const Scenario& s, const InputT
                                                  const reference::AppendedToken& token, int layer, int head) {
   const reference::QueryView& view = token.view_in(layer);
   return attend_over(s, inputs, layer, head, token.uid, view.query_position, visible_keys(history, view), false);
+}
+
+std::vector<double> output_with_a_zero_sink(const Scenario& s, const InputTable& inputs,
+                                            std::span<const std::uint64_t> history,
+                                            const reference::AppendedToken& token, int layer, int head) {
+  const reference::QueryView& view = token.view_in(layer);
+  static const double zero = 0.0;
+  return attend_over(s, inputs, layer, head, token.uid, view.query_position, visible_keys(history, view), false, true,
+                     &zero);
 }
 
 std::vector<double> output_without_query_temperature(const Scenario& s, const InputTable& inputs,

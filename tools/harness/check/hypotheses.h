@@ -17,6 +17,12 @@ std::vector<double> output_without_learned_sinks(const Scenario& scenario, const
                                                  std::span<const std::uint64_t> history,
                                                  const reference::AppendedToken& token, int layer, int head);
 
+// The same with a sink of logit 0 in the softmax where the scenario has none (a 1 added to
+// the denominator: ONNX Runtime's smooth_softmax).
+std::vector<double> output_with_a_zero_sink(const Scenario& scenario, const InputTable& inputs,
+                                            std::span<const std::uint64_t> history,
+                                            const reference::AppendedToken& token, int layer, int head);
+
 // The output of `token`'s query head without the query temperature of a NoPE layer (SPEC
 // 10.3: Llama 4's attn_temperature_tuning missing), from the same visible keys.
 std::vector<double> output_without_query_temperature(const Scenario& scenario, const InputTable& inputs,

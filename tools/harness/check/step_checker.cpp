@@ -947,6 +947,8 @@ class StepChecker::Impl {
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
           fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
+    else
+      evidence.outputs_fit_with_a_zero_sink = fits(output_with_a_zero_sink(s_, inputs_, history, ref.rows[b][i], l, h));
     if (s_.attention.query_temperature && s_.rope(l).nope)
       evidence.outputs_fit_without_query_temperature =
           fits(output_without_query_temperature(s_, inputs_, history, ref.rows[b][i], l, h));
