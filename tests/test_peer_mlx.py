@@ -163,6 +163,17 @@ class MlxCacheTest(unittest.TestCase):
         self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
         self.assertIn("tokens whose outputs differ: none", fixed.stdout)
 
+    def test_the_quantized_cache_width_reproduction_fails_and_the_suggested_size_fixes_it(self):
+        # docs/findings/mlx/: QuantizedKVCache's code buffer of head_dim // (32 // bits) words.
+        script = os.path.join(ROOT, "docs", "findings", "mlx", "quantized_cache_code_buffer_wrong_width.py")
+        found = subprocess.run([sys.executable, script], capture_output=True, text=True)
+        self.assertEqual(found.returncode, 1, found.stdout + found.stderr)
+        self.assertIn("5 of 18 (head_dim, bits) pairs fail: 128/5, 128/6, 256/3, 256/5, 256/6", found.stdout)
+        self.assertIn("Shapes (1,2,4,20) and (1,2,4,21)", found.stdout)
+        fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
+        self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
+        self.assertIn("0 of 18 (head_dim, bits) pairs fail: none", fixed.stdout)
+
 
 if __name__ == "__main__":
     unittest.main()
