@@ -12,7 +12,7 @@ import tempfile
 import unittest
 import warnings
 
-from test_kvtrace import SCENARIOS, export, kvcheck, kvtrace
+from test_kvtrace import DATA, SCENARIOS, export, kvcheck, kvtrace
 
 import numpy as np
 import torch
@@ -48,6 +48,11 @@ class KvpressTest(unittest.TestCase):
         # 14 tokens before the press (step 0), 2 sinks + 5 recent after it (step 1), per layer.
         self.assertEqual(self.held_after(0), [(2, 2, 14, 16)] * 2)
         self.assertEqual(self.held_after(1), [(2, 2, 7, 16)] * 2)
+        # Crops into the pruned run and past it, with appends between (KeyRerotationPress, whose
+        # kept tokens stay in token order): the driver's slot count follows the cut row's run.
+        result, verify = self.drive("prune_crops_into_the_pruned_run", DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
 
     def test_key_rerotation_press_moves_the_kept_keys_to_their_ranks(self):
         result, verify = self.drive("prune_key_rerotation")
@@ -70,6 +75,7 @@ class KvpressTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 1 (prune, /steps/1)", verify.stdout)
         self.assertIn("expected position 9 (recovered: 2)", verify.stdout)
+        self.assertIn("class: key at wrong position", verify.stdout)
 
     def test_generate_positions_after_a_rerotating_press_are_named_at_the_first_new_token(self):
         _, verify = self.drive("prune_key_rerotation", positions="generate")
@@ -85,6 +91,7 @@ class KvpressTest(unittest.TestCase):
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("first divergence: step 2 (decode, /steps/2)", verify.stdout)
         self.assertIn("expected position 14 (recovered: 7)", verify.stdout)
+        self.assertIn("class: key at wrong position", verify.stdout)
 
     def test_generate_inside_a_rerotating_press_places_new_tokens_at_the_original_index(self):
         # What the driver's positions="generate" stands for, measured on the real generate():
@@ -126,8 +133,8 @@ class KvpressTest(unittest.TestCase):
         self.assertIn("class: the cache raised", verify.stdout)
 
     def test_gemma3_with_the_models_cache_lets_a_chunk_see_its_later_tokens(self):
-        # DynamicCache(config): the full layer's causal mask compares its slots 7.. with query
-        # positions 17.. counted from the sliding layer: the chunk's first tokens see the rest.
+        # DynamicCache(config): the full layer's causal mask compares its slots 10..12 with query
+        # positions 17..19 counted from the sliding layer: the chunk's first tokens see the rest.
         result, verify = self.drive("prune_gemma3_full_layer_beside_sliding", cache="model")
         self.assertIsNone(result.error)
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
@@ -156,6 +163,10 @@ class KvpressTest(unittest.TestCase):
             json.dump(scenario, f)
         with self.assertRaisesRegex(kvtrace.UsageError, "compresses only a forward that starts on an empty cache"):
             self.drive("prune_late", self.work)
+        # StreamingLLMPress keeps its tokens in score order: a crop into the prompt is no slot count.
+        plain = lambda prune, n: kvtrace_kvpress._press(dict(prune, rerotate=False), n)
+        with self.assertRaisesRegex(kvtrace.UsageError, "crops to 5 tokens, into the 12-token prompt the press pruned"):
+            self.drive("prune_crops_into_the_pruned_run", DATA, press=plain)
         # The other drivers name the driver that can.
         with self.assertRaisesRegex(kvtrace.UsageError, "drive the scenario with kvtrace.drive_kvpress"):
             kvtrace.drive_hf_cache(export(self.work, "prune_streaming_llm_original_positions"), lambda: None,

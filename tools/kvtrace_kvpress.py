@@ -37,7 +37,8 @@ What kvpress cannot do is refused by name (UsageError): a prune anywhere but rig
 generation's first append (kvpress compresses only a forward that starts on an empty cache),
 rows of different lengths (it prunes slots, so padding would count as sinks), reorders,
 sink or chunked policies, per-layer ropes among full layers, a re-rotating prune beside
-window layers, and rope layouts or scalings the configs do not express."""
+window layers (at its first later token: one position_ids cannot place both kinds of layer),
+and rope layouts or scalings the configs do not express."""
 
 import numpy as np
 
@@ -249,6 +250,7 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
     eviction = "never" if windows and cache == "pipeline" else None
     with TraceWriter(trace_path, exp.name, producer, "cache-relative", "float32", eviction) as writer:
         kv, pruned = fresh(), None  # pruned: (first, end) of the pruned indices
+        in_order, prompt = True, 0  # the kept prompt tokens in token order; the prompt's length
         prune_state = None
         for index, step in enumerate(steps):
             op = step["op"]
@@ -261,6 +263,11 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
                 writer.step(prune_state)
             elif op == "crop":
                 length = step["length"]
+                if pruned is not None and length < prompt and not in_order:
+                    raise UsageError("step %d crops to %d tokens, into the %d-token prompt the press pruned: "
+                                     "DynamicCache.crop keeps a prefix of slots, and StreamingLLMPress leaves the kept "
+                                     "tokens in score order (KeyRerotationPress sorts them), so no slot count is that "
+                                     "crop" % (index, length, prompt))
                 slots = length if pruned is None else length - min(max(length - pruned[0], 0), pruned[1] - pruned[0])
                 try:
                     kv.crop(slots)
@@ -268,8 +275,8 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
                     writer.error_step("%s: %s" % (type(e).__name__, e))
                     result.error, result.error_step = "%s: %s" % (type(e).__name__, e), index
                     continue
-                if pruned is not None and length <= pruned[0]:
-                    pruned = None
+                if pruned is not None:  # the cut row's run of pruned tokens
+                    pruned = None if length <= pruned[0] else (pruned[0], min(pruned[1], length))
                 writer.step(_state(kv, layers))
             else:
                 uids = np.array([r["uids"] for r in step["rows"]], dtype=np.int64)
@@ -283,10 +290,13 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
                 try:
                     if following is not None and following["op"] == "prune":
                         n = uids.shape[1]
-                        with make_press(following, n)(model.model):
+                        active = make_press(following, n)
+                        with active(model.model):
                             outs = model.forward(uids, where, kv)
                         first = min(following["sinks"], n)
                         pruned = (first, min(max(n - following["recent"], first), n))
+                        # ScorerPress keeps its tokens in topk order; KeyRerotationPress sorts them.
+                        in_order, prompt = isinstance(active, kvpress.KeyRerotationPress), n
                         prune_state = _state(kv, layers)
                         recorded = [{"keys": model.before_press[l][0].double().numpy(),
                                      "values": model.before_press[l][1].double().numpy(), "out": outs[l]}

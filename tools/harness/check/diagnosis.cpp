@@ -326,9 +326,8 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   // SPEC 11: after a re-rotating prune, every wrong distance too long by one amount. Only
   // the sinks: the recent keys stayed where they were, with the queries (kept keys not
   // re-rotated). Every kept key, the new ones right: later tokens at their original index.
-  if (const auto prune = std::find_if(s.steps.begin(), s.steps.end(),
-                                      [](const Step& step) { return step.op == StepOp::prune && step.rerotate; });
-      prune != s.steps.end() && !e.pairs.empty()) {
+  // (With no recent token kept the two give the same pairs: named the first.)
+  if (const auto& sinks = ctx.rerotating_prune_sinks; sinks && !e.pairs.empty()) {
     const PairMismatch& first = e.pairs.front();
     const bool constant = std::all_of(e.pairs.begin(), e.pairs.end(), [&](const PairMismatch& p) {
       return p.expected && p.actual && first.expected && first.actual && *p.actual > *p.expected &&
@@ -336,7 +335,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     });
     if (constant)
       return std::all_of(e.pairs.begin(), e.pairs.end(),
-                         [&](const PairMismatch& p) { return p.key_index >= 0 && p.key_index < prune->prune_sinks; })
+                         [&](const PairMismatch& p) { return p.key_index >= 0 && p.key_index < *sinks; })
                  ? BugClass::kept_keys_not_shifted
                  : BugClass::new_key_not_shifted;
   }

@@ -248,6 +248,8 @@ struct StepContext {
   enum class RowChange { none, reset_same_batch, reset_new_batch, reorder } last_row_change = RowChange::none;
   bool padded = false;              // some append so far left-padded a row
   std::vector<bool> padded_rows;    // which rows (as now numbered) were left-padded so far
+  // The sinks of the re-rotating prune (SPEC 11) since the last reset, if one ran.
+  std::optional<std::int64_t> rerotating_prune_sinks;
 };
 
 BugClass classify(const Scenario& scenario, const StepEvidence& evidence, const StepContext& context);

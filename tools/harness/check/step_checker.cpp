@@ -191,6 +191,8 @@ void advance(StepContext& c, const StepRecord& rec) {
     c.padded_rows = std::move(moved);
   }
   if (rec.step.op == StepOp::reset) c.padded_rows.clear();
+  if (rec.step.op == StepOp::reset) c.rerotating_prune_sinks.reset();
+  if (rec.step.op == StepOp::prune && rec.step.rerotate) c.rerotating_prune_sinks = rec.step.prune_sinks;
   if (rec.append)
     for (std::size_t b = 0; b < rec.append->rows.size(); ++b)
       if (static_cast<std::int64_t>(rec.append->rows[b].size()) < rec.append->chunk) {
