@@ -40,7 +40,7 @@ std::string bounds_violation(const Scenario& s, const StepRecord& rec, std::size
         return fmt::format("{}: {}row {} token {} (uid {}): {}", step_label(rec.step, i),
                            s.hybrid() ? fmt::format("layer {} ", l) : "", b, token.index, token.uid, what);
       };
-      const auto moved = [&](std::int64_t i) { return p.kind == PolicyKind::full ? pruned.shift(i) : 0; };
+      const auto moved = [&](std::int64_t index) { return p.kind == PolicyKind::full ? pruned.shift(index) : 0; };
       const auto& keys = token.view_in(l).keys;
       const std::int64_t pq = token.view_in(l).query_position;
       if (keys.empty() || keys.back().index != token.index) return fail("does not see itself");
