@@ -86,4 +86,11 @@ QueryView live_view(const Policy& policy, std::int64_t length) {
   return view;
 }
 
+std::int64_t block_retained_length(std::int64_t length, std::int64_t capacity, std::int64_t window) {
+  if (length <= capacity) return length;
+  const std::int64_t evicted_at_once = capacity - window + 1;
+  const std::int64_t evictions = (length - capacity + evicted_at_once - 1) / evicted_at_once;
+  return length - evicted_at_once * evictions;
+}
+
 }  // namespace kvcheck::reference

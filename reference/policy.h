@@ -39,4 +39,10 @@ QueryView retained_view(const Policy& policy, std::int64_t length);
 // (query_position is that token's Pq). A cache may drop the others (dead) early.
 QueryView live_view(const Policy& policy, std::int64_t length);
 
+// L(T) of SPEC 3.1: how many of a sliding row's most recent tokens a buffer of `capacity`
+// C >= W slots holds after `length` T tokens when it evicts G = C - W + 1 of its oldest
+// tokens at once (ONNX Runtime's windowed GroupQueryAttention cache): T up to C, then
+// T - G * ceil((T - C) / G), which stays within [W, C].
+std::int64_t block_retained_length(std::int64_t length, std::int64_t capacity, std::int64_t window);
+
 }  // namespace kvcheck::reference

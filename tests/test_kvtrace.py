@@ -127,6 +127,28 @@ class StartRecent:
                     store[l] = np.concatenate([x[:, :, :self.start], x[:, :, -self.recent:]], axis=2)
 
 
+class BlockBuffer:
+    """ONNX Runtime's windowed cache (SPEC 3.1), as an after_forward hook on a GrowingCache:
+    a buffer of `capacity` slots that evicts G = capacity - window + 1 tokens at once when
+    the next one does not fit, so it holds the last L(T) of a row's T tokens. The hook
+    counts T itself and keeps L(T) slots, computed here from the op's rule, not kvcheck's."""
+
+    def __init__(self, capacity, window):
+        self.capacity, self.window, self.total, self.held = capacity, window, {}, {}
+
+    def resident(self, total):
+        evict = self.capacity - self.window + 1
+        while total > self.capacity:  # one block at a time, as the buffer fills
+            total -= evict
+        return total
+
+    def __call__(self, cache):
+        for l, x in enumerate(cache.key_cache):
+            self.total[l] = self.total.get(l, 0) + x.shape[2] - self.held.get(l, 0)
+            keep = self.held[l] = self.resident(self.total[l])
+            cache.key_cache[l], cache.value_cache[l] = x[:, :, -keep:], cache.value_cache[l][:, :, -keep:]
+
+
 class GrowingCache:
     """Keeps every key and value as given (rotated where the driver rotated them) and
     exposes them like transformers' caches; an after_forward hook trims it."""
@@ -640,6 +662,48 @@ class KvtraceTest(unittest.TestCase):
             result = kvcheck("verify", scenario, "--trace", trace)
             self.assertEqual(result.returncode, 1, name + "\n" + result.stdout + result.stderr)
             self.assertIn(expected[name], result.stdout, name)
+
+    def test_block_eviction_is_held_to_the_last_l_of_t_tokens(self):
+        # sliding_baseline: W = 6, 14 tokens. Buffers of 6 (a plain window), 8 (G = 3) and 11
+        # (G = 6) pass declared {"blocks": C}, holding up to C - W tokens beyond the window.
+        # Planted: a buffer that evicts one token too few at once (its W taken as 7) holds one
+        # that the real buffer has evicted; one whose capacity is 7 where 8 is declared drops
+        # one the buffer still holds. Declared lazy, the correct buffer of 8 holds extras.
+        name = "sliding_baseline"
+        exp = export(self.work, name)
+        scenario = os.path.join(SCENARIOS, name + ".json")
+
+        def verify(hook, declared):
+            trace = os.path.join(self.work, "trace")
+            if os.path.exists(trace):
+                shutil.rmtree(trace)
+            kvtrace.drive_hf_cache(exp, GrowingCache, trace, positions="absolute", key_positions="absolute",
+                                   eviction=declared, after_forward=hook)
+            return kvcheck("verify", scenario, "--trace", trace)
+
+        for capacity in (6, 8, 11):
+            result = verify(BlockBuffer(capacity, 6), {"blocks": capacity})
+            self.assertEqual(result.returncode, 0, "C=%d\n%s%s" % (capacity, result.stdout, result.stderr))
+            self.assertIn("sliding layers: the last L(T) tokens of a buffer of %d, evicted in blocks" % capacity,
+                          result.stdout)
+        result = verify(BlockBuffer(8, 7), {"blocks": 8})
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        # T = 9: the real buffer evicted 3 (tokens 0..2), this one 2: token 2 is extra.
+        self.assertIn("first divergence: step 5 (decode, /steps/1)", result.stdout)
+        self.assertIn("still holds uid", result.stdout)
+        self.assertIn("(token 2), which a buffer of 8 evicting 3 at once (its last 6 of 9 tokens) has evicted",
+                      result.stdout)
+        self.assertIn("class: block eviction count wrong", result.stdout)
+        result = verify(BlockBuffer(7, 6), {"blocks": 8})
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        # T = 8: a buffer of 7 has evicted tokens 0 and 1, which one of 8 still holds.
+        self.assertIn("first divergence: step 4 (decode, /steps/1)", result.stdout)
+        self.assertIn("(token 0), which a buffer of 8 evicting 3 at once (its last 8 of 8 tokens) still holds",
+                      result.stdout)
+        self.assertIn("class: block eviction count wrong", result.stdout)
+        result = verify(BlockBuffer(8, 6), "lazy")
+        self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+        self.assertIn("which the policy evicted", result.stdout)
 
     def test_declared_lazy_eviction_is_held_to_it(self):
         exp = export(self.work, "sink_decode_through_windows")

@@ -246,28 +246,39 @@ class OnnxRuntimeWindowAndQuantizedCacheTest(DriveTest):
         self.assertEqual([kvtrace_ort.resident(t, 4, 4) for t in range(1, 8)], [1, 2, 3, 4, 4, 4, 4])
 
     def test_a_capacity_of_the_window_holds_exactly_the_retained_set(self):
-        # C = W = 16: L(T) = min(T, 16), SPEC 3's retained set under lazy eviction: the trace is
-        # declared lazy and passes; declared eager, the token kept until the next one fails.
-        result, verify = self.drive("llama31_sliding_gqa", window_cache=16)
-        self.assertIsNone(result.error)
-        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
-        self.assertIn("lazy: dead tokens kept until the next token", verify.stdout)
-        shutil.rmtree(self.trace)
+        # C = W = 16: L(T) = min(T, 16), SPEC 3's retained set under lazy eviction: the trace
+        # declares {"blocks": 16} and passes, and so it does declared lazy; declared eager, the
+        # token kept until the next one fails.
+        for eviction in ("auto", "lazy"):
+            result, verify = self.drive("llama31_sliding_gqa", window_cache=16, eviction=eviction)
+            self.assertIsNone(result.error)
+            self.assertEqual(verify.returncode, 0, eviction + "\n" + verify.stdout + verify.stderr)
+            shutil.rmtree(self.trace)
         _, verify = self.drive("llama31_sliding_gqa", window_cache=16, eviction="eager")
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("though the cache is declared to evict eagerly", verify.stdout)
 
-    def test_a_capacity_above_the_window_evicts_in_blocks_under_the_mask(self):
-        # C = 19 and 24 over W = 16: up to C - W tokens beyond the window stay resident, masked;
-        # declared "never" (the default here) it passes, declared lazy they are extra.
+    def test_a_capacity_above_the_window_holds_the_last_l_of_t_tokens(self):
+        # C = 19 and 24 over W = 16 (G = 4 and 9): SPEC 3.1's L(T) counted against what the op
+        # left in its buffer, declared {"blocks": C} by default. Declared lazy, the tokens
+        # beyond the window are extra; declared with another capacity than the op's, the count
+        # is wrong at the first fill where the two buffers differ.
         for capacity in (19, 24):
             result, verify = self.drive("llama31_sliding_gqa", window_cache=capacity)
             self.assertIsNone(result.error)
             self.assertEqual(verify.returncode, 0, "C=%d\n%s%s" % (capacity, verify.stdout, verify.stderr))
+            self.assertIn("the last L(T) tokens of a buffer of %d, evicted in blocks" % capacity, verify.stdout)
             shutil.rmtree(self.trace)
         _, verify = self.drive("llama31_sliding_gqa", window_cache=19, eviction="lazy")
         self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
         self.assertIn("which the policy evicted", verify.stdout)
+        shutil.rmtree(self.trace)
+        # After row 0's 40-token prompt the op's buffer of 19 holds 16 (40 - 4 * 6); one of 20
+        # would hold 20 (40 - 5 * 4): 4 tokens short.
+        _, verify = self.drive("llama31_sliding_gqa", window_cache=19, eviction={"blocks": 20})
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("class: block eviction count wrong", verify.stdout)
+        self.assertIn("which a buffer of 20 evicting 5 at once", verify.stdout)
 
     def test_int8_and_int4_kv_round_ties_to_even_over_the_full_range(self):
         # docs/spec.md 9.6, at scale 0.25: ties, the ends of the range and beyond, no rotary.

@@ -132,3 +132,14 @@ TEST(Policy, ChunkedSeesItsOwnChunkUpToItself) {
   expect_view(retained_view(p, 8), {{4, 4}, {5, 5}, {6, 6}, {7, 7}}, 7);
   EXPECT_TRUE(live_view(p, 8).keys.empty());
 }
+
+// SPEC 3.1, by hand: C = 6, W = 4, so G = 3. Six tokens fit; the 7th evicts 3 (4 held),
+// the 10th 3 more. C = W is a plain sliding window: min(T, W).
+TEST(Policy, BlockEvictionHoldsTheLastLOfTTokens) {
+  const std::vector<std::int64_t> c6w4 = {0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 4, 5, 6};
+  for (std::int64_t t = 0; t < static_cast<std::int64_t>(c6w4.size()); ++t)
+    EXPECT_EQ(reference::block_retained_length(t, 6, 4), c6w4[static_cast<std::size_t>(t)]) << "T " << t;
+  for (std::int64_t t = 0; t < 9; ++t) EXPECT_EQ(reference::block_retained_length(t, 4, 4), std::min<std::int64_t>(t, 4));
+  // A prompt far past the buffer: 100 tokens, C = 19, W = 16 (G = 4): 100 - 4 * 21 = 16.
+  EXPECT_EQ(reference::block_retained_length(100, 19, 16), 16);
+}

@@ -221,8 +221,10 @@ class TraceWriter:
     next token comes) or "deferred" (lazy, and after an append it may still hold what the
     append's queries saw, dropped at its next update, as mlx-lm's RotatingKVCache does after
     a chunk) or "never" (it keeps every token it was given and applies the window by its
-    mask, as a model over ONNX Runtime's GroupQueryAttention does); written as the
-    manifest's top-level "eviction"."""
+    mask, as a model over ONNX Runtime's GroupQueryAttention does) or {"blocks": C} (a
+    sliding layer keeps a buffer of C slots and evicts C - W + 1 tokens at once, as ONNX
+    Runtime's windowed cache does: it holds exactly its row's last L(T) tokens, SPEC 3.1);
+    written as the manifest's top-level "eviction"."""
 
     DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -231,9 +233,11 @@ class TraceWriter:
             raise ValueError("key_positions must be cache-relative, absolute or unrotated, got %r" % (key_positions,))
         if dtype not in self.DTYPES:
             raise ValueError("dtype must be \"float32\" or \"float16\", got %r" % (dtype,))
-        if eviction not in (None, "eager", "lazy", "deferred", "never"):
-            raise ValueError("eviction must be None, \"eager\", \"lazy\", \"deferred\" or \"never\", got %r"
-                             % (eviction,))
+        blocks = isinstance(eviction, dict) and list(eviction) == ["blocks"] and \
+            isinstance(eviction["blocks"], int) and eviction["blocks"] > 0
+        if not blocks and eviction not in (None, "eager", "lazy", "deferred", "never"):
+            raise ValueError("eviction must be None, \"eager\", \"lazy\", \"deferred\", \"never\" or "
+                             "{\"blocks\": capacity}, got %r" % (eviction,))
         self.path = os.path.abspath(path)
         if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)) \
                 and not _is_trace(self.path):

@@ -17,7 +17,7 @@ returns no rotated query, so queries are judged by their outputs.
 
 By default the past grows: a sliding window is the op's mask over it (local_window_size),
 the cache never drops a token, and the trace says so (eviction "never"); window_cache runs
-the op's own window-sized cache instead, and a scenario's int8_even / int4_even kv_quant its
+the op's own window-sized cache instead (declared {"blocks": C}, SPEC 3.1), and a scenario's int8_even / int4_even kv_quant its
 quantized KV (drive_ort_gqa says how). local_window_size changed its
 meaning in onnxruntime 1.24 (PR 25927): up to 1.23 it counted the keys before the query,
 from 1.24 on every key the query sees, itself included; "policy" gives each release the
@@ -181,9 +181,9 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
     """Drives one GroupQueryAttention node per layer through an export's steps and writes a
     trace; returns a DriveResult. local_window_size: "policy" (the scenario's window as this
     release means it; -1 for full layers), an int for every sliding layer, or a list per layer.
-    eviction: what the trace declares; "auto": "lazy" when every sliding layer runs a windowed
-    cache of capacity W (it then holds exactly the retained set), else "never" (a growing past,
-    or a capacity above W, holds tokens the window masks).
+    eviction: what the trace declares; "auto": {"blocks": C} under window_cache=C (SPEC 3.1:
+    each sliding layer holds exactly its row's last L(T) tokens), else "never" (a growing past
+    holds every token; the window is the mask's).
     window_cache: None (the past grows), or a capacity C >= W: sliding layers run the op's
     windowed cache (sliding_window_cache=1), whose buffers hold C rows; what it holds is rows
     [0, L(T)) (resident()). A crop there is driven as the op says (a shorter seqlens_k over the
@@ -251,7 +251,7 @@ def drive_ort_gqa(export, trace_path, local_window_size="policy", producer="kvtr
         raise UsageError("onnxruntime %s's GroupQueryAttention has no sliding_window_cache (1.31 has)" % ort.__version__)
     if eviction == "auto":
         sliding = [l for l in range(layers) if windows[l] > 0]
-        eviction = "lazy" if sliding and all(windowed[l] and window_cache == windows[l] for l in sliding) else \
+        eviction = {"blocks": window_cache} if sliding and window_cache is not None else \
             "never" if sliding else "lazy"
     for l in range(layers):
         if windowed[l] and window_cache < windows[l]:

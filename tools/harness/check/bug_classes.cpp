@@ -83,6 +83,11 @@ constexpr BugClassRow kBugClasses[] = {
     {BugClass::dead_token_held, "dead token held under eager eviction",
      "The cache is declared to drop, right after each forward, the tokens no later query sees, yet it "
      "still holds one: the eviction runs at the next token instead (or the declaration is wrong)."},
+    {BugClass::block_eviction_count_wrong, "block eviction count wrong",
+     "The cache is declared to evict in blocks (a buffer of C slots dropping C - W + 1 of its oldest tokens "
+     "at once, as ONNX Runtime's windowed cache does), and every visible token is right, but it holds more or "
+     "fewer of the row's last tokens than such a buffer holds: it evicts at another fill or another number "
+     "at once (or the declared capacity is not the cache's)."},
     {BugClass::trace_incomplete, "trace incomplete",
      "The trace leaves out a step that it must show (an append, or a step the policy refuses) without "
      "saying why: what the cache did there is unknown, so the trace cannot pass. A producer that cannot "

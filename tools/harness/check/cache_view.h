@@ -35,6 +35,10 @@ enum class Eviction {
   // model over ONNX Runtime's GroupQueryAttention); a token the policy evicted may be held,
   // the retained set must be.
   never,
+  // Blocks (SPEC 3.1): a sliding layer keeps its row's last L(T) tokens, a buffer of C slots
+  // that evicts C - W + 1 at once (ONNX Runtime's windowed cache), exactly; the capacity C
+  // is CheckOptions::block_capacity. Other layers are judged as under lazy.
+  blocks,
 };
 const char* to_string(Eviction e);
 

@@ -147,6 +147,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.wrong_row_count)
     return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions
                                                                   : BugClass::stale_row_after_batch_change;
+  if (e.pairs.empty() && e.outputs.empty() && any(e.slots, [](const SlotIssue& i) { return i.block_count; }) &&
+      std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) { return i.block_count; }))
+    return BugClass::block_eviction_count_wrong;
   if (any(e.slots, [](const SlotIssue& i) { return i.dead; }) &&
       std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) { return i.dead; }))
     return BugClass::dead_token_held;

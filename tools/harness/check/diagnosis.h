@@ -34,6 +34,7 @@ enum class BugClass {
   evicted_wrong_token,
   dropped_live_token,
   dead_token_held,
+  block_eviction_count_wrong,
   trace_incomplete,
   shift_one_token_early,
   positions_wrong,
@@ -113,6 +114,7 @@ struct SlotIssue {
   bool newest = false;                             // the token is the row's newest
   bool in_chunk = false;                           // the token came in this step's chunk
   bool dead = false;                               // extra: a dead token held under declared eager eviction
+  bool block_count = false;  // extra or lost against a declared block buffer's L(T) (SPEC 3.1), not the policy's set
   bool closest_at_claim = false;  // rotation: nearer its claim than its neighbours, beyond the storage's rounding
   bool quantized = false;         // stale, extra: the slot holds codes, not a raw residual token
 

@@ -532,6 +532,12 @@ class StepChecker::Impl {
     for (const auto& key : ret.keys) sets.retained[static_cast<std::int64_t>(key.uid)] = &key;
     for (const auto& key : ret.live) sets.live[static_cast<std::int64_t>(key.uid)] = &key;
     const bool has_dead = sets.retained.size() != sets.live.size();
+    // Declared block eviction (SPEC 3.1): a sliding layer holds exactly its last L(T) tokens.
+    const Policy& policy = s_.policies[static_cast<std::size_t>(l)];
+    const bool blocks = options_.eviction == Eviction::blocks && policy.kind == PolicyKind::sliding;
+    const auto length = static_cast<std::int64_t>(history.size());
+    const std::int64_t block_start =
+        blocks ? length - reference::block_retained_length(length, options_.block_capacity, policy.window) : 0;
     const auto& heads = view.layers[static_cast<std::size_t>(l)].slots[static_cast<std::size_t>(b)];
     for (std::size_t g = 0; g < heads.size(); ++g) {
       const bool check_set = !view.slots_shared || (l == 0 && g == 0);
@@ -610,6 +616,8 @@ class StepChecker::Impl {
           row.verdict = SlotVerdict::dead_held;  // dropped at the cache's next update
         } else if (!sets.retained.count(v.uid) && options_.eviction == Eviction::never && !live) {
           row.verdict = SlotVerdict::dead_held;  // kept for good, outside the mask
+        } else if (!sets.retained.count(v.uid) && blocks && !live && row.index >= block_start) {
+          row.verdict = SlotVerdict::dead_held;  // in the buffer until its block is evicted
         } else if (!sets.retained.count(v.uid) && !live && options_.eviction != Eviction::eager &&
                    in_last_chunk_span(s_.policies[static_cast<std::size_t>(l)], row.index,
                                       static_cast<std::int64_t>(history.size()))) {
@@ -617,13 +625,17 @@ class StepChecker::Impl {
         } else if (!sets.retained.count(v.uid)) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
-            retained_.fail(fmt::format("{} slot {} still holds uid {} (token {}), which the policy evicted", where,
-                                       v.slot, v.uid, row.index));
+            retained_.fail(
+                blocks ? fmt::format("{} slot {} still holds uid {} (token {}), which {} has evicted", where, v.slot,
+                                     v.uid, row.index, block_rule(policy, length, block_start))
+                       : fmt::format("{} slot {} still holds uid {} (token {}), which the policy evicted", where,
+                                     v.slot, v.uid, row.index));
             SlotIssue extra = SlotIssue::of(SlotIssue::Kind::extra, b, v.uid, row.index);
             extra.slot = v.slot;
             extra.window_gap = window_start(s_.policies[static_cast<std::size_t>(l)], ret) - row.index;
             extra.in_chunk =
                 rec.append && !rec.append->rows[b].empty() && row.index >= rec.append->rows[b].front().index;
+            extra.block_count = blocks && !live;
             evidence.slots.push_back(extra);
           }
         } else if (!live && options_.eviction == Eviction::eager) {
@@ -654,7 +666,8 @@ class StepChecker::Impl {
         // A cache that never evicts masks instead: a dead token no query sees again may be gone
         // (assisted generation's transformers layers trim to W - 1 before they start keeping).
         const bool dead = !sets.live.count(uid);
-        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred;
+        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred &&
+                          !blocks;
         if (g == 0) {
           SlotRow row;
           row.row = b;
@@ -665,11 +678,39 @@ class StepChecker::Impl {
         }
         if (fine || !check_set) continue;
         retained_.fail(fmt::format("{} lost uid {} (token {}){}", where, uid, key->index,
-                                   dead ? ", which the cache is declared to keep until the next token (lazy)"
-                                        : ", which the next token still sees"));
-        evidence.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, b, uid, key->index));
+                                   !dead  ? ", which the next token still sees"
+                                   : blocks ? ", which " + block_rule(policy, length, block_start) + " still holds"
+                                            : ", which the cache is declared to keep until the next token (lazy)"));
+        SlotIssue lost = SlotIssue::of(SlotIssue::Kind::lost, b, uid, key->index);
+        lost.block_count = dead && blocks;
+        evidence.slots.push_back(lost);
+      }
+      // Under block eviction, also the evicted tokens its buffer still holds (SPEC 3.1).
+      for (std::int64_t index = block_start; blocks && index < length; ++index) {
+        const auto uid = static_cast<std::int64_t>(history[static_cast<std::size_t>(index)]);
+        if (held.count(uid) || sets.retained.count(uid)) continue;
+        if (g == 0) {
+          SlotRow row;
+          row.row = b;
+          row.uid = uid;
+          row.index = index;
+          row.verdict = SlotVerdict::missing;
+          state.table.push_back(row);
+        }
+        if (!check_set) continue;
+        retained_.fail(fmt::format("{} lost uid {} (token {}), which {} still holds", where, uid, index,
+                                   block_rule(policy, length, block_start)));
+        SlotIssue lost = SlotIssue::of(SlotIssue::Kind::lost, b, uid, index);
+        lost.block_count = true;
+        evidence.slots.push_back(lost);
       }
     }
+  }
+
+  // SPEC 3.1, in words, for a row of `length` tokens whose buffer starts at token `start`.
+  std::string block_rule(const Policy& policy, std::int64_t length, std::int64_t start) const {
+    return fmt::format("a buffer of {} evicting {} at once (its last {} of {} tokens)", options_.block_capacity,
+                       options_.block_capacity - policy.window + 1, length - start, length);
   }
 
   // Whether some query of this step's append (row b, layer l) saw the token.
@@ -1249,6 +1290,9 @@ class StepChecker::Impl {
       eviction = "lazy: dead tokens kept until the next token";
     else if (eager_rows_)
       eviction = "eager: dead tokens dropped right after the forward";
+    if (options_.eviction == Eviction::blocks)
+      eviction = fmt::format("sliding layers: the last L(T) tokens of a buffer of {}, evicted in blocks",
+                             options_.block_capacity);
     add("retained set", retained_,
         "between the live and the retained set, nothing stale or duplicated (" + eviction + ")");
     add("rotation", rotation_,
@@ -1331,6 +1375,8 @@ const char* to_string(Eviction e) {
       return "deferred";
     case Eviction::never:
       return "never";
+    case Eviction::blocks:
+      return "blocks";
   }
   return "?";
 }

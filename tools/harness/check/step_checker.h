@@ -48,6 +48,7 @@ struct CheckOptions {
   std::string target;  // a cache name, or "trace"
   KeyPositions key_positions = KeyPositions::claimed;
   Eviction eviction = Eviction::any;
+  std::int64_t block_capacity = 0;  // C, under Eviction::blocks
   bool trace = false;  // the views come from a trace: report how many steps it recorded
   bool picture = false;
   std::optional<std::size_t> focus_step;

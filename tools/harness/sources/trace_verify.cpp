@@ -51,8 +51,28 @@ struct Trace {
   std::string dir, manifest_path;
   KeyPositions positions = KeyPositions::cache_relative;
   Eviction eviction = Eviction::any;
+  std::int64_t block_capacity = 0;  // under Eviction::blocks
   std::vector<TraceStep> steps;
 };
+
+// The capacity C of `"eviction": {"blocks": C}` (SPEC 3.1): an integer no smaller than any
+// sliding layer's window, in a scenario that has one.
+std::int64_t read_block_capacity(const Scenario& s, const json& e, const std::string& manifest) {
+  for (const auto& [key, value] : e.items())
+    if (key != "blocks") throw InputError(manifest, "/eviction/" + key, "unknown key (expected blocks)");
+  const json& c = e["blocks"];
+  std::int64_t window = 0;
+  for (const Policy& p : s.policies)
+    if (p.kind == PolicyKind::sliding) window = std::max(window, p.window);
+  if (window == 0)
+    throw InputError(manifest, "/eviction/blocks", "block eviction applies to sliding layers, and the scenario has none");
+  if (!c.is_number_integer() || c.get<std::int64_t>() < window || c.get<std::int64_t>() > (std::int64_t{1} << 40))
+    throw InputError(manifest, "/eviction/blocks",
+                     fmt::format("expected the buffer's capacity, an integer from the largest sliding window {} "
+                                 "to 2^40, got {}",
+                                 window, c.dump()));
+  return c.get<std::int64_t>();
+}
 
 // A layer's "paged" entry (SPEC 8.9): block_size, layout, key_cache, value_cache,
 // block_table, and optionally refcount, hit_tokens, slot_mapping and block_ids.
@@ -140,8 +160,11 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
       t.eviction = Eviction::deferred;
     else if (e == "never")
       t.eviction = Eviction::never;
+    else if (e.is_object() && e.contains("blocks"))
+      t.block_capacity = read_block_capacity(s, e, t.manifest_path), t.eviction = Eviction::blocks;
     else
-      fail("/eviction", "expected \"eager\", \"lazy\", \"deferred\" or \"never\", got " + got("eviction"));
+      fail("/eviction", "expected \"eager\", \"lazy\", \"deferred\", \"never\" or {\"blocks\": capacity}, got " +
+                            got("eviction"));
   }
   for (const auto& [key, value] : m.items())
     if (key != "format" && key != "scenario" && key != "producer" && key != "key_positions" && key != "steps" &&
@@ -436,6 +459,7 @@ CacheTrace verify_trace(const Scenario& s, const std::string& dir, const VerifyO
   options.trace = true;
   options.key_positions = trace.positions;
   options.eviction = trace.eviction;
+  options.block_capacity = trace.block_capacity;
   options.picture = verify.picture;
   options.focus_step = verify.focus_step;
   TraceSource source(s, inputs, trace);
