@@ -888,6 +888,59 @@ class KvtraceTest(unittest.TestCase):
         self.assertIn("query token 300", verify.stdout)
         self.assertIn("class: chunk taken as a sliding window", verify.stdout)
 
+    def test_a_sliding_window_under_a_shift_measured_in_token_indices_is_named_from_its_outputs(self):
+        # SPEC 10.4, one row: SpecCache keeps what the sink layer keeps; the model's mask, written
+        # here, shows a sliding layer's query t the sinks while Pq - j < W (right) or while
+        # t - j < W (llama.cpp issue 12357's family: the sinks leave for good). The second, with
+        # the rotated queries removed from the trace so that only outputs speak, is named by
+        # recomputing the first wrong output under that mistake.
+        scenario = "sliding_under_shift_one_row"
+        exp = export(self.work, scenario, DATA)
+
+        def mask(in_token_indices):
+            def shifted_mask(cache, cache_position, chunk):
+                policy = exp.layer_policy(chunk.layer)
+                sinks, window = policy["sinks"], policy.get("swa")
+                t = chunk.token_index[0]                         # [n]: one row, no padding
+                evicted = np.array([kvtrace.evicted(policy, int(x)) for x in t])
+                last = chunk.slots - chunk.n + np.arange(chunk.n)  # each query's own slot
+                j = np.arange(chunk.slots)
+                sink = j[None, :] < sinks
+                seen = (j[None, :] <= last[:, None]) & (sink | (last[:, None] - j[None, :] < (t + 1 - sinks - evicted)[:, None]))
+                if window:
+                    pq = t - evicted
+                    distance = np.where(sink, (t if in_token_indices else pq)[:, None] - j[None, :],
+                                        last[:, None] - j[None, :])
+                    seen &= distance < window
+                return seen[None]
+            return shifted_mask
+
+        scenario_file = os.path.join(DATA, scenario + ".json")
+        trace = os.path.join(self.work, "trace")
+        for in_token_indices in (False, True):
+            if os.path.exists(trace):
+                shutil.rmtree(trace)
+            kvtrace.drive_hf_cache(exp, lambda batch: SpecCache(exp, batch), trace, positions="policy",
+                                   key_positions="cache-relative", chunks="eviction", eviction="lazy",
+                                   mask=mask(in_token_indices))
+            manifest_path = os.path.join(trace, "manifest.json")
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+            for step in manifest["steps"]:
+                for layer in step.get("layers", []):
+                    layer.pop("q", None)
+            with open(manifest_path, "w") as f:
+                json.dump(manifest, f)
+            verify = kvcheck("verify", scenario_file, "--trace", trace)
+            if not in_token_indices:
+                self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+                continue
+            self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+            # Token 8 is the first whose Pq (8 - 4 = 4) and index differ by a shift: sink 0 is at
+            # distance 4 < 6 in positions but 8 in indices.
+            self.assertIn("query token 8", verify.stdout)
+            self.assertIn("class: sliding window measured before the shift", verify.stdout)
+
     def test_fixture_filters_follow_policies_and_features(self):
         every = kvtrace.fixtures(KVCHECK)
         sliding = kvtrace.fixtures(KVCHECK, policies=["sliding"])

@@ -365,6 +365,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.outputs_fit_without_query_temperature) return BugClass::query_temperature_missing;
   if (e.outputs_fit_with_later_chunk_keys) return BugClass::chunk_sees_future_keys;
   if (e.outputs_fit_plain_window) return BugClass::sinks_masked_out;
+  if (e.outputs_fit_window_in_token_indices) return BugClass::sliding_window_in_token_indices;
   if (!e.outputs.empty() && e.dropped_before_last_use) return BugClass::dropped_before_last_use;
   // After the slots: a cache that dropped a token early also attends one key short.
   if (e.outputs_fit_window_off_by_one) return BugClass::window_off_by_one;

@@ -231,6 +231,7 @@ struct StepEvidence {
   bool outputs_fit_with_later_chunk_keys = false;  // with the chunk's later tokens visible: the mask missed causality
   bool outputs_fit_plain_window = false;  // over a plain window of W, no sinks: the mask forgot the sinks
   bool outputs_fit_window_off_by_one = false;  // a sliding layer's, over W + 1 or W - 1 keys
+  bool outputs_fit_window_in_token_indices = false;  // a sliding layer under a shift, its window in indices
   bool outputs_fit_chunk_edge_off_by_one = false;  // a chunked layer's, its chunks moved by one token
   bool outputs_fit_chunk_as_window = false;        // a chunked layer's, over a sliding window of C
   bool outputs_fit_without_query_temperature = false;  // a NoPE layer's query not scaled (SPEC 10.3)

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "reference/attention.h"
+#include "reference/policy.h"
 #include "reference/rope.h"
 
 namespace kvcheck {
@@ -105,6 +106,19 @@ std::vector<double> output_in_a_window_of(const Scenario& s, const InputTable& i
   for (std::int64_t j = std::max<std::int64_t>(0, token.index - window + 1); j <= token.index; ++j)
     keys.push_back({history[static_cast<std::size_t>(j)], j});
   return attend_over(s, inputs, layer, head, token.uid, token.index, keys, true);
+}
+
+std::vector<double> output_with_window_in_token_indices(const Scenario& s, const InputTable& inputs,
+                                                        std::span<const std::uint64_t> history,
+                                                        const reference::AppendedToken& token, int layer, int head) {
+  Policy shifted = s.policies[static_cast<std::size_t>(layer)];
+  const std::int64_t window = shifted.swa;
+  shifted.swa = 0;  // the sink policy's own view: what the cache retains, at its positions
+  const reference::QueryView view = reference::streaming_view(shifted, token.index);
+  std::vector<KeyAt> keys;
+  for (const reference::VisibleKey& key : view.keys)
+    if (token.index - key.index < window) keys.push_back({history[static_cast<std::size_t>(key.index)], key.position});
+  return attend_over(s, inputs, layer, head, token.uid, view.query_position, keys, true);
 }
 
 }  // namespace kvcheck

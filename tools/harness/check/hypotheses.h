@@ -55,4 +55,11 @@ std::vector<double> output_in_a_window_of(const Scenario& scenario, const InputT
                                           const reference::AppendedToken& token, std::int64_t window, int layer,
                                           int head);
 
+// A sliding layer under a sink cache's shift (SPEC 10.4) that measures its window in token
+// indices (t - j < W) instead of the shifted positions: of what the sink policy shows token
+// t, at those positions, the keys within W tokens; the sinks leave its view for good.
+std::vector<double> output_with_window_in_token_indices(const Scenario& scenario, const InputTable& inputs,
+                                                        std::span<const std::uint64_t> history,
+                                                        const reference::AppendedToken& token, int layer, int head);
+
 }  // namespace kvcheck

@@ -1003,6 +1003,9 @@ class StepChecker::Impl {
     if (policy.kind == PolicyKind::sink && policy.sinks > 0 && policy.positions == SinkPositions::original)
       evidence.outputs_fit_plain_window =
           fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b], i, policy.window, l, h));
+    if (policy.swa > 0 && policy.prefill == Prefill::streaming)
+      evidence.outputs_fit_window_in_token_indices =
+          fits(output_with_window_in_token_indices(s_, inputs_, history, ref.rows[b][i], l, h));
     if (policy.kind == PolicyKind::sliding)
       for (const std::int64_t other : {policy.window + 1, policy.window - 1})
         evidence.outputs_fit_window_off_by_one =
