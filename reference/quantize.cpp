@@ -87,6 +87,8 @@ double code_range(QuantFormat format) {
       return 15.0;
     case QuantFormat::int2:
       return 3.0;
+    case QuantFormat::mlx_affine:
+      return 255.0;  // its codes' range is 2^bits - 1 (TensorQuant::bits): 255 at 8 bits
   }
   return 1.0;
 }
@@ -132,6 +134,10 @@ double element_bound(QuantFormat format, double x, double s) {
     case QuantFormat::int4:
     case QuantFormat::int2:
       return d;
+    case QuantFormat::mlx_affine:
+      // SPEC 9.7: within reach, half a step; the far edge, clipped, within n (r - |S|) < r <=
+      // (4/3) |S| of the last code (r = (max - min) / n, |S| >= r |e| / (|e| + r/2), |e| >= n r / 2).
+      return 2.0 * d;
   }
   return INFINITY;
 }
@@ -154,6 +160,38 @@ int saturated(double rounded, int lo, int hi, int nan_code = 0) {
 // there ggml's own product is infinite and its conversion undefined; x / d is the code the
 // rule round(x / d) means.
 float times_inverse(float x, float d, float id) { return std::isinf(id) ? x / d : x * id; }
+
+}  // namespace
+
+namespace {
+
+// SPEC 9.7, MLX's affine group (mx.quantize, mlx 0.32 on the CPU): every step in float32, one
+// rounding to nearest even per operation; the codes divide by the float32 scale and subtract
+// the float32 bias that are then stored (float32 here: nothing is rounded again).
+void mlx_affine_group(int bits, const float* xs, int group, double window, QuantizedRow& row, int g0) {
+  const float n = static_cast<float>((1 << bits) - 1), eps = 1e-7f;
+  float lo = xs[0], hi = xs[0];
+  for (int i = 1; i < group; ++i) lo = std::min(lo, xs[i]), hi = std::max(hi, xs[i]);
+  const float r = std::max((hi - lo) / n, eps);
+  const bool low_edge = std::abs(lo) > std::abs(hi);  // the edge of larger magnitude becomes code 0
+  float s = low_edge ? r : -r;
+  const float edge = low_edge ? lo : hi;
+  const float q0 = std::nearbyint(edge / s);
+  float bias = 0.0f;
+  if (q0 != 0.0f) s = edge / q0, bias = edge;
+  row.scales.push_back(s);
+  row.biases.push_back(bias);
+  // Another's float32 rotation may move each element by the window: the edge with it (so the
+  // bias and, through q0, the scale), and the quotients of the codes.
+  row.scale_near_boundary.push_back(window > 0.0);
+  row.lows.push_back(edge);
+  row.windows.push_back(window);
+  for (int i = 0; i < group; ++i) {
+    const float y = (xs[i] - bias) / s;
+    row.codes[static_cast<std::size_t>(g0 + i)] = std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, n));
+    row.near_boundary[static_cast<std::size_t>(g0 + i)] = near_half_integer(y, window / std::abs(s));
+  }
+}
 
 }  // namespace
 
@@ -239,6 +277,8 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
         row.codes[static_cast<std::size_t>(g0 + i)] = std::clamp(static_cast<int>(std::round(y)) + z, 0, top);
         mark(i, y, s);
       }
+    } else if (f == QuantFormat::mlx_affine) {
+      mlx_affine_group(quant.bits, xs, group, window, row, g0);
     } else {  // fp8, int8 and the *_even formats: one scale per group, static or from the group's amax
       double s = 0.0;
       const bool computed = quant.scale.rule != ScaleRule::fixed;
@@ -360,6 +400,9 @@ void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out) 
       case QuantFormat::int4:
       case QuantFormat::int2:
         out[i] = (c - row.zeros[static_cast<std::size_t>(i / group)]) * s;
+        break;
+      case QuantFormat::mlx_affine:
+        out[i] = c * s + row.biases[static_cast<std::size_t>(i / group)];
         break;
       default:
         out[i] = c * s;

@@ -19,6 +19,7 @@ struct QuantizedRow {
   std::vector<int> codes;      // one per element: a signed integer, or fp8's bit pattern 0..255
   std::vector<double> scales;  // one per scale group, exactly as stored (in the scale dtype)
   std::vector<int> zeros;      // affine int4 / int2: one zero point per group; else empty
+  std::vector<double> biases;  // mlx_affine: one bias per group, as stored; else empty
   // Per element: x / s came within the boundary window of a rounding boundary, so a cache
   // whose float32 arithmetic differs by a few ulps may store the neighbouring code.
   std::vector<bool> near_boundary;

@@ -5,6 +5,7 @@ cache.offset, masked by create_attention_mask, attended by mlx's own
 scaled_dot_product_attention. Keys stay at their absolute positions (mlx-lm never
 re-rotates), so a sink cache is judged against a sink policy at original positions."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,10 +13,22 @@ import sys
 import tempfile
 import unittest
 
+import numpy as np
+
 from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
 import mlx.core as mx  # noqa: F401  (the venv's MLX must import: the CPU build)
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+
+def unpacked(words, bits, dim):
+    """MLX's packed affine codes [..., dim * bits / 32] uint32 as one code an element: a row's
+    codes are one little-endian bit stream, code i in bits [i * bits, (i + 1) * bits)."""
+    words = np.asarray(words, dtype=np.uint32)
+    stream = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # [..., dim * bits]
+    weights = (1 << np.arange(bits)).astype(np.int64)
+    return (stream.reshape(*stream.shape[:-1], dim, bits).astype(np.int64) * weights).sum(axis=-1)
+
 
 
 class MlxCacheTest(unittest.TestCase):
@@ -173,6 +186,61 @@ class MlxCacheTest(unittest.TestCase):
         fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
         self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
         self.assertIn("0 of 18 (head_dim, bits) pairs fail: none", fixed.stdout)
+
+    def test_the_reference_quantizes_values_as_mx_quantize_does(self):
+        # SPEC 9.7 against MLX itself: the codes, scales and biases `kvcheck export` writes for
+        # each value row (values are stored unrotated, so kvcheck's float32 inputs are exactly
+        # what QuantizedKVCache would quantize) equal mx.quantize's, bit for bit, at every bit
+        # width and group size mlx-lm takes. Keys go through the same quantizer after SPEC 9.5
+        # rule 2's rotation, which other tests check.
+        work = tempfile.mkdtemp(prefix="kvcheck-mlx-affine-")
+        self.addCleanup(shutil.rmtree, work, True)
+        compared = self.compare_values_with_mx_quantize(export(work, "quant_mlx_affine_layers", DATA))
+        self.assertEqual(compared, 6 * 26 * 2 * 128)
+        # Ties: values on a grid of 1/16, so that (x - B) / S often lands on a half-integer
+        # (MLX rounds them to even), in a scenario that gives its own inputs.
+        with open(os.path.join(DATA, "quant_mlx_affine_layers.json")) as f:
+            scenario = json.load(f)
+        rng = np.random.default_rng(5)
+        L, U, D = 6, 12, 128
+        grid = lambda *shape: (rng.integers(-16, 17, size=shape) / 16.0).tolist()
+        scenario.update(name="mlx_affine_ties", steps=[{"op": "append", "tokens": U}],
+                        inputs={"q": grid(L, U, 4, D), "k": grid(L, U, 2, D), "v": grid(L, U, 2, D)})
+        del scenario["seed"]
+        path = os.path.join(work, "mlx_affine_ties.json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        out = os.path.join(work, "ties")
+        done = kvcheck("export", path, "--out", out)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.ties = 0
+        self.assertEqual(self.compare_values_with_mx_quantize(kvtrace.Export(out)), L * U * 2 * D)
+        self.assertGreater(self.ties, 100)
+
+    def compare_values_with_mx_quantize(self, exp):
+        last = exp.steps[-1]
+        with open(os.path.join(exp.path, last["cache"])) as f:
+            uids = [key["uid"] for key in json.load(f)["rows"][0]["keys"]]
+        compared = 0
+        for l, quant in enumerate(exp.manifest["kv_quant"]):
+            fmt = quant["v"]
+            bits, group = fmt["bits"], fmt["scale"]["group"]
+            codes = np.load(os.path.join(exp.path, last["v_codes"][l]))[0]    # [R, Hkv, D]
+            scales = np.load(os.path.join(exp.path, last["v_scales"][l]))[0]  # [R, Hkv, D / G]
+            biases = np.load(os.path.join(exp.path, last["v_bias"][l]))[0]
+            values = exp.v[l][uids]                                            # [R, Hkv, D] float32
+            packed, mx_scales, mx_biases = mx.quantize(mx.array(values), group_size=group, bits=bits)
+            dim = values.shape[-1]
+            np.testing.assert_array_equal(unpacked(np.array(packed), bits, dim), codes,
+                                          "layer %d: %d bits, groups of %d" % (l, bits, group))
+            np.testing.assert_array_equal(np.array(mx_scales), scales.astype(np.float32))
+            np.testing.assert_array_equal(np.array(mx_biases), biases.astype(np.float32))
+            self.assertTrue(np.all(scales.astype(np.float32).astype(np.float64) == scales))  # float32, exactly
+            quotient = (values.reshape(*values.shape[:-1], -1, group) - np.array(mx_biases)[..., None]) / \
+                np.array(mx_scales)[..., None]  # in float32, as MLX divides
+            self.ties = getattr(self, "ties", 0) + int(np.sum(np.abs(quotient - np.floor(quotient)) == 0.5))
+            compared += codes.size
+        return compared
 
 
 if __name__ == "__main__":

@@ -132,6 +132,41 @@ TEST(ReferenceQuantize, EvenFormatsRoundTiesToEvenOverTheWholeRange) {
             (std::vector<int>{1, 2, 3, -1, -2, -3, 127, -127, 127, -127, 0, 1, 8, -9, 7, -7}));
 }
 
+// SPEC 9.7 (MLX's affine groups), worked by hand at 4 bits (n = 15), groups of 32.
+// Group 0: lo = -1 is the edge (|lo| > hi = 0.95): r = 1.95 / 15 = 0.13, q0 = rint(-1 / 0.13)
+// = -8, so S = -1 / -8 = 0.125 and B = -1. Codes (x + 1) / 0.125: 0.95 gives 15.6, clipped
+// to 15 (0.875: the far edge beyond reach); ties 0.5 -> 0, 1.5 -> 2, 8.5 -> 8.
+// Group 1: hi = 0.5 is the edge (|hi| >= |lo| = 0.25): S = -0.05 (r = 0.75 / 15, q0 = -10,
+// S = 0.5 / -10), B = 0.5; codes (x - 0.5) / -0.05: 0.5 -> 0, -0.25 -> 15, 0 -> 10,
+// 0.4375 -> 1.25 -> 1. An all-zero group (2 bits): r = 1e-7, q0 = 0, S = -1e-7, B = 0, codes 0.
+TEST(ReferenceQuantize, MlxAffineGroupsWorkedByHand) {
+  TensorQuant q = format(QuantFormat::mlx_affine, ScaleGranularity::group, 32);
+  q.bits = 4;
+  std::vector<float> x(64, 0.0f);
+  const std::vector<float> g0 = {-1.0f, 0.95f, 0.0f, -0.9375f, -0.8125f, 0.0625f};
+  const std::vector<float> g1 = {0.5f, -0.25f, 0.0f, 0.4375f};
+  std::copy(g0.begin(), g0.end(), x.begin());
+  std::copy(g1.begin(), g1.end(), x.begin() + 32);
+  const QuantizedRow row = reference::quantize(q, x.data(), 64, 0);
+  EXPECT_EQ(std::vector<int>(row.codes.begin(), row.codes.begin() + 6), (std::vector<int>{0, 15, 8, 0, 2, 8}));
+  EXPECT_EQ(row.codes[6], 8);  // a zero: exactly code -q0
+  EXPECT_EQ(std::vector<int>(row.codes.begin() + 32, row.codes.begin() + 36), (std::vector<int>{0, 15, 10, 1}));
+  EXPECT_EQ(row.codes[36], 10);
+  EXPECT_EQ(row.scales, (std::vector<double>{0.125, static_cast<double>(0.5f / -10.0f)}));
+  EXPECT_EQ(row.biases, (std::vector<double>{-1.0, 0.5}));
+  const std::vector<double> back = decoded(q, row);
+  EXPECT_EQ(back[0], -1.0);
+  EXPECT_EQ(back[1], 0.875);  // clipped: 0.075 from 0.95, within e = 2 |S| = 0.25
+  EXPECT_EQ(back[2], 0.0);
+  EXPECT_LE(std::abs(back[1] - 0.95), reference::element_bound(QuantFormat::mlx_affine, 0.95, 0.125));
+  q.bits = 2;
+  const std::vector<float> zeros(32, 0.0f);
+  const QuantizedRow flat = reference::quantize(q, zeros.data(), 32, 0);
+  EXPECT_EQ(flat.biases, std::vector<double>{0.0});
+  EXPECT_EQ(flat.scales, std::vector<double>{static_cast<double>(-1e-7f)});
+  EXPECT_EQ(flat.codes, std::vector<int>(32, 0));
+}
+
 TEST(QuantCodec, EvenFormatsStoreTheHandWorkedCodes) {
   using optimized::Codec;
   const std::vector<float> x = {0.125f, 0.375f, 0.625f, -0.125f, -0.375f, -0.625f, 31.875f, -32.0f,

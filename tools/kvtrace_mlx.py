@@ -146,7 +146,8 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
         if any(hasattr(c, "bits") for c in caches):
             # Its floats would be judged as float storage: mlx's affine groups (a float scale and
             # bias per group) need their own SPEC 9 row first.
-            raise UsageError("QuantizedKVCache is not driven yet: mlx's affine quantization has no SPEC 9 format row")
+            raise UsageError("QuantizedKVCache is not driven yet: SPEC 9.7 (mlx_affine) defines its groups and the "
+                             "reference follows them, but kvcheck does not read its codes and biases from a trace")
         return caches
 
     result = DriveResult()

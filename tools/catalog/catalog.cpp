@@ -75,6 +75,7 @@ const std::vector<CacheEntry>& real_caches() {
          },
          [](const CacheConfig& c) { return std::make_unique<HybridCache>(c); }},
     };
+    // None of them stores MLX's affine groups yet (SPEC 9.7: the reference and exports do).
     // None of them quantizes the query (kv_quant "query", ggml's CPU convention). Under scales
     // frozen per row with a prefix cache, a hit's tokens keep their writer's scale: only a
     // cache that takes the hit holds what the reference expects.
@@ -88,7 +89,7 @@ const std::vector<CacheEntry>& real_caches() {
                   prunes = e.name == "dynamic" || e.name == "static" || e.name == "hybrid"](const Scenario& s) {
         const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
         const bool prune_served = !s.prunes() || (prunes && (!s.prunes(true) || s.kv_dtype == KvDtype::float32));
-        return !(s.quantized() && s.quant_rules().query) && (paged || !shared_scales) &&
+        return !(s.quantized() && s.quant_rules().query) && !stores_mlx_affine(s) && (paged || !shared_scales) &&
                (hybrid || s.shared_rope()) && prune_served && inner(s);
       };
     return list;

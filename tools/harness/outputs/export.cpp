@@ -101,6 +101,7 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
       scale["value"] = t.scale.rule == ScaleRule::first_append ? "first_append" : "amax";
     json j = {{"format", to_string(t.format)}, {"scale", scale}};
     if (t.transform_block > 0) j["transform_block"] = t.transform_block;
+    if (t.format == QuantFormat::mlx_affine) j["bits"] = t.bits;
     return j;
   };
   json j = {{"transform", to_string(q.transform)}, {"shift", "requantize"}, {"residual", q.residual},
@@ -116,7 +117,8 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
 // scales, R the most keys any row keeps; a shorter row is padded with code 0 and scale NaN,
 // as are the keys a residual holds raw, which [L, B, R] `raw` marks with 1).
 // Codes as SPEC 9.3 dumps them: int8 for int8 and q8_0, uint8 otherwise (fp8 bit patterns,
-// 4- and 2-bit codes one per byte); zero points int32.
+// 4- and 2-bit codes one per byte); zero points int32; mlx_affine's biases (SPEC 9.7) as its
+// scales are, in a `bias` file.
 // A per-layer kv_quant list gets one file per layer instead ([B, R, Hkv, ...], named
 // `..._k_codes_lNN.npy`), listed in layer order, null where the layer keeps the tensor in
 // kv_dtype: the layers' formats and group counts may differ.
@@ -142,8 +144,10 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
     const std::size_t n = last - first;
     const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(t, s.dims.head_dim));
     const bool affine = t.format == QuantFormat::int4 || t.format == QuantFormat::int2;
+    const bool biased = t.format == QuantFormat::mlx_affine;
     std::vector<std::int32_t> codes(n * B * R * Hkv * D, 0), zeros(affine ? n * B * R * Hkv * G : 0, 0);
     std::vector<double> scales(n * B * R * Hkv * G, std::numeric_limits<double>::quiet_NaN());
+    std::vector<double> biases(biased ? scales.size() : 0, std::numeric_limits<double>::quiet_NaN());
     for (std::size_t l = first; l < last; ++l)
       for (std::size_t b = 0; b < B; ++b)
         for (std::size_t i = 0; i < r.stored[l][b].size(); ++i)
@@ -155,6 +159,8 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
             std::copy(row.scales.begin(), row.scales.end(), scales.begin() + static_cast<std::ptrdiff_t>(at * G));
             if (affine)
               std::copy(row.zeros.begin(), row.zeros.end(), zeros.begin() + static_cast<std::ptrdiff_t>(at * G));
+            if (biased)
+              std::copy(row.biases.begin(), row.biases.end(), biases.begin() + static_cast<std::ptrdiff_t>(at * G));
           }
     std::vector<std::size_t> lead = {B, R, Hkv};
     if (!per_layer) lead.insert(lead.begin(), n);
@@ -178,6 +184,10 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
       files["zero"] = stem + "_" + name + "_zero" + suffix + ".npy";
       write_npy((dir / files["zero"].get<std::string>()).string(), shape(G), zeros);
     }
+    if (biased) {
+      files["bias"] = stem + "_" + name + "_bias" + suffix + ".npy";
+      write_npy((dir / files["bias"].get<std::string>()).string(), shape(G), biases);
+    }
     return files;
   };
   for (const bool value : {false, true}) {
@@ -189,12 +199,12 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
       for (const auto& [part, file] : files.items()) step[name + "_" + part] = file;
       continue;
     }
-    json codes = json::array(), scales = json::array(), zeros = json::array();
-    bool any = false, affine = false;
+    json codes = json::array(), scales = json::array(), zeros = json::array(), biases = json::array();
+    bool any = false, affine = false, biased = false;
     for (std::size_t l = 0; l < L; ++l) {
       const std::optional<TensorQuant>& t = value ? s.quant(static_cast<int>(l)).v : s.quant(static_cast<int>(l)).k;
       if (!t) {
-        codes.push_back(nullptr), scales.push_back(nullptr), zeros.push_back(nullptr);
+        codes.push_back(nullptr), scales.push_back(nullptr), zeros.push_back(nullptr), biases.push_back(nullptr);
         continue;
       }
       const json files = write_layers(*t, value, l, l + 1, fmt::format("_l{:02}", l));
@@ -202,11 +212,14 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
       affine = affine || files.contains("zero");
       codes.push_back(files["codes"]), scales.push_back(files["scales"]);
       zeros.push_back(files.contains("zero") ? files["zero"] : json(nullptr));
+      biased = biased || files.contains("bias");
+      biases.push_back(files.contains("bias") ? files["bias"] : json(nullptr));
     }
     if (!any) continue;
     step[name + "_codes"] = codes;
     step[name + "_scales"] = scales;
     if (affine) step[name + "_zero"] = zeros;
+    if (biased) step[name + "_bias"] = biases;
   }
 }
 

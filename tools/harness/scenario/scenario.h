@@ -157,6 +157,14 @@ inline bool quantizes_keys(const Scenario& s) {
   return s.any_layer_quant([](const KvQuant& q) { return q.k.has_value(); });
 }
 
+// Some layer stores K or V in MLX's affine groups (SPEC 9.7): the reference and exports
+// follow it; kvcheck's caches and trace reader do not yet.
+inline bool stores_mlx_affine(const Scenario& s) {
+  return s.any_layer_quant([](const KvQuant& q) {
+    return (q.k && q.k->format == QuantFormat::mlx_affine) || (q.v && q.v->format == QuantFormat::mlx_affine);
+  });
+}
+
 // Number of uids the scenario's steps create, and the batch size each step sees.
 std::int64_t count_uids(const Scenario& scenario);
 // The largest token count any row reaches (a static cache's capacity).

@@ -8,6 +8,17 @@
 
 namespace kvcheck {
 
+namespace {
+
+// SPEC 9.7's biases have no trace entry yet: a trace of an mlx_affine cache gives its keys and
+// values as floats (kvtrace dequantizes them), and its codes are refused by name.
+void not_yet_read(const std::string& path, const std::function<void(const std::string&, const std::string&)>& fail) {
+  fail(path, "not implemented yet: kvcheck does not read mlx_affine codes from a trace (SPEC 9.7's biases have no "
+             "trace entry); give the keys and values the codes stand for");
+}
+
+}  // namespace
+
 void read_code_files(const nlohmann::json& j, const std::string& p, const Scenario& s, int layer,
                      const std::function<std::string(const std::string& key)>& file,
                      const std::function<void(const std::string& path, const std::string& why)>& fail, CodeFiles& out) {
@@ -20,6 +31,8 @@ void read_code_files(const nlohmann::json& j, const std::string& p, const Scenar
       fail(p + "/" + name + "_codes",
            fmt::format("the scenario quantizes no {}{}: codes need its kv_quant (SPEC 9)", tensor == 0 ? "K" : "V",
                        !s.mixed_quant() ? "" : fmt::format(" in layer {}", layer)));
+    if (quant->format == QuantFormat::mlx_affine)
+      not_yet_read(p + "/" + name + "_codes", fail);
     for (const std::string& key : {name + "_codes", name + "_scales"})
       if (!j.contains(key)) fail(p + "/" + key, "expected a file name: codes and scales come together");
     out.codes[tensor] = file(name + "_codes");
@@ -58,6 +71,8 @@ void normalize_codes(QuantFormat format, const std::string& path, std::vector<st
       break;
     case QuantFormat::int2:
       hi = 3;
+      break;
+    case QuantFormat::mlx_affine:  // unsigned, up to 2^bits - 1 (read_code_files refuses them so far)
       break;
   }
   for (std::int32_t c : codes)
