@@ -70,6 +70,7 @@ struct UnpackedRow {
   std::vector<int> codes;
   std::vector<float> scales;
   std::vector<int> zeros;
+  std::vector<float> biases;  // mlx_affine (SPEC 9.7), read from a trace: one per group
 };
 UnpackedRow unpack_row(const RowFormat& format, int kv_head, const std::byte* in, int d);
 

@@ -157,10 +157,17 @@ class MlxCacheTest(unittest.TestCase):
             shutil.rmtree(self.trace)
 
     def test_what_the_driver_cannot_judge_is_refused_by_name(self):
-        # mlx's affine groups have no SPEC 9 row yet (their floats would be judged as float
-        # storage); a paged step has no mlx-lm counterpart. Refused before anything is written.
-        with self.assertRaisesRegex(kvtrace.UsageError, "QuantizedKVCache is not driven yet"):
+        # A QuantizedKVCache needs the scenario's mlx_affine at its bits and group size (SPEC
+        # 9.7), and a quantized scenario needs one; a paged step has no mlx-lm counterpart.
+        # Refused before anything is written.
+        with self.assertRaisesRegex(kvtrace.UsageError, "the scenario's kv_quant must store K and V as mlx_affine"):
             self.drive("full_baseline", lambda: QuantizedKVCache(group_size=32, bits=8))
+        with self.assertRaisesRegex(kvtrace.UsageError, r"layer 0: QuantizedKVCache\(group_size=64, bits=4\), but the "
+                                                        "scenario's k is mlx_affine with groups of 32 at 4 bits"):
+            self.drive("quant_mlx_affine_full", lambda: QuantizedKVCache(group_size=64, bits=4), DATA)
+        with self.assertRaisesRegex(kvtrace.UsageError, "layer 0: the scenario quantizes it \\(kv_quant\\), but its "
+                                                        "cache is a KVCache"):
+            self.drive("quant_mlx_affine_full", KVCache, DATA)
         with self.assertRaisesRegex(kvtrace.UsageError, "mlx-lm's caches have no such operation"):
             self.drive("paged_evict_then_repeat", KVCache)
         self.assertFalse(os.path.exists(self.trace))
@@ -186,6 +193,55 @@ class MlxCacheTest(unittest.TestCase):
         fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
         self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
         self.assertIn("0 of 18 (head_dim, bits) pairs fail: none", fixed.stdout)
+
+    def test_quantized_cache_passes_code_for_code(self):
+        # SPEC 9.7 end to end: mlx-lm's QuantizedKVCache at 4 bits (groups of 32) and 8 bits
+        # (64), driven as llama.py drives it (rope at cache.offset, then update_and_fetch, then
+        # its quantized attention); kvcheck reads its packed codes, scales and biases and holds
+        # every code to the rule, through a 3-token chunk and a trim.
+        layers = lambda: [QuantizedKVCache(group_size=32, bits=4), QuantizedKVCache(group_size=64, bits=8)]
+        result, verify = self.drive("quant_mlx_affine_full", layers, DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("codes: 50688 codes and their scales as the format's rules give", verify.stdout)
+        shutil.rmtree(self.trace)
+
+        class HalfBiases(QuantizedKVCache):
+            """Planted: biases kept in float16 (a float32 model's cache with a half buffer)."""
+
+            def update_and_fetch(self, keys, values):
+                fetched = super().update_and_fetch(keys, values)
+                for packed, scales, biases in (self.keys, self.values):
+                    biases[...] = biases.astype(mx.float16).astype(biases.dtype)
+                return fetched
+
+        result, verify = self.drive("quant_mlx_affine_full", lambda: [HalfBiases(group_size=32, bits=4),
+                                                                      HalfBiases(group_size=64, bits=8)], DATA)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", verify.stdout)
+        self.assertIn("key bias of group 0: expected 0.9764909744262695, stored 0.9765625", verify.stdout)
+        self.assertIn("holds a key whose bias 0 is 0.9765625", verify.stdout)
+        self.assertIn("class: quantization scale wrong", verify.stdout)
+
+    def test_quantized_cache_at_5_bits_on_head_dim_128_is_named_where_it_raises(self):
+        # docs/findings/mlx/quantized-cache-code-buffer-wrong-width.md through kvcheck: the
+        # first update_and_fetch raises, written into the trace and named at step 0.
+        with open(os.path.join(DATA, "quant_mlx_affine_full.json")) as f:
+            scenario = json.load(f)
+        scenario["dimensions"]["head_dim"] = 128
+        scenario["kv_quant"] = [{t: {"format": "mlx_affine", "bits": 5, "scale": {"group": 32}} for t in "kv"}] * 2
+        path = os.path.join(self.work, "five_bits.json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        out = os.path.join(self.work, "export")
+        self.assertEqual(kvcheck("export", path, "--out", out).returncode, 0)
+        result = kvtrace.drive_mlx_cache(kvtrace.Export(out), lambda: QuantizedKVCache(group_size=32, bits=5),
+                                         self.trace)
+        self.assertEqual(result.error_step, 0)
+        verify = kvcheck("verify", path, "--trace", self.trace)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("class: the cache raised", verify.stdout)
+        self.assertIn("(1,2,9,20) and (1,2,9,21)", verify.stdout)
 
     def test_the_reference_quantizes_values_as_mx_quantize_does(self):
         # SPEC 9.7 against MLX itself: the codes, scales and biases `kvcheck export` writes for

@@ -159,6 +159,17 @@ TEST(ReferenceQuantize, MlxAffineGroupsWorkedByHand) {
   EXPECT_EQ(back[1], 0.875);  // clipped: 0.075 from 0.95, within e = 2 |S| = 0.25
   EXPECT_EQ(back[2], 0.0);
   EXPECT_LE(std::abs(back[1] - 0.95), reference::element_bound(QuantFormat::mlx_affine, 0.95, 0.125));
+  // |lo| and |hi| within twice the window (1 vs 0.9999995): another float32 rotation may take
+  // hi as the edge, S = 0.9999995 / rint(0.9999995 / -r) = 0.9999995 / -7, B = 0.9999995, and
+  // the codes of that orientation (1 -> 0, -1 -> 14, 0 -> 7) are kept beside the row's own.
+  std::vector<float> tie(32, 0.0f);
+  tie[0] = -1.0f, tie[1] = 0.9999995f;
+  const QuantizedRow near = reference::quantize(q, tie.data(), 32, 0);
+  EXPECT_EQ(std::vector<int>(near.codes.begin(), near.codes.begin() + 3), (std::vector<int>{0, 15, 8}));
+  EXPECT_EQ(near.other_edges, std::vector<double>{static_cast<double>(0.9999995f)});
+  ASSERT_EQ(near.alt_codes.size(), 32u);
+  EXPECT_EQ(std::vector<int>(near.alt_codes.begin(), near.alt_codes.begin() + 3), (std::vector<int>{14, 0, 7}));
+  EXPECT_TRUE(row.alt_codes.empty());  // no near tie there
   q.bits = 2;
   const std::vector<float> zeros(32, 0.0f);
   const QuantizedRow flat = reference::quantize(q, zeros.data(), 32, 0);

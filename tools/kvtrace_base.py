@@ -207,7 +207,7 @@ def _foreign_entries(path):
     return sorted(name for name in os.listdir(path) if name not in owned)
 
 
-_CODE_NAMES = ("k_codes", "k_scales", "k_zero", "v_codes", "v_scales", "v_zero")  # SPEC 9.3
+_CODE_NAMES = ("k_codes", "k_scales", "k_zero", "k_bias", "v_codes", "v_scales", "v_zero", "v_bias")  # SPEC 9.3, 9.7
 
 
 class TraceWriter:
@@ -262,7 +262,8 @@ class TraceWriter:
         """One step: per layer a dict with keys and values [B, Hkv, slots, D], optional
         out [B, H, n, D] and rotated q [B, H, n, D]. A quantized cache (SPEC 9.3) may give
         k_codes / v_codes [B, Hkv, slots, D] (integers, written as int8 or uint8, one code a
-        byte), k_scales / v_scales [B, Hkv, slots, groups] and k_zero / v_zero, with or
+        byte), k_scales / v_scales [B, Hkv, slots, groups] and k_zero / v_zero (k_bias / v_bias,
+        shaped as the scales, for mlx_affine, SPEC 9.7), with or
         without keys and values: kvcheck dequantizes what is left out. A cache with a residual
         of unquantized tokens adds raw [B, slots] (1: the slot holds its token raw, in keys
         and values, which it must then give; its codes are ignored).
@@ -305,7 +306,7 @@ class TraceWriter:
             x = x.astype(np.int64)
         elif name == "raw":
             x = x.astype(np.uint8)
-        elif name.endswith("_scales"):
+        elif name.endswith("_scales") or name.endswith("_bias"):
             x = x.astype(np.float32)
         else:  # keys, values, pools, out, q
             x = x.astype(self.dtype)

@@ -12,7 +12,9 @@ LlamaModel):
 Keys stay at the absolute position they were rotated at (key_positions "absolute"). What
 the cache holds after a step is cache.keys_and_values(), the slots it counts as held
 (KVCache: keys[..., :offset]; RotatingKVCache: the ring, sinks in [:keep]), in storage
-order: kvcheck allows any slot order. After a chunk a RotatingKVCache keeps the W - 1 tokens
+order: kvcheck allows any slot order. A QuantizedKVCache's state is its codes (unpacked from
+mx.quantize's words), scales and biases (SPEC 9.7's mlx_affine), which the scenario must
+declare at the cache's bits and group size. After a chunk a RotatingKVCache keeps the W - 1 tokens
 before it beside the whole chunk and trims them at its next update: the trace declares
 eviction "deferred" unless told otherwise.
 
@@ -75,6 +77,74 @@ def held_state(cache, kv_heads, head_dim):
         return empty, empty
     keys, values = cache.keys_and_values()
     return _as_numpy(keys), _as_numpy(values)
+
+
+def unpacked_codes(words, bits, dim):
+    """mx.quantize's packed codes [..., dim * bits / 32] uint32 as one code an element: each
+    row's codes are one little-endian bit stream, code i in bits [i * bits, (i + 1) * bits)."""
+    words = np.ascontiguousarray(np.asarray(words, dtype=np.uint32))
+    stream = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    weights = (1 << np.arange(bits)).astype(np.int64)
+    return (stream.reshape(*stream.shape[:-1], dim, bits).astype(np.int64) * weights).sum(axis=-1)
+
+
+def held_codes(cache, kv_heads, head_dim):
+    """A QuantizedKVCache's state as SPEC 9.7's trace gives it: for K and V the codes
+    [B, Hkv, slots, D], scales and biases [B, Hkv, slots, D / group] of its first `offset`
+    slots (its buffers grow in steps of 256)."""
+    if cache.keys is None:
+        empty = np.zeros((1, kv_heads, 0, head_dim))
+        groups = np.zeros((1, kv_heads, 0, head_dim // cache.group_size))
+        return {"k_codes": empty, "k_scales": groups, "k_bias": groups,
+                "v_codes": empty, "v_scales": groups, "v_bias": groups}
+    state = {}
+    for name, (packed, scales, biases) in (("k", cache.keys), ("v", cache.values)):
+        n = cache.offset
+        state[name + "_codes"] = unpacked_codes(np.array(packed[..., :n, :]), cache.bits, head_dim)
+        state[name + "_scales"] = _as_numpy(scales[..., :n, :])
+        state[name + "_bias"] = _as_numpy(biases[..., :n, :])
+    return state
+
+
+def _quantized(cache):
+    return hasattr(cache, "bits") and hasattr(cache, "group_size")
+
+
+def _check_quantized(exp, caches):
+    """A QuantizedKVCache stores K and V as mlx_affine (SPEC 9.7) at its bits and group size:
+    the scenario must say the same for that layer, and a layer the scenario quantizes must
+    have one."""
+    quants = exp.manifest.get("kv_quant")
+    per_layer = quants if isinstance(quants, list) else [quants] * len(caches)
+    for l, cache in enumerate(caches):
+        q = per_layer[l] or {}
+        mlx = [q.get(t, {}).get("format") == "mlx_affine" for t in ("k", "v")]
+        if not _quantized(cache):
+            if any(mlx) or q:
+                raise UsageError("layer %d: the scenario quantizes it (kv_quant), but its cache is a %s"
+                                 % (l, type(cache).__name__))
+            continue
+        if not all(mlx):
+            raise UsageError("layer %d is a QuantizedKVCache: the scenario's kv_quant must store K and V as "
+                             "mlx_affine (SPEC 9.7), got %s" % (l, {t: q.get(t, {}).get("format") for t in ("k", "v")}))
+        for t in ("k", "v"):
+            bits, group = q[t].get("bits"), q[t]["scale"]["group"]
+            if (bits, group) != (cache.bits, cache.group_size):
+                raise UsageError("layer %d: QuantizedKVCache(group_size=%d, bits=%d), but the scenario's %s is "
+                                 "mlx_affine with groups of %d at %d bits" % (l, cache.group_size, cache.bits, t,
+                                                                              group, bits))
+        if any(q.get(rule, plain) != plain for rule, plain in
+               (("residual", 0), ("flush", "append"), ("prefill", "store"), ("chunk_reads", "stored"),
+                ("transform", "none"))):
+            raise UsageError("layer %d: QuantizedKVCache quantizes every token as it is written and reads it back "
+                             "(residual 0, flush append, prefill store, chunk_reads stored, no transform)" % l)
+
+
+def _held(cache, kv_heads, head_dim):
+    """A layer's state for the trace: keys and values, or a QuantizedKVCache's codes."""
+    if _quantized(cache):
+        return held_codes(cache, kv_heads, head_dim)
+    return dict(zip(("keys", "values"), held_state(cache, kv_heads, head_dim)))
 
 
 def chunk_mask(cache, n):
@@ -143,11 +213,7 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
         caches = list(made) if isinstance(made, (list, tuple)) else [made] + [make_cache() for _ in range(layers - 1)]
         if len(caches) != layers:
             raise UsageError("make_cache returned %d caches for %d layers" % (len(caches), layers))
-        if any(hasattr(c, "bits") for c in caches):
-            # Its floats would be judged as float storage: mlx's affine groups (a float scale and
-            # bias per group) need their own SPEC 9 row first.
-            raise UsageError("QuantizedKVCache is not driven yet: SPEC 9.7 (mlx_affine) defines its groups and the "
-                             "reference follows them, but kvcheck does not read its codes and biases from a trace")
+        _check_quantized(exp, caches)
         return caches
 
     result = DriveResult()
@@ -172,8 +238,7 @@ def drive_mlx_cache(export, make_cache, trace_path, window_size="policy", chunks
                         else:
                             result.error, result.error_step = refusal, index
                         continue
-                    writer.step([dict(zip(("keys", "values"), held_state(c, exp.dims.get("kv_heads", exp.dims["heads"]), head_dim)))
-                                 for c in caches])
+                    writer.step([_held(c, exp.dims.get("kv_heads", exp.dims["heads"]), head_dim) for c in caches])
                 else:
                     _forward(exp, step, caches, rope, windows, sinks, writer,
                              prefill_step_size if first_append and chunks == "generate" else None, temperature)
@@ -237,6 +302,9 @@ def _forward(exp, step, caches, rope, windows, sinks, writer, prefill, temperatu
                 else:
                     q_rotated, k_rotated = rope[l](q, offset=cache.offset), rope[l](k, offset=cache.offset)
                 keys, values = cache.update_and_fetch(k_rotated, v)
+                # Read before the attention: with a QuantizedKVCache it multiplies the queries by
+                # the softmax scale in place (`queries *= scale` on the caller's mx.array).
+                query = _as_numpy(q_rotated)
                 out = mlx_base.scaled_dot_product_attention(q_rotated, keys, values, cache=cache, scale=exp.scale,
                                                             mask=mask, sinks=sinks[l])
                 mx.eval(out)
@@ -245,10 +313,9 @@ def _forward(exp, step, caches, rope, windows, sinks, writer, prefill, temperatu
             except Exception as e:  # the cache (or mlx) failed: a finding, written into the trace
                 raise _Failed("%s: %s" % (type(e).__name__, e)) from e
             outs[l].append(_as_numpy(out))
-            queries[l].append(_as_numpy(q_rotated))
+            queries[l].append(query)
     recorded = []
     for l in range(layers):
-        keys, values = held_state(caches[l], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"])
-        recorded.append({"keys": keys, "values": values, "out": np.concatenate(outs[l], axis=2),
-                         "q": np.concatenate(queries[l], axis=2)})
+        held = _held(caches[l], exp.dims.get("kv_heads", exp.dims["heads"]), exp.dims["head_dim"])
+        recorded.append(dict(held, out=np.concatenate(outs[l], axis=2), q=np.concatenate(queries[l], axis=2)))
     writer.step(recorded)

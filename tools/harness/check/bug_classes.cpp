@@ -146,8 +146,9 @@ constexpr BugClassRow kBugClasses[] = {
      "sliding window of the cache's size while single-token decodes see the sinks (mlx-lm's "
      "RotatingKVCache.make_mask with keep > 0)."},
     {BugClass::quant_scale_wrong, "quantization scale wrong",
-     "A stored scale is not the one the format's rule gives for the values it covers (SPEC 9.2.1): a scale "
-     "computed once and frozen, from another batch, the wrong group, or never loaded from the checkpoint."},
+     "A stored scale (or zero point, or bias) is not the one the format's rule gives for the values it covers "
+     "(SPEC 9.2.1): a scale computed once and frozen, from another batch, the wrong group, stored in a narrower "
+     "type, or never loaded from the checkpoint."},
     {BugClass::quant_codes_wrong, "quantized codes wrong",
      "Scales are right but stored codes are not the format's rounding of the values the cache should hold: "
      "wrong rounding, group or axis, a transform missing on a path, or a key quantized at another position "

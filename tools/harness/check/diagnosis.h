@@ -134,7 +134,7 @@ struct CodeMismatch {
   int layer, row, kv_head;
   bool value;  // in V (else K)
   std::int64_t uid, slot;
-  int element;           // -1: the scale of group `group`
+  int element;           // -1: the scale of group `group`; -2 its zero point; -3 its bias (SPEC 9.7)
   int group;
   double expected, actual;  // the code, or the scale
   // A prefix hit's token (SPEC 8.4) whose stored scale is the reading row's own frozen one,

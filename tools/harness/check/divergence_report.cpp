@@ -103,6 +103,7 @@ std::string what(const StepDiagnosis& f, const SlotRow* r) {
       const std::size_t n = f.evidence.codes.size();  // the evidence keeps at most 64
       const std::string part = c.element >= 0    ? fmt::format("code {}", c.element)
                                : c.element == -2 ? fmt::format("zero point {}", c.group)
+                               : c.element == -3 ? fmt::format("bias {}", c.group)
                                                  : fmt::format("scale {}", c.group);
       return fmt::format("layer {} row {}: uid {} (slot {}, kv head {}) holds a {} whose {} is {:.9g}, the format's "
                          "rule gives {:.9g} (the first of {}{} code mismatches at this step)",

@@ -61,6 +61,7 @@ reference::QuantizedRow as_row(const optimized::UnpackedRow& u) {
   r.codes = u.codes;
   r.scales.assign(u.scales.begin(), u.scales.end());
   r.zeros = u.zeros;
+  r.biases.assign(u.biases.begin(), u.biases.end());
   return r;
 }
 
@@ -70,7 +71,7 @@ reference::QuantizedRow as_row(const optimized::UnpackedRow& u) {
 // lower or higher; under scales along the token axis that element is the row's only one in
 // the group, so codes and scales alone would call the row the reference's.
 bool same_stored(const reference::QuantizedRow& a, const reference::QuantizedRow& b) {
-  return a.codes == b.codes && a.scales == b.scales && a.zeros == b.zeros;
+  return a.codes == b.codes && a.scales == b.scales && a.zeros == b.zeros && a.biases == b.biases;
 }
 
 }  // namespace
@@ -407,6 +408,15 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
   return ambiguous && std::abs(e - actual) <= neighbouring_scale_move(format) * std::abs(e);
 }
 
+bool stored_bias_accepted(const reference::QuantizedRow& expected, std::size_t g, double actual) {
+  // SPEC 9.7: the bias is the group's edge, which another's float32 rotation may move by the
+  // window; where |min| and |max| nearly tie, the other extreme may be the edge.
+  if (g >= expected.lows.size()) return expected.biases.at(g) == actual;
+  const double w = expected.windows[g];
+  if (std::abs(actual - expected.lows[g]) <= w) return true;
+  return g < expected.other_edges.size() && std::abs(actual - expected.other_edges[g]) <= w;
+}
+
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
                           double actual_scale, int actual_zero, bool scale_moved) {
   const int e = expected.zeros.at(g);
@@ -613,12 +623,12 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             element >= 0 ? "element"
             : format.scale.granularity == ScaleGranularity::channel
                 ? (element == -2 ? "zero point of channel" : "scale of channel")
-                : (element == -2 ? "zero point of group" : "scale of group"),
+                : (element == -2 ? "zero point of group" : element == -3 ? "bias of group" : "scale of group"),
             element < 0 ? group : element, e, a);
       if (evidence.codes.size() < 64) evidence.codes.push_back(where);
     };
     if (actual.codes.size() != expected.codes.size() || actual.scales.size() != expected.scales.size() ||
-        actual.zeros.size() != expected.zeros.size()) {
+        actual.zeros.size() != expected.zeros.size() || actual.biases.size() != expected.biases.size()) {
       if (codes_.failures++ == 0)
         codes_.first = fmt::format("{}: layer {} row {} uid {} kv head {}: {} stored as {} codes, {} scales and {} zero "
                                    "points, expected {}, {} and {}",
@@ -641,15 +651,27 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       scale_moved[g] = true;
       if (!stored_scale_accepted(format, expected, g, a)) fail(-1, static_cast<int>(g), e, a);
     }
+    for (std::size_t g = 0; g < expected.biases.size(); ++g) {
+      if (expected.biases[g] == actual.biases[g]) continue;
+      if (!stored_bias_accepted(expected, g, actual.biases[g])) fail(-3, static_cast<int>(g), expected.biases[g], actual.biases[g]);
+      scale_moved[g] = true;  // its codes move with it
+    }
     for (std::size_t g = 0; g < expected.zeros.size(); ++g) {
       if (expected.zeros[g] == actual.zeros[g]) continue;
       if (!stored_zero_accepted(format, expected, g, actual.scales[g], actual.zeros[g], scale_moved[g]))
         fail(-2, static_cast<int>(g), expected.zeros[g], actual.zeros[g]);
       scale_moved[g] = true;  // its codes move with it
     }
+    // SPEC 9.7: a group whose stored bias is its other extreme took the other orientation.
+    std::vector<bool> flipped(expected.biases.size(), false);
+    for (std::size_t g = 0; g < expected.biases.size() && !expected.alt_codes.empty(); ++g)
+      flipped[g] = g < expected.other_edges.size() && !std::isnan(expected.other_edges[g]) &&
+                   std::abs(actual.biases[g] - expected.other_edges[g]) <= expected.windows[g] &&
+                   std::abs(actual.biases[g] - expected.lows[g]) > expected.windows[g];
     for (std::size_t i = 0; i < expected.codes.size(); ++i) {
       ++codes_checked_;
-      const int e = expected.codes[i], a = actual.codes[i];
+      const bool other = !flipped.empty() && flipped[i / static_cast<std::size_t>(group)];
+      const int e = other ? expected.alt_codes[i] : expected.codes[i], a = actual.codes[i];
       if (e == a) continue;
       const bool neighbour = std::abs(e - a) == 1 && ((e ^ a) & 0x80) == 0;
       const bool near = i < expected.near_boundary.size() && expected.near_boundary[i];

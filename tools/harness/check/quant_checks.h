@@ -52,6 +52,10 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
 // reference's round(-min / S) over that S, for every min within the group's window (codes
 // read back from a cache carry no window: then one off, where the scale moved
 // (`scale_moved`) or was flagged).
+// SPEC 9.7: whether a cache's stored mlx_affine bias of group g is one its float32 arithmetic
+// may give: the group's edge moved by at most the window (or the other extreme, when |min|
+// and |max| nearly tie).
+bool stored_bias_accepted(const reference::QuantizedRow& expected, std::size_t g, double actual);
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
                           double actual_scale, int actual_zero, bool scale_moved);
 

@@ -8,17 +8,6 @@
 
 namespace kvcheck {
 
-namespace {
-
-// SPEC 9.7's biases have no trace entry yet: a trace of an mlx_affine cache gives its keys and
-// values as floats (kvtrace dequantizes them), and its codes are refused by name.
-void not_yet_read(const std::string& path, const std::function<void(const std::string&, const std::string&)>& fail) {
-  fail(path, "not implemented yet: kvcheck does not read mlx_affine codes from a trace (SPEC 9.7's biases have no "
-             "trace entry); give the keys and values the codes stand for");
-}
-
-}  // namespace
-
 void read_code_files(const nlohmann::json& j, const std::string& p, const Scenario& s, int layer,
                      const std::function<std::string(const std::string& key)>& file,
                      const std::function<void(const std::string& path, const std::string& why)>& fail, CodeFiles& out) {
@@ -31,8 +20,6 @@ void read_code_files(const nlohmann::json& j, const std::string& p, const Scenar
       fail(p + "/" + name + "_codes",
            fmt::format("the scenario quantizes no {}{}: codes need its kv_quant (SPEC 9)", tensor == 0 ? "K" : "V",
                        !s.mixed_quant() ? "" : fmt::format(" in layer {}", layer)));
-    if (quant->format == QuantFormat::mlx_affine)
-      not_yet_read(p + "/" + name + "_codes", fail);
     for (const std::string& key : {name + "_codes", name + "_scales"})
       if (!j.contains(key)) fail(p + "/" + key, "expected a file name: codes and scales come together");
     out.codes[tensor] = file(name + "_codes");
@@ -43,6 +30,11 @@ void read_code_files(const nlohmann::json& j, const std::string& p, const Scenar
                                                           to_string(quant->format))
                                             : fmt::format("{} has no zero points", to_string(quant->format)));
     if (affine) out.zeros[tensor] = file(name + "_zero");
+    const bool biased = quant->format == QuantFormat::mlx_affine;  // SPEC 9.7
+    if (biased != j.contains(name + "_bias"))
+      fail(p + "/" + name + "_bias", biased ? "expected a file name: mlx_affine codes need their biases"
+                                            : fmt::format("{} has no biases", to_string(quant->format)));
+    if (biased) out.biases[tensor] = file(name + "_bias");
   }
 }
 
@@ -72,7 +64,7 @@ void normalize_codes(QuantFormat format, const std::string& path, std::vector<st
     case QuantFormat::int2:
       hi = 3;
       break;
-    case QuantFormat::mlx_affine:  // unsigned, up to 2^bits - 1 (read_code_files refuses them so far)
+    case QuantFormat::mlx_affine:  // unsigned, up to 2^bits - 1 (the code check holds each to its bits)
       break;
   }
   for (std::int32_t c : codes)
@@ -112,6 +104,12 @@ StoredRows StoredRows::read(const CodeFiles& files, int t, const TensorQuant& qu
                                      : fmt::format("groups of {}", head_dim / r.groups),
                                  shape_string(r.scales.shape)));
   if (!files.zeros[t].empty()) r.zeros = load_codes(files.zeros[t], shape);
+  if (!files.biases[t].empty()) {
+    r.biases = read_npy_floats(files.biases[t], &ignored);
+    if (r.biases->shape != shape)
+      throw InputError(files.biases[t], "", fmt::format("expected biases of shape {} (as the scales), got {}",
+                                                        shape_string(shape), shape_string(r.biases->shape)));
+  }
   return r;
 }
 
@@ -125,6 +123,10 @@ optimized::UnpackedRow StoredRows::unpacked(std::size_t row) const {
     const auto z = zeros->data.begin() + static_cast<std::ptrdiff_t>(row * groups);
     u.zeros.assign(z, z + static_cast<std::ptrdiff_t>(groups));
   }
+  if (biases) {
+    const auto c0 = biases->data.begin() + static_cast<std::ptrdiff_t>(row * groups);
+    u.biases.assign(c0, c0 + static_cast<std::ptrdiff_t>(groups));
+  }
   return u;
 }
 
@@ -134,6 +136,7 @@ reference::QuantizedRow StoredRows::quantized(std::size_t row) const {
   q.codes = u.codes;
   q.scales.assign(u.scales.begin(), u.scales.end());
   q.zeros = u.zeros;
+  q.biases.assign(u.biases.begin(), u.biases.end());
   return q;
 }
 

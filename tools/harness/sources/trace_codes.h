@@ -20,7 +20,7 @@ namespace kvcheck {
 
 // The files of one layer's codes: [0] keys, [1] values; empty where not given.
 struct CodeFiles {
-  std::string codes[2], scales[2], zeros[2];
+  std::string codes[2], scales[2], zeros[2], biases[2];
 };
 
 // Reads `k_codes`, `k_scales`, `k_zero`, `v_...` of the manifest object `j` at JSON path `p`:
@@ -46,6 +46,7 @@ struct StoredRows {
   NpyArray<std::int32_t> codes;
   NpyArray<float> scales;
   std::optional<NpyArray<std::int32_t>> zeros;
+  std::optional<NpyArray<float>> biases;  // mlx_affine (SPEC 9.7)
   std::size_t head_dim = 0, groups = 0;
 
   // Reads and checks the three files of tensor t: `rows_shape` is the shape's leading

@@ -82,11 +82,12 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   if (!j.is_object()) fail(p, "expected an object");
   static const std::set<std::string> known = {"block_size", "layout",     "key_cache",    "value_cache", "block_table",
                                               "refcount",   "hit_tokens", "slot_mapping", "block_ids",   "k_codes",
-                                              "k_scales",   "k_zero",     "v_codes",      "v_scales",    "v_zero"};
+                                              "k_scales",   "k_zero",     "v_codes",      "v_scales",    "v_zero",
+                                              "k_bias",     "v_bias"};
   for (const auto& [key, value] : j.items())
     if (!known.count(key))
       fail(p + "/" + key, "unknown key (expected block_size, layout, key_cache, value_cache, block_table, refcount, "
-                          "hit_tokens, slot_mapping, block_ids, k_codes, k_scales, k_zero, v_codes, v_scales, v_zero)");
+                          "hit_tokens, slot_mapping, block_ids, k_codes, k_scales, k_zero, k_bias, v_codes, v_scales, v_zero, v_bias)");
   PagedTraceFiles f;
   if (!j.contains("block_size") || !j["block_size"].is_number_integer() || j["block_size"].get<std::int64_t>() < 1 ||
       j["block_size"].get<std::int64_t>() > 65536)
@@ -199,10 +200,10 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         if (!ls[l].is_object()) fail(lp, "expected an object of file names");
         for (const auto& [key, value] : ls[l].items()) {
           static const std::set<std::string> known = {"keys",    "values",   "out",      "q",      "k_codes", "k_scales",
-                                                      "k_zero",  "v_codes",  "v_scales", "v_zero", "raw",     "paged"};
+                                                      "k_zero",  "v_codes",  "v_scales", "v_zero", "raw",     "paged", "k_bias", "v_bias"};
           if (!known.count(key))
-            fail(lp + "/" + key, "unknown key (expected keys, values, out, q, k_codes, k_scales, k_zero, v_codes, "
-                                 "v_scales, v_zero, raw, paged)");
+            fail(lp + "/" + key, "unknown key (expected keys, values, out, q, k_codes, k_scales, k_zero, k_bias, v_codes, "
+                                 "v_scales, v_zero, v_bias, raw, paged)");
           if (key != "paged" && !value.is_string()) fail(lp + "/" + key, "expected a file name");
         }
         TraceFiles f;
@@ -451,10 +452,6 @@ class TraceSource {
 }  // namespace
 
 CacheTrace verify_trace(const Scenario& s, const std::string& dir, const VerifyOptions& verify) {
-  if (stores_mlx_affine(s))
-    throw InputError(dir, "",
-                     "not implemented yet: the scenario stores mlx_affine (SPEC 9.7), and kvcheck does not verify a "
-                     "trace of it yet (its reference and `kvcheck export` follow it)");
   const InputTable inputs = load_inputs(s);
   const ReferenceRun run = run_reference(s, inputs);
   const Trace trace = read_manifest(s, dir, run.steps.size());
