@@ -181,38 +181,16 @@ void mlx_affine_group(int bits, const float* xs, int group, double window, Quant
   if (q0 != 0.0f) s = edge / q0, bias = edge;
   row.scales.push_back(s);
   row.biases.push_back(bias);
-  // Another's float32 rotation may move each element by the window: the edge with it (so the
-  // bias and, through q0, the scale), and the quotients of the codes.
+  // Another's float32 rotation may move each element by the window: the edge (so the bias
+  // and, through q0, the scale) and the range with it, even the orientation where |lo| and
+  // |hi| nearly tie. The check (mlx_group_accepted) recomputes what is reachable from these.
   row.scale_near_boundary.push_back(window > 0.0);
   row.lows.push_back(edge);
   row.windows.push_back(window);
-  // The scales that arithmetic may store: the edge moved by the window and the range by twice
-  // it (q0 may then round the other way), in both orientations where |lo| and |hi| nearly tie.
+  row.spans.push_back(static_cast<double>(hi) - lo);
   const bool near_tie = std::abs(std::abs(static_cast<double>(lo)) - std::abs(static_cast<double>(hi))) <= 2 * window;
   row.other_edges.push_back(near_tie ? (low_edge ? hi : lo) : NAN);
-  double s_min = s, s_max = s;
-  for (const bool low : {true, false}) {
-    if (low != low_edge && !near_tie) continue;
-    for (const double de : {-window, window})
-      for (const double dr : {-2 * window / n, 2 * window / n}) {
-        const double e2 = (low ? lo : hi) + de, r2 = std::max((static_cast<double>(hi) - lo) / n + dr, 1e-7);
-        const double s0 = low ? r2 : -r2, q2 = std::nearbyint(e2 / s0), s2 = q2 != 0.0 ? e2 / q2 : s0;
-        s_min = std::min(s_min, s2), s_max = std::max(s_max, s2);
-      }
-  }
-  if (near_tie) {  // the codes under the other orientation, as step 3 and 4 give them
-    const float s_other0 = low_edge ? -r : r, e_other = low_edge ? hi : lo;
-    const float q_other = std::nearbyint(e_other / s_other0);
-    const float s_other = q_other != 0.0f ? e_other / q_other : s_other0, b_other = q_other != 0.0f ? e_other : 0.0f;
-    row.alt_codes.resize(row.codes.size(), -1);
-    for (int i = 0; i < group; ++i) {
-      const float y = (xs[i] - b_other) / s_other;
-      row.alt_codes[static_cast<std::size_t>(g0 + i)] =
-          std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, n));
-    }
-  }
-  row.scale_min.push_back(s_min - std::abs(s_min) * 0x1p-23);  // and the float32 rounding of e / q0
-  row.scale_max.push_back(s_max + std::abs(s_max) * 0x1p-23);
+  row.values.insert(row.values.end(), xs, xs + group);
   for (int i = 0; i < group; ++i) {
     const float y = (xs[i] - bias) / s;
     row.codes[static_cast<std::size_t>(g0 + i)] = std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, n));

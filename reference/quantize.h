@@ -34,13 +34,13 @@ struct QuantizedRow {
   // point round(-min / S) is checked against the stored S over min -+ window). Empty for
   // codes read back from a cache.
   std::vector<double> scale_min, scale_max, lows, windows;
-  // mlx_affine: per group, the other extreme when |min| and |max| are within twice the window
-  // (either may be the edge in another's arithmetic), else NaN; lows hold the edge.
-  std::vector<double> other_edges;
-  // mlx_affine: where a group's |min| and |max| nearly tie, its codes with the other extreme
-  // as the edge (the scale's sign flipped), which such a cache stores instead; -1 elsewhere.
-  // Empty when no group of the row nearly ties.
-  std::vector<int> alt_codes;
+  // mlx_affine (SPEC 9.7), per group: lows hold the edge, spans max - min, other_edges the
+  // other extreme when |min| and |max| are within twice the window (either may be the edge in
+  // another's arithmetic), else NaN; and the float32 values quantized, one per element, from
+  // which the check recomputes the codes under a cache's own scale and bias. Empty for codes
+  // read back from a cache.
+  std::vector<double> spans, other_edges;
+  std::vector<float> values;
   bool operator==(const QuantizedRow&) const = default;
 };
 

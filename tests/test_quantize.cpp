@@ -10,6 +10,7 @@
 #include "optimized/row_codec.h"
 #include "reference/quantize.h"
 #include "reference/stored_kv.h"
+#include "tools/harness/check/quant_checks.h"
 
 using namespace kvcheck;
 using reference::QuantizedRow;
@@ -159,23 +160,45 @@ TEST(ReferenceQuantize, MlxAffineGroupsWorkedByHand) {
   EXPECT_EQ(back[1], 0.875);  // clipped: 0.075 from 0.95, within e = 2 |S| = 0.25
   EXPECT_EQ(back[2], 0.0);
   EXPECT_LE(std::abs(back[1] - 0.95), reference::element_bound(QuantFormat::mlx_affine, 0.95, 0.125));
-  // |lo| and |hi| within twice the window (1 vs 0.9999995): another float32 rotation may take
-  // hi as the edge, S = 0.9999995 / rint(0.9999995 / -r) = 0.9999995 / -7, B = 0.9999995, and
-  // the codes of that orientation (1 -> 0, -1 -> 14, 0 -> 7) are kept beside the row's own.
-  std::vector<float> tie(32, 0.0f);
-  tie[0] = -1.0f, tie[1] = 0.9999995f;
-  const QuantizedRow near = reference::quantize(q, tie.data(), 32, 0);
-  EXPECT_EQ(std::vector<int>(near.codes.begin(), near.codes.begin() + 3), (std::vector<int>{0, 15, 8}));
-  EXPECT_EQ(near.other_edges, std::vector<double>{static_cast<double>(0.9999995f)});
-  ASSERT_EQ(near.alt_codes.size(), 32u);
-  EXPECT_EQ(std::vector<int>(near.alt_codes.begin(), near.alt_codes.begin() + 3), (std::vector<int>{14, 0, 7}));
-  EXPECT_TRUE(row.alt_codes.empty());  // no near tie there
   q.bits = 2;
   const std::vector<float> zeros(32, 0.0f);
   const QuantizedRow flat = reference::quantize(q, zeros.data(), 32, 0);
   EXPECT_EQ(flat.biases, std::vector<double>{0.0});
   EXPECT_EQ(flat.scales, std::vector<double>{static_cast<double>(-1e-7f)});
   EXPECT_EQ(flat.codes, std::vector<int>(32, 0));
+}
+
+// SPEC 9.7's check 9.2.1: the bias and scale another float32 arithmetic may store, each case
+// worked in NumPy float32 as MLX's rule (4 bits, groups of 32, the window 2^-20 of the row's
+// largest element).
+TEST(QuantChecks, MlxAffineScalesAndBiasesWithinTheWindow) {
+  TensorQuant q = format(QuantFormat::mlx_affine, ScaleGranularity::group, 32);
+  q.bits = 4;
+  const auto verdict = [&](const std::vector<float>& x, float scale, float bias) {
+    const QuantizedRow row = reference::quantize(q, x.data(), 32, 0);
+    const MlxGroupVerdict v = mlx_group_accepted(row, 0, 4, scale, bias);
+    return std::pair{v.bias, v.scale};
+  };
+  // linspace(-0.7647058, 1, 32): hi = 1 is the edge, q0 = rint(1 / -0.11764705) = -9 (a near
+  // half, -8.5000004), S = -1/9, B = 1. With x[0] one ulp lower, MLX takes q0 = -8, S = -0.125.
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; ++i) x[static_cast<std::size_t>(i)] = -0.7647058f + (1.0f + 0.7647058f) * static_cast<float>(i) / 31.0f;
+  x[31] = 1.0f;
+  EXPECT_EQ(verdict(x, 1.0f / -9.0f, 1.0f), std::pair(true, true));
+  EXPECT_EQ(verdict(x, -0.125f, 1.0f), std::pair(true, true));
+  EXPECT_EQ(verdict(x, 1.0f / -12.0f, 1.0f), std::pair(true, false));  // q0 = -12: out of reach
+  EXPECT_EQ(verdict(x, -0.125f, 1.0001f), std::pair(false, false));   // the bias 1e-4 from the edge
+  // [-1, 0.9999995, 0, ...]: |lo| and |hi| within twice the window. Moved to 0.99999994, MLX
+  // keeps lo as the edge with q0 = -7 (S = 1/7, B = -1); or takes hi as the edge:
+  // q0 = rint(0.9999995 / -0.13333330) = -7, S = 0.9999995 / -7, B = 0.9999995.
+  std::vector<float> tie(32, 0.0f);
+  tie[0] = -1.0f, tie[1] = 0.9999995f;
+  EXPECT_EQ(verdict(tie, 0.125f, -1.0f), std::pair(true, true));
+  EXPECT_EQ(verdict(tie, -1.0f / -7.0f, -1.0f), std::pair(true, true));
+  EXPECT_EQ(verdict(tie, 0.9999995f / -7.0f, 0.9999995f), std::pair(true, true));
+  std::vector<float> apart = tie;
+  apart[1] = 0.9f;  // no near tie: hi is never the edge
+  EXPECT_EQ(verdict(apart, 0.9f / -7.0f, 0.9f), std::pair(false, false));
 }
 
 TEST(QuantCodec, EvenFormatsStoreTheHandWorkedCodes) {

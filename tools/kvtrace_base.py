@@ -7,6 +7,7 @@ kvtrace_paged.py import from here and never from each other's callers, so the mo
 circle. Users keep importing kvtrace: it re-exports every name below. NumPy only."""
 
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -234,7 +235,10 @@ class TraceWriter:
         if dtype not in self.DTYPES:
             raise ValueError("dtype must be \"float32\" or \"float16\", got %r" % (dtype,))
         blocks = isinstance(eviction, dict) and list(eviction) == ["blocks"] and \
-            isinstance(eviction["blocks"], int) and eviction["blocks"] > 0
+            isinstance(eviction["blocks"], numbers.Integral) and not isinstance(eviction["blocks"], bool) and \
+            eviction["blocks"] > 0
+        if blocks:
+            eviction = {"blocks": int(eviction["blocks"])}
         if not blocks and eviction not in (None, "eager", "lazy", "deferred", "never"):
             raise ValueError("eviction must be None, \"eager\", \"lazy\", \"deferred\", \"never\" or "
                              "{\"blocks\": capacity}, got %r" % (eviction,))

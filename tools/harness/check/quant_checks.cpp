@@ -331,6 +331,15 @@ double unseen_row_deviation(const TensorQuant& format, const std::vector<float>&
   for (int g0 = 0; g0 < d; g0 += group) {
     const auto at = static_cast<std::size_t>(g0 / group);
     const double s = std::abs(r.scales.at(at));
+    if (format.format == QuantFormat::mlx_affine) {
+      // SPEC 9.7: any code may move with q0, the bias and the orientation; each side is within
+      // 2 |S| of its element, the cache's |S| at most (4/3) (range + 2w) / n.
+      const double s_moved = 4.0 / 3.0 * (r.spans.at(at) + 2 * w) / ((1 << format.bits) - 1);
+      const double delta = reference::element_bound(format.format, 0.0, s) +
+                           reference::element_bound(format.format, 0.0, s_moved) + w;
+      sum += group * delta * delta;
+      continue;
+    }
     // The scales stored_scale_accepted takes for the group: its own; where flagged, any in
     // [scale_min, scale_max], and (not affine) a neighbouring value of the dtype.
     const bool scale_moves = at < r.scale_near_boundary.size() && r.scale_near_boundary[at];
@@ -408,13 +417,44 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
   return ambiguous && std::abs(e - actual) <= neighbouring_scale_move(format) * std::abs(e);
 }
 
-bool stored_bias_accepted(const reference::QuantizedRow& expected, std::size_t g, double actual) {
-  // SPEC 9.7: the bias is the group's edge, which another's float32 rotation may move by the
-  // window; where |min| and |max| nearly tie, the other extreme may be the edge.
-  if (g >= expected.lows.size()) return expected.biases.at(g) == actual;
-  const double w = expected.windows[g];
-  if (std::abs(actual - expected.lows[g]) <= w) return true;
-  return g < expected.other_edges.size() && std::abs(actual - expected.other_edges[g]) <= w;
+MlxGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits, double scale,
+                                   double bias) {
+  MlxGroupVerdict v;
+  if (g >= expected.lows.size()) {  // no windows: exactly the reference's
+    v.bias = expected.biases.at(g) == bias;
+    v.scale = expected.scales.at(g) == scale;
+    return v;
+  }
+  const double n = (1 << bits) - 1, w = expected.windows[g], span = expected.spans[g];
+  // The group's extremes, from the reference's orientation (a positive scale: lo is the edge).
+  const bool low = expected.scales[g] > 0.0;
+  const double lo = low ? expected.lows[g] : expected.lows[g] - span, hi = low ? expected.lows[g] + span : expected.lows[g];
+  const bool near_tie = g < expected.other_edges.size() && !std::isnan(expected.other_edges[g]);
+  // The range moves by at most twice the window, r = max(range / n, 1e-7) with it.
+  const double r_lo = std::max((span - 2 * w) / n, 1e-7), r_hi = std::max((span + 2 * w) / n, 1e-7);
+  for (const bool low_edge : {true, false}) {
+    if (low_edge != low && !near_tie) continue;  // only a near tie takes the other orientation
+    const double e0 = low_edge ? lo : hi, sign = low_edge ? 1.0 : -1.0;
+    // The integers q0 = rint(e' / (sign r')) reaches over e' within w of e0 (the quotient in
+    // float32: a relative 2^-22 more either way).
+    double q_min = INFINITY, q_max = -INFINITY;
+    for (const double e : {e0 - w, e0 + w})
+      for (const double r : {r_lo, r_hi}) q_min = std::min(q_min, e / (sign * r)), q_max = std::max(q_max, e / (sign * r));
+    q_min = std::nearbyint(q_min - std::abs(q_min) * 0x1p-22), q_max = std::nearbyint(q_max + std::abs(q_max) * 0x1p-22);
+    if (bias == 0.0 && q_min <= 0.0 && 0.0 <= q_max) {  // q0 = 0: the scale stays sign r'
+      v.bias = true;
+      const double a = scale * sign;
+      v.scale = v.scale || (a >= r_lo * (1 - 0x1p-22) && a <= r_hi * (1 + 0x1p-22));
+      continue;
+    }
+    if (std::abs(bias - e0) > w) continue;  // the bias is this orientation's edge, moved
+    v.bias = true;
+    // The scale is the stored bias over an integer q0 in reach, divided in float32 as MLX does.
+    const double q = std::nearbyint(bias / scale);
+    v.scale = v.scale || (q != 0.0 && q_min <= q && q <= q_max &&
+                          static_cast<float>(bias) / static_cast<float>(q) == static_cast<float>(scale));
+  }
+  return v;
 }
 
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
@@ -640,6 +680,36 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       if (evidence.codes.size() < 64) evidence.codes.push_back(where);
       return false;
     }
+    // SPEC 9.7: each group's bias and scale as MLX's rule gives them for elements moved by at
+    // most the window, and every code the rule's under the cache's own bias and scale.
+    if (format.format == QuantFormat::mlx_affine) {
+      const int group = reference::scale_group(format, D), top = (1 << format.bits) - 1;
+      for (std::size_t g = 0; g < expected.scales.size(); ++g) {
+        const MlxGroupVerdict v = mlx_group_accepted(expected, g, format.bits, actual.scales[g], actual.biases[g]);
+        if (!v.bias) fail(-3, static_cast<int>(g), expected.biases[g], actual.biases[g]);
+        if (v.bias && !v.scale) fail(-1, static_cast<int>(g), expected.scales[g], actual.scales[g]);
+        if (!v.bias || !v.scale) continue;
+        for (int i = 0; i < group; ++i) {
+          const std::size_t at = g * static_cast<std::size_t>(group) + static_cast<std::size_t>(i);
+          ++codes_checked_;
+          const int a = actual.codes[at];
+          const float y = (expected.values[at] - actual.biases[g]) / actual.scales[g];
+          const int c = std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, static_cast<float>(top)));
+          if (a == c && a == expected.codes[at]) continue;
+          if (a == c) {
+            ++codes_on_boundary_;  // the rule's code under the cache's own scale and bias
+            continue;
+          }
+          const double slack = (expected.windows[g] + std::abs(expected.values[at]) * 0x1p-22) / std::abs(actual.scales[g]);
+          if (a >= 0 && a <= top && std::abs(a - c) == 1 && std::abs(std::abs(y - std::floor(y)) - 0.5) <= slack) {
+            ++codes_on_boundary_;
+            continue;
+          }
+          fail(static_cast<int>(at), static_cast<int>(g), c, a);
+        }
+      }
+      return ok;
+    }
     // A computed scale (and an affine zero point) may move only where the reference found it
     // near a rounding boundary, as far as stored_scale_accepted and stored_zero_accepted allow;
     // the codes of that group may then differ by one.
@@ -651,27 +721,15 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       scale_moved[g] = true;
       if (!stored_scale_accepted(format, expected, g, a)) fail(-1, static_cast<int>(g), e, a);
     }
-    for (std::size_t g = 0; g < expected.biases.size(); ++g) {
-      if (expected.biases[g] == actual.biases[g]) continue;
-      if (!stored_bias_accepted(expected, g, actual.biases[g])) fail(-3, static_cast<int>(g), expected.biases[g], actual.biases[g]);
-      scale_moved[g] = true;  // its codes move with it
-    }
     for (std::size_t g = 0; g < expected.zeros.size(); ++g) {
       if (expected.zeros[g] == actual.zeros[g]) continue;
       if (!stored_zero_accepted(format, expected, g, actual.scales[g], actual.zeros[g], scale_moved[g]))
         fail(-2, static_cast<int>(g), expected.zeros[g], actual.zeros[g]);
       scale_moved[g] = true;  // its codes move with it
     }
-    // SPEC 9.7: a group whose stored bias is its other extreme took the other orientation.
-    std::vector<bool> flipped(expected.biases.size(), false);
-    for (std::size_t g = 0; g < expected.biases.size() && !expected.alt_codes.empty(); ++g)
-      flipped[g] = g < expected.other_edges.size() && !std::isnan(expected.other_edges[g]) &&
-                   std::abs(actual.biases[g] - expected.other_edges[g]) <= expected.windows[g] &&
-                   std::abs(actual.biases[g] - expected.lows[g]) > expected.windows[g];
     for (std::size_t i = 0; i < expected.codes.size(); ++i) {
       ++codes_checked_;
-      const bool other = !flipped.empty() && flipped[i / static_cast<std::size_t>(group)];
-      const int e = other ? expected.alt_codes[i] : expected.codes[i], a = actual.codes[i];
+      const int e = expected.codes[i], a = actual.codes[i];
       if (e == a) continue;
       const bool neighbour = std::abs(e - a) == 1 && ((e ^ a) & 0x80) == 0;
       const bool near = i < expected.near_boundary.size() && expected.near_boundary[i];

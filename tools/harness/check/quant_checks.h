@@ -52,10 +52,15 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
 // reference's round(-min / S) over that S, for every min within the group's window (codes
 // read back from a cache carry no window: then one off, where the scale moved
 // (`scale_moved`) or was flagged).
-// SPEC 9.7: whether a cache's stored mlx_affine bias of group g is one its float32 arithmetic
-// may give: the group's edge moved by at most the window (or the other extreme, when |min|
-// and |max| nearly tie).
-bool stored_bias_accepted(const reference::QuantizedRow& expected, std::size_t g, double actual);
+// SPEC 9.7: whether a cache's stored mlx_affine bias and scale of group g are ones MLX's rule
+// gives for the group's elements each moved by at most the window: the bias is the edge so
+// moved (either extreme where |min| and |max| nearly tie, or 0 where q0 may round to 0), and
+// the scale that bias over an integer q0 in reach, in float32.
+struct MlxGroupVerdict {
+  bool bias = false, scale = false;
+};
+MlxGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits, double scale,
+                                   double bias);
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
                           double actual_scale, int actual_zero, bool scale_moved);
 

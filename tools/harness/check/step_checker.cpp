@@ -666,8 +666,9 @@ class StepChecker::Impl {
         // A cache that never evicts masks instead: a dead token no query sees again may be gone
         // (assisted generation's transformers layers trim to W - 1 before they start keeping).
         const bool dead = !sets.live.count(uid);
+        // Under block eviction a dead token is held: in its buffer (sliding) or as under lazy.
         const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred &&
-                          !blocks;
+                          options_.eviction != Eviction::blocks;
         if (g == 0) {
           SlotRow row;
           row.row = b;

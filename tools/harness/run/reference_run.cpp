@@ -245,7 +245,7 @@ void ReferenceStepper::record_writes(const std::vector<std::int64_t>& lengths_be
           const auto& mine = layers[static_cast<std::size_t>(l)].heads[g];
           const auto& first = at->second.layers[static_cast<std::size_t>(l)].heads[g];
           const auto same = [](const reference::QuantizedRow& x, const reference::QuantizedRow& y) {
-            return x.codes == y.codes && x.scales == y.scales && x.zeros == y.zeros;
+            return x.codes == y.codes && x.scales == y.scales && x.zeros == y.zeros && x.biases == y.biases;
           };
           if (!same(mine.key_codes, first.key_codes) || !same(mine.value_codes, first.value_codes))
             at->second.ambiguous = true;
