@@ -16,19 +16,10 @@ import unittest
 import numpy as np
 
 from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
+from kvtrace_mlx import unpacked_codes
 
 import mlx.core as mx  # noqa: F401  (the venv's MLX must import: the CPU build)
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-
-def unpacked(words, bits, dim):
-    """MLX's packed affine codes [..., dim * bits / 32] uint32 as one code an element: a row's
-    codes are one little-endian bit stream, code i in bits [i * bits, (i + 1) * bits)."""
-    words = np.asarray(words, dtype=np.uint32)
-    stream = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")  # [..., dim * bits]
-    weights = (1 << np.arange(bits)).astype(np.int64)
-    return (stream.reshape(*stream.shape[:-1], dim, bits).astype(np.int64) * weights).sum(axis=-1)
-
 
 
 class MlxCacheTest(unittest.TestCase):
@@ -230,6 +221,24 @@ class MlxCacheTest(unittest.TestCase):
         self.assertIn("holds a key whose bias 0 is 0.9765625", verify.stdout)
         self.assertIn("class: quantization scale wrong", verify.stdout)
 
+    def test_a_kept_code_that_changes_is_named(self):
+        # A kept token must stay as it was stored: planted, the first decode flips the lowest bit
+        # of token 0's first key code in layer 0 (a write into the wrong slot of the buffer).
+        class FlipsAKeptCode(QuantizedKVCache):
+            def update_and_fetch(self, keys, values):
+                fetched = super().update_and_fetch(keys, values)
+                if self.offset == 10:
+                    packed = self.keys[0]
+                    packed[0, 0, 0, 0] = packed[0, 0, 0, 0] ^ 1
+                return fetched
+
+        result, verify = self.drive("quant_mlx_affine_full", lambda: [FlipsAKeptCode(group_size=32, bits=4),
+                                                                      QuantizedKVCache(group_size=64, bits=8)], DATA)
+        self.assertIsNone(result.error)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (decode, /steps/1)", verify.stdout)
+        self.assertIn("layer 0 row 0 uid 0 kv head 0: key element 0", verify.stdout)
+
     def test_quantized_cache_at_5_bits_on_head_dim_128_is_named_where_it_raises(self):
         # docs/findings/mlx/quantized-cache-code-buffer-wrong-width.md through kvcheck: the
         # first update_and_fetch raises, written into the trace and named at step 0.
@@ -294,7 +303,7 @@ class MlxCacheTest(unittest.TestCase):
             values = exp.v[l][uids]                                            # [R, Hkv, D] float32
             packed, mx_scales, mx_biases = mx.quantize(mx.array(values), group_size=group, bits=bits)
             dim = values.shape[-1]
-            np.testing.assert_array_equal(unpacked(np.array(packed), bits, dim), codes,
+            np.testing.assert_array_equal(unpacked_codes(np.array(packed), bits, dim), codes,
                                           "layer %d: %d bits, groups of %d" % (l, bits, group))
             np.testing.assert_array_equal(np.array(mx_scales), scales.astype(np.float32))
             np.testing.assert_array_equal(np.array(mx_biases), biases.astype(np.float32))
