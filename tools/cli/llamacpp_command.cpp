@@ -15,6 +15,9 @@
 #include <string>
 #include <vector>
 #include <algorithm>
+#include <chrono>
+#include <iterator>
+#include <thread>
 
 #include "tools/harness/io/atomic_dir.h"
 #include "tools/harness/outputs/diagnose_report.h"
@@ -97,10 +100,24 @@ bool crash_signal(int sig) {
 
 constexpr const char* kMarker = "kvcheck-llamacpp-capture";  // names a folder this command wrote
 
+// How the engine's process ended; `stalled` when kvcheck stopped it for making no progress.
+struct EngineEnd {
+  int status = 0;
+  bool stalled = false;
+};
+
+// The progress file's text: it changes at every step the engine starts.
+std::string progress_text(const fs::path& out) {
+  std::ifstream in(out / "progress");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 // Runs the engine with `args` (argv[0] its path) and waits; returns its wait status. The
 // library folder leads LD_LIBRARY_PATH: an installed llama.cpp's libraries find each other
-// there without a runpath (libggml needs libggml-cpu).
-int run_engine(std::vector<std::string> args, const std::string& lib) {
+// there without a runpath (libggml needs libggml-cpu). A hang must not hang kvcheck (nor a
+// CI job): an engine whose progress file stays the same for `stall_seconds` (0: no limit)
+// is sent SIGABRT, whose handler records where it was (its crash site), then SIGKILL.
+EngineEnd run_engine(std::vector<std::string> args, const std::string& lib, const fs::path& out, int stall_seconds) {
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -116,10 +133,29 @@ int run_engine(std::vector<std::string> args, const std::string& lib) {
   pid_t pid = 0;
   if (const int err = ::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()); err != 0)
     throw std::runtime_error(fmt::format("cannot start {}: {}", args[0], std::strerror(err)));
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) throw std::runtime_error("waitpid failed");
-  return status;
+  using clock = std::chrono::steady_clock;
+  EngineEnd end;
+  std::string seen = progress_text(out);
+  clock::time_point changed = clock::now(), aborted{};
+  for (auto poll = std::chrono::milliseconds(1);; poll = std::min(poll * 2, std::chrono::milliseconds(50))) {
+    const pid_t done = ::waitpid(pid, &end.status, WNOHANG);
+    if (done == pid) return end;
+    if (done < 0 && errno != EINTR) throw std::runtime_error("waitpid failed");
+    const clock::time_point now = clock::now();
+    if (!end.stalled && stall_seconds > 0) {
+      if (std::string text = progress_text(out); text != seen) {
+        seen = std::move(text);
+        changed = now;
+      } else if (now - changed >= std::chrono::seconds(stall_seconds)) {
+        end.stalled = true;
+        aborted = now;
+        ::kill(pid, SIGABRT);
+      }
+    } else if (end.stalled && now - aborted >= std::chrono::seconds(10)) {
+      ::kill(pid, SIGKILL);  // it did not end on SIGABRT
+    }
+    std::this_thread::sleep_for(poll);
+  }
 }
 
 // The scenario cut to its first `steps` steps (a decode op keeps the decodes before the
@@ -231,11 +267,37 @@ int run_llamacpp(const LlamacppOptions& o) {
     args.push_back("--plant-fault");
     args.push_back(o.plant);
   }
-  const int status = run_engine(args, lib);
+  const EngineEnd end = run_engine(args, lib, out, o.stall_seconds);
+  const int status = end.status;
   const long step = last_step(out);
   // Only a signal raised inside llama.cpp is the engine's; one in the driver's own code is
   // kvcheck's fault (exit 3), whatever step it was driving.
   const std::string site = llamacpp::read_crash_site((out / "crash_site").string());
+  const std::string step_or_setup = step >= 0 && static_cast<std::size_t>(step) < scenario.steps.size()
+                                        ? step_label(scenario.steps[static_cast<std::size_t>(step)],
+                                                     static_cast<std::size_t>(step))
+                                        : std::string(step < 0 ? "set-up" : "after the last step");
+  if (end.stalled) {  // a hang: llama.cpp's is a finding, the driver's (or one nobody can place) kvcheck's fault
+    if (!llamacpp::crash_site_is_llamacpp(site))
+      throw std::runtime_error(fmt::format(
+          "kvcheck's llama.cpp driver ({}) made no progress for {} s at {} and was stopped: {}", 
+          fs::path(engine.path).filename().string(), o.stall_seconds, step_or_setup,
+          site.empty() ? std::string("it did not say where it was (it did not answer SIGABRT)")
+                       : fmt::format("it was in {}, a bug of kvcheck's, not of llama.cpp", site)));
+    const std::string what = fmt::format("the engine hung: no progress for {} s at {}, inside {}", o.stall_seconds,
+                                         step_or_setup, site.substr(site.find(' ') + 1));
+    fmt::print("kvcheck llamacpp: {} through llama.cpp (K {}, V {}, flash attention {})\n{}\n", scenario.name,
+               o.type_k, o.type_v, o.flash_attn ? "on" : "off", what);
+    Outcome hung;
+    hung.scenario = scenario.name;
+    hung.file = scenario.file;
+    hung.target = "llama.cpp";
+    hung.checks.push_back({"engine", false, what});
+    if (keep) fmt::print("captured scenario and trace in {}\n", out.string());
+    if (!o.junit.empty()) write_junit(o.junit, {hung});
+    if (!o.json.empty()) write_json_report(o.json, {hung});
+    return 1;
+  }
   if (WIFSIGNALED(status) && !site.empty() && !llamacpp::crash_site_is_llamacpp(site))
     throw std::runtime_error(fmt::format(
         "kvcheck's llama.cpp driver ({}) crashed in its own code: signal {} ({}) at {}; {}: a bug of kvcheck's, "
@@ -275,7 +337,9 @@ int run_llamacpp(const LlamacppOptions& o) {
           if (again[i] == "--out") again[i + 1] = before.string();
         }
         again.insert(again.end(), {"--context-of", scenario.file});  // the same cache as the crashed run
-        const int again_status = run_engine(again, lib);
+        const EngineEnd again_end = run_engine(again, lib, before, o.stall_seconds);
+        const int again_status = again_end.status;
+        if (again_end.stalled) throw std::runtime_error(fmt::format("the engine hung: no progress for {} s", o.stall_seconds));
         if (!WIFEXITED(again_status) || WEXITSTATUS(again_status) != 0)
           throw std::runtime_error(
               WIFSIGNALED(again_status) ? fmt::format("the engine crashed again: signal {}", WTERMSIG(again_status))

@@ -12,8 +12,9 @@ struct LlamacppOptions {
   bool flash_attn = false;
   std::string abi = "auto";  // auto, header (compiled against llama.h) or declared (kvcheck's own)
   std::string keep;  // --trace DIR: keep the captured scenario and trace there
-  std::string plant;
-  bool restore_after_shift = false;  // save after the first seq_add, restore into a fresh context  // --plant-fault: a fault in the driver's own shift (kvcheck's self-test)
+  std::string plant;                 // --plant-fault: a fault in the driver itself (kvcheck's self-test)
+  bool restore_after_shift = false;  // save after the first seq_add, restore into a fresh context
+  int stall_seconds = 600;           // --stall-timeout: an engine this long on one step is stopped (0: never)
   std::string html, junit, json;
   bool force = false;  // --force: a report may replace a file that is not a kvcheck report
 };

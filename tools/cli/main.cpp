@@ -501,8 +501,13 @@ int main(int argc, char** argv) {
   llamacpp->add_option("--trace", llamacpp_options.keep, "keep the captured scenario and trace in DIR");
   llamacpp->add_option("--plant-fault", llamacpp_options.plant,
                        "kvcheck's self-test: break the driver's own shift (remove-without-add: seq_rm without "
-                       "seq_add; add-short: seq_add by k - 1) or crash it in its own code (driver-crash)")
-      ->check(CLI::IsMember({"remove-without-add", "add-short", "driver-crash"}));
+                       "seq_add; add-short: seq_add by k - 1), crash it in its own code (driver-crash) or "
+                       "hang it there (driver-hang)")
+      ->check(CLI::IsMember({"remove-without-add", "add-short", "driver-crash", "driver-hang"}));
+  llamacpp->add_option("--stall-timeout", llamacpp_options.stall_seconds,
+                       "stop the engine when one step takes longer than SECONDS and say where it was (default "
+                       "600; 0: wait for ever)")
+      ->check(CLI::NonNegativeNumber);
   llamacpp->add_flag("--restore-after-shift", llamacpp_options.restore_after_shift,
                      "save the sequence right after the first shift's seq_add and restore it into a fresh context "
                      "before the next decode (a server swapping a slot out between the two)");

@@ -549,6 +549,11 @@ int run(const Options& o) {
     }
     std::ofstream(fs::path(o.out) / "progress") << i << "\n";  // where a crash happens
     if (o.plant == "driver-crash" && step.op == StepOp::append) std::raise(SIGSEGV);  // kvcheck's own fault
+    if (o.plant == "driver-hang" && step.op == StepOp::append)
+      for (volatile unsigned long spin = 0;;) {  // a hang in kvcheck's own code
+        const unsigned long next = spin + 1;
+        spin = next;
+      }
     if (step.op == StepOp::reset) {
       api.llama_memory_clear(memory, true);
       rows.assign(static_cast<std::size_t>(*step.batch), Row{});
@@ -798,7 +803,8 @@ int main(int argc, char** argv) {
         o.type_v = parse_type(arg, value);
       else if (arg == "--flash-attn")
         o.flash_attn = value == "on";
-      else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short" || value == "driver-crash"))
+      else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short" || value == "driver-crash" ||
+                                                 value == "driver-hang"))
         o.plant = value;
       else if (arg == "--restore-after-shift")
         o.restore_after_shift = value == "on";
