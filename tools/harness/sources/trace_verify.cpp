@@ -66,6 +66,12 @@ std::int64_t read_block_capacity(const Scenario& s, const json& e, const std::st
     if (p.kind == PolicyKind::sliding) window = std::max(window, p.window);
   if (window == 0)
     throw InputError(manifest, "/eviction/blocks", "block eviction applies to sliding layers, and the scenario has none");
+  // SPEC 3.1 defines L(T) over a row's appends; a paged layout or a prune places tokens by
+  // rules of their own, and the two are not defined together.
+  if (s.paging)
+    throw InputError(manifest, "/eviction/blocks", "block eviction is not defined for a paged scenario (SPEC 3.1)");
+  if (s.prunes())
+    throw InputError(manifest, "/eviction/blocks", "block eviction is not defined for a scenario with a prune (SPEC 3.1)");
   if (!c.is_number_integer() || c.get<std::int64_t>() < window || c.get<std::int64_t>() > (std::int64_t{1} << 40))
     throw InputError(manifest, "/eviction/blocks",
                      fmt::format("expected the buffer's capacity, an integer from the largest sliding window {} "
