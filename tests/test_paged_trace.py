@@ -318,6 +318,45 @@ class PagedTraceTest(unittest.TestCase):
                     self.assertIn("paged bookkeeping", done.stdout)
                     self.assertIn("no divergence", done.stdout)
 
+    def test_a_block_traded_after_the_forward_for_an_equal_one_passes(self):
+        # SPEC 8.4: transformers' continuous batching, once a forward fills a block, points the
+        # row's table at an equal block it already holds and releases the one it wrote; the
+        # step's slot mapping then names the released block. Traded for a block of other
+        # tokens, the row reads the wrong keys.
+        class Deduplicating(BlockManagerCache):
+            wrong = False
+
+            def finish(self, b):
+                row = self.row(b)
+                registered = row["registered"]
+                for l in range(self.L):
+                    table = row["tables"][l]
+                    for i in range(registered, len(row["ids"]) // self.B):
+                        h = self.block_hash(row, i)
+                        held = self.index[l].get(h)
+                        if self.wrong and i == 1:
+                            held = next((blk for blk in self.index[l].values() if blk != table[i]), held)
+                        if held is not None and held != table[i]:
+                            self.retain(l, held)
+                            self.release(l, table[i])
+                            table[i] = held
+                super().finish(b)
+
+        class DeduplicatingWrongly(Deduplicating):
+            wrong = True
+
+        with tempfile.TemporaryDirectory() as work:
+            result, done = drive("paged_same_prompt_in_one_step", work, lambda exp: Deduplicating(exp))
+            self.assertIsNone(result.error, result)
+            self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+            trace = json.load(open(os.path.join(work, "trace", "manifest.json")))
+            self.assertTrue(trace["steps"], "the trace has no steps")
+        with tempfile.TemporaryDirectory() as work:
+            result, done = drive("paged_same_prompt_in_one_step", work, lambda exp: DeduplicatingWrongly(exp))
+            self.assertIsNone(result.error, result)
+            self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+            self.assertRegex(done.stdout, r"table entry 1 \(block \d+\): slot \d+ = \d+ \* 4 \+ 0 holds token 0, where token 4 belongs")
+
     def test_a_slot_mapping_from_the_append_not_the_row_is_named(self):
         # The runner's bug: slots from the token's place in this append, not its index in the
         # row; the first decode writes token 13 over token 0's slot.

@@ -367,6 +367,7 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
     manifest["paging"] = {{"block_size", s.paging->block_size},
                           {"num_blocks", s.paging->num_blocks},
                           {"prefix_cache", s.paging->prefix_cache}};
+  if (s.paging && s.paging->token_reuse) manifest["paging"]["reuse"] = "token";  // a driver refuses what its cache lacks
   if (!s.attention.sink_logits.empty()) manifest["attention"]["sink_logits"] = s.attention.sink_logits;
   if (const auto& t = s.attention.query_temperature)  // SPEC 10.3: applies to the NoPE layers
     manifest["attention"]["query_temperature"] = {{"floor_scale", t->floor_scale}, {"attn_scale", t->attn_scale}};
