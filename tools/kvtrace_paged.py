@@ -34,6 +34,11 @@ read, as vLLM's reshape_and_cache and attention kernels do; it then offers:
                                      layout ([blocks, B, Hkv, D] and [blocks, B, Hkv, groups] in NHD):
                                      dumped instead of key_cache and value_cache
 
+A cache whose own update() writes its pools (transformers' continuous batching) offers
+
+    write_tokens(layer, row, first, slots, k, v)   store the row's tokens first .. first + n - 1
+                                     (rotated keys and values [n, Hkv, D] float64) at the slots
+
 `preempt` with mode "recompute" frees the row; `resume` starts it again with its whole
 history (prompt and generated ids) and recomputes what was not hit, without outputs.
 
@@ -223,6 +228,9 @@ class _PagedDriver:
         for j, slot in enumerate(slots):
             if not 0 <= slot < blocks * self.B:
                 self.fail(index, "layer %d row %d: token %d has no slot (%d) to be written to" % (l, b, lo + j, slot))
+        if hasattr(self.cache, "write_tokens"):  # the cache's own update() writes (and needs the row)
+            self.call(index, "write_tokens", l, b, lo, slots, k, v)
+            return
         if hasattr(self.cache, "write_kv"):  # the cache quantizes as it stores
             self.call(index, "write_kv", l, slots, k, v)
             return

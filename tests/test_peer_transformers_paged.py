@@ -1,0 +1,92 @@
+"""transformers 5.25.0's continuous-batching paged cache (label peer.transformers_5_25):
+its own PagedAttentionCache, allocators and block ledger, driven through
+tools/kvtrace_hf_paged.py (the calls its manager makes, in its order) by
+kvtrace.drive_paged_cache, and judged by `kvcheck verify` as a SPEC 8 paged cache."""
+
+import os
+import shutil
+import tempfile
+import unittest
+
+from test_kvtrace import DATA, SCENARIOS, export, kvcheck, kvtrace
+
+import transformers
+from transformers.generation.continuous_batching.cache_allocators import full_attention
+
+from kvtrace_base import UsageError
+from kvtrace_hf_paged import ContinuousBatchingCache
+
+# The paged fixtures the cache can take, and the verdicts: every one passes.
+PASSING = [(SCENARIOS, "paged_chunked_prefill"), (SCENARIOS, "paged_evict_then_repeat"),
+           (SCENARIOS, "paged_move_short_row"), (SCENARIOS, "paged_preempt_swap_and_recompute"),
+           # two rows with the same prompt in one forward: the second row's full blocks are traded for the
+           # first's after the forward (SPEC 8.4)
+           (SCENARIOS, "paged_same_prompt_in_one_step"),
+           (DATA, "hf_paged_fork_then_prefix_hit"), (DATA, "hf_paged_fork_at_a_block_edge"),
+           (DATA, "hf_paged_sliding_fork_before_the_ring_wraps")]
+
+
+class ContinuousBatchingCacheTest(unittest.TestCase):
+    def setUp(self):
+        self.assertEqual(transformers.__version__, "5.25.0")
+        self.work = tempfile.mkdtemp(prefix="kvcheck-peer-cb-")
+        self.addCleanup(shutil.rmtree, self.work, True)
+
+    def drive(self, folder, scenario):
+        """(the driver's result, kvcheck verify's) for the scenario through the real cache."""
+        exp = export(self.work, scenario, folder)
+        trace = os.path.join(self.work, "trace")
+        shutil.rmtree(trace, True)
+        result = kvtrace.drive_paged_cache(exp, lambda: ContinuousBatchingCache(exp), trace)
+        return result, kvcheck("verify", os.path.join(folder, scenario + ".json"), "--trace", trace)
+
+    def test_the_paged_fixtures_it_can_take_pass(self):
+        for folder, scenario in PASSING:
+            with self.subTest(scenario=scenario):
+                shutil.rmtree(os.path.join(self.work, "export"), True)
+                result, done = self.drive(folder, scenario)
+                self.assertIsNone(result.error, result)
+                self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+                self.assertIn("paged bookkeeping", done.stdout)
+                self.assertIn("no divergence", done.stdout)
+
+    def test_what_the_cache_cannot_be_asked_is_refused_by_name(self):
+        for scenario, why in [
+                ("paged_token_reuse", "reuses whole blocks only"),
+                ("paged_adapters_and_salts", "no adapter or cache salt per request"),
+                ("paged_gemma_hybrid_prefix", "turns prefix sharing off when a layer is sliding"),
+                ("paged_window_2b", "ring wraps past its window of 8"),
+                ("quant_paged_fp8_prefix", "no kv_quant")]:
+            with self.subTest(scenario=scenario):
+                shutil.rmtree(os.path.join(self.work, "export"), True)
+                exp = export(self.work, scenario)
+                with self.assertRaisesRegex(UsageError, why):
+                    ContinuousBatchingCache(exp)
+
+    def test_a_write_index_from_the_chunk_not_the_row_is_named(self):
+        # A fault transformers lacks, planted in its own allocator: the write index computed as if
+        # each forward started the row, so a later chunk writes over the row's first slots.
+        write = full_attention.FullAttentionCacheAllocator.get_write_indices
+        full_attention.FullAttentionCacheAllocator.get_write_indices = \
+            lambda allocator, rid, past, count: write(allocator, rid, 0, count)
+        self.addCleanup(setattr, full_attention.FullAttentionCacheAllocator, "get_write_indices", write)
+        result, done = self.drive(SCENARIOS, "paged_chunked_prefill")
+        self.assertIsNone(result.error, result)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("token 4 was written to slot 36, but its table entry says slot 32", done.stdout)
+        self.assertIn("class: slot mapping wrong", done.stdout)
+
+    def test_a_read_index_that_strays_from_the_table_is_named(self):
+        # The read path gathers what attention sees; planted: token 0 read from token 1's slot.
+        read = full_attention.FullAttentionCacheAllocator.get_read_indices
+        full_attention.FullAttentionCacheAllocator.get_read_indices = \
+            lambda allocator, rid, past, count: (lambda got: got[1:2] + got[1:])(read(allocator, rid, past, count))
+        self.addCleanup(setattr, full_attention.FullAttentionCacheAllocator, "get_read_indices", read)
+        result, done = self.drive(SCENARIOS, "paged_chunked_prefill")
+        self.assertRegex(result.error, r"layer 0 row 0: the read index of token 0 is \d+, where the table puts it")
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("class: the cache raised", done.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
