@@ -5,10 +5,12 @@ kvtrace.drive_paged_cache, and judged by `kvcheck verify` as a SPEC 8 paged cach
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import unittest
 
-from test_kvtrace import DATA, SCENARIOS, export, kvcheck, kvtrace
+from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
 import transformers
 from transformers.generation.continuous_batching.cache_allocators import full_attention
@@ -86,6 +88,35 @@ class ContinuousBatchingCacheTest(unittest.TestCase):
         self.assertRegex(result.error, r"layer 0 row 0: the read index of token 0 is \d+, where the table puts it")
         self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
         self.assertIn("class: the cache raised", done.stdout)
+
+    def run_finding(self, name, *options):
+        script = os.path.join(ROOT, "docs", "findings", "transformers", name + ".py")
+        return subprocess.run([sys.executable, script, *options], capture_output=True, text=True)
+
+    def test_a_finished_requests_last_block_is_not_hit(self):
+        # docs/findings/transformers/continuous-batching-forgets-the-blocks-of-a-last-forward.md:
+        # the manager marks a request finished before hashing its last forward's blocks.
+        result, done = self.drive(DATA, "hf_paged_a_finished_requests_last_block_is_hit")
+        self.assertIsNone(result.error, result)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("step 3 (append, /steps/3): layer 0 row 0: a prefix hit of 4 tokens; the scenario expects 8",
+                      done.stdout)
+        self.assertIn("class: prefix hit not the expected one", done.stdout)
+        run = self.run_finding("continuous-batching-forgets-the-blocks-of-a-last-forward")
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn("it hits 4", run.stdout)
+        run = self.run_finding("continuous-batching-forgets-the-blocks-of-a-last-forward", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("it hits 8", run.stdout)
+
+    def test_a_window_of_one_is_unmasked_in_a_prefill_chunk(self):
+        # docs/findings/transformers/continuous-batching-window-of-one-unmasked-in-prefill.md
+        run = self.run_finding("continuous-batching-window-of-one-unmasked-in-prefill")
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn("the paged prefill saw more than the window of 1", run.stdout)
+        run = self.run_finding("continuous-batching-window-of-one-unmasked-in-prefill", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        self.assertIn("the paged prefill agrees with the unpaged model", run.stdout)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ order, for the driver's ops (paths under transformers/generation/continuous_batc
                (no room: evict_cached_blocks, then once more)           offloading_manager.py:167
     write      the layer's allocator.update(k, v, layer, read, write):  cache.py:416-451
                the model's own write; its read index is checked
-    finish     position_offset += q, mark_complete_blocks (hashes full  input_outputs.py:392,
-               blocks, trades one for an equal block it holds: 8.4)     continuous_api.py:564-574
+    finish     position_offset += q; a request whose last forward this   input_outputs.py:392,
+               was is FINISHED (the row is freed next); then            continuous_api.py:564-574
+               mark_complete_blocks (hashes full blocks, trades one for
+               an equal block it holds: 8.4)
     fork       prepare_fork_request, perform_cache_copy, state.fork     continuous_api.py:579-604
     free       free_blocks; evict: evict_cached_blocks (every cached    scheduler.py:82,
                block: the cache has no partial eviction)                cache.py:382-392
@@ -36,7 +38,7 @@ from transformers import LlamaConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
-from transformers.generation.continuous_batching.requests import RequestState
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
 from kvtrace_base import UsageError
 
@@ -231,10 +233,15 @@ class ContinuousBatchingCache:
                                % (layer, row, tokens[wrong], read[wrong] if wrong < len(read) else "missing",
                                   want[wrong]))
 
-    def finish(self, row):
+    def finish(self, row, ends=False):
+        """update_batch after a forward: a request whose last token this was is marked finished
+        first (update_and_check_completion), then the blocks the forward completed are hashed
+        (continuous_api.py:564-566, in that order)."""
         complete, count = self.pending.pop(row)
         state = self.rows[row]
         state.position_offset += count
+        if ends:
+            state.status = RequestStatus.FINISHED
         self.cache.mark_complete_blocks(state, complete)
 
     def fork(self, rows_from):

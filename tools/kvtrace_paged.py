@@ -17,7 +17,9 @@ must offer (rows are batch indices; a method it lacks is a finding when a step n
                                      whole blocks; the table then holds those blocks
     allocate(row, ids)               room for the row's next len(ids) tokens, copying shared blocks
                                      they would write into
-    finish(row)                      after each forward: register full blocks, free what left a window
+    finish(row)                      after each forward: register full blocks, free what left a window;
+                                     finish(row, ends) when it takes `ends`: True after the row's last
+                                     forward before a free (its request finished there)
     fork(rows_from)                  `reorder`: new row i continues old row rows_from[i], sharing blocks
     free(row); evict(count)          `free`; `evict` (count None: every cached block)
     swap_out(row); swap_in(row)      `preempt` / `resume` with mode "swap"
@@ -46,6 +48,8 @@ history (prompt and generated ids) and recomputes what was not hit, without outp
     kvtrace.drive_paged_cache(exp, lambda: MyBlockManager(exp), "trace/")
     # then: kvcheck verify fixtures/scenarios/paged_fork_then_prefix_hit.json --trace trace/
 """
+
+import inspect
 
 import numpy as np
 
@@ -116,6 +120,8 @@ class _PagedDriver:
     def new_cache(self, batch):
         self.cache = self.make()
         self.B = int(getattr(self.cache, "block_size"))
+        finish = getattr(self.cache, "finish", None)
+        self.takes_ends = callable(finish) and "ends" in inspect.signature(finish).parameters
         self.layout = getattr(self.cache, "layout", "NHD")
         if self.layout not in ("NHD", "HND"):
             raise UsageError("the cache's layout is %r: expected \"NHD\" or \"HND\"" % (self.layout,))
@@ -189,9 +195,24 @@ class _PagedDriver:
                 for b, lo, hi, offset in work:
                     o, q = self.attend(index, l, b, lo, hi)
                     out[l, b, :, lo + offset:hi + offset], q_rot[l, b, :, lo + offset:hi + offset] = o, q
+            last = begin + forward >= max(len(r["uids"]) for r in rows)
             for b, _, _, _ in work:
-                self.call(index, "finish", b)
+                if last and self.takes_ends:  # the row's request ends with this forward (a serving engine's view)
+                    self.call(index, "finish", b, self.ends_after(index, b))
+                else:
+                    self.call(index, "finish", b)
         self.record(index, (out, q_rot))
+
+    def ends_after(self, index, b):
+        """Whether row b's next op after step `index` frees it (or resets the batch): then its
+        request finished in this step's last forward, as a serving engine sees it."""
+        for step in self.exp.steps[index + 1:]:
+            if step["op"] == "free" and b in step["rows_freed"] or step["op"] == "reset":
+                return True
+            if step["op"] in ("reorder", "preempt") or step["op"] == "append" and b < len(step["rows"]) \
+                    and step["rows"][b]["uids"]:
+                return False
+        return False
 
     def start(self, index, row, ids, extra):
         hit = self.call(index, "start", row, list(ids), dict(extra))
