@@ -13,7 +13,7 @@ import unittest
 from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
 
 import transformers
-from transformers.generation.continuous_batching.cache_allocators import full_attention
+from transformers.generation.continuous_batching.cache_allocators import full_attention, sliding_attention
 
 from kvtrace_base import UsageError
 from kvtrace_hf_paged import ContinuousBatchingCache
@@ -25,7 +25,10 @@ PASSING = [(SCENARIOS, "paged_chunked_prefill"), (SCENARIOS, "paged_evict_then_r
            # first's after the forward (SPEC 8.4)
            (SCENARIOS, "paged_same_prompt_in_one_step"),
            (DATA, "hf_paged_fork_then_prefix_hit"), (DATA, "hf_paged_fork_at_a_block_edge"),
-           (DATA, "hf_paged_sliding_fork_before_the_ring_wraps")]
+           # sliding layers: rings of W places (SPEC 8.9), before and after they wrap
+           (DATA, "hf_paged_sliding_fork_before_the_ring_wraps"), (SCENARIOS, "paged_window_2b"),
+           (SCENARIOS, "paged_window_2b_plus_1"), (SCENARIOS, "paged_sliding_chunked_prefill"),
+           (DATA, "hf_paged_sliding_ring_under_a_long_chunk")]
 
 
 class ContinuousBatchingCacheTest(unittest.TestCase):
@@ -57,7 +60,6 @@ class ContinuousBatchingCacheTest(unittest.TestCase):
                 ("paged_token_reuse", "reuses whole blocks only"),
                 ("paged_adapters_and_salts", "no adapter or cache salt per request"),
                 ("paged_gemma_hybrid_prefix", "turns prefix sharing off when a layer is sliding"),
-                ("paged_window_2b", "ring wraps past its window of 8"),
                 ("quant_paged_fp8_prefix", "no kv_quant")]:
             with self.subTest(scenario=scenario):
                 shutil.rmtree(os.path.join(self.work, "export"), True)
@@ -76,6 +78,19 @@ class ContinuousBatchingCacheTest(unittest.TestCase):
         self.assertIsNone(result.error, result)
         self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
         self.assertIn("token 4 was written to slot 36, but its table entry says slot 32", done.stdout)
+        self.assertIn("class: slot mapping wrong", done.stdout)
+
+    def test_a_ring_written_one_place_on_is_named(self):
+        # Planted in its sliding allocator: every token written at the ring place of the next one.
+        write = sliding_attention.SlidingAttentionCacheAllocator.get_write_indices
+        sliding_attention.SlidingAttentionCacheAllocator.get_write_indices = \
+            lambda allocator, rid, past, count: write(allocator, rid, past + 1, count)
+        self.addCleanup(setattr, sliding_attention.SlidingAttentionCacheAllocator, "get_write_indices", write)
+        result, done = self.drive(DATA, "hf_paged_sliding_ring_under_a_long_chunk")
+        self.assertIsNone(result.error, result)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertRegex(done.stdout, r"step 0 \(append, /steps/0\): layer 0 row 0 table entry 0 \(block \d+\): token 9 "
+                                      r"was written to slot \d+, but its table entry says slot \d+ = \d+ \* 4 \+ 3")
         self.assertIn("class: slot mapping wrong", done.stdout)
 
     def test_a_read_index_that_strays_from_the_table_is_named(self):

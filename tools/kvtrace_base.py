@@ -281,7 +281,9 @@ class TraceWriter:
         only those k blocks (key_cache [k, B, Hkv, D] in NHD): dump the blocks the tables
         reference, not a pool of gigabytes. A quantized pool adds k_codes / v_codes in the
         pool's layout ([blocks, B, Hkv, D] in NHD), k_scales / v_scales [blocks, B, Hkv,
-        groups] (and k_zero / v_zero), and may leave key_cache and value_cache out."""
+        groups] (and k_zero / v_zero), and may leave key_cache and value_cache out. A sliding
+        layer kept as a ring of R places (token t at place t % R, in entry (t % R) // B of the
+        table: transformers' continuous batching) adds ring R."""
         index = len(self.manifest["steps"])
         entry = []
         for l, tensors in enumerate(layers):
@@ -289,6 +291,8 @@ class TraceWriter:
             paged = tensors.get("paged")
             if paged is not None:
                 files["paged"] = {"block_size": int(paged["block_size"]), "layout": paged["layout"]}
+                if paged.get("ring"):
+                    files["paged"]["ring"] = int(paged["ring"])
                 for name in ("key_cache", "value_cache", "block_table", "refcount", "hit_tokens", "slot_mapping",
                              "block_ids") + _CODE_NAMES:
                     if paged.get(name) is not None:

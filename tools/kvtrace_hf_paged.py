@@ -24,8 +24,8 @@ Every decision (hits, blocks, hashes, forks, frees) and every write of keys and 
 transformers' code; this module translates. What the cache cannot be asked is refused
 before anything runs (UsageError): token-granular reuse, adapters and salts (its block hash
 is the token ids alone), prefix sharing beside a sliding layer (the cache turns it off),
-sliding layers of different windows, and a sliding layer whose ring wraps (token t sits in
-slot t % W, so a page holds tokens of two logical blocks, which SPEC 8.9's tables cannot say).
+sliding layers of different windows, and kv_quant. Its sliding layers are rings of W places
+(token t at place t % W), which the trace declares (SPEC 8.9's `ring`).
 
     exp = kvtrace.Export("out/paged_chunked_prefill")
     kvtrace.drive_paged_cache(exp, lambda: ContinuousBatchingCache(exp), "trace/")
@@ -96,9 +96,6 @@ class ContinuousBatchingCache:
         self.prefix = bool(p.get("prefix_cache", False))
         if self.W and self.prefix:
             raise UsageError("transformers turns prefix sharing off when a layer is sliding (cache.py:215-217)")
-        if self.W and _longest_rows(export) > self.W:
-            raise UsageError("a sliding layer's ring wraps past its window of %d (token t in slot t %% W: a page "
-                             "then holds tokens of two logical blocks, which SPEC 8.9's tables cannot say)" % self.W)
         config = LlamaConfig(vocab_size=256, hidden_size=d["heads"] * d["head_dim"], num_hidden_layers=self.L,
                              num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
                              head_dim=d["head_dim"], max_position_embeddings=1 << 20)
@@ -143,17 +140,15 @@ class ContinuousBatchingCache:
     def value_cache(self, layer):
         return self.pools(layer)[1]
 
+    def ring(self, layer):
+        """A sliding layer's ring of W places (sliding_attention.py:81-92); None for a full layer."""
+        return self.W if self.allocator(layer).layer_type == "sliding_attention" else None
+
     def block_table(self, layer, row):
-        """The allocator's table; a sliding layer's ring (refused once it wraps) is its logical blocks
-        until then, an entry null once no token of it is in the last token's window."""
+        """The allocator's table: a full layer's logical blocks, a sliding layer's ring pages."""
         if row not in self.rows:
             return []
-        a = self.allocator(layer)
-        table = list(a.block_table.get(self.rows[row].request_id, []))
-        if a.layer_type == "full_attention":
-            return table
-        n = self.rows[row].position_offset + (self.pending[row][1] if row in self.pending else 0)
-        return [block if min((i + 1) * self.B, n) - 1 >= n - self.W else -1 for i, block in enumerate(table)]
+        return list(self.allocator(layer).block_table.get(self.rows[row].request_id, []))
 
     def refcount(self, layer):
         a = self.allocator(layer)
@@ -197,6 +192,9 @@ class ContinuousBatchingCache:
         a = self.allocator(layer)
         slots = []
         for physical in a.get_write_indices(self.rows[row].request_id, first, count):
+            if physical == a.write_trash_index:  # a ring's token that a later one of the chunk overwrites
+                slots.append(-1)
+                continue
             block, offset = divmod(int(physical), a.block_physical_stride)
             if offset >= self.B:
                 raise RuntimeError("write index %d is in no page of layer %d" % (physical, layer))

@@ -26,6 +26,10 @@ must offer (rows are batch indices; a method it lacks is a finding when a step n
     refcount(layer)                  optional: [blocks]
     slot_mapping(layer, row, first, count)  optional: the slots for tokens first .. first + count - 1
                                      (default: from the table, as vLLM's runner computes it)
+    ring(layer) -> int or None       optional: a sliding layer kept as a ring of R places: token t
+                                     at place t % R, in slot table[p // B] * B + p % B; a token a later
+                                     one of the same forward overwrites may get slot -1 (not stored),
+                                     and attention reads the forward's own tokens from its inputs
 
 A quantized cache (SPEC 9, vLLM's kv_cache_dtype fp8) owns how its pools are written and
 read, as vLLM's reshape_and_cache and attention kernels do; it then offers:
@@ -120,6 +124,7 @@ class _PagedDriver:
     def new_cache(self, batch):
         self.cache = self.make()
         self.B = int(getattr(self.cache, "block_size"))
+        self.rings = {}  # layer -> the cache's ring(layer), asked once
         finish = getattr(self.cache, "finish", None)
         self.takes_ends = callable(finish) and "ends" in inspect.signature(finish).parameters
         self.layout = getattr(self.cache, "layout", "NHD")
@@ -190,10 +195,13 @@ class _PagedDriver:
                     self.call(index, "allocate", b, self.rows[b]["ids"][lo:hi])
                     work.append((b, lo, hi, n - len(r["uids"]) - start))  # place of token t: t + offset
             for l in range(self.L):
+                # A ring's attention reads what was cached before the forward's writes (which may
+                # overwrite the places of keys its earlier queries see) and the forward's own keys.
+                before = self.pools_now(index, l) if self.ring(index, l) else None
                 for b, lo, hi, _ in work:
                     self.write(index, l, b, lo, hi)
                 for b, lo, hi, offset in work:
-                    o, q = self.attend(index, l, b, lo, hi)
+                    o, q = self.attend(index, l, b, lo, hi, before)
                     out[l, b, :, lo + offset:hi + offset], q_rot[l, b, :, lo + offset:hi + offset] = o, q
             last = begin + forward >= max(len(r["uids"]) for r in rows)
             for b, _, _, _ in work:
@@ -231,15 +239,41 @@ class _PagedDriver:
                 self.write(index, l, b, hit, len(row["uids"]))
             self.call(index, "finish", b)
 
+    def ring(self, index, l):
+        """The places of layer l's ring (SPEC 8.9), or None: its table holds logical blocks."""
+        if not hasattr(self.cache, "ring"):
+            return None
+        if l not in self.rings:
+            places = self.call(index, "ring", l)
+            self.rings[l] = int(places) if places else None
+        return self.rings[l]
+
+    def place(self, index, l, t):
+        ring = self.ring(index, l)
+        return t % ring if ring else t
+
+    def pools_now(self, index, l):
+        """Copies of layer l's pools as floats (as its attention reads them), in NHD."""
+        if hasattr(self.cache, "read_kv"):
+            keys, values = (to_numpy(x).astype(np.float64) for x in self.call(index, "read_kv", l))
+        else:
+            keys = to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
+            values = to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
+        if self.layout == "HND":
+            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        return keys, values
+
     def write(self, index, l, b, lo, hi):
         """reshape_and_cache: rotated keys and values of tokens lo .. hi - 1 into their slots."""
         uids = self.rows[b]["uids"][lo:hi]
+        ring = self.ring(index, l)
         if hasattr(self.cache, "slot_mapping"):
             slots = [int(s) for s in to_numpy(self.call(index, "slot_mapping", l, b, lo, hi - lo)).reshape(-1)]
         else:
             table = self.table(index, l, b)
-            slots = [table[t // self.B] * self.B + t % self.B if t // self.B < len(table) and table[t // self.B] >= 0
-                     else -1 for t in range(lo, hi)]
+            places = [self.place(index, l, t) for t in range(lo, hi)]
+            slots = [table[p // self.B] * self.B + p % self.B if p // self.B < len(table) and table[p // self.B] >= 0
+                     else -1 for p in places]
         if self.slots is not None:
             self.slots[l][b] += slots
         k = rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.layer_rope(l))  # [n, Hkv, D]
@@ -247,7 +281,8 @@ class _PagedDriver:
         keys, values = self.call(index, "key_cache", l), self.call(index, "value_cache", l)
         blocks = int(keys.shape[0])
         for j, slot in enumerate(slots):
-            if not 0 <= slot < blocks * self.B:
+            overwritten = ring and slot == -1 and lo + j + ring < hi  # a later token of the forward takes its place
+            if not 0 <= slot < blocks * self.B and not overwritten:
                 self.fail(index, "layer %d row %d: token %d has no slot (%d) to be written to" % (l, b, lo + j, slot))
         if hasattr(self.cache, "write_tokens"):  # the cache's own update() writes (and needs the row)
             self.call(index, "write_tokens", l, b, lo, slots, k, v)
@@ -255,8 +290,10 @@ class _PagedDriver:
         if hasattr(self.cache, "write_kv"):  # the cache quantizes as it stores
             self.call(index, "write_kv", l, slots, k, v)
             return
+        stored = [j for j, slot in enumerate(slots) if slot >= 0]
+        slots, k, v = [slots[j] for j in stored], k[stored], v[stored]
         for pool, x in ((keys, k), (values, v)):
-            block, offset = np.array(slots) // self.B, np.array(slots) % self.B
+            block, offset = np.array(slots, np.int64) // self.B, np.array(slots, np.int64) % self.B
             if hasattr(pool, "detach"):  # torch: index with tensors, values in the pool's dtype
                 import torch
                 block, offset = torch.as_tensor(block), torch.as_tensor(offset)
@@ -266,32 +303,40 @@ class _PagedDriver:
             else:
                 pool[block, :, offset] = x
 
-    def attend(self, index, l, b, lo, hi):
+    def attend(self, index, l, b, lo, hi, before=None):
         """Paged attention of tokens lo .. hi - 1: keys read through the row's table; a key
-        whose entry is null (or past the table) is not read."""
+        whose entry is null (or past the table) is not read. A ring (`before`: its pools as
+        the forward found them) reads the tokens before lo there and the forward's own keys
+        and values from its inputs, as transformers' ring does (read before write)."""
         policy = self.exp.layer_policy(l)
         window = policy["window"] if policy["type"] == "sliding" else None
         table = self.table(index, l, b)
-        if hasattr(self.cache, "read_kv"):  # the cache dequantizes as its attention reads
-            keys, values = (to_numpy(x).astype(np.float64) for x in self.call(index, "read_kv", l))
-        else:
-            keys = to_numpy(self.call(index, "key_cache", l)).astype(np.float64)
-            values = to_numpy(self.call(index, "value_cache", l)).astype(np.float64)
-        if self.layout == "HND":
-            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        keys, values = before if before is not None else self.pools_now(index, l)
         uids = self.rows[b]["uids"]
         group = self.H // self.Hkv
         q = rotate(self.exp.q[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.layer_rope(l))  # [n, H, D]
+        if before is not None:
+            own_k = rotate(self.exp.k[l][uids[lo:hi]], np.arange(lo, hi)[:, None], self.exp.layer_rope(l))
+            own_v = self.exp.v[l][uids[lo:hi]]
         out = np.full((hi - lo, self.H, self.D), np.nan)
         for j, t in enumerate(range(lo, hi)):
             i = np.arange(0 if window is None else max(0, t - window + 1), t + 1)
-            logical = i // self.B
-            entry = np.array([table[x] if x < len(table) else -1 for x in range(int(logical.max()) + 1)])[logical]
-            read = entry >= 0
-            if not read.any():
-                continue
-            k = np.repeat(keys[entry[read], i[read] % self.B], group, axis=1)  # [S, H, D]
-            v = np.repeat(values[entry[read], i[read] % self.B], group, axis=1)
+            if before is not None:
+                cached = i[i < lo]
+                places = np.array([self.place(index, l, int(x)) for x in cached], np.int64)
+                entry = np.array([table[p // self.B] if p // self.B < len(table) else -1 for p in places], np.int64)
+                read = entry >= 0
+                k = np.concatenate([keys[entry[read], places[read] % self.B], own_k[i[i >= lo] - lo]])
+                v = np.concatenate([values[entry[read], places[read] % self.B], own_v[i[i >= lo] - lo]])
+                k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+            else:
+                logical = i // self.B
+                entry = np.array([table[x] if x < len(table) else -1 for x in range(int(logical.max()) + 1)])[logical]
+                read = entry >= 0
+                if not read.any():
+                    continue
+                k = np.repeat(keys[entry[read], i[read] % self.B], group, axis=1)  # [S, H, D]
+                v = np.repeat(values[entry[read], i[read] % self.B], group, axis=1)
             scores = np.einsum("shd,hd->hs", k, q[j]) * self.exp.scale
             w = np.exp(scores - scores.max(axis=1, keepdims=True))
             out[j] = np.einsum("hs,shd->hd", w / w.sum(axis=1, keepdims=True), v)
@@ -306,7 +351,7 @@ class _PagedDriver:
             table = np.full((batch, width), -1, np.int32)
             for b, t in enumerate(tables):
                 table[b, :len(t)] = t
-            paged = {"block_size": self.B, "layout": self.layout, "block_table": table}
+            paged = {"block_size": self.B, "layout": self.layout, "block_table": table, "ring": self.ring(index, l)}
             # A quantized pool is dumped as its codes and scales (kvcheck dequantizes them).
             if hasattr(self.cache, "kv_codes"):
                 pools = dict(self.call(index, "kv_codes", l))

@@ -77,6 +77,11 @@ struct PagedView {
     // [row][j]: the slot the step wrote its j-th computed token to (the tokens after the
     // row's hit); -1 padding dropped. Empty: not reported.
     std::vector<std::vector<std::int64_t>> slot_mapping;
+    // A ring of this many places (SPEC 8.9): token t at place t % ring, in entry (t % ring) / B;
+    // 0: the table's entry i holds the row's logical block i.
+    std::int64_t ring = 0;
+    // Where token t lives: its logical index, or its place in the ring.
+    std::int64_t place(std::int64_t t) const { return ring > 0 ? t % ring : t; }
   };
   std::vector<Layer> layers;
   std::vector<std::int64_t> hit_tokens;  // [row]: tokens the step's append took from the prefix index

@@ -128,22 +128,24 @@ void PagedChecks::check_slot_mapping(const StepRecord& rec, const CacheView& vie
     const auto& table = layer.tables[b];
     int reported = 0;
     for (std::int64_t j = 0; j < computed && reported < 4; ++j) {
-      const std::int64_t t = first + j, i = t / B;
+      const std::int64_t t = first + j, place = layer.place(t), i = place / B;
       const std::int64_t block = i < static_cast<std::int64_t>(table.size()) ? table[static_cast<std::size_t>(i)] : -1;
       // A block the step freed behind a sliding window says nothing about where it wrote.
       if (block < 0) continue;
-      const std::int64_t want = block * B + t % B, got = mapping[static_cast<std::size_t>(j)];
+      const std::int64_t want = block * B + place % B, got = mapping[static_cast<std::size_t>(j)];
       if (got == want) continue;
+      // SPEC 8.9: a ring need not store a token that a later one of the same forward overwrites.
+      if (layer.ring > 0 && got < 0 && t + layer.ring < n) continue;
       // SPEC 8.4: after the forward a cache may trade a full block it wrote for an equal one
       // it holds (transformers' mark_complete_blocks), releasing its own: no table points at
       // the written block any more, and check_layer holds the table's block to the row's
       // tokens.
-      if (got >= 0 && (i + 1) * B <= n && !refs.count(got / B)) continue;
+      if (layer.ring == 0 && got >= 0 && (i + 1) * B <= n && !refs.count(got / B)) continue;
       ++reported;
       fail(evidence, {K::mapping_table, l, row, i, block, got,
                       fmt::format("token {} was written to slot {}, but its table entry says slot {} = {} "
                                               "* {} + {}{}",
-                                              t, got, want, block, B, t % B,
+                                              t, got, want, block, B, place % B,
                                               got / B == block
                                                   ? std::string(": the right block, the wrong offset")
                                                   : fmt::format(": block {}, offset {}", got / B, got % B))});
@@ -267,6 +269,10 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
   const auto uid_count = static_cast<std::uint64_t>(s_.token_ids.empty() ? ~0ull : s_.token_ids.size());
   for (std::size_t b = 0; b < layer.tables.size() && b < rec.histories.size(); ++b) {
     if (rec.is_preempted(static_cast<int>(b))) continue;  // its blocks are out (swap) or freed (recompute)
+    if (layer.ring > 0) {
+      check_ring(rec, view, l, b, evidence);
+      continue;
+    }
     const auto& table = layer.tables[b];
     const RowHistory& history = rec.histories[b];
     const auto n = static_cast<std::int64_t>(history.size());
@@ -374,6 +380,115 @@ void PagedChecks::check_layer(const StepRecord& rec, CacheView& view, int l, Ste
         return index >= 0 && !retained.count(index) && kept_blocks.count(index / B);
       });
   }
+}
+
+// 8.9's ring of R places: place p holds the newest of the row's tokens at it (t % R == p),
+// in slot table[p / B] * B + p % B. A retained token must sit there; a token no query needs
+// again may stay where nothing newer was stored (a chunk's tokens a later token of the same
+// chunk overwrote need not be stored). Entries cover the places written so far, and pages
+// are held until the row ends (no entry goes null behind the window).
+void PagedChecks::check_ring(const StepRecord& rec, CacheView& view, int l, std::size_t b, StepEvidence& evidence) {
+  const PagedView::Layer& layer = view.paged->layers[static_cast<std::size_t>(l)];
+  ViewLayer& slots = view.layers[static_cast<std::size_t>(l)];
+  const std::int64_t B = view.paged->block_size, R = layer.ring;
+  const auto refs = references(layer);
+  const auto uid_count = static_cast<std::uint64_t>(s_.token_ids.empty() ? ~0ull : s_.token_ids.size());
+  const auto& table = layer.tables[b];
+  const RowHistory& history = rec.histories[b];
+  const auto n = static_cast<std::int64_t>(history.size());
+  const std::int64_t places = std::min(n, R);
+  const reference::RowRetained& sets = rec.retained_in(l, static_cast<int>(b));
+  std::set<std::int64_t> needed;  // retained or live: must be in their places
+  for (const auto& key : sets.live) needed.insert(key.index);
+  for (const auto& key : sets.keys) needed.insert(key.index);
+  std::map<std::int64_t, std::vector<ViewSlot*>> at;
+  for (auto& head : slots.slots[b])
+    for (ViewSlot& v : head) at[v.slot].push_back(&v);
+  const int row = static_cast<int>(b);
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    const std::int64_t block = table[i], logical = static_cast<std::int64_t>(i);
+    if (block < 0) continue;
+    if (logical * B >= places) {
+      fail(evidence, {K::stale_entry, l, row, logical, block, -1,
+                      fmt::format("points at a page, but the row's ring of {} places has {} written (entries from "
+                                  "{} on must be null)",
+                                  R, places, (places + B - 1) / B)});
+      continue;
+    }
+    const bool shared = refs.count(block) && refs.at(block) > 1;
+    for (std::int64_t o = 0; o < B; ++o) {
+      const std::int64_t p = logical * B + o, slot = block * B + o;
+      const auto found = at.find(slot);
+      const ViewSlot* v = found == at.end() ? nullptr : found->second[0];
+      if (p >= places) {
+        if (v)
+          fail(evidence, {K::stale_entry, l, row, logical, block, slot,
+                          fmt::format("slot {} (ring place {}) holds uid {}, but the ring has written {} places", slot,
+                                      p, v->uid, places)});
+        continue;
+      }
+      const std::int64_t newest = p + R * ((n - 1 - p) / R);
+      if (!v) {
+        if (needed.count(newest))
+          fail(evidence, {K::slot_mapping, l, row, logical, block, slot,
+                          fmt::format("token {} should be in slot {} (ring place {} = {} % {}), which is empty",
+                                      newest, slot, p, newest, R)});
+        continue;
+      }
+      const std::int64_t index = v->claimed_index ? *v->claimed_index : index_of(history, v->uid);
+      if (index >= 0 && index % R != p) {
+        fail(evidence, {K::slot_mapping, l, row, logical, block, slot,
+                        fmt::format("slot {} (ring place {}) holds token {}, whose place is {} = {} % {}", slot, p,
+                                    index, index % R, index, R)});
+        continue;
+      }
+      if (index != newest && needed.count(newest)) {
+        fail(evidence, {K::slot_mapping, l, row, logical, block, slot,
+                        fmt::format("slot {} (ring place {}) holds {}, where token {} belongs", slot, p,
+                                    index >= 0 ? fmt::format("token {}", index) : fmt::format("uid {}", v->uid),
+                                    newest)});
+        continue;
+      }
+      if (v->uid < 0 || static_cast<std::uint64_t>(v->uid) >= uid_count) {
+        fail(evidence, {K::stale_entry, l, row, logical, block, slot,
+                        fmt::format("slot {} holds values of no token (uid {})", slot, v->uid)});
+        continue;
+      }
+      // A page copied from another row (a fork) holds that row's uids: the row's own token
+      // when the context keys agree.
+      const std::uint64_t own = history[static_cast<std::size_t>(index >= 0 ? index : newest)];
+      const auto theirs = static_cast<std::uint64_t>(v->uid);
+      if (context_key(s_, theirs) != context_key(s_, own)) {
+        fail(evidence, {shared ? K::shared_write : K::stale_entry, l, row, logical, block, slot,
+                        fmt::format("slot {} holds uid {}, whose context key is not the row's token {} (uid {})", slot,
+                                    theirs, index >= 0 ? index : newest, own)});
+        continue;
+      }
+      if (theirs != own)
+        for (ViewSlot* x : found->second) x->uid = static_cast<std::int64_t>(own);
+    }
+  }
+  // 8.8.2: the page of every live token's place is in the table.
+  std::set<std::int64_t> reported;
+  for (const auto& key : sets.live) {
+    const std::int64_t i = layer.place(key.index) / B;
+    const bool null = i >= static_cast<std::int64_t>(table.size()) || table[static_cast<std::size_t>(i)] < 0;
+    if (null && reported.insert(i).second)
+      fail(evidence, {K::freed_visible, l, row, i, -1, -1,
+                      fmt::format("is null, but token {} at ring place {} is in the window of the row's next query",
+                                  key.index, layer.place(key.index))});
+  }
+  // What a ring still holds that no query needs is held in place, not kept by the policy.
+  const std::set<std::int64_t> retained = [&] {
+    std::set<std::int64_t> r;
+    for (const auto& key : sets.keys) r.insert(key.index);
+    return r;
+  }();
+  for (auto& head : slots.slots[b])
+    std::erase_if(head, [&](const ViewSlot& v) {
+      const std::int64_t index = v.claimed_index ? *v.claimed_index : index_of(history, v.uid);
+      return index >= 0 && !retained.count(index);
+    });
 }
 
 void PagedChecks::add_checks(Outcome& outcome) const {

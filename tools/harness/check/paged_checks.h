@@ -39,6 +39,7 @@ class PagedChecks : public SubCheck {
   void fail(StepEvidence& evidence, PagedIssue issue);
   void check_hits(const StepRecord& record, const CacheView& view, StepEvidence& evidence);
   void check_layer(const StepRecord& record, CacheView& view, int layer, StepEvidence& evidence);
+  void check_ring(const StepRecord& record, CacheView& view, int layer, std::size_t row, StepEvidence& evidence);
   void check_slot_mapping(const StepRecord& record, const CacheView& view, int layer, StepEvidence& evidence);
   void check_refcounts(const CacheView& view, int layer, StepEvidence& evidence);
   void check_isolation(const CacheView& view, int layer, StepEvidence& evidence);

@@ -108,6 +108,7 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
   paged.block_size = f.block_size;
   if (paged.layers.size() <= index) paged.layers.resize(index + 1);
   PagedView::Layer& out = paged.layers[index];
+  out.ring = f.ring;
   out.tables.assign(rows, {});
   for (std::size_t b = 0; b < rows; ++b) {
     for (std::size_t i = 0; i < width; ++i) {
@@ -181,7 +182,9 @@ void read_paged_layer(const PagedTraceFiles& f, const std::vector<std::size_t>& 
     for (std::size_t i = 0; i < out.tables[b].size(); ++i) {
       const std::int64_t block = out.tables[b][i];
       if (block < 0) continue;
-      for (std::size_t o = 0; o < B && i * B + o < lengths[b]; ++o)
+      // The places written so far: the row's tokens, or a ring's places up to its length.
+      const std::size_t written = f.ring > 0 ? std::min(lengths[b], static_cast<std::size_t>(f.ring)) : lengths[b];
+      for (std::size_t o = 0; o < B && i * B + o < written; ++o)
         for (std::size_t g = 0; g < kv_heads; ++g) {
           const std::size_t p = at(pool_row(block), o, g);
           const float* v = values.data.data() + p;

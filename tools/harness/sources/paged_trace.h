@@ -21,6 +21,9 @@ struct PagedTraceFiles {
   std::string refcount, hit_tokens;                 // optional: [blocks], [rows]
   std::string slot_mapping;                         // optional: [rows, tokens], the step's computed tokens
   std::string block_ids;  // optional: [k], the blocks the pools' k rows hold (only those dumped)
+  // optional (SPEC 8.9): a ring of `ring` places (token t at place t % ring, in slot
+  // table[p / B] * B + p % B); 0: the table is the row's logical blocks.
+  std::int64_t ring = 0;
   // SPEC 9.3, optional: codes in the pool's layout, scales and zero points per group; a
   // tensor with codes may leave its float pool out (key_cache or value_cache then empty).
   CodeFiles codes;

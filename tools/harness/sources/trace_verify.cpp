@@ -89,11 +89,12 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   static const std::set<std::string> known = {"block_size", "layout",     "key_cache",    "value_cache", "block_table",
                                               "refcount",   "hit_tokens", "slot_mapping", "block_ids",   "k_codes",
                                               "k_scales",   "k_zero",     "v_codes",      "v_scales",    "v_zero",
-                                              "k_bias",     "v_bias"};
+                                              "k_bias",     "v_bias",     "ring"};
   for (const auto& [key, value] : j.items())
     if (!known.count(key))
       fail(p + "/" + key, "unknown key (expected block_size, layout, key_cache, value_cache, block_table, refcount, "
-                          "hit_tokens, slot_mapping, block_ids, k_codes, k_scales, k_zero, k_bias, v_codes, v_scales, v_zero, v_bias)");
+                          "hit_tokens, slot_mapping, block_ids, ring, k_codes, k_scales, k_zero, k_bias, v_codes, "
+                          "v_scales, v_zero, v_bias)");
   PagedTraceFiles f;
   if (!j.contains("block_size") || !j["block_size"].is_number_integer() || j["block_size"].get<std::int64_t>() < 1 ||
       j["block_size"].get<std::int64_t>() > 65536)
@@ -104,6 +105,18 @@ PagedTraceFiles read_paged_entry(const json& j, const std::string& p, const std:
   if (!j.contains("layout") || !j["layout"].is_string() || (j["layout"] != "NHD" && j["layout"] != "HND"))
     fail(p + "/layout", "expected \"NHD\" ([blocks, B, Hkv, D], vLLM) or \"HND\" ([blocks, Hkv, B, D], FlashInfer)");
   f.head_major = j["layout"] == "HND";
+  if (j.contains("ring")) {  // SPEC 8.9: a sliding layer's ring of places
+    const Policy& policy = s.policies[static_cast<std::size_t>(layer)];
+    if (policy.kind != PolicyKind::sliding)
+      fail(p + "/ring", "a ring holds a sliding layer's window, and this layer's policy is not sliding");
+    if (!j["ring"].is_number_integer() || j["ring"].get<std::int64_t>() < policy.window ||
+        j["ring"].get<std::int64_t>() > (std::int64_t{1} << 30))
+      fail(p + "/ring", fmt::format("expected the ring's places, an integer from the window {} to 2^30, got {}",
+                                    policy.window, j["ring"].dump()));
+    if (s.paging && s.paging->prefix_cache)
+      fail(p + "/ring", "a ring's pages are overwritten in place and cannot be shared: not with prefix_cache");
+    f.ring = j["ring"].get<std::int64_t>();
+  }
   auto file = [&](const char* key, bool required) -> std::string {
     if (!j.contains(key)) {
       if (required) fail(p + "/" + key, "missing required field (a file name)");
