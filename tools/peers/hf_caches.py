@@ -137,6 +137,15 @@ def claims(cls, scenario):
     """None when `cls` claims the scenario's policy; else why not (a reason starting "not
     judged" is printed as a row, the others are left out)."""
     policy = scenario.get("policy")
+    if cls == "PagedAttentionCache":  # continuous batching: the paged fixtures (SPEC 8)
+        if "paging" not in scenario:
+            return "not paged"
+        if "kv_quant" in scenario:
+            return "quantized"
+        if any(isinstance(p, dict) and p.get("type") not in ("full", "sliding")
+               for p in (policy if isinstance(policy, list) else [policy])):
+            return "not full or sliding layers"
+        return None
     if "kv_quant" in scenario or "paging" in scenario:
         return "quantized or paged"
     if any(step["op"] == "prune" for step in scenario["steps"]):
@@ -199,12 +208,18 @@ def recipes():
     if release() >= (5, 0):
         found["DynamicCache"] = dynamic_cache
         found["StaticCache"] = static_cache
+        found["PagedAttentionCache"] = None  # continuous batching, through tools/kvtrace_hf_paged.py
     return found
 
 
 def verdict(name, cls, recipe, work):
+    path = os.path.join(SCENARIOS, name + ".json")
+    if cls == "PagedAttentionCache":
+        from kvtrace_hf_paged import ContinuousBatchingCache
+        return peer_verdict.verdict(path, work, lambda exported, trace: kvtrace.drive_paged_cache(
+            exported, lambda: ContinuousBatchingCache(exported), trace))
     make, options = recipe
-    return peer_verdict.verdict(os.path.join(SCENARIOS, name + ".json"), work,
+    return peer_verdict.verdict(path, work,
                                 lambda exported, trace: kvtrace.drive_hf_cache(exported, make, trace, **options))
 
 
@@ -224,7 +239,7 @@ def main(names):
                 continue
             work = tempfile.mkdtemp(prefix="kvcheck-peers-")
             try:
-                text = verdict(name, cls, make_recipe(scenario), work)
+                text = verdict(name, cls, make_recipe(scenario) if make_recipe else None, work)
             finally:
                 shutil.rmtree(work, True)
             print("| transformers %s | `%s` | `%s` | %s |" % (transformers.__version__, cls, name, text), flush=True)
