@@ -23,12 +23,12 @@ PASSING = [(SCENARIOS, "paged_chunked_prefill"), (SCENARIOS, "paged_evict_then_r
            (SCENARIOS, "paged_move_short_row"), (SCENARIOS, "paged_preempt_swap_and_recompute"),
            # two rows with the same prompt in one forward: the second row's full blocks are traded for the
            # first's after the forward (SPEC 8.4)
-           (SCENARIOS, "paged_same_prompt_in_one_step"),
+           (SCENARIOS, "paged_same_prompt_in_one_step"), (DATA, "paged_same_prompt_in_chunks"),
            (DATA, "hf_paged_fork_then_prefix_hit"), (DATA, "hf_paged_fork_at_a_block_edge"),
            # sliding layers: rings of W places (SPEC 8.9), before and after they wrap
            (DATA, "hf_paged_sliding_fork_before_the_ring_wraps"), (SCENARIOS, "paged_window_2b"),
            (SCENARIOS, "paged_window_2b_plus_1"), (SCENARIOS, "paged_sliding_chunked_prefill"),
-           (DATA, "hf_paged_sliding_ring_under_a_long_chunk")]
+           (DATA, "hf_paged_sliding_ring_under_a_long_chunk"), (DATA, "paged_ring_pages_reused_after_a_free")]
 
 
 class ContinuousBatchingCacheTest(unittest.TestCase):

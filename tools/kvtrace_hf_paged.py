@@ -48,25 +48,6 @@ logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _longest_rows(export):
-    """The most tokens any row holds at any step of the export's schedule."""
-    lengths, longest = [0] * export.dims["batch"], 0
-    for step in export.steps:
-        op = step["op"]
-        if op == "append":
-            for b, r in enumerate(step["rows"]):
-                lengths[b] += len(r["uids"])
-        elif op == "reorder":
-            lengths = [lengths[r] for r in step["rows_from"]]
-        elif op == "free":
-            for r in step["rows_freed"]:
-                lengths[r] = 0
-        elif op == "reset":
-            lengths = [0] * step.get("batch", len(lengths))
-        longest = max([longest] + lengths)
-    return longest
-
-
 class ContinuousBatchingCache:
     """transformers 5's PagedAttentionCache behind kvtrace_paged's interface (NHD pools)."""
 

@@ -203,9 +203,9 @@ class _PagedDriver:
                 for b, lo, hi, offset in work:
                     o, q = self.attend(index, l, b, lo, hi, before)
                     out[l, b, :, lo + offset:hi + offset], q_rot[l, b, :, lo + offset:hi + offset] = o, q
-            last = begin + forward >= max(len(r["uids"]) for r in rows)
-            for b, _, _, _ in work:
-                if last and self.takes_ends:  # the row's request ends with this forward (a serving engine's view)
+            for b, _, hi, _ in work:
+                # The forward holding the row's last token of the step: its request may end there.
+                if self.takes_ends and hi == len(self.rows[b]["uids"]):
                     self.call(index, "finish", b, self.ends_after(index, b))
                 else:
                     self.call(index, "finish", b)
@@ -215,10 +215,13 @@ class _PagedDriver:
         """Whether row b's next op after step `index` frees it (or resets the batch): then its
         request finished in this step's last forward, as a serving engine sees it."""
         for step in self.exp.steps[index + 1:]:
-            if step["op"] == "free" and b in step["rows_freed"] or step["op"] == "reset":
+            op = step["op"]
+            if op == "reset" or op == "free" and b in step["rows_freed"]:
                 return True
-            if step["op"] in ("reorder", "preempt") or step["op"] == "append" and b < len(step["rows"]) \
-                    and step["rows"][b]["uids"]:
+            if op == "reorder":  # a row it does not keep ends; one it keeps (or forks) goes on
+                return b not in step["rows_from"]
+            if op == "preempt" and b in step["rows_preempted"] or \
+                    op == "append" and b < len(step["rows"]) and step["rows"][b]["uids"]:
                 return False
         return False
 
@@ -272,8 +275,10 @@ class _PagedDriver:
         else:
             table = self.table(index, l, b)
             places = [self.place(index, l, t) for t in range(lo, hi)]
-            slots = [table[p // self.B] * self.B + p % self.B if p // self.B < len(table) and table[p // self.B] >= 0
-                     else -1 for p in places]
+            # A ring stores only the newest token of each place among the forward's.
+            slots = [table[p // self.B] * self.B + p % self.B
+                     if p // self.B < len(table) and table[p // self.B] >= 0 and not (ring and t + ring < hi)
+                     else -1 for t, p in zip(range(lo, hi), places)]
         if self.slots is not None:
             self.slots[l][b] += slots
         k = rotate(self.exp.k[l][uids], np.arange(lo, hi)[:, None], self.exp.layer_rope(l))  # [n, Hkv, D]
@@ -287,11 +292,11 @@ class _PagedDriver:
         if hasattr(self.cache, "write_tokens"):  # the cache's own update() writes (and needs the row)
             self.call(index, "write_tokens", l, b, lo, slots, k, v)
             return
+        stored = [j for j, slot in enumerate(slots) if slot >= 0]  # a ring's overwritten tokens are not
+        slots, k, v = [slots[j] for j in stored], k[stored], v[stored]
         if hasattr(self.cache, "write_kv"):  # the cache quantizes as it stores
             self.call(index, "write_kv", l, slots, k, v)
             return
-        stored = [j for j, slot in enumerate(slots) if slot >= 0]
-        slots, k, v = [slots[j] for j in stored], k[stored], v[stored]
         for pool, x in ((keys, k), (values, v)):
             block, offset = np.array(slots, np.int64) // self.B, np.array(slots, np.int64) % self.B
             if hasattr(pool, "detach"):  # torch: index with tensors, values in the pool's dtype

@@ -106,7 +106,21 @@ void PagedChecks::check_slot_mapping(const StepRecord& rec, const CacheView& vie
   const PagedView::Layer& layer = view.paged->layers[static_cast<std::size_t>(l)];
   if (layer.slot_mapping.empty()) return;
   const std::int64_t B = view.paged->block_size;
-  const auto refs = references(layer);
+  const auto uid_count = static_cast<std::uint64_t>(s_.token_ids.empty() ? ~0ull : s_.token_ids.size());
+  // Whether row b's slot holds its token t now (kv head 0; by context key, as check_layer).
+  const auto& slots = view.layers[static_cast<std::size_t>(l)].slots;
+  const auto holds_token = [&](std::size_t b, std::int64_t slot, std::int64_t t) {
+    if (b >= slots.size() || slots[b].empty()) return false;
+    for (const ViewSlot& v : slots[b][0])
+      if (v.slot == slot)
+        return v.uid >= 0 && static_cast<std::uint64_t>(v.uid) < uid_count &&
+               context_key(s_, static_cast<std::uint64_t>(v.uid)) ==
+                   context_key(s_, rec.histories[b][static_cast<std::size_t>(t)]);
+    return false;
+  };
+  std::map<std::int64_t, int> written;  // how often the step wrote each slot, every row
+  for (const auto& row_slots : layer.slot_mapping)
+    for (std::int64_t slot : row_slots) ++written[slot];
   for (std::size_t b = 0; b < layer.slot_mapping.size() && b < rec.histories.size(); ++b) {
     const auto& mapping = layer.slot_mapping[b];
     const auto n = static_cast<std::int64_t>(rec.histories[b].size());
@@ -136,11 +150,22 @@ void PagedChecks::check_slot_mapping(const StepRecord& rec, const CacheView& vie
       if (got == want) continue;
       // SPEC 8.9: a ring need not store a token that a later one of the same forward overwrites.
       if (layer.ring > 0 && got < 0 && t + layer.ring < n) continue;
-      // SPEC 8.4: after the forward a cache may trade a full block it wrote for an equal one
-      // it holds (transformers' mark_complete_blocks), releasing its own: no table points at
-      // the written block any more, and check_layer holds the table's block to the row's
-      // tokens.
-      if (layer.ring == 0 && got >= 0 && (i + 1) * B <= n && !refs.count(got / B)) continue;
+      // SPEC 8.4: after a forward a cache may trade a full block it wrote for an equal one it
+      // holds (transformers' mark_complete_blocks), releasing its own, which a later forward of
+      // the step may hand out again (to any row, whose write then replaces the slot's token):
+      // the write was at the token's offset, into a block the row no longer holds or a slot
+      // the step wrote again; check_layer holds every table block to its row's tokens.
+      if (layer.ring == 0 && got >= 0 && got % B == t % B && (i + 1) * B <= n &&
+          (std::find(table.begin(), table.end(), got / B) == table.end() || written.at(got) > 1)) {
+        // ... and the block was written as one (every token of it this step computed went to
+        // the same block, each at its offset: one token sent astray is no trade), and the
+        // table's block holds the token now (a write to a block that is not the table's, whose
+        // tokens never reach the table's, is no trade either).
+        bool whole = true;
+        for (std::int64_t u = std::max(first, i * B); u < std::min(n, (i + 1) * B) && whole; ++u)
+          whole = mapping[static_cast<std::size_t>(u - first)] == got / B * B + u % B;
+        if (whole && holds_token(b, want, t)) continue;
+      }
       ++reported;
       fail(evidence, {K::mapping_table, l, row, i, block, got,
                       fmt::format("token {} was written to slot {}, but its table entry says slot {} = {} "
@@ -408,11 +433,11 @@ void PagedChecks::check_ring(const StepRecord& rec, CacheView& view, int l, std:
   for (std::size_t i = 0; i < table.size(); ++i) {
     const std::int64_t block = table[i], logical = static_cast<std::int64_t>(i);
     if (block < 0) continue;
-    if (logical * B >= places) {
+    if (logical * B >= R) {
       fail(evidence, {K::stale_entry, l, row, logical, block, -1,
-                      fmt::format("points at a page, but the row's ring of {} places has {} written (entries from "
-                                  "{} on must be null)",
-                                  R, places, (places + B - 1) / B)});
+                      fmt::format("points at a page, but a ring of {} places has {} pages (entries from {} on must "
+                                  "be null)",
+                                  R, (R + B - 1) / B, (R + B - 1) / B)});
       continue;
     }
     const bool shared = refs.count(block) && refs.at(block) > 1;
