@@ -15,7 +15,12 @@ namespace kvcheck {
 // GroupQueryAttention KV (SPEC 9.6). int8 rounds ties away from zero over [-127, 127].
 // mlx_affine: MLX's affine groups (mx.quantize, SPEC 9.7): unsigned codes of `bits` bits, a
 // float scale (negative when the group's largest magnitude is its maximum) and a float bias.
-enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2, int8_even, int4_even, mlx_affine };
+// quanto_affine: optimum-quanto's groups as transformers' QuantizedLayer stores them (SPEC
+// 9.8): unsigned codes of `bits` bits, a float scale (max - min) / n and a float bias, the min.
+enum class QuantFormat { fp8_e4m3, fp8_e5m2, int8, q8_0, q4_0, int4, int2, int8_even, int4_even, mlx_affine,
+                         quanto_affine };
+// Formats whose groups carry a float bias beside the scale (x = c S + B).
+inline bool has_biases(QuantFormat f) { return f == QuantFormat::mlx_affine || f == QuantFormat::quanto_affine; }
 
 // What one scale covers: the whole tensor, one kv head, one token's row of head_dim (per kv
 // head), `group` consecutive elements of that row, or (channel) one channel of head_dim over
@@ -45,7 +50,7 @@ struct TensorQuant {
   // normalized Hadamard matrix of this width per block along head_dim (llama.cpp rotates V
   // in blocks of 64 at head_dim 128); 0: one block, the whole head.
   int transform_block = 0;
-  int bits = 0;  // mlx_affine: 2, 3, 4, 5, 6 or 8; 0 for the other formats (their name says it)
+  int bits = 0;  // mlx_affine: 2, 3, 4, 5, 6 or 8; quanto_affine: 2 or 4; 0 for the other formats (their name says it)
   bool operator==(const TensorQuant&) const = default;
 };
 
@@ -99,7 +104,7 @@ inline constexpr EnumName<QuantFormat> kQuantFormatNames[] = {
     {QuantFormat::fp8_e4m3, "fp8_e4m3"}, {QuantFormat::fp8_e5m2, "fp8_e5m2"}, {QuantFormat::int8, "int8"},
     {QuantFormat::q8_0, "q8_0"},         {QuantFormat::q4_0, "q4_0"},         {QuantFormat::int4, "int4"},
     {QuantFormat::int2, "int2"},         {QuantFormat::int8_even, "int8_even"}, {QuantFormat::int4_even, "int4_even"},
-    {QuantFormat::mlx_affine, "mlx_affine"}};
+    {QuantFormat::mlx_affine, "mlx_affine"}, {QuantFormat::quanto_affine, "quanto_affine"}};
 inline constexpr EnumName<ScaleGranularity> kScaleGranularityNames[] = {{ScaleGranularity::tensor, "tensor"},
                                                                         {ScaleGranularity::head, "head"},
                                                                         {ScaleGranularity::token, "token"},
@@ -115,7 +120,7 @@ inline constexpr EnumName<QuantTransform> kQuantTransformNames[] = {{QuantTransf
 inline constexpr EnumName<ScaleDtype> kScaleDtypeNames[] = {{ScaleDtype::float32, "float32"},
                                                             {ScaleDtype::float16, "float16"}};
 
-static_assert(sizeof(kQuantFormatNames) / sizeof(kQuantFormatNames[0]) == static_cast<std::size_t>(QuantFormat::mlx_affine) + 1,
+static_assert(sizeof(kQuantFormatNames) / sizeof(kQuantFormatNames[0]) == static_cast<std::size_t>(QuantFormat::quanto_affine) + 1,
               "a format without a name");
 
 inline const char* to_string(QuantFormat f) { return name_in(kQuantFormatNames, f); }

@@ -89,6 +89,8 @@ double code_range(QuantFormat format) {
       return 3.0;
     case QuantFormat::mlx_affine:
       return 255.0;  // its codes' range is 2^bits - 1 (TensorQuant::bits): 255 at 8 bits
+    case QuantFormat::quanto_affine:
+      return 15.0;  // likewise (2 or 4 bits); its scale comes from the group's range
   }
   return 1.0;
 }
@@ -138,6 +140,10 @@ double element_bound(QuantFormat format, double x, double s) {
       // SPEC 9.7: within reach, half a step; the far edge, clipped, within n (r - |S|) < r <=
       // (4/3) |S| of the last code (r = (max - min) / n, |S| >= r |e| / (|e| + r/2), |e| >= n r / 2).
       return 2.0 * d;
+    case QuantFormat::quanto_affine:
+      // SPEC 9.8: half a step S = (max - min) / n from the nearest code, and float32's roundings
+      // of x - min, of the quotient and of c S + min, well inside the other half.
+      return d;
   }
   return INFINITY;
 }
@@ -195,6 +201,32 @@ void mlx_affine_group(int bits, const float* xs, int group, double window, Quant
     const float y = (xs[i] - bias) / s;
     row.codes[static_cast<std::size_t>(g0 + i)] = std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, n));
     row.near_boundary[static_cast<std::size_t>(g0 + i)] = near_half_integer(y, window / std::abs(s));
+  }
+}
+
+// SPEC 9.8, optimum-quanto 0.2.7's MaxOptimizer and quantize as transformers' QuantizedLayer
+// calls them on float32 keys and values: every step in float32, one rounding each; codes
+// round ties to even (torch.round); a group of equal values has S = 0, and its codes are 0.
+void quanto_affine_group(int bits, const float* xs, int group, double window, QuantizedRow& row, int g0) {
+  const float n = static_cast<float>((1 << bits) - 1);
+  float lo = xs[0], hi = xs[0];
+  for (int i = 1; i < group; ++i) lo = std::min(lo, xs[i]), hi = std::max(hi, xs[i]);
+  const float s = (hi - lo) / n;
+  row.scales.push_back(s);
+  row.biases.push_back(lo);
+  // Another's float32 rotation may move each element by the window: the range by twice it.
+  row.scale_min.push_back(std::max(0.0, static_cast<double>(hi) - lo - 2 * window) / n);
+  row.scale_max.push_back((static_cast<double>(hi) - lo + 2 * window) / n);
+  row.scale_near_boundary.push_back(window > 0.0);
+  row.lows.push_back(lo);
+  row.windows.push_back(window);
+  row.spans.push_back(static_cast<double>(hi) - lo);
+  row.values.insert(row.values.end(), xs, xs + group);
+  for (int i = 0; i < group; ++i) {
+    const float y = s != 0.0f ? (xs[i] - lo) / s : 0.0f;
+    row.codes[static_cast<std::size_t>(g0 + i)] = static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, n));
+    // x and the bias each move by the window: x - min by twice it.
+    row.near_boundary[static_cast<std::size_t>(g0 + i)] = s != 0.0f && near_half_integer(y, 2 * window / s);
   }
 }
 
@@ -284,6 +316,8 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
       }
     } else if (f == QuantFormat::mlx_affine) {
       mlx_affine_group(quant.bits, xs, group, window, row, g0);
+    } else if (f == QuantFormat::quanto_affine) {
+      quanto_affine_group(quant.bits, xs, group, window, row, g0);
     } else {  // fp8, int8 and the *_even formats: one scale per group, static or from the group's amax
       double s = 0.0;
       const bool computed = quant.scale.rule != ScaleRule::fixed;
@@ -408,6 +442,10 @@ void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out) 
         break;
       case QuantFormat::mlx_affine:
         out[i] = c * s + row.biases[static_cast<std::size_t>(i / group)];
+        break;
+      case QuantFormat::quanto_affine:  // in float32, as quanto dequantizes: T(T(c S) + min)
+        out[i] = static_cast<float>(static_cast<float>(c * static_cast<float>(s)) +
+                                    static_cast<float>(row.biases[static_cast<std::size_t>(i / group)]));
         break;
       default:
         out[i] = c * s;

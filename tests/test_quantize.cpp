@@ -168,6 +168,44 @@ TEST(ReferenceQuantize, MlxAffineGroupsWorkedByHand) {
   EXPECT_EQ(flat.codes, std::vector<int>(32, 0));
 }
 
+// SPEC 9.8 (quanto's groups), worked by hand. 4 bits (n = 15), groups of 32: group 0 spans
+// 0 .. 15, so S = 15 / 15 = 1 and B = 0, and the codes are x itself rounded half to even:
+// 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, 14.5 -> 14, 15 -> 15 (half away from zero gives 1, 2, 3, 15).
+// Group 1 spans -2 .. 1 (the rest zeros), S = 3 / 15 = 0.2f, B = -2: x = -2 -> 0, 1 -> 15,
+// 0 -> rint(2 / 0.2f) = 10. At 2 bits (n = 3), a group -3 .. 3: S = 2, B = -3, and
+// -2 -> 0.5 -> 0, 0 -> 1.5 -> 2, 2 -> 2.5 -> 2, 3 -> 3. A group of equal values: S = 0, codes
+// 0, decoded exactly (c S + B = B).
+TEST(ReferenceQuantize, QuantoAffineGroupsWorkedByHand) {
+  TensorQuant q = format(QuantFormat::quanto_affine, ScaleGranularity::group, 32);
+  q.bits = 4;
+  std::vector<float> x(64, 0.0f);
+  const std::vector<float> g0 = {0.0f, 15.0f, 0.5f, 1.5f, 2.5f, 14.5f, 7.0f};
+  const std::vector<float> g1 = {-2.0f, 1.0f, 0.0f};
+  std::copy(g0.begin(), g0.end(), x.begin());
+  std::copy(g1.begin(), g1.end(), x.begin() + 32);
+  const QuantizedRow row = reference::quantize(q, x.data(), 64, 0);
+  EXPECT_EQ(std::vector<int>(row.codes.begin(), row.codes.begin() + 7), (std::vector<int>{0, 15, 0, 2, 2, 14, 7}));
+  EXPECT_EQ(std::vector<int>(row.codes.begin() + 32, row.codes.begin() + 35), (std::vector<int>{0, 15, 10}));
+  EXPECT_EQ(row.scales, (std::vector<double>{1.0, static_cast<double>(3.0f / 15.0f)}));
+  EXPECT_EQ(row.biases, (std::vector<double>{0.0, -2.0}));
+  const std::vector<double> back = decoded(q, row);
+  EXPECT_EQ(back[4], 2.0);  // 2.5 stored as code 2: half a step away, within e = S
+  EXPECT_LE(std::abs(back[4] - 2.5), reference::element_bound(QuantFormat::quanto_affine, 2.5, 1.0));
+  EXPECT_EQ(back[33], static_cast<double>(static_cast<float>(15 * (3.0f / 15.0f)) - 2.0f));
+  q.bits = 2;
+  std::vector<float> y(32, 0.0f);
+  const std::vector<float> g2 = {-3.0f, 3.0f, -2.0f, 2.0f};
+  std::copy(g2.begin(), g2.end(), y.begin());
+  const QuantizedRow two = reference::quantize(q, y.data(), 32, 0);
+  EXPECT_EQ(std::vector<int>(two.codes.begin(), two.codes.begin() + 5), (std::vector<int>{0, 3, 0, 2, 2}));
+  EXPECT_EQ(two.scales, std::vector<double>{2.0});
+  const std::vector<float> flat_values(32, 0.75f);
+  const QuantizedRow flat = reference::quantize(q, flat_values.data(), 32, 0);
+  EXPECT_EQ(flat.scales, std::vector<double>{0.0});
+  EXPECT_EQ(flat.codes, std::vector<int>(32, 0));
+  EXPECT_EQ(decoded(q, flat), std::vector<double>(32, 0.75));
+}
+
 // SPEC 9.7's check 9.2.1: the bias and scale another float32 arithmetic may store, each case
 // worked in NumPy float32 as MLX's rule (4 bits, groups of 32, the window 2^-20 of the row's
 // largest element).

@@ -89,7 +89,7 @@ const std::vector<CacheEntry>& real_caches() {
                   prunes = e.name == "dynamic" || e.name == "static" || e.name == "hybrid"](const Scenario& s) {
         const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
         const bool prune_served = !s.prunes() || (prunes && (!s.prunes(true) || s.kv_dtype == KvDtype::float32));
-        return !(s.quantized() && s.quant_rules().query) && !stores_mlx_affine(s) && (paged || !shared_scales) &&
+        return !(s.quantized() && s.quant_rules().query) && !stores_biased_groups(s) && (paged || !shared_scales) &&
                (hybrid || s.shared_rope()) && prune_served && inner(s);
       };
     return list;

@@ -44,3 +44,11 @@ kvcheck_venv() {
   printf '%s' "$wanted" >"$stamp"
   echo "kvcheck: venv $name ready in $((SECONDS - start)) s" >&2
 }
+
+# kvcheck_transformers_venv RELEASE: build/venvs/transformers-RELEASE, the same files for
+# tools/test and tools/kvcheck peers (5.25 also holds quanto, QuantizedLayer's backend).
+kvcheck_transformers_venv() {
+  local extra=()
+  [ "$1" = 5.25 ] && extra=(quanto.txt)
+  kvcheck_venv "transformers-$1" torch.txt "transformers-$1.txt" "${extra[@]}"
+}

@@ -641,7 +641,7 @@ const std::vector<ZooMutant>& zoo_mutants() {
         m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return s.shared_rope() && inner(s); };
     // Nor do they store MLX's affine groups (SPEC 9.7), as kvcheck's caches do not.
     for (ZooMutant& m : list)
-      m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return !stores_mlx_affine(s) && inner(s); };
+      m.cache.serves = [inner = m.cache.serves](const Scenario& s) { return !stores_biased_groups(s) && inner(s); };
     // Their caches do not prune (SPEC 11), except the mutants planted in a prune.
     for (ZooMutant& m : list)
       if (m.cache.name.rfind("zoo/prune_", 0) != 0)

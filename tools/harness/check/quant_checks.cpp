@@ -50,6 +50,8 @@ double worst_element_error(const TensorQuant& q, double a, std::string& saturati
       return 2.0 * a / range * r;  // S = (max - min) / (2^b - 1) <= 2a / (2^b - 1)
     case QuantFormat::mlx_affine:  // e = 2 |S|, |S| <= (4/3) r, r = (max - min) / n <= 2a / n (SPEC 9.7)
       return 2.0 * (4.0 / 3.0) * 2.0 * a / ((1 << q.bits) - 1) * r;
+    case QuantFormat::quanto_affine:  // e = S = (max - min) / n <= 2a / n (SPEC 9.8)
+      return 2.0 * a / ((1 << q.bits) - 1) * r;
     default:
       return reference::element_bound(q.format, a, s);
   }
@@ -99,8 +101,8 @@ optimized::RowFormat row_format(const TensorQuant& q, QuantTransform transform) 
                                  Codec::int4,     Codec::int2,     Codec::int8_even, Codec::int4_even};
   static_assert(sizeof(codecs) / sizeof(codecs[0]) == static_cast<std::size_t>(QuantFormat::int4_even) + 1);
   static_assert(static_cast<std::size_t>(QuantFormat::mlx_affine) == sizeof(codecs) / sizeof(codecs[0]));
-  if (q.format == QuantFormat::mlx_affine)  // SPEC 9.7: the reference's only (stores_mlx_affine)
-    throw std::logic_error("row_format: kvcheck's caches have no mlx_affine codec yet");
+  if (has_biases(q.format))  // SPEC 9.7 and 9.8: the reference's only (stores_biased_groups)
+    throw std::logic_error(std::string("row_format: kvcheck's caches have no ") + to_string(q.format) + " codec yet");
   optimized::RowFormat f;
   f.codec = codecs[static_cast<int>(q.format)];
   f.group = q.scale.granularity == ScaleGranularity::group ? q.scale.group : 0;

@@ -101,7 +101,7 @@ json kv_quant_json(const KvQuant& q, int head_dim) {
       scale["value"] = t.scale.rule == ScaleRule::first_append ? "first_append" : "amax";
     json j = {{"format", to_string(t.format)}, {"scale", scale}};
     if (t.transform_block > 0) j["transform_block"] = t.transform_block;
-    if (t.format == QuantFormat::mlx_affine) j["bits"] = t.bits;
+    if (has_biases(t.format)) j["bits"] = t.bits;
     return j;
   };
   json j = {{"transform", to_string(q.transform)}, {"shift", "requantize"}, {"residual", q.residual},
@@ -144,7 +144,7 @@ void write_stored_codes(const std::filesystem::path& dir, const std::string& ste
     const std::size_t n = last - first;
     const std::size_t G = D / static_cast<std::size_t>(reference::scale_group(t, s.dims.head_dim));
     const bool affine = t.format == QuantFormat::int4 || t.format == QuantFormat::int2;
-    const bool biased = t.format == QuantFormat::mlx_affine;
+    const bool biased = has_biases(t.format);
     std::vector<std::int32_t> codes(n * B * R * Hkv * D, 0), zeros(affine ? n * B * R * Hkv * G : 0, 0);
     std::vector<double> scales(n * B * R * Hkv * G, std::numeric_limits<double>::quiet_NaN());
     std::vector<double> biases(biased ? scales.size() : 0, std::numeric_limits<double>::quiet_NaN());

@@ -157,11 +157,15 @@ inline bool quantizes_keys(const Scenario& s) {
   return s.any_layer_quant([](const KvQuant& q) { return q.k.has_value(); });
 }
 
-// Some layer stores K or V in MLX's affine groups (SPEC 9.7): the reference and exports
-// follow it; kvcheck's caches and trace reader do not yet.
-inline bool stores_mlx_affine(const Scenario& s) {
+// Some layer stores K or V with a float bias per group (MLX's affine groups, SPEC 9.7;
+// quanto's, 9.8): the reference and exports follow them; kvcheck's caches do not yet.
+inline bool stores_biased_groups(const Scenario& s) {
+  return s.any_layer_quant([](const KvQuant& q) { return (q.k && has_biases(q.k->format)) || (q.v && has_biases(q.v->format)); });
+}
+// Some layer stores K or V in quanto's groups (SPEC 9.8): traces of them are not read yet.
+inline bool stores_quanto_affine(const Scenario& s) {
   return s.any_layer_quant([](const KvQuant& q) {
-    return (q.k && q.k->format == QuantFormat::mlx_affine) || (q.v && q.v->format == QuantFormat::mlx_affine);
+    return (q.k && q.k->format == QuantFormat::quanto_affine) || (q.v && q.v->format == QuantFormat::quanto_affine);
   });
 }
 

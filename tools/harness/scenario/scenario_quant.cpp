@@ -2,6 +2,9 @@
 // `run --kv-quant`'s rewrite of a scenario to a format.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "reference/quantize.h"
 #include "tools/harness/scenario/parse_sections.h"
 
@@ -9,40 +12,60 @@ namespace kvcheck {
 namespace scenario_parse {
 namespace {
 
-// SPEC 9.7: MLX's affine groups. `bits` 2, 3, 4, 5, 6 or 8 (default 8) and a group of 32, 64
-// or 128 along head_dim (default 64), mlx-lm's QuantizedKVCache defaults; the scale and bias
-// are computed from each group, in float32 (a model's float16 or bfloat16 scales: not yet).
-TensorQuant parse_mlx_affine(const Reader& r, const json& j, const std::string& p, const Dims& dims) {
+// Formats whose groups carry a float bias (SPEC 9.7, 9.8): what each takes.
+struct BiasedGroups {
+  int default_bits;
+  std::vector<int> bits;
+  const char* bits_words;    // how the expected bits are said
+  const char* group_words;   // whose group sizes 32, 64 and 128 are
+  const char* cache;         // the cache that stores it (it stores the rotated keys: no transform)
+  const char* head_dim_tail;  // said after "head_dim D is not a multiple of it"
+};
+
+// SPEC 9.7 (mlx_affine: MLX's affine groups, `bits` 2, 3, 4, 5, 6 or 8, default 8, mlx-lm's
+// QuantizedKVCache defaults) and 9.8 (quanto_affine: optimum-quanto's groups under
+// transformers' QuantizedLayer, `bits` 2 or 4, default 4). Both take a group of 32, 64 or 128
+// along head_dim (default 64), the scale and bias computed from each group in float32 (a
+// model's float16 or bfloat16 ones: not yet).
+TensorQuant parse_biased_groups(const Reader& r, const json& j, const std::string& p, const Dims& dims,
+                                QuantFormat format) {
+  static const BiasedGroups mlx{8, {2, 3, 4, 5, 6, 8}, "2, 3, 4, 5, 6 or 8 (MLX's affine bits)", "MLX's group sizes",
+                                "MLX's QuantizedKVCache", ""};
+  static const BiasedGroups quanto{4, {2, 4}, "2 or 4 (quanto's qint2 and qint4)", "q_group_size",
+                                   "QuantizedLayer", " (a larger group would cross heads)"};
+  const BiasedGroups& f = format == QuantFormat::mlx_affine ? mlx : quanto;
+  const std::string name = to_string(format);
   TensorQuant q;
-  q.format = QuantFormat::mlx_affine;
-  q.bits = 8;
+  q.format = format;
+  q.bits = f.default_bits;
   if (j.contains("bits")) {
-    q.bits = static_cast<int>(r.integer(j["bits"], p + "/bits", 2, 8));
-    if (q.bits == 7) r.fail(p + "/bits", "expected 2, 3, 4, 5, 6 or 8 (MLX's affine bits), got 7");
+    q.bits = static_cast<int>(r.integer(j["bits"], p + "/bits", f.bits.front(), f.bits.back()));
+    if (std::find(f.bits.begin(), f.bits.end(), q.bits) == f.bits.end())
+      r.fail(p + "/bits", fmt::format("expected {}, got {}", f.bits_words, q.bits));
   }
   if (j.contains("transform_block"))
-    r.fail(p + "/transform_block", "mlx_affine has no transform (MLX's QuantizedKVCache stores the rotated keys)");
+    r.fail(p + "/transform_block", fmt::format("{} has no transform ({} stores the rotated keys)", name, f.cache));
   q.scale = {ScaleGranularity::group, 64, ScaleDtype::float32, ScaleRule::amax, {}};
   if (j.contains("scale")) {
     const std::string sp = p + "/scale";
     const json& sj = j["scale"];
     r.object(sj, sp, {"granularity", "group", "dtype", "value"});
     if (sj.contains("granularity") && r.choice(sj["granularity"], sp + "/granularity", {"group"}) != "group")
-      r.fail(sp + "/granularity", "mlx_affine scales groups along head_dim: expected \"group\"");
+      r.fail(sp + "/granularity", name + " scales groups along head_dim: expected \"group\"");
     if (sj.contains("group")) {
       q.scale.group = static_cast<int>(r.integer(sj["group"], sp + "/group", 32, 128));
       if (q.scale.group != 32 && q.scale.group != 64 && q.scale.group != 128)
-        r.fail(sp + "/group", fmt::format("expected 32, 64 or 128 (MLX's group sizes), got {}", q.scale.group));
+        r.fail(sp + "/group", fmt::format("expected 32, 64 or 128 ({}), got {}", f.group_words, q.scale.group));
     }
     if (sj.contains("dtype") && r.choice(sj["dtype"], sp + "/dtype", {"float32", "float16"}) != "float32")
-      not_yet(r, sp + "/dtype", "mlx_affine scales and biases in float16 (a float16 model's)");
+      not_yet(r, sp + "/dtype", name + " scales and biases in float16 (a float16 model's)");
     if (sj.contains("value") && !(sj["value"].is_string() && sj["value"].get<std::string>() == "amax"))
-      r.fail(sp + "/value", "mlx_affine computes its scale and bias from each group: expected \"amax\"");
+      r.fail(sp + "/value", name + " computes its scale and bias from each group: expected \"amax\"");
   }
   if (dims.head_dim % q.scale.group != 0)
     r.fail(p + (j.contains("scale") ? "/scale/group" : "/format"),
-           fmt::format("mlx_affine quantizes groups of {} along head_dim; head_dim {} is not a multiple of it",
-                       q.scale.group, dims.head_dim));
+           fmt::format("{} quantizes groups of {} along head_dim; head_dim {} is not a multiple of it{}", name,
+                       q.scale.group, dims.head_dim, f.head_dim_tail));
   return q;
 }
 
@@ -52,8 +75,9 @@ TensorQuant parse_tensor_quant(const Reader& r, const json& j, const std::string
   TensorQuant q;
   q.format = r.named(r.field(j, p, "format"), p + "/format", kQuantFormatNames);
   const std::string name = to_string(q.format);
-  if (q.format == QuantFormat::mlx_affine) return parse_mlx_affine(r, j, p, dims);
-  if (j.contains("bits")) r.fail(p + "/bits", name + " has its bits in its name; only mlx_affine takes \"bits\"");
+  if (has_biases(q.format)) return parse_biased_groups(r, j, p, dims, q.format);
+  if (j.contains("bits"))
+    r.fail(p + "/bits", name + " has its bits in its name; only mlx_affine and quanto_affine take \"bits\"");
   const bool ggml = q.format == QuantFormat::q8_0 || q.format == QuantFormat::q4_0;
   const bool affine = q.format == QuantFormat::int4 || q.format == QuantFormat::int2;
   const bool fp8 = q.format == QuantFormat::fp8_e4m3 || q.format == QuantFormat::fp8_e5m2;

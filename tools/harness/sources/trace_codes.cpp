@@ -30,9 +30,10 @@ void read_code_files(const nlohmann::json& j, const std::string& p, const Scenar
                                                           to_string(quant->format))
                                             : fmt::format("{} has no zero points", to_string(quant->format)));
     if (affine) out.zeros[tensor] = file(name + "_zero");
-    const bool biased = quant->format == QuantFormat::mlx_affine;  // SPEC 9.7
+    const bool biased = has_biases(quant->format);  // SPEC 9.7, 9.8
     if (biased != j.contains(name + "_bias"))
-      fail(p + "/" + name + "_bias", biased ? "expected a file name: mlx_affine codes need their biases"
+      fail(p + "/" + name + "_bias", biased ? fmt::format("expected a file name: {} codes need their biases",
+                                                          to_string(quant->format))
                                             : fmt::format("{} has no biases", to_string(quant->format)));
     if (biased) out.biases[tensor] = file(name + "_bias");
   }
@@ -65,6 +66,7 @@ void normalize_codes(QuantFormat format, const std::string& path, std::vector<st
       hi = 3;
       break;
     case QuantFormat::mlx_affine:  // unsigned, up to 2^bits - 1 (the code check holds each to its bits)
+    case QuantFormat::quanto_affine:
       break;
   }
   for (std::int32_t c : codes)

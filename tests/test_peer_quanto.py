@@ -1,0 +1,101 @@
+"""optimum-quanto 0.2.7, the backend of transformers 5.25's QuantizedLayer (label
+peer.transformers_5_25): SPEC 9.8's quanto_affine against quanto's own quantizer, as
+QuantoQuantizedLayer calls it (MaxOptimizer, then quantize_weight along axis 0)."""
+
+import json
+import os
+import shutil
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+from transformers.cache_utils import QuantoQuantizedLayer
+
+from test_kvtrace import DATA, export, kvcheck, kvtrace
+
+
+def unpacked(packed, bits, groups):
+    """quanto's packed codes (tensor/packed.py): byte [r, j] holds code [i * rows + r, j] of the
+    grouped [groups, group] matrix in bits i * b .. i * b + b - 1, rows = ceil(groups / (8 / b))."""
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    return np.concatenate([(packed >> (bits * i)) & mask for i in range(per_byte)], axis=0)[:groups]
+
+
+class QuantoReferenceTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="kvcheck-quanto-")
+        self.addCleanup(shutil.rmtree, self.work, True)
+
+    def compare_values(self, exp):
+        """The last step's stored value rows: kvcheck's codes, scales and biases against
+        QuantoQuantizedLayer._quantize of the same float32 values (values are stored
+        unrotated, so the export's v is exactly what the cache would quantize); returns the
+        codes compared and how many of them sat on a tie (x - min) / S = k + 1/2."""
+        last = exp.steps[-1]
+        with open(os.path.join(exp.path, last["cache"])) as f:
+            uids = [key["uid"] for key in json.load(f)["rows"][0]["keys"]]
+        compared = ties = 0
+        for l, quant in enumerate(exp.manifest["kv_quant"]):
+            fmt = quant["v"]
+            bits, group = fmt["bits"], fmt["scale"]["group"]
+            codes = np.load(os.path.join(exp.path, last["v_codes"][l]))[0]    # [R, Hkv, D]
+            scales = np.load(os.path.join(exp.path, last["v_scales"][l]))[0]  # [R, Hkv, D / G]
+            biases = np.load(os.path.join(exp.path, last["v_bias"][l]))[0]
+            values = exp.v[l][uids]                                            # [R, Hkv, D] float32
+            layer = QuantoQuantizedLayer(nbits=bits, q_group_size=group, residual_length=1)
+            qt = layer._quantize(torch.from_numpy(values.transpose(1, 0, 2)[None].copy()), axis=0)  # [1, Hkv, R, D]
+            groups = values.size // group
+            theirs = unpacked(qt._data._data.numpy(), bits, groups).reshape(values.shape[1], values.shape[0], -1)
+            where = "layer %d: %d bits, groups of %d" % (l, bits, group)
+            np.testing.assert_array_equal(theirs.transpose(1, 0, 2), codes, where)
+            their_scales = qt._scale.numpy().reshape(values.shape[1], values.shape[0], -1).transpose(1, 0, 2)
+            their_shifts = qt._shift.numpy().reshape(values.shape[1], values.shape[0], -1).transpose(1, 0, 2)
+            np.testing.assert_array_equal(their_scales, scales.astype(np.float32), where)
+            np.testing.assert_array_equal(-their_shifts, biases.astype(np.float32), where)
+            self.assertTrue(np.all(scales.astype(np.float32).astype(np.float64) == scales))  # float32, exactly
+            grouped = values.reshape(*values.shape[:-1], -1, group)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                quotient = (grouped - biases.astype(np.float32)[..., None]) / scales.astype(np.float32)[..., None]
+            ties += int(np.sum(np.abs(quotient - np.floor(quotient) - 0.5) == 0))
+            compared += codes.size
+        return compared, ties
+
+    def test_the_reference_quantizes_values_as_quanto_does(self):
+        # SPEC 9.8 against quanto itself, at 2 and 4 bits with groups of 32, 64 and 128.
+        compared, _ = self.compare_values(export(self.work, "quant_quanto_affine_layers", DATA))
+        self.assertEqual(compared, 6 * 26 * 2 * 128)
+        # Ties: values on a grid of 1/16 make (x - min) / S land on half-integers, which quanto
+        # rounds to even (torch.round), in a scenario that gives its own inputs.
+        with open(os.path.join(DATA, "quant_quanto_affine_layers.json")) as f:
+            scenario = json.load(f)
+        rng = np.random.default_rng(5)
+        L, U, D = 6, 12, 128
+        grid = lambda *shape: (rng.integers(-16, 17, size=shape) / 16.0).tolist()  # noqa: E731
+        scenario.update(name="quanto_affine_ties", steps=[{"op": "append", "tokens": U}],
+                        inputs={"q": grid(L, U, 4, D), "k": grid(L, U, 2, D), "v": grid(L, U, 2, D)})
+        del scenario["seed"]
+        path = os.path.join(self.work, "quanto_affine_ties.json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        out = os.path.join(self.work, "ties")
+        done = kvcheck("export", path, "--out", out)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        compared, ties = self.compare_values(kvtrace.Export(out))
+        self.assertEqual(compared, L * U * 2 * D)
+        self.assertGreater(ties, 100)
+
+    def test_a_trace_of_it_is_not_judged_yet_and_says_so(self):
+        exp = export(self.work, "quant_quanto_affine_layers", DATA)
+        trace = os.path.join(self.work, "trace")
+        os.makedirs(trace)
+        with open(os.path.join(trace, "manifest.json"), "w") as f:
+            json.dump({"format": "kvcheck-trace-1", "scenario": exp.name, "steps": []}, f)
+        done = kvcheck("verify", os.path.join(DATA, "quant_quanto_affine_layers.json"), "--trace", trace)
+        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+        self.assertIn("/kv_quant: quanto_affine is in SPEC 9.8, but kvcheck does not judge a trace of it yet",
+                      done.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
