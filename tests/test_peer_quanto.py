@@ -1,6 +1,8 @@
 """optimum-quanto 0.2.7, the backend of transformers 5.25's QuantizedLayer (label
 peer.transformers_5_25): SPEC 9.8's quanto_affine against quanto's own quantizer, as
-QuantoQuantizedLayer calls it (MaxOptimizer, then quantize_weight along axis 0)."""
+QuantoQuantizedLayer calls it (MaxOptimizer, then quantize_weight along axis 0), and the real
+QuantizedCache(backend="quanto") driven through kvtrace by tools/peers/hf_caches.py's recipe,
+its codes, scales and biases judged code for code."""
 
 import json
 import os
@@ -12,7 +14,11 @@ import numpy as np
 import torch
 from transformers.cache_utils import QuantoQuantizedLayer
 
-from test_kvtrace import DATA, export, kvcheck, kvtrace
+from test_kvtrace import DATA, ROOT, export, kvcheck, kvtrace
+
+import sys  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "tools", "peers"))
+import hf_caches  # noqa: E402  the recipe, as tools/kvcheck peers uses it
 
 
 def unpacked(packed, bits, groups):
@@ -85,16 +91,59 @@ class QuantoReferenceTest(unittest.TestCase):
         self.assertEqual(compared, L * U * 2 * D)
         self.assertGreater(ties, 100)
 
-    def test_a_trace_of_it_is_not_judged_yet_and_says_so(self):
-        exp = export(self.work, "quant_quanto_affine_layers", DATA)
-        trace = os.path.join(self.work, "trace")
-        os.makedirs(trace)
-        with open(os.path.join(trace, "manifest.json"), "w") as f:
-            json.dump({"format": "kvcheck-trace-1", "scenario": exp.name, "steps": []}, f)
-        done = kvcheck("verify", os.path.join(DATA, "quant_quanto_affine_layers.json"), "--trace", trace)
-        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
-        self.assertIn("/kv_quant: quanto_affine is in SPEC 9.8, but kvcheck does not judge a trace of it yet",
-                      done.stderr)
+    def drive(self, scenario, residual=None):
+        """QuantizedCache(backend="quanto") through kvtrace over `scenario` (a dict), by the
+        recipe; residual: build the cache with another residual_length than the scenario's."""
+        path = os.path.join(self.work, scenario["name"] + ".json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        out = os.path.join(self.work, "export-" + scenario["name"])
+        self.assertEqual(kvcheck("export", path, "--out", out).returncode, 0)
+        self.assertIsNone(hf_caches.quantized_claims(scenario))
+        make, options = hf_caches.quantized_cache(dict(scenario, kv_quant=dict(
+            scenario["kv_quant"], residual=residual if residual is not None else scenario["kv_quant"]["residual"])))
+        trace = os.path.join(self.work, "trace-" + scenario["name"])
+        result = kvtrace.drive_hf_cache(kvtrace.Export(out), make, trace, **options)
+        self.assertIsNone(result.error, result)
+        return kvcheck("verify", path, "--trace", trace)
+
+    def test_quantized_cache_passes_code_for_code(self):
+        # The real layers at 4 bits in groups of 32 and at 2 bits in groups of 64, a residual of
+        # 4: the prompt quantized at once, flushes that quantize everything again, a 3-token chunk.
+        with open(os.path.join(DATA, "quant_quanto_affine_cache.json")) as f:
+            scenario = json.load(f)
+        two = {"format": "quanto_affine", "bits": 2, "scale": {"group": 64}}
+        for case in (scenario, dict(scenario, name="quant_quanto_affine_cache_2_bits",
+                                    kv_quant=dict(scenario["kv_quant"], k=two, v=two))):
+            with self.subTest(case["name"]):
+                done = self.drive(case)
+                self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+                self.assertRegex(done.stdout, r"codes: [1-9][0-9]* codes and their scales as the format's rules give")
+
+    def test_groups_quantized_from_half_precision_values_are_named(self):
+        # Planted: every group quantized from its values rounded to float16 first (a model run
+        # in half precision under a float32 scenario): the biases move past the window.
+        with open(os.path.join(DATA, "quant_quanto_affine_cache.json")) as f:
+            scenario = json.load(f)
+        quantize = QuantoQuantizedLayer._quantize
+        QuantoQuantizedLayer._quantize = lambda layer, tensor, axis: quantize(layer, tensor.half().float(), axis)
+        self.addCleanup(setattr, QuantoQuantizedLayer, "_quantize", quantize)
+        done = self.drive(scenario)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", done.stdout)
+        self.assertIn("key bias of group 0: expected -0.9482102394104004, stored -0.9482421875", done.stdout)
+        self.assertIn("class: quantization scale wrong", done.stdout)
+
+    def test_a_residual_other_than_the_scenarios_is_named(self):
+        # The cache built with residual_length 5 where the scenario says 4: it keeps a token raw
+        # that SPEC 9's rule has quantized.
+        with open(os.path.join(DATA, "quant_quanto_affine_cache.json")) as f:
+            scenario = json.load(f)
+        done = self.drive(scenario, residual=5)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("first divergence: step 4 (decode, /steps/1)", done.stdout)
+        self.assertIn("token 6 (uid 6, slot 6) is held raw, the residual's rules say quantized", done.stdout)
+        self.assertIn("class: precision map mismatch", done.stdout)
 
 
 if __name__ == "__main__":

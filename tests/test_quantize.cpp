@@ -214,7 +214,7 @@ TEST(QuantChecks, MlxAffineScalesAndBiasesWithinTheWindow) {
   q.bits = 4;
   const auto verdict = [&](const std::vector<float>& x, float scale, float bias) {
     const QuantizedRow row = reference::quantize(q, x.data(), 32, 0);
-    const MlxGroupVerdict v = mlx_group_accepted(row, 0, 4, scale, bias);
+    const BiasedGroupVerdict v = mlx_group_accepted(row, 0, 4, scale, bias);
     return std::pair{v.bias, v.scale};
   };
   // linspace(-0.7647058, 1, 32): hi = 1 is the edge, q0 = rint(1 / -0.11764705) = -9 (a near

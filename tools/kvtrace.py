@@ -253,11 +253,51 @@ class _Missing(Exception):
 def _cache_codes(cache, layers):
     """A quantized cache's codes and scales per layer (SPEC 9.3), when it exposes them as
     `kv_codes`: one dict per layer of k_codes, k_scales, k_zero, v_codes, v_scales, v_zero
-    (any of them), and with a residual raw, keys and values (TraceWriter.step); else None."""
+    (any of them), and with a residual raw, keys and values (TraceWriter.step); transformers
+    5's quanto layers are read as they hold their state; else None."""
     codes = getattr(cache, "kv_codes", None)
+    if codes is None:
+        codes = _quanto_layers_codes(cache)
     if codes is None or len(codes) != layers:
         return None
     return [{name: to_numpy(x) for name, x in layer.items() if x is not None} for layer in codes]
+
+
+def _quanto_layers_codes(cache):
+    """transformers 5's QuantoQuantizedLayer state (QuantizedCache(backend="quanto")) as SPEC 9.8
+    codes: per layer, the quantized tokens' codes, scales and biases (quanto's shift, negated)
+    followed by the residual's raw tokens (placeholder codes, raw 1), and keys and values as the
+    layer holds them (the codes' c S + B in float32, then the residual). The packed codes are
+    unpacked here, as optimum-quanto packs them (tensor/packed.py: along the grouped matrix's
+    first axis), not through its C++ unpack, which compiles at first use. None: not such a cache,
+    or nothing stored yet."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "_quantized_keys") for layer in layers):
+        return None
+    out = []
+    for layer in layers:
+        bits, group = layer.nbits, layer.q_group_size
+        entry = {}
+        for name, qt, residual in (("k", layer._quantized_keys, layer.keys), ("v", layer._quantized_values,
+                                                                                 layer.values)):
+            B, H, T, D = qt.shape
+            packed = qt._data._data.cpu().numpy()
+            groups = B * H * T * D // group
+            codes = np.concatenate([(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)],
+                                   axis=0)[:groups].astype(np.int64).reshape(B, H, T, D)
+            scales = qt._scale.float().cpu().numpy().reshape(B, H, T, D // group)
+            biases = -qt._shift.float().cpu().numpy().reshape(B, H, T, D // group)
+            held = (codes.reshape(B, H, T, D // group, group).astype(np.float32) * scales[..., None]).astype(np.float32)
+            held = (held + biases[..., None]).astype(np.float32).reshape(B, H, T, D)
+            raw = to_numpy(residual).astype(np.float32) if residual.dim() == 4 else np.zeros((B, H, 0, D), np.float32)
+            r = raw.shape[-2]
+            entry[name + "_codes"] = np.concatenate([codes, np.zeros((B, H, r, D), np.int64)], axis=2)
+            entry[name + "_scales"] = np.concatenate([scales, np.ones((B, H, r, D // group), np.float32)], axis=2)
+            entry[name + "_bias"] = np.concatenate([biases, np.zeros((B, H, r, D // group), np.float32)], axis=2)
+            entry["keys" if name == "k" else "values"] = np.concatenate([held, raw], axis=2)
+            entry["raw"] = np.concatenate([np.zeros((B, T)), np.ones((B, r))], axis=1)
+        out.append(entry)
+    return out
 
 
 def _cache_state(cache, layers):

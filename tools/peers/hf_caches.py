@@ -121,6 +121,38 @@ def static_cache(scenario):
     return (lambda batch: StaticCache(config=config, max_cache_len=64), dict(positions="absolute", as_tensor="torch"))
 
 
+def quantized_cache(scenario):
+    """QuantizedCache(backend="quanto", config=..., nbits, q_group_size, residual_length) (5.x),
+    as generate(cache_implementation="quantized", cache_config=...) builds it: one
+    QuantoQuantizedLayer per layer, keys and values along axis 0 (SPEC 9.8's groups along
+    head_dim). kvtrace reads its codes, scales and biases from the layers."""
+    from transformers import QuantizedCache
+    config = model_config(scenario)
+    q = scenario["kv_quant"]
+    k = q["k"]
+    return (lambda: QuantizedCache(backend="quanto", config=config, nbits=k.get("bits", 4),
+                                   q_group_size=k.get("scale", {}).get("group", 64), axis_key=0, axis_value=0,
+                                   residual_length=q.get("residual", 0)),
+            dict(positions="absolute", as_tensor="torch"))
+
+
+def quantized_claims(scenario):
+    """None when QuantizedCache (quanto) stores the scenario's kv_quant; else why not."""
+    q = scenario.get("kv_quant")
+    if not isinstance(q, dict) or "k" not in q or "v" not in q:
+        return "not quantized keys and values in one format for every layer"
+    if q["k"].get("format") != "quanto_affine" or q["k"] != q["v"]:
+        return "not quanto_affine keys and values alike (one nbits and q_group_size)"
+    if (q.get("flush"), q.get("prefill"), q.get("chunk_reads")) != ("requantize_all", "store", "raw"):
+        return "not QuantizedLayer's residual rules (flush requantize_all, prefill store, chunk_reads raw)"
+    policy = scenario["policy"]
+    if any(p.get("type") != "full" for p in (policy if isinstance(policy, list) else [policy])):
+        return "not full attention (QuantizedCache takes full_attention layers only)"
+    if any(step["op"] in ("crop", "reorder") for step in scenario["steps"]):
+        return "a crop or reorder (QuantizedLayer is not croppable; its reorder waits for the next update)"
+    return None
+
+
 def tokens(scenario):
     """The longest row's slots, padding included (what a preallocated buffer must hold)."""
     n = 0
@@ -146,6 +178,8 @@ def claims(cls, scenario):
                for p in (policy if isinstance(policy, list) else [policy])):
             return "not full or sliding layers"
         return None
+    if cls == "QuantizedCache":
+        return quantized_claims(scenario)
     if "kv_quant" in scenario or "paging" in scenario:
         return "quantized or paged"
     if any(step["op"] == "prune" for step in scenario["steps"]):
@@ -209,6 +243,7 @@ def recipes():
         found["DynamicCache"] = dynamic_cache
         found["StaticCache"] = static_cache
         found["PagedAttentionCache"] = None  # continuous batching, through tools/kvtrace_hf_paged.py
+        found["QuantizedCache"] = quantized_cache  # quanto's layers (SPEC 9.8)
     return found
 
 

@@ -333,10 +333,12 @@ double unseen_row_deviation(const TensorQuant& format, const std::vector<float>&
   for (int g0 = 0; g0 < d; g0 += group) {
     const auto at = static_cast<std::size_t>(g0 / group);
     const double s = std::abs(r.scales.at(at));
-    if (format.format == QuantFormat::mlx_affine) {
+    if (has_biases(format.format)) {
       // SPEC 9.7: any code may move with q0, the bias and the orientation; each side is within
-      // 2 |S| of its element, the cache's |S| at most (4/3) (range + 2w) / n.
-      const double s_moved = 4.0 / 3.0 * (r.spans.at(at) + 2 * w) / ((1 << format.bits) - 1);
+      // 2 |S| of its element, the cache's |S| at most (4/3) (range + 2w) / n. SPEC 9.8: within
+      // S of it, the cache's S at most (range + 2w) / n.
+      const double s_moved = (format.format == QuantFormat::mlx_affine ? 4.0 / 3.0 : 1.0) * (r.spans.at(at) + 2 * w) /
+                             ((1 << format.bits) - 1);
       const double delta = reference::element_bound(format.format, 0.0, s) +
                            reference::element_bound(format.format, 0.0, s_moved) + w;
       sum += group * delta * delta;
@@ -419,14 +421,17 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
   return ambiguous && std::abs(e - actual) <= neighbouring_scale_move(format) * std::abs(e);
 }
 
-MlxGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits, double scale,
-                                   double bias) {
-  MlxGroupVerdict v;
-  if (g >= expected.lows.size()) {  // no windows: exactly the reference's
-    v.bias = expected.biases.at(g) == bias;
-    v.scale = expected.scales.at(g) == scale;
-    return v;
-  }
+namespace {
+// A group the reference gave no windows: the cache's bias and scale must be its own.
+BiasedGroupVerdict exactly(const reference::QuantizedRow& expected, std::size_t g, double scale, double bias) {
+  return {expected.biases.at(g) == bias, expected.scales.at(g) == scale};
+}
+}  // namespace
+
+BiasedGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits, double scale,
+                                      double bias) {
+  if (g >= expected.lows.size()) return exactly(expected, g, scale, bias);  // no windows
+  BiasedGroupVerdict v;
   const double n = (1 << bits) - 1, w = expected.windows[g], span = expected.spans[g];
   // The group's extremes, from the reference's orientation (a positive scale: lo is the edge).
   const bool low = expected.scales[g] > 0.0;
@@ -456,6 +461,18 @@ MlxGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std:
     v.scale = v.scale || (q != 0.0 && q_min <= q && q <= q_max &&
                           static_cast<float>(bias) / static_cast<float>(q) == static_cast<float>(scale));
   }
+  return v;
+}
+
+BiasedGroupVerdict quanto_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits,
+                                         double scale, double bias) {
+  if (g >= expected.lows.size()) return exactly(expected, g, scale, bias);  // no windows
+  BiasedGroupVerdict v;
+  const double n = (1 << bits) - 1, w = expected.windows[g], span = expected.spans[g];
+  v.bias = std::abs(bias - expected.lows[g]) <= w;
+  // (max' - min') / n in float32, each within w of the reference's: a relative 2^-22 more for
+  // the two roundings.
+  v.scale = scale >= std::max(0.0, span - 2 * w) / n * (1 - 0x1p-22) && scale <= (span + 2 * w) / n * (1 + 0x1p-22);
   return v;
 }
 
@@ -684,10 +701,13 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
     }
     // SPEC 9.7: each group's bias and scale as MLX's rule gives them for elements moved by at
     // most the window, and every code the rule's under the cache's own bias and scale.
-    if (format.format == QuantFormat::mlx_affine) {
+    if (has_biases(format.format)) {  // SPEC 9.7, 9.8
+      const bool mlx = format.format == QuantFormat::mlx_affine;
       const int group = reference::scale_group(format, D), top = (1 << format.bits) - 1;
       for (std::size_t g = 0; g < expected.scales.size(); ++g) {
-        const MlxGroupVerdict v = mlx_group_accepted(expected, g, format.bits, actual.scales[g], actual.biases[g]);
+        const BiasedGroupVerdict v = mlx ? mlx_group_accepted(expected, g, format.bits, actual.scales[g], actual.biases[g])
+                                         : quanto_group_accepted(expected, g, format.bits, actual.scales[g],
+                                                                 actual.biases[g]);
         if (!v.bias) fail(-3, static_cast<int>(g), expected.biases[g], actual.biases[g]);
         if (v.bias && !v.scale) fail(-1, static_cast<int>(g), expected.scales[g], actual.scales[g]);
         if (!v.bias || !v.scale) continue;
@@ -699,14 +719,17 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             if (a != expected.codes[at]) fail(static_cast<int>(at), static_cast<int>(g), expected.codes[at], a);
             continue;
           }
-          const float y = (expected.values[at] - actual.biases[g]) / actual.scales[g];
+          // The rule's code under the cache's own scale and bias (quanto's S = 0: code 0).
+          const float y = actual.scales[g] == 0.0 ? 0.0f : (expected.values[at] - actual.biases[g]) / actual.scales[g];
           const int c = std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, static_cast<float>(top)));
           if (a == c && a == expected.codes[at]) continue;
           if (a == c) {
             ++codes_on_boundary_;  // the rule's code under the cache's own scale and bias
             continue;
           }
-          const double slack = (expected.windows[g] + std::abs(expected.values[at]) * 0x1p-22) / std::abs(actual.scales[g]);
+          // The element moves by the window; quanto's x - min by twice it (the min moves too).
+          const double slack = ((mlx ? 1 : 2) * expected.windows[g] + std::abs(expected.values[at]) * 0x1p-22) /
+                               std::abs(actual.scales[g]);
           if (a >= 0 && a <= top && std::abs(a - c) == 1 && std::abs(std::abs(y - std::floor(y)) - 0.5) <= slack) {
             ++codes_on_boundary_;
             continue;

@@ -52,15 +52,19 @@ bool stored_scale_accepted(const TensorQuant& format, const reference::Quantized
 // reference's round(-min / S) over that S, for every min within the group's window (codes
 // read back from a cache carry no window: then one off, where the scale moved
 // (`scale_moved`) or was flagged).
-// SPEC 9.7: whether a cache's stored mlx_affine bias and scale of group g are ones MLX's rule
-// gives for the group's elements each moved by at most the window: the bias is the edge so
-// moved (either extreme where |min| and |max| nearly tie, or 0 where q0 may round to 0), and
-// the scale that bias over an integer q0 in reach, in float32.
-struct MlxGroupVerdict {
+// Whether a cache's stored bias and scale of a group are ones the format's rule gives.
+struct BiasedGroupVerdict {
   bool bias = false, scale = false;
 };
-MlxGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits, double scale,
-                                   double bias);
+// SPEC 9.7: mlx_affine's for the group's elements each moved by at most the window: the bias
+// is the edge so moved (either extreme where |min| and |max| nearly tie, or 0 where q0 may
+// round to 0), and the scale that bias over an integer q0 in reach, in float32.
+BiasedGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits, double scale,
+                                      double bias);
+// SPEC 9.8: quanto_affine's: the bias is the minimum moved by at most the window, the scale
+// (max - min) / n over a range moved by at most twice it (0 only where that range may be 0).
+BiasedGroupVerdict quanto_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits,
+                                         double scale, double bias);
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
                           double actual_scale, int actual_zero, bool scale_moved);
 

@@ -162,12 +162,6 @@ inline bool quantizes_keys(const Scenario& s) {
 inline bool stores_biased_groups(const Scenario& s) {
   return s.any_layer_quant([](const KvQuant& q) { return (q.k && has_biases(q.k->format)) || (q.v && has_biases(q.v->format)); });
 }
-// Some layer stores K or V in quanto's groups (SPEC 9.8): traces of them are not read yet.
-inline bool stores_quanto_affine(const Scenario& s) {
-  return s.any_layer_quant([](const KvQuant& q) {
-    return (q.k && q.k->format == QuantFormat::quanto_affine) || (q.v && q.v->format == QuantFormat::quanto_affine);
-  });
-}
 
 // Number of uids the scenario's steps create, and the batch size each step sees.
 std::int64_t count_uids(const Scenario& scenario);

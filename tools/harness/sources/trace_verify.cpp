@@ -147,12 +147,6 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) throw InputError(dir, "", "expected a trace folder (holding manifest.json)");
   if (!fs::exists(t.manifest_path, ec)) throw InputError(t.manifest_path, "", "no manifest.json in the trace folder");
-  // SPEC 9.8: the reference and exports follow quanto's groups; judging a cache's codes and
-  // scales against them (the boundary window of a float bias and scale) is not written yet.
-  if (stores_quanto_affine(s))
-    throw InputError(s.file, "/kv_quant",
-                     "quanto_affine is in SPEC 9.8, but kvcheck does not judge a trace of it yet (kvcheck export "
-                     "writes the reference's codes, scales and biases)");
   const json m = parse_json(read_file_checked(t.manifest_path, kMaxJsonBytes, "trace manifest"), t.manifest_path);
   auto fail = [&](const std::string& path, const std::string& why) { throw InputError(t.manifest_path, path, why); };
   if (!m.is_object()) fail("", "expected an object");
