@@ -7,6 +7,7 @@ its codes, scales and biases judged code for code."""
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import unittest
 
@@ -91,7 +92,7 @@ class QuantoReferenceTest(unittest.TestCase):
         self.assertEqual(compared, L * U * 2 * D)
         self.assertGreater(ties, 100)
 
-    def drive(self, scenario, residual=None):
+    def drive(self, scenario, residual=None, expect_error=False):
         """QuantizedCache(backend="quanto") through kvtrace over `scenario` (a dict), by the
         recipe; residual: build the cache with another residual_length than the scenario's."""
         path = os.path.join(self.work, scenario["name"] + ".json")
@@ -104,7 +105,8 @@ class QuantoReferenceTest(unittest.TestCase):
             scenario["kv_quant"], residual=residual if residual is not None else scenario["kv_quant"]["residual"])))
         trace = os.path.join(self.work, "trace-" + scenario["name"])
         result = kvtrace.drive_hf_cache(kvtrace.Export(out), make, trace, **options)
-        self.assertIsNone(result.error, result)
+        if not expect_error:
+            self.assertIsNone(result.error, result)
         return kvcheck("verify", path, "--trace", trace)
 
     def test_quantized_cache_passes_code_for_code(self):
@@ -144,6 +146,39 @@ class QuantoReferenceTest(unittest.TestCase):
         self.assertIn("first divergence: step 4 (decode, /steps/1)", done.stdout)
         self.assertIn("token 6 (uid 6, slot 6) is held raw, the residual's rules say quantized", done.stdout)
         self.assertIn("class: precision map mismatch", done.stdout)
+
+    def run_finding(self, name, *options):
+        script = os.path.join(ROOT, "docs", "findings", "transformers", name + ".py")
+        return subprocess.run([sys.executable, script, *options], capture_output=True, text=True)
+
+    def test_per_channel_keys_group_across_heads_and_per_head_groups_fix_it(self):
+        # docs/findings/transformers/quantized-cache-per-channel-keys-group-across-heads.md
+        run = self.run_finding("quantized-cache-per-channel-keys-group-across-heads")
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn("Group size (32) must be a divisor of (20)", run.stdout)
+        self.assertIn("head 0's tokens 32..47 share their groups (one per channel) with head 1's tokens 0..15",
+                      run.stdout)
+        run = self.run_finding("quantized-cache-per-channel-keys-group-across-heads", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+
+    def test_a_single_group_is_stored_with_a_scale_per_element_and_is_named(self):
+        # docs/findings/transformers/quantized-cache-one-group-stored-unquantized.md: a 1-token
+        # prompt with 1 kv head and head_dim == q_group_size is one group.
+        run = self.run_finding("quantized-cache-one-group-stored-unquantized")
+        self.assertEqual(run.returncode, 1, run.stdout + run.stderr)
+        self.assertIn("stored with 64 scales of shape (1, 64) (64 of them 0)", run.stdout)
+        run = self.run_finding("quantized-cache-one-group-stored-unquantized", "--fixed")
+        self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+        with open(os.path.join(DATA, "quant_quanto_affine_cache.json")) as f:
+            scenario = json.load(f)
+        scenario.update(name="quanto_one_group", dimensions={"layers": 1, "batch": 1, "heads": 1, "kv_heads": 1,
+                                                             "head_dim": 32},
+                        steps=[{"op": "append", "tokens": 1}, {"op": "decode", "steps": 5}])
+        done = self.drive(scenario, expect_error=True)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertIn("the cache raised: the layer holds its keys of 1 tokens with 32 scales where SPEC 9.8's groups "
+                      "of 32 give 1", done.stdout)
+        self.assertIn("first divergence: step 0 (append, /steps/0)", done.stdout)
 
 
 if __name__ == "__main__":

@@ -250,6 +250,10 @@ class _Missing(Exception):
     """The cache lacks the method an op needs."""
 
 
+class _StateUnreadable(Exception):
+    """The cache holds its state in a form the trace format cannot say (the step fails)."""
+
+
 def _cache_codes(cache, layers):
     """A quantized cache's codes and scales per layer (SPEC 9.3), when it exposes them as
     `kv_codes`: one dict per layer of k_codes, k_scales, k_zero, v_codes, v_scales, v_zero
@@ -283,6 +287,11 @@ def _quanto_layers_codes(cache):
             B, H, T, D = qt.shape
             packed = qt._data._data.cpu().numpy()
             groups = B * H * T * D // group
+            if qt._scale.numel() != groups:
+                raise _StateUnreadable(
+                    "the layer holds its %s of %d tokens with %d scales where SPEC 9.8's groups of %d give %d "
+                    "(optimum-quanto's one-group case: a scale per element, not quanto_affine's groups)"
+                    % ("keys" if name == "k" else "values", T, qt._scale.numel(), group, groups))
             codes = np.concatenate([(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)],
                                    axis=0)[:groups].astype(np.int64).reshape(B, H, T, D)
             scales = qt._scale.float().cpu().numpy().reshape(B, H, T, D // group)
@@ -516,9 +525,16 @@ class _Driver:
                              % (length, sorted(removed), self.lengths))
         return -(removed.pop() if removed else 0)
 
+    def cache_codes(self, layers):
+        """_cache_codes, a state it cannot say being the cache's failure at this step."""
+        try:
+            return _cache_codes(self.cache, layers)
+        except _StateUnreadable as e:
+            self.fail(len(self.writer.manifest["steps"]), str(e))
+
     def record_state(self):
         layers = self.exp.dims["layers"]
-        state, codes = _cache_state(self.cache, layers), _cache_codes(self.cache, layers)
+        state, codes = _cache_state(self.cache, layers), self.cache_codes(layers)
         if codes is not None:  # what a quantized cache holds is its codes (kvcheck dequantizes)
             self.writer.step(codes)
         elif state is None:
@@ -578,7 +594,7 @@ class _Driver:
             recorded[l]["out"], recorded[l]["q"] = outs[l], (qs[l] if self.record_q else None)
         # What the cache holds between steps is what kvcheck checks; it may differ from what
         # update() returned (a SlidingWindowCache returns a long prompt whole, keeps W of it).
-        state, codes = _cache_state(self.cache, layers), _cache_codes(self.cache, layers)
+        state, codes = _cache_state(self.cache, layers), self.cache_codes(layers)
         for layer, (k, v) in zip(recorded, state or []):
             layer["keys"], layer["values"] = k, v
         for layer, quantized in zip(recorded, codes or []):
