@@ -204,14 +204,23 @@ void mlx_affine_group(int bits, const float* xs, int group, double window, Quant
   }
 }
 
+// The model dtype T of quanto's arithmetic: torch's CPU kernels compute a float16 operation in
+// float32 and round the result once to float16.
+float in_quanto_dtype(ScaleDtype dtype, float x) {
+  return dtype == ScaleDtype::float16 ? static_cast<float>(round_to_float16(x)) : x;
+}
+
 // SPEC 9.8, optimum-quanto 0.2.7's MaxOptimizer and quantize as transformers' QuantizedLayer
-// calls them on float32 keys and values: every step in float32, one rounding each; codes
-// round ties to even (torch.round); a group of equal values has S = 0, and its codes are 0.
-void quanto_affine_group(int bits, const float* xs, int group, double window, QuantizedRow& row, int g0) {
+// calls them on keys and values of the model's dtype T (float32 or float16): every step one
+// operation in T; codes round ties to even (torch.round); a group of equal values has S = 0,
+// and its codes are 0.
+void quanto_affine_group(int bits, ScaleDtype dtype, const float* xs, int group, double window, QuantizedRow& row,
+                         int g0) {
+  const auto T = [dtype](float x) { return in_quanto_dtype(dtype, x); };
   const float n = static_cast<float>((1 << bits) - 1);
   float lo = xs[0], hi = xs[0];
   for (int i = 1; i < group; ++i) lo = std::min(lo, xs[i]), hi = std::max(hi, xs[i]);
-  const float s = (hi - lo) / n;
+  const float s = T(T(hi - lo) / n);
   row.scales.push_back(s);
   row.biases.push_back(lo);
   // Another's float32 rotation may move each element by the window: the range by twice it.
@@ -223,7 +232,7 @@ void quanto_affine_group(int bits, const float* xs, int group, double window, Qu
   row.spans.push_back(static_cast<double>(hi) - lo);
   row.values.insert(row.values.end(), xs, xs + group);
   for (int i = 0; i < group; ++i) {
-    const float y = s != 0.0f ? (xs[i] - lo) / s : 0.0f;
+    const float y = s != 0.0f ? T(T(xs[i] - lo) / s) : 0.0f;
     row.codes[static_cast<std::size_t>(g0 + i)] = static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, n));
     // x and the bias each move by the window: x - min by twice it.
     row.near_boundary[static_cast<std::size_t>(g0 + i)] = s != 0.0f && near_half_integer(y, 2 * window / s);
@@ -317,7 +326,7 @@ QuantizedRow quantize(const TensorQuant& quant, const float* x, int n, int kv_he
     } else if (f == QuantFormat::mlx_affine) {
       mlx_affine_group(quant.bits, xs, group, window, row, g0);
     } else if (f == QuantFormat::quanto_affine) {
-      quanto_affine_group(quant.bits, xs, group, window, row, g0);
+      quanto_affine_group(quant.bits, quant.scale.dtype, xs, group, window, row, g0);
     } else {  // fp8, int8 and the *_even formats: one scale per group, static or from the group's amax
       double s = 0.0;
       const bool computed = quant.scale.rule != ScaleRule::fixed;
@@ -443,10 +452,12 @@ void dequantize(const TensorQuant& quant, const QuantizedRow& row, double* out) 
       case QuantFormat::mlx_affine:
         out[i] = c * s + row.biases[static_cast<std::size_t>(i / group)];
         break;
-      case QuantFormat::quanto_affine:  // in float32, as quanto dequantizes: T(T(c S) + min)
-        out[i] = static_cast<float>(static_cast<float>(c * static_cast<float>(s)) +
-                                    static_cast<float>(row.biases[static_cast<std::size_t>(i / group)]));
+      case QuantFormat::quanto_affine: {  // in the model dtype T, as quanto dequantizes: T(T(c S) + min)
+        const auto T = [&](float x) { return in_quanto_dtype(quant.scale.dtype, x); };
+        out[i] = T(T(static_cast<float>(c) * static_cast<float>(s)) +
+                   static_cast<float>(row.biases[static_cast<std::size_t>(i / group)]));
         break;
+      }
       default:
         out[i] = c * s;
     }

@@ -115,8 +115,12 @@ class QuantoReferenceTest(unittest.TestCase):
         with open(os.path.join(DATA, "quant_quanto_affine_cache.json")) as f:
             scenario = json.load(f)
         two = {"format": "quanto_affine", "bits": 2, "scale": {"group": 64}}
+        # A float16 model: keys and values in float16, every step of quanto's rule in float16.
+        half = {"format": "quanto_affine", "bits": 4, "scale": {"group": 32, "dtype": "float16"}}
         for case in (scenario, dict(scenario, name="quant_quanto_affine_cache_2_bits",
-                                    kv_quant=dict(scenario["kv_quant"], k=two, v=two))):
+                                    kv_quant=dict(scenario["kv_quant"], k=two, v=two)),
+                     dict(scenario, name="quant_quanto_affine_cache_float16", kv_dtype="float16",
+                          kv_quant=dict(scenario["kv_quant"], k=half, v=half))):
             with self.subTest(case["name"]):
                 done = self.drive(case)
                 self.assertEqual(done.returncode, 0, done.stdout + done.stderr)

@@ -206,6 +206,23 @@ TEST(ReferenceQuantize, QuantoAffineGroupsWorkedByHand) {
   EXPECT_EQ(decoded(q, flat), std::vector<double>(32, 0.75));
 }
 
+// SPEC 9.8 in a float16 model: every step rounded to float16. A group 0 .. 1 at 4 bits has
+// S = fp16(1 / 15) = 0.066650390625 (float32: 0.0666667), and 0.5 divides to fp16(7.5018) =
+// 7.5, which rounds to even, code 8; in float32 it is 7.4999995, code 7.
+TEST(ReferenceQuantize, QuantoAffineInFloat16RoundsEveryStep) {
+  TensorQuant q = format(QuantFormat::quanto_affine, ScaleGranularity::group, 32, ScaleDtype::float16);
+  q.bits = 4;
+  std::vector<float> x(32, 0.0f);
+  x[1] = 1.0f, x[2] = 0.5f;
+  const QuantizedRow half = reference::quantize(q, x.data(), 32, 0);
+  EXPECT_EQ(half.scales, std::vector<double>{0.066650390625});
+  EXPECT_EQ(half.codes[2], 8);
+  EXPECT_EQ(half.codes[1], 15);
+  q.scale.dtype = ScaleDtype::float32;
+  const QuantizedRow single = reference::quantize(q, x.data(), 32, 0);
+  EXPECT_EQ(single.codes[2], 7);
+}
+
 // SPEC 9.7's check 9.2.1: the bias and scale another float32 arithmetic may store, each case
 // worked in NumPy float32 as MLX's rule (4 bits, groups of 32, the window 2^-20 of the row's
 // largest element).

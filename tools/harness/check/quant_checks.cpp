@@ -465,14 +465,15 @@ BiasedGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, s
 }
 
 BiasedGroupVerdict quanto_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits,
-                                         double scale, double bias) {
+                                         ScaleDtype dtype, double scale, double bias) {
   if (g >= expected.lows.size()) return exactly(expected, g, scale, bias);  // no windows
   BiasedGroupVerdict v;
   const double n = (1 << bits) - 1, w = expected.windows[g], span = expected.spans[g];
   v.bias = std::abs(bias - expected.lows[g]) <= w;
-  // (max' - min') / n in float32, each within w of the reference's: a relative 2^-22 more for
-  // the two roundings.
-  v.scale = scale >= std::max(0.0, span - 2 * w) / n * (1 - 0x1p-22) && scale <= (span + 2 * w) / n * (1 + 0x1p-22);
+  // (max' - min') / n in the model dtype, each within w of the reference's: a relative 2^-22
+  // more for float32's two roundings, 2^-10 for float16's.
+  const double rounding = dtype == ScaleDtype::float16 ? 0x1p-10 : 0x1p-22;
+  v.scale = scale >= std::max(0.0, span - 2 * w) / n * (1 - rounding) && scale <= (span + 2 * w) / n * (1 + rounding);
   return v;
 }
 
@@ -706,8 +707,8 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
       const int group = reference::scale_group(format, D), top = (1 << format.bits) - 1;
       for (std::size_t g = 0; g < expected.scales.size(); ++g) {
         const BiasedGroupVerdict v = mlx ? mlx_group_accepted(expected, g, format.bits, actual.scales[g], actual.biases[g])
-                                         : quanto_group_accepted(expected, g, format.bits, actual.scales[g],
-                                                                 actual.biases[g]);
+                                         : quanto_group_accepted(expected, g, format.bits, format.scale.dtype,
+                                                                 actual.scales[g], actual.biases[g]);
         if (!v.bias) fail(-3, static_cast<int>(g), expected.biases[g], actual.biases[g]);
         if (v.bias && !v.scale) fail(-1, static_cast<int>(g), expected.scales[g], actual.scales[g]);
         if (!v.bias || !v.scale) continue;
@@ -720,7 +721,15 @@ void QuantChecks::check_codes(const StepRecord& rec, const CacheView& view, Step
             continue;
           }
           // The rule's code under the cache's own scale and bias (quanto's S = 0: code 0).
-          const float y = actual.scales[g] == 0.0 ? 0.0f : (expected.values[at] - actual.biases[g]) / actual.scales[g];
+          float y = 0.0f;
+          if (actual.scales[g] != 0.0 && mlx) {
+            y = static_cast<float>((expected.values[at] - actual.biases[g]) / actual.scales[g]);
+          } else if (actual.scales[g] != 0.0) {  // quanto: each step in the model dtype
+            const auto T = [&](float x) {
+              return format.scale.dtype == ScaleDtype::float16 ? static_cast<float>(reference::round_to_float16(x)) : x;
+            };
+            y = T(T(expected.values[at] - static_cast<float>(actual.biases[g])) / static_cast<float>(actual.scales[g]));
+          }
           const int c = std::isnan(y) ? 0 : static_cast<int>(std::clamp(std::nearbyint(y), 0.0f, static_cast<float>(top)));
           if (a == c && a == expected.codes[at]) continue;
           if (a == c) {

@@ -64,7 +64,7 @@ BiasedGroupVerdict mlx_group_accepted(const reference::QuantizedRow& expected, s
 // SPEC 9.8: quanto_affine's: the bias is the minimum moved by at most the window, the scale
 // (max - min) / n over a range moved by at most twice it (0 only where that range may be 0).
 BiasedGroupVerdict quanto_group_accepted(const reference::QuantizedRow& expected, std::size_t g, int bits,
-                                         double scale, double bias);
+                                         ScaleDtype dtype, double scale, double bias);
 bool stored_zero_accepted(const TensorQuant& format, const reference::QuantizedRow& expected, std::size_t g,
                           double actual_scale, int actual_zero, bool scale_moved);
 

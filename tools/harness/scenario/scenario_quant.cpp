@@ -20,6 +20,7 @@ struct BiasedGroups {
   const char* group_words;   // whose group sizes 32, 64 and 128 are
   const char* cache;         // the cache that stores it (it stores the rotated keys: no transform)
   const char* head_dim_tail;  // said after "head_dim D is not a multiple of it"
+  bool float16;               // computes in a float16 model's dtype (quanto: yes; MLX: not yet)
 };
 
 // SPEC 9.7 (mlx_affine: MLX's affine groups, `bits` 2, 3, 4, 5, 6 or 8, default 8, mlx-lm's
@@ -30,9 +31,9 @@ struct BiasedGroups {
 TensorQuant parse_biased_groups(const Reader& r, const json& j, const std::string& p, const Dims& dims,
                                 QuantFormat format) {
   static const BiasedGroups mlx{8, {2, 3, 4, 5, 6, 8}, "2, 3, 4, 5, 6 or 8 (MLX's affine bits)", "MLX's group sizes",
-                                "MLX's QuantizedKVCache", ""};
+                                "MLX's QuantizedKVCache", "", false};
   static const BiasedGroups quanto{4, {2, 4}, "2 or 4 (quanto's qint2 and qint4)", "q_group_size",
-                                   "QuantizedLayer", " (a larger group would cross heads)"};
+                                   "QuantizedLayer", " (a larger group would cross heads)", true};
   const BiasedGroups& f = format == QuantFormat::mlx_affine ? mlx : quanto;
   const std::string name = to_string(format);
   TensorQuant q;
@@ -57,8 +58,10 @@ TensorQuant parse_biased_groups(const Reader& r, const json& j, const std::strin
       if (q.scale.group != 32 && q.scale.group != 64 && q.scale.group != 128)
         r.fail(sp + "/group", fmt::format("expected 32, 64 or 128 ({}), got {}", f.group_words, q.scale.group));
     }
-    if (sj.contains("dtype") && r.choice(sj["dtype"], sp + "/dtype", {"float32", "float16"}) != "float32")
-      not_yet(r, sp + "/dtype", name + " scales and biases in float16 (a float16 model's)");
+    if (sj.contains("dtype") && r.choice(sj["dtype"], sp + "/dtype", {"float32", "float16"}) != "float32") {
+      if (!f.float16) not_yet(r, sp + "/dtype", name + " scales and biases in float16 (a float16 model's)");
+      q.scale.dtype = ScaleDtype::float16;  // every step in float16, as a float16 model's
+    }
     if (sj.contains("value") && !(sj["value"].is_string() && sj["value"].get<std::string>() == "amax"))
       r.fail(sp + "/value", name + " computes its scale and bias from each group: expected \"amax\"");
   }
