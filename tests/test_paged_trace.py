@@ -640,20 +640,23 @@ class PagedTraceTest(unittest.TestCase):
                 self.assertIn(words, done.stderr)
 
     def test_a_ring_where_none_can_be_is_bad_input(self):
-        # SPEC 8.9: "ring" holds a sliding layer's window, at least W places, never shared.
-        for scenario, layer, ring, words in (
-                ("paged_chunked_prefill", 0, 8, "/steps/0/layers/0/paged/ring: a ring holds a sliding layer's window, "
-                                                "and this layer's policy is not sliding"),
-                ("paged_window_2b", 0, 7, "/steps/0/layers/0/paged/ring: expected the ring's places, an integer from "
-                                          "the window 8 to 2^30, got 7"),
-                ("paged_window_2b", 0, "8", "/steps/0/layers/0/paged/ring: expected the ring's places"),
-                ("paged_gemma_hybrid_prefix", 0, 8, "/steps/0/layers/0/paged/ring: a ring's pages are overwritten in "
-                                                    "place and cannot be shared: not with prefix_cache")):
-            with self.subTest(scenario=scenario, ring=ring), tempfile.TemporaryDirectory() as work:
+        # SPEC 8.9: "ring" holds a sliding layer's window, at least W places, never shared, in
+        # every step of the layer. Each case sets it at (step, layer) of a trace without rings.
+        for scenario, step, layer, ring, words in (
+                ("paged_chunked_prefill", 0, 0, 8, "/steps/0/layers/0/paged/ring: a ring holds a sliding layer's "
+                                                   "window, and this layer's policy is not sliding"),
+                ("paged_window_2b", 0, 0, 7, "/steps/0/layers/0/paged/ring: expected the ring's places, an integer "
+                                             "from the window 8 to 2^30, got 7"),
+                ("paged_window_2b", 0, 0, "8", "/steps/0/layers/0/paged/ring: expected the ring's places"),
+                ("paged_gemma_hybrid_prefix", 0, 0, 8, "/steps/0/layers/0/paged/ring: a ring's pages are overwritten "
+                                                       "in place and cannot be shared: not with prefix_cache"),
+                ("paged_window_2b", 1, 0, 8, "/steps/1/layers/0/paged/ring: expected no ring (logical blocks), as "
+                                             "/steps/0/layers/0 gives: a layer keeps one layout")):
+            with self.subTest(scenario=scenario, step=step, ring=ring), tempfile.TemporaryDirectory() as work:
                 trace = trace_of(scenario, work, "NHD")
                 path = os.path.join(trace, "manifest.json")
                 manifest = json.load(open(path))
-                manifest["steps"][0]["layers"][layer]["paged"]["ring"] = ring
+                manifest["steps"][step]["layers"][layer]["paged"]["ring"] = ring
                 json.dump(manifest, open(path, "w"))
                 done = verify(scenario, trace)
                 self.assertEqual(done.returncode, 2, done.stdout + done.stderr)

@@ -206,6 +206,10 @@ class ContinuousBatchingCache:
         # cached tokens, oldest first, then one sentinel row per new token (sliding_attention.py:94-108).
         tokens = range(first - min(first, self.W - 1), first) if sliding else range(first + count)
         want = [physical(t) for t in tokens]
+        if len(read) != len(want) + (count if sliding else 0):  # a sliding read ends in one sentinel per new token
+            raise RuntimeError("layer %d row %d: the read index gathers %d keys for tokens %d..%d, expected %d"
+                               % (layer, row, len(read), first, first + count - 1,
+                                  len(want) + (count if sliding else 0)))
         if read[:len(want)] != want:
             wrong = next(i for i, (x, y) in enumerate(zip(read, want)) if x != y) if len(read) >= len(want) else 0
             raise RuntimeError("layer %d row %d: the read index of token %d is %s, where the table puts it at %d"

@@ -195,6 +195,9 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
          fmt::format("expected an array of {} steps (decode expanded into single-token steps), got {}", steps,
                      m.contains("steps") && m["steps"].is_array() ? std::to_string(m["steps"].size()) + " steps"
                                                                   : got("steps")));
+  // A paged layer keeps one layout over the trace (SPEC 8.9): its ring, by the step that
+  // first showed it (0: logical blocks).
+  std::map<std::size_t, std::pair<std::int64_t, std::string>> layouts;
   for (std::size_t i = 0; i < steps; ++i) {
     const json& step = m["steps"][i];
     const std::string p = fmt::format("/steps/{}", i);
@@ -228,6 +231,13 @@ Trace read_manifest(const Scenario& s, const std::string& dir, std::size_t steps
         TraceFiles f;
         if (ls[l].contains("paged")) {  // SPEC 8.9: the pool and tables stand for keys and values
           f.paged = read_paged_entry(ls[l]["paged"], lp + "/paged", dir, t.manifest_path, s, static_cast<int>(l));
+          const auto [first, fresh] = layouts.emplace(l, std::make_pair(f.paged->ring, lp));
+          if (!fresh && first->second.first != f.paged->ring)
+            fail(lp + "/paged/ring",
+                 fmt::format("expected {}, as {} gives: a layer keeps one layout", first->second.first > 0
+                                 ? fmt::format("a ring of {} places", first->second.first)
+                                 : std::string("no ring (logical blocks)"),
+                             first->second.second));
           for (const char* key : {"keys", "values", "k_codes", "v_codes"})
             if (ls[l].contains(key)) fail(lp + "/" + key, "a paged layer gives its pool under \"paged\", not " + std::string(key));
           if (ls[l].contains("out")) f.out = resolve_inside(dir, ls[l]["out"].get<std::string>(), t.manifest_path, lp + "/out");
