@@ -206,10 +206,12 @@ AppendResult ReferenceModel::append(const std::vector<std::int64_t>& counts, boo
       result.rows[b].push_back(std::move(token));
     }
     // Tokens innermost: consecutive units share a (layer, kv head) and most of their keys.
-    if (attend)
-      for (int l = 0; l < L; ++l)
-        for (int g = 0; g < Hkv; ++g)
-          for (std::int64_t i = 0; i < counts[b]; ++i) units.push_back({b, l, g, i});
+    // SPEC 11.1: a full layer's outputs over a row whose kept tokens the cache chose stay NaN.
+    for (int l = 0; attend && l < L; ++l) {
+      if (pruned.observed && layer_policies_[static_cast<std::size_t>(l)].kind == PolicyKind::full) continue;
+      for (int g = 0; g < Hkv; ++g)
+        for (std::int64_t i = 0; i < counts[b]; ++i) units.push_back({b, l, g, i});
+    }
   }
   ensure_positions(largest);
   const std::size_t heads_per_group = static_cast<std::size_t>(H / Hkv);
@@ -384,11 +386,18 @@ void ReferenceModel::prune(std::int64_t sinks, std::int64_t recent, bool rerotat
   }
 }
 
+void ReferenceModel::prune_observed(std::int64_t keep, bool rerotate) {
+  for (auto& row : histories_)
+    for (std::size_t i = static_cast<std::size_t>(keep); i < row.size(); ++i)
+      row[i] |= kPrunedBit | kObservedBit | (rerotate ? kRerotatedBit : 0);
+}
+
 PrunedRun PrunedRun::of(std::span<const std::uint64_t> history) {
   PrunedRun run;
   const auto at = std::find_if(history.begin(), history.end(), is_pruned);
   if (at == history.end()) return run;
   run.rerotated = (*at & kRerotatedBit) != 0;
+  run.observed = (*at & kObservedBit) != 0;
   run.first = at - history.begin();
   run.end = std::find_if_not(at, history.end(), is_pruned) - history.begin();
   return run;
@@ -396,7 +405,8 @@ PrunedRun PrunedRun::of(std::span<const std::uint64_t> history) {
 
 void PrunedRun::apply(QueryView& view, std::int64_t t) const {
   if (first == end) return;
-  std::erase_if(view.keys, [&](const VisibleKey& k) { return k.index >= first && k.index < end; });
+  const std::int64_t from = observed ? 0 : first;  // observed: which of the prompt's are kept is the cache's
+  std::erase_if(view.keys, [&](const VisibleKey& k) { return k.index >= from && k.index < end; });
   for (VisibleKey& k : view.keys) k.position -= shift(k.index);
   view.query_position -= shift(t);
 }

@@ -54,21 +54,26 @@ struct RetainedKey {
 // them per row (one prune per row).
 inline constexpr std::uint64_t kPrunedBit = std::uint64_t{1} << 63;
 inline constexpr std::uint64_t kRerotatedBit = std::uint64_t{1} << 62;  // the later keys moved down
-inline constexpr std::uint64_t kUidBits = kRerotatedBit - 1;
+// SPEC 11.1: the cache chose which m tokens of the prompt it kept; the reference marks the
+// last n - m, so the later tokens' positions come out right, and knows none of the kept.
+inline constexpr std::uint64_t kObservedBit = std::uint64_t{1} << 61;
+inline constexpr std::uint64_t kUidBits = kObservedBit - 1;
 inline bool is_pruned(std::uint64_t entry) { return (entry & kPrunedBit) != 0; }
 
 // The run of pruned tokens [first, end) in a row (empty: never pruned) and how it moves
-// positions: re-rotated, every token after it sits end - first positions lower.
+// positions: re-rotated, every token after it sits end - first positions lower. Observed
+// (SPEC 11.1): the row kept `first` tokens of its `end`-token prompt, chosen by the cache.
 struct PrunedRun {
   std::int64_t first = 0, end = 0;
   bool rerotated = false;
+  bool observed = false;
   static PrunedRun of(std::span<const std::uint64_t> history);
   // How many positions lower than its index token i sits.
   std::int64_t shift(std::int64_t i) const {
     return rerotated ? std::clamp<std::int64_t>(i - first, 0, end - first) : 0;
   }
   // The view without the pruned keys, at the positions the prune left (full policy: the
-  // positions are the indices).
+  // positions are the indices). Observed: without any of the prompt's keys.
   void apply(QueryView& view, std::int64_t t) const;
 };
 
@@ -111,6 +116,10 @@ class ReferenceModel {
   // pruned for good. `rerotate`: the kept keys and every later token take positions in the
   // cache (rank among the kept). Full-attention layers only (the scenario checks it).
   void prune(std::int64_t sinks, std::int64_t recent, bool rerotate);
+  // SPEC 11.1: every row of n > keep tokens keeps `keep` of them, which the cache chooses;
+  // later tokens sit n - keep positions lower if `rerotate`. The outputs of full layers
+  // over such a row are not computed from then on (NaN): the reference cannot know them.
+  void prune_observed(std::int64_t keep, bool rerotate);
 
   // Threads that share an append's attention (each output is computed by one thread
   // alone, so results do not depend on the count). Default: the machine's cores.

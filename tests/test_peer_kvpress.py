@@ -154,6 +154,143 @@ class KvpressTest(unittest.TestCase):
         fixed = subprocess.run([sys.executable, script, "--fixed"], capture_output=True, text=True)
         self.assertEqual(fixed.returncode, 0, fixed.stdout + fixed.stderr)
 
+    def observed(self, scenario, **options):
+        """Drives an observed-prune scenario (SPEC 11.1) of tests/data; returns the export and verify."""
+        exp = export(self.work, scenario, DATA)
+        result = kvtrace_kvpress.drive_kvpress(exp, self.trace, **options)
+        self.assertIsNone(result.error)
+        return exp, kvcheck("verify", os.path.join(DATA, scenario + ".json"), "--trace", self.trace)
+
+    def test_knorm_press_is_judged_on_the_tokens_each_kv_head_kept(self):
+        exp, verify = self.observed("prune_observed_knorm")
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        self.assertIn("kept by the press: 8 kv heads of full layers each kept the prune's count", verify.stdout)
+        self.assertIn("every stored key is its raw key rotated at its cache-relative position", verify.stdout)
+        # 2 layers x 2 rows x 8 later tokens x 4 heads, expected over the sets read from the cache.
+        self.assertIn("and 128 outputs (token, head) after it were expected over those sets", verify.stdout)
+        # An independent look at what the cache held after the press: each head's 7 values are
+        # its prompt tokens' with the smallest key norms (KnormPress), a set of its own.
+        with open(os.path.join(self.trace, "manifest.json")) as f:
+            layers = json.load(f)["steps"][1]["layers"]
+        sets = {}
+        for l, layer in enumerate(layers):
+            values = np.load(os.path.join(self.trace, layer["values"]))  # [B, Hkv, 7, D]
+            for b, row in enumerate(exp.steps[0]["rows"]):
+                uids = np.array(row["uids"])
+                for g in range(values.shape[1]):
+                    candidates = exp.v[l][uids][:, g].astype(np.float32)
+                    kept = sorted(int(np.flatnonzero((candidates == v.astype(np.float32)).all(axis=1))[0])
+                                  for v in values[b, g])
+                    norms = np.linalg.norm(exp.k[l][uids][:, g].astype(np.float64), axis=-1)
+                    order = np.sort(norms)
+                    self.assertGreater(order[7] - order[6], 1e-4 * order[7])  # no near tie at the cut
+                    self.assertEqual(kept, sorted(np.argsort(norms)[:7].tolist()), (l, b, g))
+                    sets[l, b, g] = kept
+        self.assertGreater(len(set(map(tuple, sets.values()))), 1)
+
+    def test_knorm_press_at_original_positions_passes(self):
+        _, verify = self.observed("prune_observed_knorm_original_positions")
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
+    def test_a_press_that_skips_a_layer_or_rounds_its_ratio_the_other_way_is_named(self):
+        def knorm(ratio):
+            return lambda prune, n: kvpress.KeyRerotationPress(press=kvpress.KnormPress(compression_ratio=ratio(n)))
+        # kvpress keeps int(n (1 - ratio)): 1 - 6.5/14 keeps 6, not 7.
+        _, verify = self.observed("prune_observed_knorm", press=knorm(lambda n: 1 - 6.5 / n))
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (prune, /steps/1)", verify.stdout)
+        self.assertIn("layer 0 row 0 kv head 0 holds 6 of its 14 prompt tokens, the prune keeps 7", verify.stdout)
+        self.assertIn("class: kept count wrong", verify.stdout)
+        # A ratio of 0: kvpress returns the cache unchanged, every prompt token held.
+        _, verify = self.observed("prune_observed_knorm", press=knorm(lambda n: 0.0))
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("holds 14 of its 14 prompt tokens, the prune keeps 7", verify.stdout)
+        self.assertIn("class: kept count wrong", verify.stdout)
+
+    def test_positions_after_a_score_based_press_are_named(self):
+        # KnormPress alone where the scenario re-rotates: kept keys left at their indices.
+        plain = lambda prune, n: kvpress.KnormPress(compression_ratio=kvtrace_kvpress.compression_ratio(7, n))
+        _, verify = self.observed("prune_observed_knorm", press=plain)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (prune, /steps/1)", verify.stdout)
+        self.assertIn("class: kept keys not re-rotated", verify.stdout)
+        # generate() inside the press: the first new token at its original index 14, not 7.
+        _, verify = self.observed("prune_observed_knorm", positions="generate")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 2 (decode, /steps/2)", verify.stdout)
+        self.assertIn("expected position 7 (recovered: 14)", verify.stdout)
+        self.assertIn("class: new key not shifted", verify.stdout)
+        # Without re-rotation, a bare model call places the new token at the compressed length.
+        _, verify = self.observed("prune_observed_knorm_original_positions", positions="seq_length")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("expected position 14 (recovered: 7)", verify.stdout)
+        self.assertIn("class: key at wrong position", verify.stdout)
+
+    def test_a_rerotation_ranked_by_another_heads_set_is_named(self):
+        # A port of KeyRerotationPress that computes one rotation per layer from kv head 0's kept
+        # indices: head 1 gathers its own keys but turns them by head 0's distances.
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        class OneRotationPerLayer(kvpress.KeyRerotationPress):
+            @staticmethod
+            def rerotate_keys(module, indices, keys):
+                cos, sin = kvpress.KeyRerotationPress._rerotate_cos_sin(
+                    keys, module.rotary_emb.inv_freq, indices[:, :1].expand_as(indices))
+                keys = keys.gather(2, indices.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)).contiguous()
+                return keys * cos + rotate_half(keys) * sin
+
+        press = lambda prune, n: OneRotationPerLayer(
+            press=kvpress.KnormPress(compression_ratio=kvtrace_kvpress.compression_ratio(7, n)))
+        _, verify = self.observed("prune_observed_knorm", press=press)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (prune, /steps/1)", verify.stdout)
+        self.assertIn("kv head 1 slot", verify.stdout)
+        self.assertNotIn("kv head 0 slot", verify.stdout)
+        self.assertIn("class: key at wrong position", verify.stdout)
+
+    def test_gemma3_under_a_score_based_press_is_judged_on_its_outputs(self):
+        # The Gemma 3 finding under KnormPress: every slot checks out, and the chunk after the
+        # press sees its later tokens, which only the outputs over the kept sets can show.
+        exp, verify = self.observed("prune_observed_gemma3", cache="model")
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 5 (append, /steps/3), row 0, layer 1", verify.stdout)
+        self.assertIn("every slot checks out", verify.stdout)
+        self.assertIn("class: chunk sees future keys", verify.stdout)
+
+    def test_a_press_that_drops_a_required_recent_token_is_named(self):
+        # The scenario asks every kv head to keep its last 4 prompt tokens (SnapKV's window):
+        # SnapKVPress with window_size 4 does, KnormPress does not.
+        with open(os.path.join(DATA, "prune_observed_knorm.json")) as f:
+            scenario = json.load(f)
+        scenario["name"] = "prune_observed_recent"
+        scenario["steps"][1]["recent"] = 4
+        with open(os.path.join(self.work, "prune_observed_recent.json"), "w") as f:
+            json.dump(scenario, f)
+        exp = export(self.work, "prune_observed_recent", self.work)
+        snapkv = lambda prune, n: kvpress.KeyRerotationPress(press=kvpress.SnapKVPress(
+            compression_ratio=kvtrace_kvpress.compression_ratio(7, n), window_size=4, kernel_size=3))
+        for press, code in ((snapkv, 0), (None, 1)):
+            self.assertIsNone(kvtrace_kvpress.drive_kvpress(exp, self.trace, press=press).error)
+            verify = kvcheck("verify", os.path.join(self.work, "prune_observed_recent.json"), "--trace", self.trace)
+            self.assertEqual(verify.returncode, code, verify.stdout + verify.stderr)
+        self.assertIn("first divergence: step 1 (prune, /steps/1)", verify.stdout)
+        self.assertIn("which the next token still sees", verify.stdout)
+        self.assertIn("class: dropped a live token", verify.stdout)
+
+    def test_other_score_based_presses_pass(self):
+        def wrapped(make):
+            return lambda prune, n: kvpress.KeyRerotationPress(press=make(kvtrace_kvpress.compression_ratio(7, n)))
+        presses = {
+            "SnapKVPress": wrapped(lambda r: kvpress.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=3)),
+            "TOVAPress": wrapped(lambda r: kvpress.TOVAPress(compression_ratio=r)),
+            "ExpectedAttentionPress": wrapped(lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r, n_sink=2)),
+            "RandomPress": wrapped(lambda r: kvpress.RandomPress(compression_ratio=r, seed=0)),
+        }
+        for name, press in presses.items():
+            with self.subTest(press=name):
+                _, verify = self.observed("prune_observed_knorm", press=press)
+                self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+
     def test_what_kvpress_cannot_do_is_refused_by_name(self):
         scenario = {"name": "prune_late", "dimensions": {"layers": 1, "batch": 1, "heads": 2, "head_dim": 8},
                     "policy": {"type": "full"}, "seed": 5,

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <span>
 
 #include "reference/attention.h"
 #include "reference/reference_model.h"
@@ -145,18 +146,28 @@ TEST(ReferenceAttention, TheDotProductSumsInItsDocumentedOrder) {
 // changes (5 -> 3).
 class ReferencePrune : public ::testing::TestWithParam<bool> {};
 
-TEST_P(ReferencePrune, KeepsSinksAndRecentAtTheSpecPositions) {
-  const bool rerotate = GetParam();
+namespace {
+
+// One layer, one head of dim 2: q = k = (1, 0) and v_j = (j, 1) for uid j < uids.
+InputTable prune_inputs(int uids) {
   InputTable inputs;
   inputs.layers = 1;
-  inputs.uids = 6;
+  inputs.uids = uids;
   inputs.heads = inputs.kv_heads = 1;
   inputs.head_dim = 2;
-  for (int j = 0; j < 6; ++j) {
+  for (int j = 0; j < uids; ++j) {
     inputs.q.insert(inputs.q.end(), {1, 0});
     inputs.k.insert(inputs.k.end(), {1, 0});
     inputs.v.insert(inputs.v.end(), {static_cast<float>(j), 1});
   }
+  return inputs;
+}
+
+}  // namespace
+
+TEST_P(ReferencePrune, KeepsSinksAndRecentAtTheSpecPositions) {
+  const bool rerotate = GetParam();
+  const InputTable inputs = prune_inputs(6);
   Dims dims;
   reference::ReferenceModel model(dims, Rope{}, Policy{}, 0.5, inputs);
   model.append({5});
@@ -181,3 +192,39 @@ TEST_P(ReferencePrune, KeepsSinksAndRecentAtTheSpecPositions) {
 }
 
 INSTANTIATE_TEST_SUITE_P(OriginalAndRerotated, ReferencePrune, ::testing::Bool());
+
+// SPEC 11.1 by hand: the same five tokens keep 2 of the cache's choosing. The reference
+// knows none of them: token 5 sees only itself, at 5 - (5 - 2) = 2 re-rotated (else 5), its
+// full layer's output is not computed (NaN), and a row of 2 tokens or fewer is not pruned.
+TEST(ReferencePruneObserved, KnowsOnlyTheLaterTokensAndTheirPositions) {
+  for (const bool rerotate : {false, true}) {
+    const InputTable inputs = prune_inputs(9);
+    Dims dims;
+    dims.batch = 2;
+    reference::ReferenceModel model(dims, Rope{}, Policy{}, 0.5, inputs);
+    model.append({5, 2});  // row 0: uids 0..4, row 1: uids 5, 6 (left-padded)
+    model.prune_observed(2, rerotate);
+    EXPECT_TRUE(model.retained(0).keys.empty());
+    EXPECT_EQ(model.retained(1).keys.size(), 2u);  // 2 <= keep: nothing pruned, both known
+    const reference::PrunedRun run =
+        reference::PrunedRun::of(std::span<const std::uint64_t>(model.history(0).data(), 5));
+    EXPECT_TRUE(run.observed);
+    EXPECT_EQ(run.first, 2);
+    EXPECT_EQ(run.end, 5);
+
+    const auto result = model.append({1, 1});  // row 0: uid 7 at index 5; row 1: uid 8 at index 2
+    const auto& token = result.rows[0][0];
+    ASSERT_EQ(token.view.keys.size(), 1u);
+    EXPECT_EQ(token.view.keys[0].index, 5);
+    EXPECT_EQ(token.view.keys[0].position, rerotate ? 2 : 5);
+    EXPECT_EQ(token.view.query_position, rerotate ? 2 : 5);
+    EXPECT_TRUE(std::isnan(result.out[0]) && std::isnan(result.out[1]));  // [L, B, n, H, D]: row 0
+    // Row 1 attends over all three of its tokens, v = 5, 6, 8, every score cos(0) = 1 apart
+    // from its distances; its second coordinate averages to 1.
+    EXPECT_NEAR(result.out[3], 1.0, 1e-15);
+    const reference::RowRetained kept = model.retained(0);
+    ASSERT_EQ(kept.keys.size(), 1u);
+    EXPECT_EQ(kept.keys[0].uid, 7u);
+    EXPECT_EQ(kept.next_query_position, rerotate ? 3 : 6);
+  }
+}

@@ -22,7 +22,10 @@ The schedule, as `KVPressTextGenerationPipeline._forward` (kvpress 0.5.5) runs i
   the prune re-rotates. The press compresses after each layer's attention (a dense prefill):
   the append step is recorded from the cache before the press's hook runs, the prune step
   from the cache after the forward. compression_ratio is 1 - (S + R + 0.5) / n, so that
-  kvpress's int(n (1 - ratio)) keeps exactly S + R tokens;
+  kvpress's int(n (1 - ratio)) keeps exactly S + R tokens. An observed prune (SPEC 11.1,
+  `"select": "observed"`) runs `KnormPress` keeping `keep` instead (or the `press` a caller
+  gives: SnapKV, TOVA, ExpectedAttention, ...); which tokens each kv head kept is read from
+  the cache by kvcheck;
 - every later append runs outside the press with position_ids from the export (the original
   index, or the compressed one after a re-rotating prune, as the pipeline's
   `context_length` makes them); cache_position is left to the model (the slots held);
@@ -181,12 +184,27 @@ class _Model:
                 for l in range(exp.dims["layers"])]
 
 
+def _kept(prune, n):
+    """How many of a prompt's n tokens the prune keeps: S + R, or an observed prune's `keep`
+    (SPEC 11.1); all n when that is n or more."""
+    return min(prune["keep"] if prune.get("select") == "observed" else prune["sinks"] + prune["recent"], n)
+
+
+def compression_ratio(kept, n):
+    """The ratio for which kvpress's int(n (1 - ratio)) keeps exactly `kept` of n tokens (0:
+    none pruned, which kvpress returns unchanged)."""
+    return 0.0 if kept >= n else 1.0 - (kept + 0.5) / n
+
+
 def _press(prune, n):
     """kvpress's press for a prune of a prompt of n tokens: StreamingLLMPress keeping exactly
-    S + R (none pruned: compression_ratio 0), re-rotated by KeyRerotationPress if asked."""
-    kept = prune["sinks"] + prune["recent"]
-    ratio = 0.0 if kept >= n else 1.0 - (kept + 0.5) / n
-    press = kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=prune["sinks"])
+    S + R or, for an observed prune (SPEC 11.1), KnormPress keeping `keep` (the scorer whose
+    choice depends on nothing but the keys); re-rotated by KeyRerotationPress if asked."""
+    ratio = compression_ratio(_kept(prune, n), n)
+    if prune.get("select") == "observed":
+        press = kvpress.KnormPress(compression_ratio=ratio)
+    else:
+        press = kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=prune["sinks"])
     return kvpress.KeyRerotationPress(press=press) if prune.get("rerotate") else press
 
 
@@ -293,8 +311,11 @@ def drive_kvpress(export, trace_path, producer="kvtrace.drive_kvpress", press=No
                         active = make_press(following, n)
                         with active(model.model):
                             outs = model.forward(uids, where, kv)
-                        first = min(following["sinks"], n)
-                        pruned = (first, min(max(n - following["recent"], first), n))
+                        if following.get("select") == "observed":  # the press keeps its choice of m
+                            pruned = (_kept(following, n), n)
+                        else:
+                            first = min(following["sinks"], n)
+                            pruned = (first, min(max(n - following["recent"], first), n))
                         # ScorerPress keeps its tokens in topk order; KeyRerotationPress sorts them.
                         in_order, prompt = isinstance(active, kvpress.KeyRerotationPress), n
                         prune_state = _state(kv, layers)

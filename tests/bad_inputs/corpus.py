@@ -368,12 +368,23 @@ PRUNE_CASES = [
     ({"op": "prune", "sinks": 1}, "/steps/1/recent: missing required field"),
     ({"op": "prune", "sinks": 0, "recent": 0}, "/steps/1/recent: expected sinks \\+ recent >= 1"),
     ({"op": "prune", "sinks": 1, "recent": 1, "rerotate": "yes"}, "/steps/1/rerotate: expected true or false"),
-    ({"op": "prune", "sinks": 1, "recent": 1, "keep": 3}, "/steps/1/keep: unknown key"),
+    ({"op": "prune", "sinks": 1, "recent": 1, "keep": 3},
+     "/steps/1/keep: expected \"keep\" only with \"select\": \"observed\" \\(SPEC 11.1\\)"),
+    # SPEC 11.1: a prune to tokens the cache chooses.
+    ({"op": "prune", "select": "knorm", "keep": 3}, "/steps/1/select: expected one of observed, got \"knorm\""),
+    ({"op": "prune", "select": "observed"}, "/steps/1/keep: missing required field"),
+    ({"op": "prune", "select": "observed", "keep": 0}, "/steps/1/keep: expected an integer >= 1"),
+    ({"op": "prune", "select": "observed", "keep": 3, "sinks": 2, "recent": 2},
+     "/steps/1/recent: expected sinks \\+ recent <= keep \\(3\\)"),
 ]
 for value, message in PRUNE_CASES:
     doc = with_field("/policy", {"type": "full"})
     doc["steps"] = [{"op": "append", "tokens": 5}, value]
     case("scenario", "prune " + json.dumps(value)[-32:], 2, "s.json: " + message, scenario_file(doc))
+case("scenario", "a crop into an observed prune's prompt", 2, "s.json: /steps/2/length: expected a length of at "
+     "least 5: row 0's prompt of 5 tokens was pruned to tokens the cache chose",
+     scenario_file(with_field("/policy", {"type": "full"}) | {"steps": [
+         {"op": "append", "tokens": 5}, {"op": "prune", "select": "observed", "keep": 2}, {"op": "crop", "length": 4}]}))
 case("scenario", "prune of a sink layer", 2, "s.json: /steps/1/op: a prune \\(SPEC 11\\) takes tokens from full-attention "
      "layers beside window layers, but layer 0's policy is \"sink\"",
      scenario_file(with_field("/steps", [{"op": "append", "tokens": 5}, {"op": "prune", "sinks": 1, "recent": 2}])))

@@ -88,7 +88,9 @@ const std::vector<CacheEntry>& real_caches() {
       e.serves = [inner = e.serves, paged = e.name == "paged", hybrid = e.name == "hybrid",
                   prunes = e.name == "dynamic" || e.name == "static" || e.name == "hybrid"](const Scenario& s) {
         const bool shared_scales = any_frozen_scales(s) && s.paging && s.paging->prefix_cache;
-        const bool prune_served = !s.prunes() || (prunes && (!s.prunes(true) || s.kv_dtype == KvDtype::float32));
+        // An observed prune's kept tokens are a scorer's choice (SPEC 11.1): judged from traces only.
+        const bool prune_served = !s.prunes() || (prunes && !s.prunes_observed() &&
+                                                  (!s.prunes(true) || s.kv_dtype == KvDtype::float32));
         return !(s.quantized() && s.quant_rules().query) && !stores_biased_groups(s) && (paged || !shared_scales) &&
                (hybrid || s.shared_rope()) && prune_served && inner(s);
       };

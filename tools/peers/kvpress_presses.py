@@ -4,8 +4,10 @@ over every built-in fixture with a prune (SPEC 11), each judged by `kvcheck veri
 row per re-rotating fixture places later tokens as `model.generate()` inside the press does
 (kvpress's README offers it), which is what a user who generates that way gets; a fixture
 with sliding layers runs on a tiny Gemma 3 with the pipeline's cache and with the one the
-model makes from its config. Prints one
-markdown row each for `tools/kvcheck peers`. Run in the venv build/venvs/kvpress.
+model makes from its config. The score-based press `KnormPress` (SPEC 11.1's observed prune)
+runs the same way on the scenarios of tests/data that ask for one (`prune_observed_*`: no
+kvcheck cache serves them, so they are not fixtures). Prints one markdown row each for
+`tools/kvcheck peers`. Run in the venv build/venvs/kvpress.
 
 usage: python tools/peers/kvpress_presses.py [FIXTURE...]   (default: every fixture with a prune)"""
 
@@ -26,12 +28,13 @@ def main(names):
     warnings.filterwarnings("ignore")
     release = "kvpress %s (transformers %s)" % (kvpress.__version__ if hasattr(kvpress, "__version__")
                                                 else _version("kvpress"), transformers.__version__)
-    for name, scenario in peer_verdict.fixtures():
+    for folder, name, scenario in peer_verdict.fixtures(with_observed_prunes=True):
         prunes = [s for s in scenario["steps"] if s["op"] == "prune"]
         if (names and name not in names) or not prunes:
             continue
         rerotates = any(s.get("rerotate") for s in prunes)
-        press = "`KeyRerotationPress(StreamingLLMPress)`" if rerotates else "`StreamingLLMPress`"
+        scorer = "KnormPress" if any(s.get("select") == "observed" for s in prunes) else "StreamingLLMPress"
+        press = "`KeyRerotationPress(%s)`" % scorer if rerotates else "`%s`" % scorer
         runs = [(press + ", pipeline's positions", {})]
         if rerotates:
             runs.append((press + ", `generate()`'s positions", {"positions": "generate"}))
@@ -43,7 +46,7 @@ def main(names):
             work = tempfile.mkdtemp(prefix="kvcheck-peers-")
             try:
                 text = peer_verdict.verdict(
-                    os.path.join(peer_verdict.SCENARIOS, name + ".json"), work,
+                    os.path.join(folder, name + ".json"), work,
                     lambda exported, trace: kvtrace_kvpress.drive_kvpress(exported, trace, **options))
             finally:
                 shutil.rmtree(work, True)

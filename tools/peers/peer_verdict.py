@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import kvtrace  # noqa: E402
 
 SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
+DATA = os.path.join(ROOT, "tests", "data")
 
 
 def kvcheck(*args):
@@ -19,14 +20,21 @@ def kvcheck(*args):
     return subprocess.run([binary, *args], capture_output=True, text=True)
 
 
-def fixtures():
-    """Every built-in fixture, by name and parsed JSON, in name order."""
+def fixtures(with_observed_prunes=False):
+    """Every built-in fixture, by name and parsed JSON, in name order. With
+    with_observed_prunes: (folder, name, JSON), the fixtures and then tests/data's scenarios
+    of an observed prune (SPEC 11.1, which only a real engine serves)."""
     import json
-    names = sorted(f[:-5] for f in os.listdir(SCENARIOS) if f.endswith(".json"))
     out = []
-    for name in names:
-        with open(os.path.join(SCENARIOS, name + ".json")) as f:
-            out.append((name, json.load(f)))
+    folders = [SCENARIOS] + ([DATA] if with_observed_prunes else [])
+    for folder in folders:
+        names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json"))
+        for name in names:
+            if folder == DATA and not name.startswith("prune_observed_"):
+                continue
+            with open(os.path.join(folder, name + ".json")) as f:
+                scenario = json.load(f)
+            out.append((folder, name, scenario) if with_observed_prunes else (name, scenario))
     return out
 
 

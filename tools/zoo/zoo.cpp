@@ -216,7 +216,7 @@ ZooMutant smooth_softmax_without_sinks() {
 
 // SPEC 11's prune done the way users of kvpress go wrong, in kvcheck's dense cache.
 bool prunes_with_rerotation(const Scenario& s) {
-  return s.prunes(true) && s.every_layer(PolicyKind::full) && s.kv_dtype == KvDtype::float32;
+  return s.prunes(true) && !s.prunes_observed() && s.every_layer(PolicyKind::full) && s.kv_dtype == KvDtype::float32;
 }
 
 class PruneWithoutRerotation : public optimized::DenseCache {

@@ -266,6 +266,11 @@ constexpr BugClassRow kBugClasses[] = {
      "context shift) measures its window in token indices, or in positions the shift has not moved, "
      "instead of the shifted positions: the sinks leave its view too early and never come back after a "
      "shift. Look where the sliding mask reads the cells' positions."},
+    {BugClass::kept_count_wrong, "kept count wrong",
+     "After a score-based prune (SPEC 11.1), a kv head holds more or fewer of its prompt's tokens than the "
+     "prune keeps: all of them means the press skipped the layer (its hook never ran, or returned the cache "
+     "unchanged); one more or one fewer means a compression ratio rounded the other way (kvpress keeps "
+     "int(n * (1 - ratio)))."},
 };
 
 // Row i describes class i, and every class has its row.
@@ -275,8 +280,8 @@ constexpr bool rows_in_enum_order() {
   return true;
 }
 static_assert(rows_in_enum_order(), "kBugClasses: one row per BugClass, in the enum's order");
-static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::sliding_window_in_token_indices) + 1,
-              "kBugClasses: a BugClass without its row (the last enumerator must be sliding_window_in_token_indices)");
+static_assert(std::size(kBugClasses) == static_cast<std::size_t>(BugClass::kept_count_wrong) + 1,
+              "kBugClasses: a BugClass without its row (the last enumerator must be kept_count_wrong)");
 
 }  // namespace
 

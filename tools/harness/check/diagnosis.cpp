@@ -147,6 +147,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
   if (e.wrong_row_count)
     return ctx.last_row_change == StepContext::RowChange::reorder ? BugClass::reorder_lost_positions
                                                                   : BugClass::stale_row_after_batch_change;
+  // SPEC 11.1: a head holding another number of prompt tokens than the prune keeps; the
+  // tokens it lacks or holds beyond that are its consequence.
+  if (!e.kept_counts.empty()) return BugClass::kept_count_wrong;
   if (e.pairs.empty() && e.outputs.empty() && any(e.slots, [](const SlotIssue& i) { return i.block_count; }) &&
       std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) { return i.block_count; }))
     return BugClass::block_eviction_count_wrong;
@@ -232,6 +235,12 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     if (early && shift) return BugClass::shift_one_token_early;
   }
   bool new_unshifted = false;
+  // Kept keys are named not re-rotated only when every misplaced kept key sits at its index:
+  // keys turned by the wrong amounts land there only by chance (a press re-rotating every
+  // kv head by one head's distances, SPEC 11.1).
+  const bool kept_at_their_indices = std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
+    return i.kind != K::rotation || !i.recovered_position || i.newest || *i.recovered_position == i.true_index;
+  });
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation || !i.recovered_position) continue;
     const std::int64_t w = policy.window;
@@ -240,7 +249,9 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     // A key still at its absolute position where a cache position was due: the kept keys
     // were never re-rotated (whatever the newest key did), or only the newest was not.
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index) {
-      if (!i.newest) return s.quantized() && s.quant(i.layer).k ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
+      if (!i.newest && kept_at_their_indices)
+        return s.quantized() && s.quant(i.layer).k ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
+      if (!i.newest) continue;
       new_unshifted = true;
     }
   }

@@ -81,6 +81,7 @@ enum class BugClass {
   nope_layer_rotated,                      // SPEC 10.1
   query_temperature_missing,               // SPEC 10.3
   sliding_window_in_token_indices,         // SPEC 10.4
+  kept_count_wrong,                        // SPEC 11.1: a kv head holds another number of prompt tokens
 };
 
 // Both from the one table of bug classes (bug_classes.cpp).
@@ -193,6 +194,13 @@ struct PathIssue {
   double here, there, allowed;
 };
 
+// SPEC 11.1: a kv head that holds another number of its prompt's tokens after an observed
+// prune than the prune keeps.
+struct KeptCount {
+  int layer, row, kv_head;
+  std::int64_t held, expected, prompt;
+};
+
 struct OutputMismatch {
   int layer, row, head, dim;
   std::int64_t query_index, uid;
@@ -212,6 +220,7 @@ struct StepEvidence {
   std::vector<PagedIssue> paged;          // SPEC 8.8
   std::vector<PrecisionIssue> precision;  // SPEC 9.2.4
   std::vector<PathIssue> paths;           // SPEC 9.2.6
+  std::vector<KeptCount> kept_counts;     // SPEC 11.1
   std::optional<PoisonedRead> poisoned;   // SPEC 8.8.5: the first output that is a poison NaN
   bool outputs_fit_unit_scale = false;    // quantized: recomputed with every scale read as 1, the outputs fit
   bool outputs_fit_quantized_query = false;  // quantized: with the query quantized to q8_0 too, they fit
@@ -241,7 +250,8 @@ struct StepEvidence {
   int layer = 0;  // the diagnosed layer, whose policy classify() reads
   bool empty() const {
     return !raised && !wrong_row_count && !query_unreadable && !unrecorded && refusal.empty() && outputs.empty() &&
-           pairs.empty() && slots.empty() && codes.empty() && paged.empty() && precision.empty() && paths.empty();
+           pairs.empty() && slots.empty() && codes.empty() && paged.empty() && precision.empty() && paths.empty() &&
+           kept_counts.empty();
   }
 };
 

@@ -19,6 +19,7 @@
 #include "tools/harness/check/hypotheses.h"
 #include "tools/harness/io/progress.h"
 #include "tools/harness/check/paged_checks.h"
+#include "tools/harness/check/observed_prune_checks.h"
 #include "tools/harness/check/path_checks.h"
 #include "tools/harness/check/precision_checks.h"
 #include "tools/harness/check/quant_checks.h"
@@ -251,7 +252,8 @@ class StepChecker::Impl {
 
         paged_(s),
         precision_(s),
-        paths_(s) {
+        paths_(s),
+        observed_(s, inputs) {
     if (s.quantized()) quant_.emplace(s, inputs);
     // One rotation table per distinct rope (SPEC 10.1), shared by the layers that use it.
     for (const Rope& rope : s.ropes) {
@@ -266,6 +268,7 @@ class StepChecker::Impl {
     checks_ = {&paged_};
     if (quant_) checks_.insert(checks_.end(), {&*quant_, &precision_});
     checks_.push_back(&paths_);
+    checks_.push_back(&observed_);
     for (RotationCheck& r : rotations_) r.set_unrotated(options_.key_positions == KeyPositions::unrotated);
     if (options_.focus_step && *options_.focus_step >= s_.steps.size())
       throw InputError("--step", "",
@@ -528,10 +531,10 @@ class StepChecker::Impl {
   void check_row(const StepRecord& rec, const CacheView& view, int l, int b, StepEvidence& evidence, RowState& state) {
     const auto& history = rec.histories[b];
     const reference::RowRetained& ret = rec.retained_in(l, b);
-    RowSets sets;
-    for (const auto& key : ret.keys) sets.retained[static_cast<std::int64_t>(key.uid)] = &key;
-    for (const auto& key : ret.live) sets.live[static_cast<std::int64_t>(key.uid)] = &key;
-    const bool has_dead = sets.retained.size() != sets.live.size();
+    RowSets row_sets;
+    for (const auto& key : ret.keys) row_sets.retained[static_cast<std::int64_t>(key.uid)] = &key;
+    for (const auto& key : ret.live) row_sets.live[static_cast<std::int64_t>(key.uid)] = &key;
+    const bool has_dead = row_sets.retained.size() != row_sets.live.size();
     // Declared block eviction (SPEC 3.1): a sliding layer holds exactly its last L(T) tokens.
     const Policy& policy = s_.policies[static_cast<std::size_t>(l)];
     const bool blocks = options_.eviction == Eviction::blocks && policy.kind == PolicyKind::sliding;
@@ -540,6 +543,15 @@ class StepChecker::Impl {
         blocks ? length - reference::block_retained_length(length, options_.block_capacity, policy.window) : 0;
     const auto& heads = view.layers[static_cast<std::size_t>(l)].slots[static_cast<std::size_t>(b)];
     for (std::size_t g = 0; g < heads.size(); ++g) {
+      // Keys a press chose to keep in this head (SPEC 11.1), beside the reference's (a copy
+      // of the sets only then: a long row's maps are large).
+      std::vector<reference::RetainedKey> chosen;
+      for (const SubCheck* c : checks_) c->chosen_keys(rec, l, b, static_cast<int>(g), chosen);
+      RowSets head_sets;
+      if (!chosen.empty()) head_sets = row_sets;
+      for (const reference::RetainedKey& key : chosen)
+        head_sets.retained[static_cast<std::int64_t>(key.uid)] = head_sets.live[static_cast<std::int64_t>(key.uid)] = &key;
+      const RowSets& sets = chosen.empty() ? row_sets : head_sets;
       const bool check_set = !view.slots_shared || (l == 0 && g == 0);
       const std::string where = fmt::format("{}: layer {} row {}{}", evidence.label, l, b,
                                             heads.size() > 1 ? fmt::format(" kv head {}", g) : std::string());
@@ -912,11 +924,11 @@ class StepChecker::Impl {
     const auto B = ref.rows.size();
     const std::int64_t n = ref.chunk;
     const std::int64_t pad = n - static_cast<std::int64_t>(ref.rows[b].size());
-    outputs_seen_ = true;
     // The reference's outputs (R_stored over a quantized cache's codes), unless a check of
     // the list expects others (over what the cache holds) or lets them move further.
     OutputRule rule;
     for (SubCheck* check : checks_) check->rule_outputs(rec, l, b, rotated_q, rule);
+    outputs_seen_ = true;
     const std::vector<double>& query_slack = rule.query_slack;
     const std::vector<double>& expected =
         !rule.expected.empty() ? rule.expected : ref.out_stored.empty() ? ref.out : ref.out_stored;
@@ -988,37 +1000,45 @@ class StepChecker::Impl {
     std::vector<std::uint64_t> uids(rec.histories[b].size());
     for (std::size_t t = 0; t < uids.size(); ++t) uids[t] = rec.histories[b][t];
     const std::span<const std::uint64_t> history(uids);
+    // The append's tokens as the hypotheses see them: with the keys a press chose to keep in
+    // this head's group (SPEC 11.1), which the reference's views lack.
+    std::vector<reference::RetainedKey> chosen;
+    for (const SubCheck* check : checks_) check->chosen_keys(rec, l, b, h / (H / s_.dims.kv_heads), chosen);
+    const std::vector<reference::AppendedToken> completed =
+        chosen.empty() ? std::vector<reference::AppendedToken>() : with_chosen_keys(ref.rows[b], l, chosen);
+    const std::span<const reference::AppendedToken> tokens =
+        chosen.empty() ? std::span<const reference::AppendedToken>(ref.rows[b]) : std::span(completed);
     if (!s_.attention.sink_logits.empty())
       evidence.outputs_fit_without_learned_sinks =
-          fits(output_without_learned_sinks(s_, inputs_, history, ref.rows[b][i], l, h));
+          fits(output_without_learned_sinks(s_, inputs_, history, tokens[i], l, h));
     else
-      evidence.outputs_fit_with_a_zero_sink = fits(output_with_a_zero_sink(s_, inputs_, history, ref.rows[b][i], l, h));
+      evidence.outputs_fit_with_a_zero_sink = fits(output_with_a_zero_sink(s_, inputs_, history, tokens[i], l, h));
     if (s_.attention.query_temperature && s_.rope(l).nope)
       evidence.outputs_fit_without_query_temperature =
-          fits(output_without_query_temperature(s_, inputs_, history, ref.rows[b][i], l, h));
+          fits(output_without_query_temperature(s_, inputs_, history, tokens[i], l, h));
     for (const SubCheck* check : checks_) check->explain_output(rec, l, b, i, h, out, tol, evidence);
     if (i + 1 < ref.rows[b].size())
       evidence.outputs_fit_with_later_chunk_keys =
-          fits(output_with_later_chunk_keys(s_, inputs_, history, ref.rows[b], i, l, h));
+          fits(output_with_later_chunk_keys(s_, inputs_, history, tokens, i, l, h));
     const Policy& policy = s_.policies[static_cast<std::size_t>(l)];
     if (policy.kind == PolicyKind::sink && policy.sinks > 0 && policy.positions == SinkPositions::original)
       evidence.outputs_fit_plain_window =
-          fits(output_in_a_plain_window(s_, inputs_, history, ref.rows[b], i, policy.window, l, h));
+          fits(output_in_a_plain_window(s_, inputs_, history, tokens, i, policy.window, l, h));
     if (policy.swa > 0 && policy.prefill == Prefill::streaming)
       evidence.outputs_fit_window_in_token_indices =
-          fits(output_with_window_in_token_indices(s_, inputs_, history, ref.rows[b][i], l, h));
+          fits(output_with_window_in_token_indices(s_, inputs_, history, tokens[i], l, h));
     if (policy.kind == PolicyKind::sliding)
       for (const std::int64_t other : {policy.window + 1, policy.window - 1})
         evidence.outputs_fit_window_off_by_one =
             evidence.outputs_fit_window_off_by_one ||
-            (other > 0 && fits(output_in_a_window_of(s_, inputs_, history, ref.rows[b][i], other, l, h)));
+            (other > 0 && fits(output_in_a_window_of(s_, inputs_, history, tokens[i], other, l, h)));
     if (policy.kind == PolicyKind::chunked) {
       // The visible keys are a run ending at the query: a window of t - begin + 1 keys.
-      const std::int64_t t = ref.rows[b][i].index, c = policy.window;
+      const std::int64_t t = tokens[i].index, c = policy.window;
       auto fits_from = [&](std::int64_t begin) {
         begin = std::max<std::int64_t>(0, begin);
         return begin <= t && begin != t / c * c &&
-               fits(output_in_a_window_of(s_, inputs_, history, ref.rows[b][i], t - begin + 1, l, h));
+               fits(output_in_a_window_of(s_, inputs_, history, tokens[i], t - begin + 1, l, h));
       };
       evidence.outputs_fit_chunk_as_window = fits_from(t - c + 1);
       evidence.outputs_fit_chunk_edge_off_by_one =
@@ -1159,6 +1179,11 @@ class StepChecker::Impl {
       for (const auto& key : last.keys)
         expected[static_cast<std::int64_t>(rec.histories[b][key.index])] = {last.query_position - key.position,
                                                                             key.position};
+      // Kv head 0's keys a press chose to keep (SPEC 11.1): the table shows head 0.
+      std::vector<reference::RetainedKey> chosen;
+      for (const SubCheck* check : checks_) check->chosen_keys(rec, l, b, 0, chosen);
+      for (const auto& key : chosen)
+        expected[static_cast<std::int64_t>(key.uid)] = {last.query_position - key.position, key.position};
     }
     for (SlotRow& r : state.table) {
       if (const auto it = expected.find(r.uid); it != expected.end()) {
@@ -1338,6 +1363,7 @@ class StepChecker::Impl {
   PagedChecks paged_;                 // SPEC 8: the cache shows block tables
   PrecisionChecks precision_;         // SPEC 9.2.4: quantized caches with a residual
   PathChecks paths_;                  // SPEC 9.2.6: tokens computed both in a decode step and inside a chunk
+  ObservedPruneChecks observed_;      // SPEC 11.1: the tokens a press chose to keep
   std::vector<SubCheck*> checks_;     // the list the one loop runs (the members above)
   std::vector<std::int64_t> uncomputed_;  // the step's, per row (prefix hits)
   std::size_t uncomputed(int row) const {

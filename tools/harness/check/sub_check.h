@@ -42,6 +42,14 @@ class SubCheck {
   // Its rows of the report; none when it never applied.
   virtual void add_checks(Outcome& outcome) const = 0;
 
+  // Keys the cache chose to keep that the reference cannot know (SPEC 11.1): row `row`'s kv
+  // head `kv_head` in layer `layer` also retains these, and its next token sees them, at
+  // these positions. The slot and rotation checks judge them like the reference's own.
+  virtual void chosen_keys(const StepRecord& record, int layer, int row, int kv_head,
+                           std::vector<reference::RetainedKey>& keys) const {
+    (void)record, (void)layer, (void)row, (void)kv_head, (void)keys;
+  }
+
   // Outputs of an append step, row `row` of layer `layer`, asked of every check in the
   // list's order; a check that has nothing to say leaves each hook alone.
   // Before the comparison: what to expect, and how far from it (`rotated_q`: the queries the

@@ -338,6 +338,10 @@ void write_export(const Scenario& s, const InputTable& inputs, const ReferenceRu
       step["sinks"] = r.step.prune_sinks;
       step["recent"] = r.step.prune_recent;
       step["rerotate"] = r.step.rerotate;
+      if (r.step.prune_keep > 0) {  // SPEC 11.1: the cache chooses `keep` tokens, sinks and recent among them
+        step["select"] = "observed";
+        step["keep"] = r.step.prune_keep;
+      }
     }
     if (r.step.op == StepOp::free_rows) step["rows_freed"] = r.step.rows;
     if (r.step.op == StepOp::evict) step["blocks"] = r.step.evict_blocks;  // -1: all

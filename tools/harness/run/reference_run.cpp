@@ -309,7 +309,10 @@ StepRecord ReferenceStepper::next() {
         model.crop(step.length);
         break;
       case StepOp::prune:
-        model.prune(step.prune_sinks, step.prune_recent, step.rerotate);
+        if (step.prune_keep > 0)
+          model.prune_observed(step.prune_keep, step.rerotate);  // SPEC 11.1: the cache chooses the kept
+        else
+          model.prune(step.prune_sinks, step.prune_recent, step.rerotate);
         break;
     }
     if (!step.expect_error.empty())

@@ -447,14 +447,28 @@ void parse_append_paging(const Reader& r, const json& s, const std::string& p, c
 // SPEC 11: a one-time prune of every row's full-attention layers to its sinks and recent
 // tokens (kvpress's StreamingLLMPress, re-rotated or not). A window layer (sliding,
 // chunked) keeps what its policy keeps; beside a sink layer's shifts it is not defined.
+// SPEC 11.1, "select": "observed": the row keeps `keep` tokens a score-based press chooses
+// (its sinks and recent tokens among them), read from the cache.
 void parse_prune(const Reader& r, const json& s, const std::string& p, const Scenario& scenario,
                  const std::vector<int>& pruned, Step& step) {
-  r.object(s, p, {"op", "sinks", "recent", "rerotate"});
+  r.object(s, p, {"op", "sinks", "recent", "rerotate", "select", "keep"});
   step.op = StepOp::prune;
-  step.prune_sinks = r.integer(r.field(s, p, "sinks"), p + "/sinks", 0);
-  step.prune_recent = r.integer(r.field(s, p, "recent"), p + "/recent", 0);
-  if (step.prune_sinks + step.prune_recent == 0)
+  const bool observed = s.contains("select");
+  if (observed) {
+    r.choice(s["select"], p + "/select", {"observed"});
+    step.prune_keep = r.integer(r.field(s, p, "keep"), p + "/keep", 1);
+  } else if (s.contains("keep")) {
+    r.fail(p + "/keep", "expected \"keep\" only with \"select\": \"observed\" (SPEC 11.1); a prune to sinks and "
+                        "recent tokens keeps sinks + recent");
+  }
+  step.prune_sinks = observed && !s.contains("sinks") ? 0 : r.integer(r.field(s, p, "sinks"), p + "/sinks", 0);
+  step.prune_recent = observed && !s.contains("recent") ? 0 : r.integer(r.field(s, p, "recent"), p + "/recent", 0);
+  if (!observed && step.prune_sinks + step.prune_recent == 0)
     r.fail(p + "/recent", "expected sinks + recent >= 1: a prune keeps at least one token of each row");
+  if (observed && step.prune_sinks + step.prune_recent > step.prune_keep)
+    r.fail(p + "/recent", fmt::format("expected sinks + recent <= keep ({}): the required tokens are among the kept, "
+                                      "got {} + {}",
+                                      step.prune_keep, step.prune_sinks, step.prune_recent));
   if (s.contains("rerotate")) {
     if (!s["rerotate"].is_boolean()) r.fail(p + "/rerotate", "expected true or false, got " + describe(s["rerotate"]));
     step.rerotate = s["rerotate"].get<bool>();
@@ -486,6 +500,8 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(batch), 0);  // to tell which rows start
   std::vector<int> preempted(static_cast<std::size_t>(batch), -1);        // the preempt step's index, or -1
   std::vector<int> pruned(static_cast<std::size_t>(batch), -1);           // the prune step's index, or -1
+  // SPEC 11.1: the prompt length of a row whose observed prune took tokens, or 0.
+  std::vector<std::int64_t> observed(static_cast<std::size_t>(batch), 0);
   // Every expanded step stores a count per row: bound their number before expanding.
   std::int64_t step_rows = 0;
   auto count = [&](const std::string& p, std::int64_t steps_added) {
@@ -557,6 +573,11 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
         for (int row : step.rows) next.push_back(pruned[static_cast<std::size_t>(row)]);
         return next;
       }();
+      observed = [&] {
+        std::vector<std::int64_t> next;
+        for (int row : step.rows) next.push_back(observed[static_cast<std::size_t>(row)]);
+        return next;
+      }();
       count(p, 1);
       steps.push_back(step);
     } else if (op == "reset") {
@@ -566,6 +587,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       step.batch = batch;
       preempted.assign(static_cast<std::size_t>(batch), -1);
       pruned.assign(static_cast<std::size_t>(batch), -1);
+      observed.assign(static_cast<std::size_t>(batch), 0);
       count(p, 1);
       steps.push_back(step);
     } else if (op == "free") {
@@ -576,6 +598,7 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       if (distinct.size() != step.rows.size()) r.fail(p + "/rows", "expected each row at most once");
       for (int b : step.rows) preempted[static_cast<std::size_t>(b)] = -1;  // a preempted row may end
       for (int b : step.rows) pruned[static_cast<std::size_t>(b)] = -1;
+      for (int b : step.rows) observed[static_cast<std::size_t>(b)] = 0;
       count(p, 1);
       steps.push_back(step);
     } else if (op == "preempt" || op == "resume") {
@@ -611,8 +634,10 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       steps.push_back(step);
     } else if (op == "prune") {
       parse_prune(r, s, p, scenario, pruned, step);
-      for (std::size_t b = 0; b < lengths.size(); ++b)
+      for (std::size_t b = 0; b < lengths.size(); ++b) {
         if (lengths[b] > 0) pruned[b] = static_cast<int>(i);
+        if (step.prune_keep > 0 && step.prune_keep < lengths[b]) observed[b] = lengths[b];
+      }
       count(p, 1);
       steps.push_back(step);
     } else {
@@ -621,6 +646,12 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
       step.op = StepOp::crop;
       step.length = r.integer(r.field(s, p, "length"), p + "/length", 0);
       step.expect_error = expect_error(r, s, p);
+      for (std::size_t b = 0; b < observed.size(); ++b)
+        if (step.length < observed[b])
+          r.fail(p + "/length", fmt::format("expected a length of at least {}: row {}'s prompt of {} tokens was pruned to "
+                                            "tokens the cache chose (an observed prune, SPEC 11.1), so a crop into it "
+                                            "is not defined",
+                                            observed[b], b, observed[b]));
       count(p, 1);
       steps.push_back(step);
     }

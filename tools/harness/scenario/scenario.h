@@ -42,6 +42,9 @@ struct Step {
   // moves the kept keys (and every later token) to positions in the cache.
   std::int64_t prune_sinks = 0, prune_recent = 0;
   bool rerotate = false;
+  // prune, observed (SPEC 11.1): every row keeps `prune_keep` tokens the cache chooses (a
+  // score-based press), `prune_sinks` and `prune_recent` among them; 0: a SPEC 11 prune.
+  std::int64_t prune_keep = 0;
   // append (SPEC 8): the forward size (0: one forward); the rows' extras (content
   // "prefix", every row); per row the tokens a prefix hit may cover (rows that start).
   std::int64_t chunk = 0;
@@ -121,6 +124,11 @@ struct Scenario {
   bool prunes(bool rerotated = false) const {
     return std::any_of(steps.begin(), steps.end(),
                        [&](const Step& step) { return step.op == StepOp::prune && (!rerotated || step.rerotate); });
+  }
+  // A step prunes to tokens the cache chooses (SPEC 11.1).
+  bool prunes_observed() const {
+    return std::any_of(steps.begin(), steps.end(),
+                       [](const Step& step) { return step.op == StepOp::prune && step.prune_keep > 0; });
   }
   bool every_layer(PolicyKind kind) const {
     const Policy* p = shared_policy();

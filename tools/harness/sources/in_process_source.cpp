@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <stdexcept>
 
 #include "optimized/paged_cache.h"
 #include "tools/harness/sources/cache_entry.h"
@@ -316,6 +317,8 @@ void InProcessCache::apply(std::size_t index, const StepRecord& rec) {
       cache_->crop(rec.step.length);
       break;
     case StepOp::prune:
+      // The catalog serves no observed prune (SPEC 11.1) to kvcheck's caches: they have no scorer.
+      if (rec.step.prune_keep > 0) throw std::logic_error("an observed prune (SPEC 11.1) reached an in-process cache");
       cache_->prune(rec.step.prune_sinks, rec.step.prune_recent, rec.step.rerotate);
       break;
     case StepOp::free_rows:

@@ -74,6 +74,15 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
   if (reference_checks) {
     outcomes.push_back(reference_checks->finish(reference.problems()));
     outcomes.back().seconds = reference_seconds;
+    // A PASS of the reference alone says nothing of a cache: the table says so beside it.
+    if (targets.empty())
+      outcomes.back().checks.push_back(
+          {"caches", true,
+           scenario.prunes_observed()
+               ? std::string("not judged: no kvcheck cache chooses which tokens to keep (an observed prune, SPEC "
+                             "11.1); drive kvpress with kvtrace.drive_kvpress and `kvcheck verify` its trace")
+               : std::string("not judged: none of the chosen caches serves this scenario (`kvcheck list`); drive an "
+                             "engine through kvtrace and `kvcheck verify` its trace")});
   }
   for (auto& target : targets) {
     outcomes.push_back(target->checker.finish().outcome);
