@@ -67,11 +67,17 @@ def _rope_parameters(rope, head_dim):
     if scaling == "linear":
         parameters.update(rope_type="linear", factor=float(rope["factor"]))
     elif scaling == "llama3":
-        parameters.update(rope_type="llama3", **{k: rope[k] for k in (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")})
+        parameters.update(rope_type="llama3", **{k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor")},
+                          original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
     elif scaling != "none":
         raise UsageError("rope scaling %r: not driven through kvpress" % scaling)
     return parameters
+
+
+def _max_positions(rope):
+    """The config's max_position_embeddings: room for the scenarios, and above llama3's
+    original context as transformers requires."""
+    return max(4096, int(rope.get("original_max_position_embeddings", 0)) + 1)
 
 
 def _model_config(exp):
@@ -91,7 +97,7 @@ def _model_config(exp):
                              "rotary embedding")
         return LlamaConfig(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_hidden_layers=layers,
                            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                           max_position_embeddings=4096, rope_parameters=_rope_parameters(rope, head_dim),
+                           max_position_embeddings=_max_positions(rope), rope_parameters=_rope_parameters(rope, head_dim),
                            attention_bias=False, attn_implementation="eager", dtype=torch.float32)
     kinds = {"sliding": "sliding_attention", "full": "full_attention"}
     if any(p["type"] not in kinds or "shift_with" in p for p in policies):
