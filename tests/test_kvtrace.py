@@ -14,7 +14,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import kvtrace  # noqa: E402
-from spec_cache import SpecCache  # noqa: E402
+from spec_cache import SpecCache, position  # noqa: E402
 
 KVCHECK = os.environ.get("KVCHECK_BIN", os.path.join(ROOT, "build", "kvcheck"))
 SCENARIOS = os.path.join(ROOT, "fixtures", "scenarios")
@@ -940,6 +940,42 @@ class KvtraceTest(unittest.TestCase):
             # distance 4 < 6 in positions but 8 in indices.
             self.assertIn("query token 8", verify.stdout)
             self.assertIn("class: sliding window measured before the shift", verify.stdout)
+
+    def test_a_sliding_layer_shifted_with_the_global_rope_is_named_with_the_shift(self):
+        # llama.cpp issue 12357's mechanism: a sliding layer's key written at p0 with its own
+        # rope (theta 10,000), then moved by every shift with the global layer's (theta 1e6,
+        # linear 8), as SpecCache holds it otherwise. Its key is then no rotation under either
+        # rope alone; the checker finds the composition at the first shift.
+        scenario = "sliding_under_shift_one_row"
+        exp = export(self.work, scenario, DATA)
+        shift_rope = exp.layer_rope(2)
+
+        class ShiftsWithTheGlobalRope(SpecCache):
+            def tensors(self, layer, row_tokens, e):
+                keys, values = super().tensors(layer, row_tokens, e)
+                policy = self.policies[layer]
+                if not policy.get("swa"):
+                    return keys, values
+                for b, entries in enumerate(row_tokens):
+                    first = keys.shape[2] - len(entries)
+                    for i, entry in enumerate(entries):
+                        if entry is None:
+                            continue
+                        t, raw, _ = entry
+                        p0 = position(policy, t, kvtrace.evicted(policy, t))  # where it was written
+                        written = kvtrace.rotate(raw[:, None, :], [p0], self.ropes[layer])
+                        moved = position(policy, t, e[b]) - p0
+                        keys[b, :, first + i] = kvtrace.rotate(written, [moved], shift_rope, scaled=False)[:, 0]
+                return keys, values
+
+        trace = os.path.join(self.work, "trace")
+        kvtrace.drive_hf_cache(exp, lambda batch: ShiftsWithTheGlobalRope(exp, batch), trace, positions="policy",
+                               key_positions="cache-relative", chunks="eviction", eviction="lazy")
+        verify = kvcheck("verify", os.path.join(DATA, scenario + ".json"), "--trace", trace)
+        self.assertEqual(verify.returncode, 1, verify.stdout + verify.stderr)
+        self.assertIn("fits a shift of -4 under another layer's rope (theta 1e+06, linear) after its write at 6",
+                      verify.stdout)
+        self.assertIn("class: layer rotated with another layer's rope", verify.stdout)
 
     def test_fixture_filters_follow_policies_and_features(self):
         every = kvtrace.fixtures(KVCHECK)

@@ -264,22 +264,58 @@ TEST(Recovery, AKeyWithoutYarnsMagnitudeIsNamedAsSuchEvenAtPositionZero) {
   }
 }
 
+namespace {
+
+// Gemma 3's full layers' rope (27B, 12B, 4B): theta 1,000,000, linear scaling 8.
+Rope gemma3_global_rope() {
+  Rope global = rope_of(RopeLayout::half, 1000000.0);
+  global.scaling = RopeScaling::linear;
+  global.factor = 8.0;
+  return global;
+}
+
+}  // namespace
+
 // SPEC 10.1. Gemma 3: a sliding layer (theta 10,000) whose key was rotated at position 37
 // with the full layer's rope (theta 1,000,000, linear 8) fits no rotation of its own rope
 // but that one: named another layer's, at 37. Under only its own rope's usual guesses the
 // key would be blamed on a theta alone.
 TEST(Recovery, AKeyRotatedWithAnotherLayersRopeIsNamedSo) {
   const int d = 16;
-  const Rope sliding = rope_of(RopeLayout::half, 10000.0);
-  Rope global = rope_of(RopeLayout::half, 1000000.0);
-  global.scaling = RopeScaling::linear;
-  global.factor = 8.0;
+  const Rope sliding = rope_of(RopeLayout::half, 10000.0), global = gemma3_global_rope();
   const std::vector<float> raw = raw_key(d, 3), key = stored_key(raw, 37, global);
   const RecoveredPosition r = recover_position(raw.data(), key.data(), d, sliding, 1000, kFloat32Roundoff, {global});
   EXPECT_EQ(r.status, RecoveredPosition::Status::not_rotation);
   EXPECT_EQ(r.fits.kind, OtherRope::Kind::other_layer);
   EXPECT_EQ(r.fits.position, 37);
   EXPECT_NE(recover_position(raw.data(), key.data(), d, sliding, 1000).fits.kind, OtherRope::Kind::other_layer);
+}
+
+// llama.cpp issue 12357's keys: a sliding layer's key written at 10 with its own rope, then
+// shifted by -4 with the global layer's. Expected at 6, it is no rotation under either rope
+// alone; the composition is found and named, with the write and the shift. A key at the
+// right position is not touched, and one rotated at another position under its own rope
+// is no such composition.
+TEST(Recovery, AKeyShiftedWithAnotherLayersRopeIsNamedSo) {
+  const int d = 16;
+  const Rope sliding = rope_of(RopeLayout::half, 10000.0), global = gemma3_global_rope();
+  const std::vector<float> raw = raw_key(d, 7);
+  const std::vector<double> written =
+      reference::rotate(std::vector<double>(raw.begin(), raw.end()), 10.0, sliding);
+  const std::vector<double> shifted = reference::rotate(written, -4.0, global);
+  const std::vector<float> key(shifted.begin(), shifted.end());
+  const RecoveredPosition r = recover_position(raw.data(), key.data(), d, sliding, 1000, kFloat32Roundoff, {global});
+  ASSERT_EQ(r.status, RecoveredPosition::Status::not_rotation);
+  EXPECT_EQ(r.fits.kind, OtherRope::Kind::none);  // neither rope alone
+  const OtherRope fit = recover_shift_with_other_rope(raw.data(), key.data(), d, sliding, 6, {global});
+  EXPECT_EQ(fit.kind, OtherRope::Kind::other_layer);
+  EXPECT_EQ(fit.name, "a shift of -4 under another layer's rope (theta 1e+06, linear) after its write at 10 under its own");
+  const std::vector<float> right = stored_key(raw, 6, sliding), early = stored_key(raw, 5, sliding);
+  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), right.data(), d, sliding, 6, {global}).kind,
+            OtherRope::Kind::none);
+  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), early.data(), d, sliding, 6, {global}).kind,
+            OtherRope::Kind::none);
+  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), key.data(), d, sliding, 6, {}).kind, OtherRope::Kind::none);
 }
 
 // A NoPE layer: its raw key fits (exact, position 0); a rotated one fits only a RoPE

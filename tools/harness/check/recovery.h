@@ -61,6 +61,16 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
                                    std::int64_t max_position = std::int64_t{1} << 17,
                                    double roundoff = kFloat32Roundoff, const std::vector<Rope>& other_layers = {});
 
+// A key that fits no rotation under `rope` nor under any other layer's, expected at
+// `position`: was it written at some p0 under `rope` and moved since by position - p0
+// under another layer's rope? That composition R_other(p - p0) R_own(p0) k is
+// what a context shift with one rope for every layer leaves in a layer of its own rope
+// (llama.cpp issue 12357: Gemma 3's sliding layers shifted with the global base). Tries
+// shifts of up to 4096 positions; returns the fit (kind other_layer), or kind none.
+OtherRope recover_shift_with_other_rope(const float* raw, const float* stored, int head_dim, const Rope& rope,
+                                        std::int64_t position, const std::vector<Rope>& other_layers,
+                                        double roundoff = kFloat32Roundoff);
+
 // The period of the lowest frequency, in positions: below it a position is unique.
 double lowest_frequency_period(int head_dim, const Rope& rope);
 

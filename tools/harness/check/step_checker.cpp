@@ -865,7 +865,10 @@ class StepChecker::Impl {
       if (g == 0) state.key_position[v.uid] = claim + shift;
       return;
     }
-    const RecoveredPosition r = recover_position(raw, v.key, D, s_.rope(l), max_position_, key_roundoff_in(view, l), other_ropes(l));
+    RecoveredPosition r = recover_position(raw, v.key, D, s_.rope(l), max_position_, key_roundoff_in(view, l), other_ropes(l));
+    // A key moved since its write by another layer's rope (issue 12357's shift).
+    if (r.status == RecoveredPosition::Status::not_rotation && r.fits.kind == OtherRope::Kind::none)
+      r.fits = recover_shift_with_other_rope(raw, v.key, D, s_.rope(l), claim, other_ropes(l), key_roundoff_in(view, l));
     if (g == 0 && r.status != RecoveredPosition::Status::not_rotation) state.key_position[v.uid] = r.position + shift;
     // Rotated back by its claim the key is still closest to its raw key, by far: the right
     // position, carrying more rounding error than one rounding to the storage explains.
