@@ -307,15 +307,15 @@ TEST(Recovery, AKeyShiftedWithAnotherLayersRopeIsNamedSo) {
   const RecoveredPosition r = recover_position(raw.data(), key.data(), d, sliding, 1000, kFloat32Roundoff, {global});
   ASSERT_EQ(r.status, RecoveredPosition::Status::not_rotation);
   EXPECT_EQ(r.fits.kind, OtherRope::Kind::none);  // neither rope alone
-  const OtherRope fit = recover_shift_with_other_rope(raw.data(), key.data(), d, sliding, 6, {global});
+  const OtherRope fit = recover_shift_with_other_rope(raw.data(), key.data(), d, sliding, 6, {global}, 1000, 1e-3);
   EXPECT_EQ(fit.kind, OtherRope::Kind::other_layer);
   EXPECT_EQ(fit.name, "a shift of -4 under another layer's rope (theta 1e+06, linear) after its write at 10 under its own");
   const std::vector<float> right = stored_key(raw, 6, sliding), early = stored_key(raw, 5, sliding);
-  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), right.data(), d, sliding, 6, {global}).kind,
+  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), right.data(), d, sliding, 6, {global}, 1000, 1e-3).kind,
             OtherRope::Kind::none);
-  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), early.data(), d, sliding, 6, {global}).kind,
+  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), early.data(), d, sliding, 6, {global}, 1000, 1e-3).kind,
             OtherRope::Kind::none);
-  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), key.data(), d, sliding, 6, {}).kind, OtherRope::Kind::none);
+  EXPECT_EQ(recover_shift_with_other_rope(raw.data(), key.data(), d, sliding, 6, {}, 1000, 1e-3).kind, OtherRope::Kind::none);
 }
 
 // A NoPE layer: its raw key fits (exact, position 0); a rotated one fits only a RoPE

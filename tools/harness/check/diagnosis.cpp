@@ -235,12 +235,15 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     if (early && shift) return BugClass::shift_one_token_early;
   }
   bool new_unshifted = false;
-  // Kept keys are named not re-rotated only when every misplaced kept key sits at its index:
-  // keys turned by the wrong amounts land there only by chance (a press re-rotating every
-  // kv head by one head's distances, SPEC 11.1).
-  const bool kept_at_their_indices = std::all_of(e.slots.begin(), e.slots.end(), [](const SlotIssue& i) {
-    return i.kind != K::rotation || !i.recovered_position || i.newest || *i.recovered_position == i.true_index;
-  });
+  // Kept keys are named not re-rotated only when every misplaced kept key of the same layer
+  // and row sits at its index: keys turned by the wrong amounts land there only by chance (a
+  // press re-rotating every kv head by one head's distances, SPEC 11.1).
+  const auto kept_at_their_indices = [&](const SlotIssue& of) {
+    return std::all_of(e.slots.begin(), e.slots.end(), [&](const SlotIssue& i) {
+      return i.layer != of.layer || i.row != of.row || i.kind != K::rotation || !i.recovered_position || i.newest ||
+             *i.recovered_position == i.true_index;
+    });
+  };
   for (const SlotIssue& i : e.slots) {
     if (i.kind != K::rotation || !i.recovered_position) continue;
     const std::int64_t w = policy.window;
@@ -249,7 +252,7 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     // A key still at its absolute position where a cache position was due: the kept keys
     // were never re-rotated (whatever the newest key did), or only the newest was not.
     if (*i.recovered_position == i.true_index && i.claimed_position < i.true_index) {
-      if (!i.newest && kept_at_their_indices)
+      if (!i.newest && kept_at_their_indices(i))
         return s.quantized() && s.quant(i.layer).k ? BugClass::quant_key_not_rerotated : BugClass::kept_keys_not_shifted;
       if (!i.newest) continue;
       new_unshifted = true;

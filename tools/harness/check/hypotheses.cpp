@@ -51,12 +51,6 @@ std::vector<KeyAt> visible_keys(std::span<const std::uint64_t> history, const re
 
 }  // namespace
 
-std::vector<double> output_over_view(const Scenario& s, const InputTable& inputs, std::span<const std::uint64_t> history,
-                                     const reference::AppendedToken& token, int layer, int head) {
-  const reference::QueryView& view = token.view_in(layer);
-  return attend_over(s, inputs, layer, head, token.uid, view.query_position, visible_keys(history, view), true);
-}
-
 std::vector<double> output_without_learned_sinks(const Scenario& s, const InputTable& inputs,
                                                  std::span<const std::uint64_t> history,
                                                  const reference::AppendedToken& token, int layer, int head) {

@@ -11,13 +11,6 @@
 
 namespace kvcheck {
 
-// The output of `token`'s query head `head` in `layer` over the keys of its view, as the
-// reference computes it (learned sinks and query temperature included), in double: for a
-// view the checker completed with keys only the cache knows (SPEC 11.1's kept tokens).
-std::vector<double> output_over_view(const Scenario& scenario, const InputTable& inputs,
-                                     std::span<const std::uint64_t> history, const reference::AppendedToken& token,
-                                     int layer, int head);
-
 // The output of `token`'s query head `head` in `layer` with the learned sink logits left
 // out of the softmax (SPEC 7's sinks dropped), from the same visible keys and positions.
 std::vector<double> output_without_learned_sinks(const Scenario& scenario, const InputTable& inputs,

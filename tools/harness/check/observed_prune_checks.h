@@ -10,7 +10,7 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,15 +41,24 @@ class ObservedPruneChecks : public SubCheck {
     std::size_t step;
     std::int64_t sinks, recent;
   };
-  // The kept keys of one pruned row: [layer][kv head], a layer read once (full layers only).
-  using Kept = std::vector<std::vector<std::vector<reference::RetainedKey>>>;
-  void read_row(const StepRecord& record, const CacheView& view, int row, StepEvidence& evidence);
-  const Kept* kept_of(const StepRecord& record, int row) const;
+  // [layer][kv head] keys, a layer filled for full layers only.
+  using Keys = std::vector<std::vector<std::vector<reference::RetainedKey>>>;
+  // One pruned row: the uid of its first token (which row it is after a reorder), the keys
+  // each head holds (at their index, or their rank among the held when re-rotated), and
+  // the required ones it lacks, reported lost at the step that read them only (a wrong
+  // prune fails once, where it happened).
+  struct Row {
+    std::uint64_t first_uid = 0;
+    Keys kept, missing;
+    bool fresh = false;  // read at the step being checked
+  };
+  Row read_row(const StepRecord& record, const CacheView& view, int row, StepEvidence& evidence);
+  const Row* row_of(const StepRecord& record, int row) const;
 
   const Scenario& s_;
   const InputTable& inputs_;
-  std::vector<Required> prunes_;       // the scenario's observed prunes, in step order
-  std::map<std::uint64_t, Kept> rows_;  // by the uid of the row's first token: stable under reorders
+  std::vector<Required> prunes_;           // the scenario's observed prunes, in step order
+  std::vector<std::optional<Row>> rows_;   // per row as the last checked step numbered them
   std::int64_t heads_read_ = 0, failures_ = 0;
   mutable std::int64_t outputs_over_kept_ = 0;  // (token, head) outputs expected over kept sets
   std::string first_;

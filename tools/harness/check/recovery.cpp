@@ -245,33 +245,28 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
 
 OtherRope recover_shift_with_other_rope(const float* raw, const float* stored, int head_dim, const Rope& rope,
                                         std::int64_t position, const std::vector<Rope>& other_layers,
-                                        double roundoff) {
-  constexpr std::int64_t kLongestShift = 4096;  // bounds the search on a failure path
+                                        std::int64_t max_position, double tolerance) {
   if (rope.nope || position < 0) return {};
   const std::vector<double> k(raw, raw + head_dim), s(stored, stored + head_dim);
-  double norm = 0.0;
-  for (const double x : k) norm += x * x;
-  // Two roundings to the storage per rotation (the write and the shift), with room.
-  const double tolerance = 16.0 * roundoff * std::sqrt(norm);
   for (const Rope& other : other_layers) {
     if (other == rope || other.nope) continue;
-    // Nearest writes first, above (a shift moves keys down) then below.
-    for (std::int64_t distance = 1; distance <= kLongestShift; ++distance)
-    for (const std::int64_t p0 : {position + distance, position - distance}) {
-      if (p0 < 0) continue;
-      const std::vector<double> back = reference::unrotate(s, static_cast<double>(position - p0), other);
-      const std::vector<double> written = reference::rotate(k, static_cast<double>(p0), rope);
-      double worst = 0.0;
-      for (int i = 0; i < head_dim; ++i) worst = std::max(worst, std::abs(back[i] - written[i]));
-      if (!(worst <= tolerance)) continue;
-      const std::string scaling =
-          other.scaling == RopeScaling::none ? std::string() : ", " + std::string(to_string(other.scaling));
-      return {OtherRope::Kind::other_layer,
-              fmt::format("a shift of {} under another layer's rope (theta {:g}{}) after its write at {} under its "
-                          "own",
-                          position - p0, other.theta, scaling, p0),
-              position, true};
-    }
+    // The nearest writes first, alternately above (a shift moves keys down) and below.
+    for (std::int64_t distance = 1; distance <= max_position; ++distance)
+      for (const std::int64_t p0 : {position + distance, position - distance}) {
+        if (p0 < 0 || p0 > max_position) continue;
+        const std::vector<double> back = reference::unrotate(s, static_cast<double>(position - p0), other);
+        const std::vector<double> written = reference::rotate(k, static_cast<double>(p0), rope);
+        double worst = 0.0;
+        for (int i = 0; i < head_dim; ++i) worst = std::max(worst, std::abs(back[i] - written[i]));
+        if (!(worst <= tolerance)) continue;
+        const std::string scaling =
+            other.scaling == RopeScaling::none ? std::string() : ", " + std::string(to_string(other.scaling));
+        return {OtherRope::Kind::other_layer,
+                fmt::format("a shift of {} under another layer's rope (theta {:g}{}) after its write at {} under "
+                            "its own",
+                            position - p0, other.theta, scaling, p0),
+                position, true};
+      }
   }
   return {};
 }

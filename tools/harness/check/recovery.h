@@ -66,10 +66,12 @@ RecoveredPosition recover_position(const float* raw, const float* stored, int he
 // under another layer's rope? That composition R_other(p - p0) R_own(p0) k is
 // what a context shift with one rope for every layer leaves in a layer of its own rope
 // (llama.cpp issue 12357: Gemma 3's sliding layers shifted with the global base). Tries
-// shifts of up to 4096 positions; returns the fit (kind other_layer), or kind none.
+// every p0 in 0 .. max_position, nearest first; a fit is within `tolerance` (max abs, the
+// rotation check's own bar). Returns the fit (kind other_layer), or kind none. O(max_position
+// x head_dim) rotations: a caller on a failure path bounds how often it asks.
 OtherRope recover_shift_with_other_rope(const float* raw, const float* stored, int head_dim, const Rope& rope,
                                         std::int64_t position, const std::vector<Rope>& other_layers,
-                                        double roundoff = kFloat32Roundoff);
+                                        std::int64_t max_position, double tolerance);
 
 // The period of the lowest frequency, in positions: below it a position is unique.
 double lowest_frequency_period(int head_dim, const Rope& rope);

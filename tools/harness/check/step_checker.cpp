@@ -413,6 +413,7 @@ class StepChecker::Impl {
   // other rows than the reference).
   bool check(const StepRecord& rec, CacheView& view, StepEvidence& evidence, std::vector<std::vector<RowState>>& rows) {
     bool go_on = true;
+    shift_searches_left_ = kShiftSearchesPerStep;
     if (!rec.refused.empty()) {
       if (!view.error) {
         const std::string unserved = rec.served ? crop_not_served(rec, view) : std::string();
@@ -866,9 +867,14 @@ class StepChecker::Impl {
       return;
     }
     RecoveredPosition r = recover_position(raw, v.key, D, s_.rope(l), max_position_, key_roundoff_in(view, l), other_ropes(l));
-    // A key moved since its write by another layer's rope (issue 12357's shift).
-    if (r.status == RecoveredPosition::Status::not_rotation && r.fits.kind == OtherRope::Kind::none)
-      r.fits = recover_shift_with_other_rope(raw, v.key, D, s_.rope(l), claim, other_ropes(l), key_roundoff_in(view, l));
+    // A key moved since its write by another layer's rope (issue 12357's shift): a search
+    // over write positions, for the step's first few such keys only.
+    if (r.status == RecoveredPosition::Status::not_rotation && r.fits.kind == OtherRope::Kind::none &&
+        shift_searches_left_ > 0 && !other_ropes(l).empty()) {
+      --shift_searches_left_;
+      r.fits = recover_shift_with_other_rope(raw, v.key, D, s_.rope(l), claim, other_ropes(l), max_position_,
+                                             rotation_tolerance(raw, D, key_roundoff_in(view, l)));
+    }
     if (g == 0 && r.status != RecoveredPosition::Status::not_rotation) state.key_position[v.uid] = r.position + shift;
     // Rotated back by its claim the key is still closest to its raw key, by far: the right
     // position, carrying more rounding error than one rounding to the storage explains.
@@ -1379,6 +1385,10 @@ class StepChecker::Impl {
   std::string served_crop_;  // a crop the policy refuses, served: the run stops being judged
   std::int64_t lazy_rows_ = 0, eager_rows_ = 0, recorded_ = 0;
   bool outputs_seen_ = false, pairs_seen_ = false;
+  // recover_shift_with_other_rope's searches left in the step: enough to name the
+  // diagnosed keys, bounded on a step where every key of a long row fails.
+  static constexpr int kShiftSearchesPerStep = 8;
+  int shift_searches_left_ = kShiftSearchesPerStep;
   double max_abs_ = 0.0, sum_sq_err_ = 0.0, sum_sq_ref_ = 0.0;
 };
 
