@@ -32,6 +32,21 @@ def export(work, scenario, folder=SCENARIOS):
     return kvtrace.Export(out)
 
 
+def exported_value_groups(exp):
+    """Per layer of a biased-group export (SPEC 9.7, 9.8), row 0's retained tokens after the
+    last step: (layer, bits, group, codes [R, Hkv, D], scales and biases [R, Hkv, D / G], the
+    float32 values [R, Hkv, D] they quantize), for a test to quantize the values again with
+    the engine itself."""
+    last = exp.steps[-1]
+    with open(os.path.join(exp.path, last["cache"])) as f:
+        uids = [key["uid"] for key in json.load(f)["rows"][0]["keys"]]
+    for l, quant in enumerate(exp.manifest["kv_quant"]):
+        fmt = quant["v"]
+        yield (l, fmt["bits"], fmt["scale"]["group"], np.load(os.path.join(exp.path, last["v_codes"][l]))[0],
+               np.load(os.path.join(exp.path, last["v_scales"][l]))[0],
+               np.load(os.path.join(exp.path, last["v_bias"][l]))[0], exp.v[l][uids])
+
+
 class SlidingWindowCache:
     """Keeps the last W keys and values per layer, as given (rotated at absolute positions)."""
 

@@ -15,7 +15,7 @@ import unittest
 
 import numpy as np
 
-from test_kvtrace import DATA, ROOT, SCENARIOS, export, kvcheck, kvtrace
+from test_kvtrace import DATA, ROOT, SCENARIOS, export, exported_value_groups, kvcheck, kvtrace
 from kvtrace_mlx import unpacked_codes
 
 import mlx.core as mx  # noqa: F401  (the venv's MLX must import: the CPU build)
@@ -290,17 +290,8 @@ class MlxCacheTest(unittest.TestCase):
         self.assertGreater(self.ties, 100)
 
     def compare_values_with_mx_quantize(self, exp):
-        last = exp.steps[-1]
-        with open(os.path.join(exp.path, last["cache"])) as f:
-            uids = [key["uid"] for key in json.load(f)["rows"][0]["keys"]]
         compared = 0
-        for l, quant in enumerate(exp.manifest["kv_quant"]):
-            fmt = quant["v"]
-            bits, group = fmt["bits"], fmt["scale"]["group"]
-            codes = np.load(os.path.join(exp.path, last["v_codes"][l]))[0]    # [R, Hkv, D]
-            scales = np.load(os.path.join(exp.path, last["v_scales"][l]))[0]  # [R, Hkv, D / G]
-            biases = np.load(os.path.join(exp.path, last["v_bias"][l]))[0]
-            values = exp.v[l][uids]                                            # [R, Hkv, D] float32
+        for l, bits, group, codes, scales, biases, values in exported_value_groups(exp):
             packed, mx_scales, mx_biases = mx.quantize(mx.array(values), group_size=group, bits=bits)
             dim = values.shape[-1]
             np.testing.assert_array_equal(unpacked_codes(np.array(packed), bits, dim), codes,

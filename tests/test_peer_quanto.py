@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import QuantoQuantizedLayer
 
-from test_kvtrace import DATA, ROOT, export, kvcheck, kvtrace
+from test_kvtrace import DATA, ROOT, export, exported_value_groups, kvcheck, kvtrace
 
 import sys  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "tools", "peers"))
@@ -39,17 +39,8 @@ class QuantoReferenceTest(unittest.TestCase):
         QuantoQuantizedLayer._quantize of the same float32 values (values are stored
         unrotated, so the export's v is exactly what the cache would quantize); returns the
         codes compared and how many of them sat on a tie (x - min) / S = k + 1/2."""
-        last = exp.steps[-1]
-        with open(os.path.join(exp.path, last["cache"])) as f:
-            uids = [key["uid"] for key in json.load(f)["rows"][0]["keys"]]
         compared = ties = 0
-        for l, quant in enumerate(exp.manifest["kv_quant"]):
-            fmt = quant["v"]
-            bits, group = fmt["bits"], fmt["scale"]["group"]
-            codes = np.load(os.path.join(exp.path, last["v_codes"][l]))[0]    # [R, Hkv, D]
-            scales = np.load(os.path.join(exp.path, last["v_scales"][l]))[0]  # [R, Hkv, D / G]
-            biases = np.load(os.path.join(exp.path, last["v_bias"][l]))[0]
-            values = exp.v[l][uids]                                            # [R, Hkv, D] float32
+        for l, bits, group, codes, scales, biases, values in exported_value_groups(exp):
             layer = QuantoQuantizedLayer(nbits=bits, q_group_size=group, residual_length=1)
             qt = layer._quantize(torch.from_numpy(values.transpose(1, 0, 2)[None].copy()), axis=0)  # [1, Hkv, R, D]
             groups = values.size // group
