@@ -86,6 +86,17 @@ QueryView live_view(const Policy& policy, std::int64_t length) {
   return view;
 }
 
+QueryView seen_again_view(const Policy& policy, std::int64_t length) {
+  QueryView view = live_view(policy, length);
+  if (policy.swa <= 0) return view;
+  const std::int64_t lowest_query = std::min(view.query_position, policy.window - policy.evict);
+  std::erase_if(view.keys, [&](const VisibleKey& k) {
+    const std::int64_t query = k.index < policy.sinks ? lowest_query : view.query_position;
+    return query - k.position >= policy.swa;
+  });
+  return view;
+}
+
 std::int64_t block_retained_length(std::int64_t length, std::int64_t capacity, std::int64_t window) {
   if (length <= capacity) return length;
   const std::int64_t evicted_at_once = capacity - window + 1;

@@ -39,6 +39,13 @@ QueryView retained_view(const Policy& policy, std::int64_t length);
 // (query_position is that token's Pq). A cache may drop the others (dead) early.
 QueryView live_view(const Policy& policy, std::int64_t length);
 
+// SPEC 10.4: of live_view, the keys some later query of the row can still see (without a
+// crop). The same as live_view except for a sliding layer under a shift (swa > 0), whose
+// window hides some of what its sink policy keeps: a shift lowers Pq and a non-sink's Pk
+// alike, so a non-sink hidden from the next query stays hidden; a sink j comes back once Pq
+// falls to C - k at the next shift, so it is seen again iff min(Pq, C - k) - j < W.
+QueryView seen_again_view(const Policy& policy, std::int64_t length);
+
 // L(T) of SPEC 3.1: how many of a sliding row's most recent tokens a buffer of `capacity`
 // C >= W slots holds after `length` T tokens when it evicts G = C - W + 1 of its oldest
 // tokens at once (ONNX Runtime's windowed GroupQueryAttention cache): T up to C, then

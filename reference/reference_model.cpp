@@ -424,6 +424,12 @@ RowRetained retained_of(const Policy& policy, std::span<const std::uint64_t> his
   pruned.apply(next, length);
   out.next_query_position = next.query_position;
   for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index] & kUidBits, key.index, key.position});
+  if (policy.swa > 0) {
+    const QueryView seen = seen_again_view(policy, length);
+    for (const RetainedKey& key : out.keys)
+      if (std::none_of(seen.keys.begin(), seen.keys.end(), [&](const VisibleKey& k) { return k.index == key.index; }))
+        out.droppable.push_back(key.uid);
+  }
   return out;
 }
 

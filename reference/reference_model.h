@@ -84,6 +84,9 @@ struct RowRetained {
   // token sees them (a cache that drops dead tokens early may re-encode keys for it).
   std::vector<RetainedKey> live;
   std::int64_t next_query_position = 0;
+  // SPEC 10.4: uids of retained tokens a sliding layer under a shift may have dropped, since
+  // no later query sees them again (empty for every other layer).
+  std::vector<std::uint64_t> droppable;
 };
 
 // What a row with this history keeps under `policy`, and what its next token sees. A pure

@@ -992,6 +992,67 @@ class KvtraceTest(unittest.TestCase):
                       verify.stdout)
         self.assertIn("class: layer rotated with another layer's rope", verify.stdout)
 
+    def test_a_sliding_layer_under_a_shift_may_drop_what_no_later_query_sees(self):
+        # SPEC 10.4, as llama.cpp's iSWA cache reuses masked cells: the one-row fixture with a
+        # window of 4 under S 2, C 8, k 4. After n tokens the next query sits at n - E(n); a
+        # shift moves it and the non-sinks alike, so a non-sink j with n - j >= 4 is hidden
+        # for good; a sink j comes back when the query falls to C - k = 4: sink 0 never (4 - 0
+        # >= 4), sink 1 always (4 - 1 < 4). The cache below zeroes tokens in its state only
+        # (what update() returns is whole, so the outputs stay right).
+        with open(os.path.join(DATA, "sliding_under_shift_one_row.json")) as f:
+            scenario = json.load(f)
+        for layer in scenario["policy"][:2]:
+            layer["window"] = 4
+        path = os.path.join(self.work, "window_4.json")
+        with open(path, "w") as f:
+            json.dump(scenario, f)
+        exp = export(self.work, "window_4", self.work)
+
+        def dead(policy, n, t):
+            return t >= policy["sinks"] and t < policy["sinks"] + kvtrace.evicted(policy, n)
+
+        def hidden_now(policy, n, t):
+            query = n - kvtrace.evicted(policy, n)
+            return dead(policy, n, t) or query - position(policy, t, kvtrace.evicted(policy, n)) >= 4
+
+        def hidden_for_good(policy, n, t):
+            query = n - kvtrace.evicted(policy, n)
+            if t < policy["sinks"]:
+                return min(query, policy["window"] - policy["evict"]) - t >= 4
+            return dead(policy, n, t) or n - t >= 4
+
+        class DropsHidden(SpecCache):
+            def __init__(self, exp, batch, hidden):
+                self.hidden = hidden
+                super().__init__(exp, batch)
+
+            def show(self, layer):
+                super().show(layer)
+                policy = self.policies[layer]
+                if not policy.get("swa"):
+                    return
+                for b, row in enumerate(self.rows[layer]):
+                    first = self.key_cache[layer].shape[2] - len(row)
+                    for i, (t, _, _) in enumerate(row):
+                        if self.hidden(policy, self.count[layer][b], t):
+                            self.key_cache[layer][b, :, first + i] = 0
+                            self.value_cache[layer][b, :, first + i] = 0
+
+        verdicts = {}
+        for name, hidden in (("for good", hidden_for_good), ("now", hidden_now)):
+            trace = os.path.join(self.work, "trace " + name)
+            kvtrace.drive_hf_cache(exp, lambda batch: DropsHidden(exp, batch, hidden), trace, positions="policy",
+                                   key_positions="cache-relative", chunks="eviction", eviction="lazy")
+            verdicts[name] = kvcheck("verify", path, "--trace", trace)
+        good, now = verdicts["for good"], verdicts["now"]
+        self.assertEqual(good.returncode, 0, good.stdout + good.stderr)
+        self.assertEqual(now.returncode, 1, now.stdout + now.stderr)
+        # After the 7-token prompt the next query sits at 7: sink 1 is 6 away, back at 4 - 1.
+        self.assertIn("first divergence: step 0", now.stdout)
+        self.assertIn("layer 0 row 0 kv head 0 lost uid", now.stdout)
+        self.assertRegex(now.stdout, r"lost uid \d+ \(token 1\), which the next token still sees")
+        self.assertNotRegex(now.stdout, r"lost uid \d+ \(token [023]\)")
+
     def test_fixture_filters_follow_policies_and_features(self):
         every = kvtrace.fixtures(KVCHECK)
         sliding = kvtrace.fixtures(KVCHECK, policies=["sliding"])

@@ -115,6 +115,29 @@ TEST(Policy, LiveSetIsWhatTheNextTokenStillSees) {
   expect_view(live_view(sliding, 5), {{3, 3}, {4, 4}}, 5);  // token 5 sees 3, 4 and itself
 }
 
+// SPEC 10.4, by hand: a sliding layer of window W under a sink policy (S 2, capacity C,
+// evict k) may drop what no later query sees. Non-sink j is seen again iff n - j < W (a
+// shift moves query and key alike); sink j iff min(Pq, C - k) - j < W.
+TEST(Policy, ASlidingLayerUnderAShiftIsSeenAgainOnlyWithinItsWindow) {
+  Policy p = sink(2, 16, 8);
+  p.swa = 6;
+  // 6 tokens, Pq 6: sink 0 is 6 away now and at least 8 - 0 after a shift, gone for good;
+  // sink 1 is 5 away.
+  expect_view(seen_again_view(p, 6), {{1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}}, 6);
+  p = sink(2, 8, 4);
+  p.swa = 5;
+  // 7 tokens, Pq 7: the sinks are hidden from token 7 (7 - 1 >= 5) but come back at token 8,
+  // whose Pq is 8 - 4 = 4; non-sink 2 is 5 away, hidden for good.
+  expect_view(live_view(p, 7), {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}, {6, 6}}, 7);
+  expect_view(seen_again_view(p, 7), {{0, 0}, {1, 1}, {3, 3}, {4, 4}, {5, 5}, {6, 6}}, 7);
+  p.swa = 3;
+  // 10 tokens held as {0, 1, 6..9} at 0, 1, 2..5, Pq 6: 6 and 7 are 4 and 3 away; the
+  // sinks at least 4 - 1 = 3 even after a shift.
+  expect_view(seen_again_view(p, 10), {{8, 4}, {9, 5}}, 6);
+  p.swa = 0;  // not under a shift: the live set
+  expect_view(seen_again_view(p, 10), {{0, 0}, {1, 1}, {6, 2}, {7, 3}, {8, 4}, {9, 5}}, 6);
+}
+
 // SPEC 10.2, C = 4, worked by hand: chunks are 0..3, 4..7, 8..11.
 TEST(Policy, ChunkedSeesItsOwnChunkUpToItself) {
   Policy p;

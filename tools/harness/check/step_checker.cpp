@@ -230,6 +230,7 @@ struct RowState {
 // row's last token saw it (lazy), and as the next token will see it (eager, live tokens).
 struct RowSets {
   std::map<std::int64_t, const reference::RetainedKey*> retained, live;
+  std::set<std::int64_t> droppable;  // SPEC 10.4: retained, but no later query sees them again
   std::optional<std::int64_t> lazy_position(std::int64_t uid) const {
     const auto it = retained.find(uid);
     return it == retained.end() ? std::nullopt : std::optional<std::int64_t>(it->second->position);
@@ -535,6 +536,7 @@ class StepChecker::Impl {
     RowSets row_sets;
     for (const auto& key : ret.keys) row_sets.retained[static_cast<std::int64_t>(key.uid)] = &key;
     for (const auto& key : ret.live) row_sets.live[static_cast<std::int64_t>(key.uid)] = &key;
+    for (const std::uint64_t uid : ret.droppable) row_sets.droppable.insert(static_cast<std::int64_t>(uid));
     const bool has_dead = row_sets.retained.size() != row_sets.live.size();
     // Declared block eviction (SPEC 3.1): a sliding layer holds exactly its last L(T) tokens.
     const Policy& policy = s_.policies[static_cast<std::size_t>(l)];
@@ -561,7 +563,8 @@ class StepChecker::Impl {
         if (v.uid >= 0 && index_of(history, v.uid) >= 0) ++held[v.uid];
       bool dead_held = false, dead_dropped = false;
       for (const auto& [uid, key] : sets.retained)
-        if (!sets.live.count(uid)) (held.count(uid) ? dead_held : dead_dropped) = true;
+        if (!sets.live.count(uid) && (held.count(uid) || !sets.droppable.count(uid)))
+          (held.count(uid) ? dead_held : dead_dropped) = true;
       if (check_set && has_dead) {
         eager_rows_ += dead_dropped && !dead_held;
         lazy_rows_ += dead_held && !dead_dropped;
@@ -680,8 +683,11 @@ class StepChecker::Impl {
         // (assisted generation's transformers layers trim to W - 1 before they start keeping).
         const bool dead = !sets.live.count(uid);
         // Under block eviction a dead token is held: in its buffer (sliding) or as under lazy.
-        const bool fine = dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred &&
-                          options_.eviction != Eviction::blocks;
+        // A sliding layer under a shift may drop what no later query sees, however it evicts
+        // otherwise (llama.cpp's iSWA cache reuses masked cells).
+        const bool fine = sets.droppable.count(uid) ||
+                          (dead && options_.eviction != Eviction::lazy && options_.eviction != Eviction::deferred &&
+                           options_.eviction != Eviction::blocks);
         if (g == 0) {
           SlotRow row;
           row.row = b;
