@@ -194,6 +194,17 @@ TEST(Diagnosis, ALostLiveTokenAloneIsDroppedEarly) {
   EXPECT_EQ(classify(sink_scenario(), e, {}), BugClass::dropped_live_token);
 }
 
+// A lost sink is a sink count under a sink policy; in a sliding layer under a shift (SPEC
+// 10.4: llama.cpp's iSWA cache reusing a masked sink's cell) it is a live token dropped.
+TEST(Diagnosis, ALostSinkOfASlidingLayerUnderAShiftIsALiveTokenDropped) {
+  StepEvidence e;
+  e.slots.push_back(SlotIssue::of(SlotIssue::Kind::lost, 0, 7, 0));
+  EXPECT_NE(classify(sink_scenario(), e, {}), BugClass::dropped_live_token);
+  Scenario s = sink_scenario();
+  s.policies[0].swa = 4;
+  EXPECT_EQ(classify(s, e, {}), BugClass::dropped_live_token);
+}
+
 TEST(Diagnosis, TheDriftSummaryNamesHowTheErrorEvolves) {
   using P = Drift::Point;
   EXPECT_EQ(summarize_drift({{4, 1, false}, {5, 2, true}, {6, 3, true}}).shape, Drift::Shape::growing_by_one);

@@ -44,6 +44,7 @@ TEST(LlamaAbi, ContextParamsFieldsAreTheHeaders) {
   EXPECT_FIELD(context_field, llama_context_params, type_k);
   EXPECT_FIELD(context_field, llama_context_params, type_v);
   EXPECT_FIELD(context_field, llama_context_params, offload_kqv);
+  EXPECT_FIELD(context_field, llama_context_params, swa_full);
   EXPECT_FIELD(context_field, llama_context_params, kv_unified);
 }
 

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <stdexcept>
 #include <vector>
 
@@ -20,26 +22,31 @@ void put(std::vector<std::uint8_t>& out, T value) {
   std::memcpy(out.data() + at, &value, sizeof(T));
 }
 
-// One stream, cells at positions 7 and 9 of seq 0, one layer of f32 K [1 2; 3 4] and V [5 6; 7 8].
-std::vector<std::uint8_t> two_cells() {
+// One cache's cells: one stream, a cell per position with its seq ids, one layer of f32 K
+// and V rows of 2 values each (`k` and `v` hold every cell's, in cell order).
+std::vector<std::uint8_t> section(const std::vector<std::pair<std::int32_t, std::vector<std::int32_t>>>& cells,
+                                  const std::vector<float>& k, const std::vector<float>& v) {
   std::vector<std::uint8_t> s;
   put<std::uint32_t>(s, 1);  // n_stream
-  put<std::uint32_t>(s, 2);  // cell_count
-  for (std::int32_t pos : {7, 9}) {
+  put<std::uint32_t>(s, static_cast<std::uint32_t>(cells.size()));
+  for (const auto& [pos, seqs] : cells) {
     put<std::int32_t>(s, pos);
-    put<std::uint32_t>(s, 1);
-    put<std::int32_t>(s, 0);
+    put<std::uint32_t>(s, static_cast<std::uint32_t>(seqs.size()));
+    for (std::int32_t seq : seqs) put<std::int32_t>(s, seq);
   }
   put<std::uint32_t>(s, 0);  // v_trans
   put<std::uint32_t>(s, 1);  // n_layer
   put<std::int32_t>(s, 0);   // K f32
   put<std::uint64_t>(s, 8);
-  for (float f : {1.0f, 2.0f, 3.0f, 4.0f}) put(s, f);
+  for (float f : k) put(s, f);
   put<std::int32_t>(s, 0);  // V f32
   put<std::uint64_t>(s, 8);
-  for (float f : {5.0f, 6.0f, 7.0f, 8.0f}) put(s, f);
+  for (float f : v) put(s, f);
   return s;
 }
+
+// Cells at positions 7 and 9 of seq 0, one layer of f32 K [1 2; 3 4] and V [5 6; 7 8].
+std::vector<std::uint8_t> two_cells() { return section({{7, {0}}, {9, {0}}}, {1, 2, 3, 4}, {5, 6, 7, 8}); }
 
 float no_fp16(std::uint16_t) { throw std::logic_error("no f16 here"); }
 
@@ -83,6 +90,32 @@ TEST(LlamaState, ATruncatedStateNamesWhatIsMissing) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("the V rows needs 16 bytes at offset 80, 13 left"), std::string::npos) << e.what();
   }
+}
+
+// A context's state (llama_state_get_data) of a model with sliding layers: the arch's name,
+// then the full layers' cells (7 of seq 0, 9 shared by seqs 0 and 1), then the sliding
+// layers' (3 of seq 1). Each sequence's cells are picked from every section.
+TEST(LlamaState, AContextsStateIsItsArchThenOneSectionPerCache) {
+  std::vector<std::uint8_t> s;
+  put<std::uint32_t>(s, 6);
+  for (char c : std::string("gemma3")) s.push_back(static_cast<std::uint8_t>(c));
+  for (std::uint8_t byte : section({{7, {0}}, {9, {0, 1}}}, {1, 2, 3, 4}, {5, 6, 7, 8})) s.push_back(byte);
+  for (std::uint8_t byte : section({{3, {1}}}, {9, 10}, {11, 12})) s.push_back(byte);
+  const ContextState state = read_context_state(s, 2, no_fp16);
+  EXPECT_EQ(state.arch, "gemma3");
+  ASSERT_EQ(state.sections.size(), 2u);
+  expect_two_cells(state.sections[0].of_sequence(0));
+  const Cells shared = state.sections[0].of_sequence(1);
+  EXPECT_EQ(shared.positions, (std::vector<std::int32_t>{9}));
+  ASSERT_EQ(shared.layers.size(), 1u);
+  EXPECT_EQ(shared.layers[0].k, (std::vector<float>{3, 4}));
+  EXPECT_EQ(shared.layers[0].v, (std::vector<float>{7, 8}));
+  const Cells sliding = state.sections[1].of_sequence(1);
+  EXPECT_EQ(sliding.positions, (std::vector<std::int32_t>{3}));
+  EXPECT_EQ(sliding.layers[0].k, (std::vector<float>{9, 10}));
+  EXPECT_EQ(sliding.layers[0].v, (std::vector<float>{11, 12}));
+  EXPECT_TRUE(state.sections[1].of_sequence(0).positions.empty());
+  EXPECT_TRUE(state.sections[1].of_sequence(0).layers.empty());
 }
 
 }  // namespace

@@ -482,7 +482,9 @@ int main(int argc, char** argv) {
   LlamacppOptions llamacpp_options;
   CLI::App* llamacpp = app.add_subcommand(
       "llamacpp", "run a scenario through llama.cpp's own KV cache (context shift as llama-server) and check it");
-  llamacpp->add_option("scenario", llamacpp_options.scenario, "scenario file (policy sink or full, one row)")
+  llamacpp->add_option("scenario", llamacpp_options.scenario,
+                       "scenario file: policy sink or full (the llama arch), or a list of sliding layers beside "
+                       "full or sink ones (the gemma3 arch)")
       ->required();
   const std::vector<std::string> cache_types = {"f32", "f16", "q8_0", "q4_0", "bf16"};
   llamacpp->add_option("--type-k", llamacpp_options.type_k, "K cache type (default f32)")
@@ -501,9 +503,10 @@ int main(int argc, char** argv) {
   llamacpp->add_option("--trace", llamacpp_options.keep, "keep the captured scenario and trace in DIR");
   llamacpp->add_option("--plant-fault", llamacpp_options.plant,
                        "kvcheck's self-test: break the driver's own shift (remove-without-add: seq_rm without "
-                       "seq_add; add-short: seq_add by k - 1), crash it in its own code (driver-crash) or "
-                       "hang it there (driver-hang)")
-      ->check(CLI::IsMember({"remove-without-add", "add-short", "driver-crash", "driver-hang"}));
+                       "seq_add; add-short: seq_add by k - 1; issue-12357: a gemma3 model's moved keys shifted "
+                       "with the full layers' rope in every layer, llama.cpp's bug before March 2025), crash it "
+                       "in its own code (driver-crash) or hang it there (driver-hang)")
+      ->check(CLI::IsMember({"remove-without-add", "add-short", "issue-12357", "driver-crash", "driver-hang"}));
   llamacpp->add_option("--stall-timeout", llamacpp_options.stall_seconds,
                        "stop the engine when one step takes longer than SECONDS and say where it was (default "
                        "600; 0: wait for ever)")

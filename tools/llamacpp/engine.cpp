@@ -33,9 +33,9 @@
 #include "tools/harness/io/npy.h"
 #include "tools/harness/scenario/scenario.h"
 #include "tools/llamacpp/crash_site.h"
-#include "tools/llamacpp/gguf_writer.h"
 #include "tools/llamacpp/llama_api.h"
 #include "tools/llamacpp/state_reader.h"
+#include "tools/llamacpp/toy_model.h"
 
 namespace {
 
@@ -44,17 +44,15 @@ using namespace kvcheck::llamacpp;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-struct Unsupported : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 struct Options {
   std::string lib, scenario, out;
   GgmlType type_k = GgmlType::f32, type_v = GgmlType::f32;
   bool flash_attn = false;
   // A fault planted in this driver (a self-test of kvcheck, not of llama.cpp): in its shift,
-  // "remove-without-add" (seq_rm, no seq_add) or "add-short" (seq_add by k - 1); or
-  // "driver-crash", a signal raised in the driver's own code at the first append.
+  // "remove-without-add" (seq_rm, no seq_add) or "add-short" (seq_add by k - 1);
+  // "issue-12357" (gemma3: every layer's moved keys shifted with the full layers' rope, as
+  // llama.cpp did before that issue's fix); or "driver-crash", a signal raised in the
+  // driver's own code at the first append.
   std::string plant;
   // Save the sequence right after the first shift's seq_add and restore it into a fresh
   // context before the next decode, as a server that swaps a slot out between the two.
@@ -70,138 +68,6 @@ GgmlType parse_type(const std::string& option, const std::string& text) {
   if (text == "q4_0") return GgmlType::q4_0;
   if (text == "bf16") return GgmlType::bf16;
   throw Unsupported(fmt::format("{}: expected f32, f16, q8_0, q4_0 or bf16, got \"{}\"", option, text));
-}
-
-// The rope of every layer; require_supported refuses a rope per layer first.
-const Rope& shared_rope(const Scenario& s) {
-  if (const Rope* rope = s.shared_rope()) return *rope;
-  throw std::logic_error("llama.cpp driver: a scenario whose layers rotate differently");
-}
-
-// What the driver can run, checked before anything is loaded.
-void require_supported(const Scenario& s) {
-  auto no = [&](const std::string& path, const std::string& why) {
-    throw Unsupported(fmt::format("{}: {}: {}", s.file, path, why));
-  };
-  if (s.hybrid()) no("/policy", "one policy for every layer (llama.cpp's unified cache)");
-  if (!s.shared_rope()) no("/rope", "one rope for every layer (the llama arch rotates every layer alike)");
-  if (s.shared_rope()->nope) no("/rope", "NoPE layers: the llama arch rotates every layer");
-  if (s.attention.query_temperature) no("/attention/query_temperature", "the llama arch has no query temperature");
-  const Policy& p = *s.shared_policy();
-  if (p.kind == PolicyKind::sliding) no("/policy/type", "sliding: the llama arch has no sliding window; use sink or full");
-  if (p.kind == PolicyKind::chunked) no("/policy/type", "chunked: the llama arch has no chunked attention; use sink or full");
-  if (p.kind == PolicyKind::sink && p.positions != SinkPositions::cache)
-    no("/policy/positions", "llama.cpp's context shift re-encodes kept keys: positions \"cache\" only");
-  if (p.kind == PolicyKind::sink && p.prefill != Prefill::streaming)
-    no("/policy/prefill", "prefill \"streaming\" only (the driver shifts between forwards)");
-  if (shared_rope(s).scaling == RopeScaling::yarn &&
-      (shared_rope(s).beta_fast != 32.0 || shared_rope(s).beta_slow != 1.0 ||
-       std::abs(shared_rope(s).attention_factor - (0.1 * std::log(shared_rope(s).factor) + 1.0)) > 1e-12))
-    no("/rope/scaling", "yarn with beta_fast 32, beta_slow 1 and the default attention factor only (what the llama "
-                        "arch reads from a GGUF)");
-  if (shared_rope(s).rotary_dim != 0 && shared_rope(s).rotary_dim != s.dims.head_dim)
-    no("/rope/rotary_dim", "the llama arch rotates every dim of the head");
-  if (!s.attention.sink_logits.empty()) no("/attention/sink_logits", "the llama arch has no learned sinks");
-  if (s.scale && std::abs(*s.scale - 1.0 / std::sqrt(s.dims.head_dim)) > 1e-12)
-    no("/scale", "the llama arch scales by 1/sqrt(head_dim)");
-  if (s.inputs.kind != InputSource::Kind::seed)
-    no("/inputs", "llama.cpp computes q, k and v itself: give a seed (it seeds the embeddings and weights)");
-  if (s.content == Content::prefix)
-    no("/content", "content \"prefix\" is SPEC 8's paged prefix reuse; llama.cpp's cache has no blocks");
-  if (s.paging) no("/paging", "llama.cpp's unified cache has no block pool (SPEC 8 is for paged engines)");
-  // Steps the driver cannot express are refused here, naming the step, never run into.
-  for (const Step& step : s.steps)
-    if (step.op == StepOp::free_rows || step.op == StepOp::evict || step.op == StepOp::preempt ||
-        step.op == StepOp::resume || step.op == StepOp::prune)
-      no(fmt::format("/steps/{}/op", step.source_index),
-         fmt::format("\"{}\": the llama.cpp driver runs append, decode, reorder, reset and crop only",
-                     to_string(step.op)));
-}
-
-// The memory the toy model costs before llama.cpp runs it: its float32 weights (written
-// once into memory and once as the GGUF file's bytes), the KV cache of n_ctx cells, and the
-// attention scores of a whole context at once (no flash attention). An estimate, so a
-// scenario too large for the machine is refused with exit 2 rather than dying of bad_alloc.
-double toy_model_bytes(const Scenario& s, std::int64_t n_ctx) {
-  const double L = s.dims.layers, embd = static_cast<double>(s.dims.heads) * s.dims.head_dim,
-               kv = static_cast<double>(s.dims.kv_heads) * s.dims.head_dim, ctx = static_cast<double>(n_ctx);
-  const double weights = 4 * (L * (2 * embd * embd + 2 * embd * kv + 50 * embd) + 17 * embd);
-  const double cache = 2 * L * (ctx + 256) * kv * 4;
-  const double scores = 4.0 * s.dims.heads * (ctx + 256) * ctx + 4 * ctx * 10 * embd;
-  return 3 * weights + cache + scores;
-}
-
-// Deterministic weights: the scenario's generator under its own tags, scaled.
-std::vector<float> weights(std::uint64_t seed, int tag, std::size_t count, float scale) {
-  std::vector<float> w(count);
-  for (std::size_t i = 0; i < count; ++i)
-    w[i] = scale * generated_value(seed, 1000 + tag, i, Tensor::q, 0, 0);
-  return w;
-}
-
-GgufFile tiny_llama(const Scenario& s, std::int64_t n_ctx) {
-  const std::int64_t H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim, embd = H * D, ff = 16,
-                     vocab = 8;
-  const std::uint64_t seed = s.inputs.seed;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(embd));
-  GgufFile f;
-  auto meta = [&](const std::string& key, GgufValue v) { f.metadata.emplace_back(key, std::move(v)); };
-  meta("general.architecture", std::string("llama"));
-  meta("general.name", s.name);
-  meta("llama.vocab_size", static_cast<std::uint32_t>(vocab));
-  meta("llama.context_length", static_cast<std::uint32_t>(std::max<std::int64_t>(n_ctx, 8192)));
-  meta("llama.embedding_length", static_cast<std::uint32_t>(embd));
-  meta("llama.block_count", static_cast<std::uint32_t>(s.dims.layers));
-  meta("llama.feed_forward_length", static_cast<std::uint32_t>(ff));
-  meta("llama.attention.head_count", static_cast<std::uint32_t>(H));
-  meta("llama.attention.head_count_kv", static_cast<std::uint32_t>(Hkv));
-  meta("llama.attention.key_length", static_cast<std::uint32_t>(D));
-  meta("llama.attention.value_length", static_cast<std::uint32_t>(D));
-  meta("llama.attention.layer_norm_rms_epsilon", 1e-5f);
-  meta("llama.rope.dimension_count", static_cast<std::uint32_t>(D));
-  meta("llama.rope.freq_base", static_cast<float>(shared_rope(s).theta));
-  if (shared_rope(s).scaling == RopeScaling::linear || shared_rope(s).scaling == RopeScaling::yarn) {
-    meta("llama.rope.scaling.type", std::string(shared_rope(s).scaling == RopeScaling::linear ? "linear" : "yarn"));
-    meta("llama.rope.scaling.factor", static_cast<float>(shared_rope(s).factor));
-    if (shared_rope(s).scaling == RopeScaling::yarn)
-      meta("llama.rope.scaling.original_context_length",
-           static_cast<std::uint32_t>(shared_rope(s).original_max_position_embeddings));
-  }
-  meta("tokenizer.ggml.model", std::string("none"));
-  // llama3 scaling reaches the llama arch as Llama 3.1 checkpoints carry it: a rope_freqs
-  // tensor of per-pair factors, each pair's plain inverse frequency over its mapped one.
-  if (shared_rope(s).scaling == RopeScaling::llama3) {
-    Rope plain = shared_rope(s);
-    plain.scaling = RopeScaling::none;
-    std::vector<float> factors;
-    for (int i = 0; i < static_cast<int>(D) / 2; ++i)
-      factors.push_back(static_cast<float>(reference::inverse_frequency(i, static_cast<int>(D), plain) /
-                                           reference::inverse_frequency(i, static_cast<int>(D), shared_rope(s))));
-    f.tensors.push_back({"rope_freqs.weight", {D / 2}, std::move(factors)});
-  }
-  int tag = 0;
-  auto tensor = [&](const std::string& name, std::vector<std::int64_t> ne, float w) {
-    std::size_t count = 1;
-    for (std::int64_t n : ne) count *= static_cast<std::size_t>(n);
-    std::vector<float> data = w == 0.0f ? std::vector<float>(count, 1.0f) : weights(seed, tag++, count, w);
-    f.tensors.push_back({name + ".weight", std::move(ne), std::move(data)});
-  };
-  tensor("token_embd", {embd, vocab}, scale);
-  tensor("output_norm", {embd}, 0.0f);
-  tensor("output", {embd, vocab}, scale);
-  for (int l = 0; l < s.dims.layers; ++l) {
-    const std::string b = fmt::format("blk.{}.", l);
-    tensor(b + "attn_norm", {embd}, 0.0f);
-    tensor(b + "attn_q", {embd, H * D}, 2 * scale);
-    tensor(b + "attn_k", {embd, Hkv * D}, 2 * scale);
-    tensor(b + "attn_v", {embd, Hkv * D}, 2 * scale);
-    tensor(b + "attn_output", {H * D, embd}, scale);
-    tensor(b + "ffn_norm", {embd}, 0.0f);
-    tensor(b + "ffn_gate", {embd, ff}, scale);
-    tensor(b + "ffn_up", {embd, ff}, scale);
-    tensor(b + "ffn_down", {ff, embd}, 0.1f * scale);
-  }
-  return f;
 }
 
 // The graph tensors one forward produced, by name and op ("Qcur-0/RESHAPE"), as float in
@@ -220,7 +86,7 @@ struct Capture {
 
 bool wanted(const std::string& name, int layers) {
   for (int l = 0; l < layers; ++l)
-    for (const char* stem : {"Qcur-", "Kcur-", "Vcur-", "kqv_out-"})
+    for (const char* stem : {"Qcur-", "Kcur-", "Vcur-", "kqv_out-", "Qcur_normed-", "Kcur_normed-"})
       if (name == stem + std::to_string(l)) return true;
   return false;
 }
@@ -331,13 +197,22 @@ void write_atomically(const fs::path& path, const std::string& text) {
 
 int run(const Options& o) {
   const Scenario s = load_scenario(o.scenario);
-  require_supported(s);
+  const ToyArch arch = choose_arch(s);
   record_crash_site((fs::path(o.out) / "crash_site").string());
   if (is_quantized(o.type_v) && !o.flash_attn)
     throw Unsupported(fmt::format("--type-v {}: llama.cpp quantizes V only under flash attention: add --flash-attn on",
                                   format_name(o.type_v)));
   const int L = s.dims.layers, H = s.dims.heads, Hkv = s.dims.kv_heads, D = s.dims.head_dim;
-  const Policy& policy = *s.shared_policy();  // require_supported refused per-layer policies
+  const Policy& policy = arch.global;  // the cache's shift follows the full layers' policy
+  if (o.plant == "issue-12357" &&
+      (!arch.gemma3 || policy.kind != PolicyKind::sink || o.type_k != GgmlType::f32 ||
+       std::any_of(s.steps.begin(), s.steps.end(), [](const Step& step) { return step.op == StepOp::reorder; }) ||
+       s.dims.batch != 1))
+    throw Unsupported("--plant-fault issue-12357: a gemma3 scenario (sliding layers beside full ones) under a context "
+                      "shift, one row without reorders, K in f32 (the plant rewrites one sequence's stored keys)");
+  if (arch.gemma3 && (is_quantized(o.type_k) || is_quantized(o.type_v)))
+    throw Unsupported("--type-k/--type-v q8_0 or q4_0 with the gemma3 arch: not yet (llama.cpp quantizes its scaled "
+                      "query; f32, f16 and bf16 cells only)");
   // Rows are sequences of one unified cache: each holds at most a window (or its longest
   // row), and a reorder needs as many temporary sequence ids again. Sized from the whole
   // scenario when this run replays only its first steps (--context-of), so the replay's
@@ -368,7 +243,7 @@ int run(const Options& o) {
 
   fs::create_directories(fs::path(o.out) / "trace");
   const std::string model_path = (fs::path(o.out) / "model.gguf").string();
-  write_atomically(model_path, gguf_bytes(tiny_llama(s, n_ctx)));
+  write_atomically(model_path, gguf_bytes(toy_model(s, arch, n_ctx)));
 
   const Api api = load_api(o.lib);
   api.llama_log_set([](int level, const char* text, void*) {
@@ -388,6 +263,9 @@ int run(const Options& o) {
   set_at(cp, context_field::n_ubatch, cells);
   set_at(cp, context_field::n_seq_max, static_cast<std::uint32_t>(2 * max_rows));
   set_at(cp, context_field::kv_unified, true);  // one cache for every sequence, cells shared by forks
+  // llama-server's default: the sliding layers' cells sized to their windows. With n_ubatch
+  // = n_ctx that is as many cells as the full layers', so llama.cpp allows the shift.
+  set_at(cp, context_field::swa_full, false);
   set_at(cp, context_field::flash_attn_type, static_cast<std::int32_t>(o.flash_attn ? 1 : 0));
   set_at(cp, context_field::type_k, static_cast<std::int32_t>(o.type_k));
   set_at(cp, context_field::type_v, static_cast<std::int32_t>(o.type_v));
@@ -425,6 +303,34 @@ int run(const Options& o) {
   // The next position of a sequence is the cache's own (pos_max + 1), as a server that
   // trusts its cache: a driver fault that leaves positions unshifted then shows in the cells.
   const auto next_position = [&](int seq) { return api.llama_memory_seq_pos_max(memory, seq) + 1; };
+  // llama.cpp issue 12357, planted: the pending shift applied to every layer's moved keys
+  // with the full layers' rope (base and linear scale), the sliding layers' included, as
+  // llama.cpp's K-shift did before it took each layer's own. Through the public API: right
+  // after seq_add the sequence's state holds the new positions and the keys not yet
+  // shifted; the driver rotates those by -discard and restores the state, which drops
+  // llama.cpp's own pending shift (nothing is shifted twice).
+  const auto shift_with_the_full_layers_rope = [&](int seq, std::int32_t keep, std::int32_t discard) {
+    std::vector<std::uint8_t> state(api.llama_state_seq_get_size(ctx, seq));
+    if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), seq) != state.size())
+      throw std::runtime_error("llama_state_seq_get_data wrote another size than it said");
+    const auto width = static_cast<std::size_t>(Hkv * D), Ds = static_cast<std::size_t>(D);
+    for (const Cells& section : read_sequence_sections(state, width, api.ggml_fp16_to_fp32))
+      for (const CellLayer& layer : section.layers) {
+        if (layer.k_type != static_cast<std::int32_t>(GgmlType::f32))
+          throw std::runtime_error(fmt::format("the plant rewrites f32 keys; the state holds ggml type {}", layer.k_type));
+        for (std::size_t cell = 0; cell < section.positions.size(); ++cell) {
+          if (section.positions[cell] < keep) continue;  // a sink: not moved
+          for (std::size_t g = 0; g < static_cast<std::size_t>(Hkv); ++g) {
+            float* key = reinterpret_cast<float*>(state.data() + layer.k_at + cell * layer.k_row) + g * Ds;
+            std::vector<double> x(key, key + Ds);
+            const std::vector<double> y = reference::rotate(x, -static_cast<double>(discard), arch.global_rope);
+            for (std::size_t d = 0; d < Ds; ++d) key[d] = static_cast<float>(y[d]);
+          }
+        }
+      }
+    if (api.llama_state_seq_set_data(ctx, state.data(), state.size(), seq) == 0)
+      throw std::runtime_error("llama_state_seq_set_data refused the sequence the plant rewrote");
+  };
   // llama-server's context shift for one sequence: n_keep = sinks, n_discard = evict.
   const auto shift = [&](int seq, std::int64_t due) {
     Row& row = rows[static_cast<std::size_t>(seq)];
@@ -434,6 +340,7 @@ int run(const Options& o) {
       api.llama_memory_seq_rm(memory, seq, keep, keep + discard);
       if (o.plant != "remove-without-add")
         api.llama_memory_seq_add(memory, seq, keep + discard, end, o.plant == "add-short" ? 1 - discard : -discard);
+      if (o.plant == "issue-12357") shift_with_the_full_layers_rope(seq, keep, discard);
       row.evicted += discard;
       if (o.restore_after_shift && !restored) {
         restored = true;
@@ -454,33 +361,68 @@ int run(const Options& o) {
   };
   // Every cell of every sequence after step i, and (an append) the rotated queries and the
   // outputs [L][B][H][n][D] (zero at left padding).
+  // llama.cpp's caches (gemma3: the full layers', then the sliding layers'), how many layers
+  // each holds, and where layer l lives: (cache, its index there).
+  const std::size_t caches = arch.gemma3 ? 2 : 1;
+  std::vector<std::size_t> cache_layers(caches, 0);
+  std::vector<std::pair<std::size_t, std::size_t>> home;
+  for (int l = 0; l < L; ++l) {
+    const std::size_t c = arch.gemma3 && arch.sliding[static_cast<std::size_t>(l)] ? 1 : 0;
+    home.emplace_back(c, cache_layers[c]++);
+  }
   const auto record = [&](std::int64_t n, const std::vector<float>* out, const std::vector<float>* q_rot) {
     const std::size_t i = steps.size();  // the captured scenario's step
     const auto B = rows.size();
-    std::vector<Cells> held;  // per row
-    std::size_t slots = 0;
-    for (std::size_t b = 0; b < B; ++b) {
-      const auto seq = static_cast<std::int32_t>(b);
-      std::vector<std::uint8_t> state(api.llama_state_seq_get_size(ctx, seq));
-      if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), seq) != state.size())
-        throw std::runtime_error("llama_state_seq_get_data wrote another size than llama_state_seq_get_size said");
-      held.push_back(read_cells(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32));
-      if (!held.back().positions.empty() && held.back().layers.size() != static_cast<std::size_t>(L))
-        throw std::runtime_error(fmt::format("the sequence state holds {} layers, the model {}", held.back().layers.size(), L));
-      slots = std::max(slots, held.back().positions.size());
+    std::vector<std::vector<Cells>> held(caches);  // [cache][row]
+    if (arch.gemma3) {
+      // The whole context's state: a sequence's leaves out the sliding layers' cells that its
+      // window masks, which a shift can bring back into view (SPEC 10.4).
+      std::vector<std::uint8_t> state(api.llama_state_get_size(ctx));
+      if (api.llama_state_get_data(ctx, state.data(), state.size()) != state.size())
+        throw std::runtime_error("llama_state_get_data wrote another size than llama_state_get_size said");
+      const ContextState context = read_context_state(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32);
+      if (context.arch != "gemma3" || context.sections.size() != caches)
+        throw std::runtime_error(fmt::format("the context state is of arch \"{}\" with {} caches, expected gemma3 with "
+                                             "{} (full layers, then sliding): another state format",
+                                             context.arch, context.sections.size(), caches));
+      for (std::size_t c = 0; c < caches; ++c)
+        for (std::size_t b = 0; b < B; ++b) held[c].push_back(context.sections[c].of_sequence(static_cast<std::int32_t>(b)));
+    } else {
+      for (std::size_t b = 0; b < B; ++b) {
+        const auto seq = static_cast<std::int32_t>(b);
+        std::vector<std::uint8_t> state(api.llama_state_seq_get_size(ctx, seq));
+        if (api.llama_state_seq_get_data(ctx, state.data(), state.size(), seq) != state.size())
+          throw std::runtime_error("llama_state_seq_get_data wrote another size than llama_state_seq_get_size said");
+        held[0].push_back(read_cells(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32));
+      }
     }
+    for (std::size_t c = 0; c < caches; ++c)
+      for (const Cells& row_cells : held[c])
+        if (!row_cells.positions.empty() && row_cells.layers.size() != cache_layers[c])
+          throw std::runtime_error(fmt::format("the state holds {} layers in cache {}, the model {}", row_cells.layers.size(),
+                                               c, cache_layers[c]));
     json layers = json::array();
     const auto Hs = static_cast<std::size_t>(H), Hkvs = static_cast<std::size_t>(Hkv), Ds = static_cast<std::size_t>(D),
                ns = static_cast<std::size_t>(n);
     for (int l = 0; l < L; ++l) {
+      const auto [cache, within] = home[static_cast<std::size_t>(l)];
+      std::vector<Cells> cells_of;  // per row: the cache holding layer l, with that layer only
+      std::size_t slots = 0;
+      for (const Cells& row_cells : held[cache]) {
+        Cells one;
+        one.positions = row_cells.positions;
+        if (!row_cells.positions.empty()) one.layers.push_back(row_cells.layers[within]);
+        slots = std::max(slots, one.positions.size());
+        cells_of.push_back(std::move(one));
+      }
       std::vector<float> keys(B * Hkvs * slots * Ds, 0.0f), values(keys.size(), 0.0f);  // zero: an unused slot
       for (std::size_t b = 0; b < B; ++b)
-        for (std::size_t cell = 0; cell < held[b].positions.size(); ++cell)
+        for (std::size_t cell = 0; cell < cells_of[b].positions.size(); ++cell)
           for (std::size_t g = 0; g < Hkvs; ++g)
             for (std::size_t d = 0; d < Ds; ++d) {
               const std::size_t src = (cell * Hkvs + g) * Ds + d, dst = ((b * Hkvs + g) * slots + cell) * Ds + d;
-              keys[dst] = held[b].layers[static_cast<std::size_t>(l)].k[src];
-              values[dst] = held[b].layers[static_cast<std::size_t>(l)].v[src];
+              keys[dst] = cells_of[b].layers[0].k[src];
+              values[dst] = cells_of[b].layers[0].v[src];
             }
       // The scenario declares a Hadamard matrix narrower than the head as "transform_block"
       // (blocks along head_dim); it must be a power of two that divides head_dim.
@@ -507,9 +449,9 @@ int run(const Options& o) {
         std::vector<std::int8_t> codes(B * Hkvs * slots * Ds, 0);
         std::vector<float> scales(B * Hkvs * slots * G, 0.0f);
         for (std::size_t b = 0; b < B; ++b) {
-          if (held[b].layers.empty()) continue;  // no cells
-          const CellLayer& layer_cells = held[b].layers[static_cast<std::size_t>(l)];
-          for (std::size_t cell = 0; cell < held[b].positions.size(); ++cell)
+          if (cells_of[b].layers.empty()) continue;  // no cells
+          const CellLayer& layer_cells = cells_of[b].layers[0];
+          for (std::size_t cell = 0; cell < cells_of[b].positions.size(); ++cell)
             for (std::size_t g = 0; g < Hkvs; ++g) {
               const std::size_t dst = (b * Hkvs + g) * slots + cell;
               const auto& c = value ? layer_cells.v_codes : layer_cells.k_codes;
@@ -567,12 +509,16 @@ int run(const Options& o) {
       std::string refused;
       for (std::size_t b = 0; b < rows.size() && refused.empty(); ++b) {
         if (rows[b].tokens <= step.length) continue;
-        const reference::QueryView held = reference::retained_view(policy, rows[b].tokens);
-        for (const reference::VisibleKey& needed : reference::retained_view(policy, step.length).keys)
-          if (std::none_of(held.keys.begin(), held.keys.end(),
-                           [&](const reference::VisibleKey& k) { return k.index == needed.index; }))
-            refused = fmt::format("crop to {} tokens needs token {} of row {}, discarded by a context shift",
-                                  step.length, needed.index, b);
+        for (int l = 0; l < L && refused.empty(); ++l) {
+          const reference::QueryView held = reference::retained_view(s.policy(l), rows[b].tokens);
+          for (const reference::VisibleKey& needed : reference::retained_view(s.policy(l), step.length).keys)
+            if (std::none_of(held.keys.begin(), held.keys.end(),
+                             [&](const reference::VisibleKey& k) { return k.index == needed.index; }))
+              refused = fmt::format("crop to {} tokens needs token {} of row {}{}, {}", step.length, needed.index, b,
+                                    arch.gemma3 ? fmt::format(" in layer {}", l) : std::string(),
+                                    policy.kind == PolicyKind::sink ? "discarded by a context shift"
+                                                                    : "beyond the sliding window");
+        }
       }
       if (!refused.empty()) {
         steps.push_back({{"error", "the driver refuses: " + refused}});
@@ -677,8 +623,11 @@ int run(const Options& o) {
         const std::size_t q_size = tokens * static_cast<std::size_t>(H * D), kv_size = tokens * static_cast<std::size_t>(Hkv * D);
         // Pre-rope q and k: the reshaped projection, or (builds before build_qkv, early 2026)
         // the projection itself, the same values in the same order (the model has no biases).
-        const auto& qp = captured(capture, "Qcur-" + tag, {"RESHAPE", "MUL_MAT"}, q_size);
-        const auto& kp = captured(capture, "Kcur-" + tag, {"RESHAPE", "MUL_MAT"}, kv_size);
+        // gemma3: after its per-head q and k norms (a MUL by the norm's weight), before the rope.
+        const std::vector<std::string> pre_rope =
+            arch.gemma3 ? std::vector<std::string>{"MUL"} : std::vector<std::string>{"RESHAPE", "MUL_MAT"};
+        const auto& qp = captured(capture, arch.q_stem() + tag, pre_rope, q_size);
+        const auto& kp = captured(capture, arch.k_stem() + tag, pre_rope, kv_size);
         const auto& vp = captured(capture, "Vcur-" + tag, {"RESHAPE", "VIEW", "MUL_MAT"}, kv_size);
         const auto& qr = captured(capture, "Qcur-" + tag, {"ROPE"}, q_size);
         std::vector<float> kqv = captured(capture, "kqv_out-" + tag, {"CONT", "RESHAPE", "VIEW"}, q_size);
@@ -745,7 +694,10 @@ int run(const Options& o) {
     scenario["steps"] = written;
   }
   scenario["inputs"] = {{"q", "q.npy"}, {"k", "k.npy"}, {"v", "v.npy"}};
-  scenario["rope"]["layout"] = "interleaved";
+  if (scenario["rope"].is_array())
+    for (json& rope : scenario["rope"]) rope["layout"] = arch.layout();
+  else
+    scenario["rope"]["layout"] = arch.layout();
   // A q8_0 or q4_0 cache is declared as SPEC 9 describes it (blocks of 32, float16 scales,
   // the Hadamard transform when llama.cpp applied one), with or without flash attention:
   // both store the same codes and dot them with a q8_0 query. (Declaring q8_0 K as bfloat16
@@ -776,7 +728,9 @@ int run(const Options& o) {
                          {"producer", fmt::format("kvcheck_llamacpp_engine, llama.cpp {} (structures from {})", version_of(api),
                                                   abi_source())},
                          {"key_positions", "cache-relative"},
-                         {"eviction", "lazy"},
+                         // A sliding layer without a shift keeps its masked cells until llama.cpp
+                         // reuses them: beyond the window for good (SPEC 5's "never").
+                         {"eviction", arch.gemma3 && policy.kind != PolicyKind::sink ? "never" : "lazy"},
                          {"steps", steps}};
   write_atomically(fs::path(o.out) / "trace" / "manifest.json", manifest.dump(1) + "\n");
   return 0;
@@ -804,7 +758,7 @@ int main(int argc, char** argv) {
       else if (arg == "--flash-attn")
         o.flash_attn = value == "on";
       else if (arg == "--plant-fault" && (value == "remove-without-add" || value == "add-short" || value == "driver-crash" ||
-                                                 value == "driver-hang"))
+                                                 value == "driver-hang" || value == "issue-12357"))
         o.plant = value;
       else if (arg == "--restore-after-shift")
         o.restore_after_shift = value == "on";

@@ -7,7 +7,7 @@ namespace kvcheck::llamacpp {
 namespace {
 
 constexpr std::uint64_t kAlignment = 32;
-constexpr std::uint32_t kTypeUint32 = 4, kTypeFloat32 = 6, kTypeString = 8;
+constexpr std::uint32_t kTypeUint32 = 4, kTypeFloat32 = 6, kTypeBool = 7, kTypeString = 8, kTypeArray = 9;
 constexpr std::uint32_t kGgmlF32 = 0;
 
 template <typename T>
@@ -41,6 +41,11 @@ std::string gguf_bytes(const GgufFile& file) {
     } else if (const auto* f = std::get_if<float>(&value)) {
       put(out, kTypeFloat32);
       put(out, *f);
+    } else if (const auto* bits = std::get_if<std::vector<bool>>(&value)) {
+      put(out, kTypeArray);
+      put(out, kTypeBool);
+      put<std::uint64_t>(out, bits->size());
+      for (const bool bit : *bits) put<std::uint8_t>(out, bit ? 1 : 0);
     } else {
       put(out, kTypeString);
       put_string(out, std::get<std::string>(value));

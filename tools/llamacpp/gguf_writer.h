@@ -1,4 +1,4 @@
-// A GGUF v3 file of a tiny `llama` model, written from the format's description: the
+// A GGUF v3 file of a tiny model, written from the format's description: the
 // header, key-value pairs, tensor infos, then float32 tensor data aligned to 32 bytes.
 #pragma once
 
@@ -15,7 +15,8 @@ struct GgufTensor {
   std::vector<float> data;
 };
 
-using GgufValue = std::variant<std::uint32_t, float, std::string>;
+// A bool array is what gemma3's sliding_window_pattern may be: one per layer.
+using GgufValue = std::variant<std::uint32_t, float, std::string, std::vector<bool>>;
 
 struct GgufFile {
   std::vector<std::pair<std::string, GgufValue>> metadata;

@@ -130,6 +130,8 @@ Api load_api(const std::string& folder) {
   KVCHECK_RESOLVE(llama, llama_state_seq_get_size);
   KVCHECK_RESOLVE(llama, llama_state_seq_get_data);
   KVCHECK_RESOLVE(llama, llama_state_seq_set_data);
+  KVCHECK_RESOLVE(llama, llama_state_get_size);
+  KVCHECK_RESOLVE(llama, llama_state_get_data);
   KVCHECK_RESOLVE(ggml, ggml_backend_load_all_from_path);
   KVCHECK_RESOLVE(base, ggml_backend_tensor_get);
   KVCHECK_RESOLVE(base, ggml_get_name);

@@ -39,7 +39,7 @@ inline constexpr std::size_t context_params_size = 160, model_params_size = 80, 
 namespace context_field {  // llama_context_params
 inline constexpr Field n_ctx{0, 4}, n_batch{4, 4}, n_ubatch{8, 4}, n_seq_max{12, 4}, n_threads{28, 4},
     n_threads_batch{32, 4}, flash_attn_type{52, 4}, yarn_ext_factor{64, 4}, cb_eval{88, 8}, cb_eval_user_data{96, 8},
-    type_k{104, 4}, type_v{108, 4}, offload_kqv{129, 1}, kv_unified{133, 1};
+    type_k{104, 4}, type_v{108, 4}, offload_kqv{129, 1}, swa_full{132, 1}, kv_unified{133, 1};
 }
 namespace tensor_field {  // ggml_tensor; src: its first source
 inline constexpr Field type{0, 4}, ne{16, 32}, nb{48, 32}, op{80, 4}, src{152, 8}, name{256, 64};
@@ -93,6 +93,7 @@ inline constexpr Field n_ctx = KVCHECK_FIELD(llama_context_params, n_ctx),
                        type_k = KVCHECK_FIELD(llama_context_params, type_k),
                        type_v = KVCHECK_FIELD(llama_context_params, type_v),
                        offload_kqv = KVCHECK_FIELD(llama_context_params, offload_kqv),
+                       swa_full = KVCHECK_FIELD(llama_context_params, swa_full),
                        kv_unified = KVCHECK_FIELD(llama_context_params, kv_unified);
 }
 namespace tensor_field {
@@ -124,7 +125,7 @@ static_assert(context_field::n_ctx.size == 4 && context_field::n_batch.size == 4
                   context_field::yarn_ext_factor.size == 4 && context_field::cb_eval.size == sizeof(void*) &&
                   context_field::cb_eval_user_data.size == sizeof(void*) && context_field::type_k.size == 4 &&
                   context_field::type_v.size == 4 && context_field::offload_kqv.size == 1 &&
-                  context_field::kv_unified.size == 1,
+                  context_field::swa_full.size == 1 && context_field::kv_unified.size == 1,
               "llama_context_params: a field kvcheck writes changed size");
 static_assert(tensor_field::type.size == 4 && tensor_field::op.size == 4 && tensor_field::ne.size == 32 &&
                   tensor_field::nb.size == 32 && tensor_field::src.size == sizeof(void*) && tensor_field::name.size == 64,
@@ -164,6 +165,8 @@ struct Api {
   std::size_t (*llama_state_seq_get_size)(void*, std::int32_t);
   std::size_t (*llama_state_seq_get_data)(void*, std::uint8_t*, std::size_t, std::int32_t);
   std::size_t (*llama_state_seq_set_data)(void*, const std::uint8_t*, std::size_t, std::int32_t);
+  std::size_t (*llama_state_get_size)(void*);
+  std::size_t (*llama_state_get_data)(void*, std::uint8_t*, std::size_t);
   void (*ggml_backend_load_all_from_path)(const char*);
   void (*ggml_backend_tensor_get)(const void*, void*, std::size_t, std::size_t);
   const char* (*ggml_get_name)(const void*);

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -114,20 +115,8 @@ void keep_codes(const std::uint8_t* row, std::int32_t type, std::size_t width,
   }
 }
 
-}  // namespace
-
-Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
-                 const std::function<float(std::uint16_t)>& fp16) {
-  Reader r(state);
-  // Builds since spring 2026 open a sequence's state with a magic number and its seq id
-  // (io_magic in llama.cpp v0.5.0's src/llama-context.cpp; b8390 has none); older ones
-  // start at n_stream (a small count, never the magic).
-  constexpr std::uint32_t kStateMagic = 0xaf143cd8;
-  if (state.size() >= 4 && r.peek<std::uint32_t>() == kStateMagic) r.take(8, "the prefix (magic and seq id)");
-  else if (state.size() >= 4 && r.peek<std::uint32_t>() > 1024)
-    throw std::runtime_error(fmt::format("sequence state: begins with {:#010x}, neither the magic {:#010x} of recent "
-                                         "builds nor a stream count: another state format",
-                                         r.peek<std::uint32_t>(), kStateMagic));
+// One cache's cells, from n_stream on, leaving `r` after them.
+Cells read_section(Reader& r, std::size_t width, const std::function<float(std::uint16_t)>& fp16) {
   const auto streams = r.get<std::uint32_t>("n_stream");
   if (streams != 1) throw std::runtime_error(fmt::format("sequence state: {} streams, expected 1", streams));
   const auto count = r.get<std::uint32_t>("cell_count");
@@ -135,12 +124,12 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
   for (std::uint32_t i = 0; i < count; ++i) {
     c.positions.push_back(r.get<std::int32_t>("a cell's position"));
     const auto seqs = r.get<std::uint32_t>("a cell's n_seq");
-    r.take(4 * static_cast<std::size_t>(seqs), "a cell's seq ids");
+    std::vector<std::int32_t>& ids = c.seqs.emplace_back();
+    const std::uint8_t* at = r.take(4 * static_cast<std::size_t>(seqs), "a cell's seq ids");
+    ids.resize(seqs);
+    if (seqs > 0) std::memcpy(ids.data(), at, 4 * static_cast<std::size_t>(seqs));
   }
-  if (count == 0) {
-    if (!r.done()) throw std::runtime_error("sequence state: bytes after an empty cell list");
-    return c;
-  }
+  if (count == 0) return c;
   const auto v_trans = r.get<std::uint32_t>("v_trans");
   const auto layers = r.get<std::uint32_t>("n_layer");
   c.layers.resize(layers);
@@ -150,6 +139,7 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
     if (row != row_bytes(type, width, "K"))
       throw std::runtime_error(
           fmt::format("sequence state: K rows of {} bytes, expected {}", row, row_bytes(type, width, "K")));
+    layer.k_at = r.at(), layer.k_row = row, layer.k_type = type;
     const std::uint8_t* rows = r.take(row * count, "the K rows");
     for (std::uint32_t cell = 0; cell < count; ++cell) {
       for (std::size_t i = 0; i < width; ++i) layer.k.push_back(element(rows + cell * row, type, i, fp16));
@@ -178,9 +168,76 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
           layer.v[cell * width + d] = element(data + static_cast<std::size_t>(d) * count * size, type, cell, fp16);
     }
   }
-  if (!r.done())
-    throw std::runtime_error(fmt::format("sequence state: {} bytes left after the cells", state.size() - r.at()));
   return c;
+}
+
+}  // namespace
+
+Cells Cells::of_sequence(std::int32_t seq) const {
+  Cells out;
+  out.layers.resize(layers.size());
+  for (std::size_t cell = 0; cell < positions.size(); ++cell) {
+    if (std::find(seqs[cell].begin(), seqs[cell].end(), seq) == seqs[cell].end()) continue;
+    out.positions.push_back(positions[cell]);
+    out.seqs.push_back(seqs[cell]);
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      const CellLayer& from = layers[l];
+      CellLayer& to = out.layers[l];
+      const auto copy = [&](const auto& source, auto& target) {
+        if (source.empty()) return;
+        const std::size_t per = source.size() / positions.size();
+        target.insert(target.end(), source.begin() + static_cast<std::ptrdiff_t>(cell * per),
+                      source.begin() + static_cast<std::ptrdiff_t>((cell + 1) * per));
+      };
+      copy(from.k, to.k);
+      copy(from.v, to.v);
+      copy(from.k_codes, to.k_codes);
+      copy(from.v_codes, to.v_codes);
+      copy(from.k_scales, to.k_scales);
+      copy(from.v_scales, to.v_scales);
+    }
+  }
+  if (out.positions.empty()) out.layers.clear();  // as a sequence's state: no layers without cells
+  return out;
+}
+
+std::vector<Cells> read_sequence_sections(const std::vector<std::uint8_t>& state, std::size_t width,
+                                          const std::function<float(std::uint16_t)>& fp16) {
+  Reader r(state);
+  // Builds since spring 2026 open a sequence's state with a magic number and its seq id
+  // (io_magic in llama.cpp v0.5.0's src/llama-context.cpp; b8390 has none); older ones
+  // start at n_stream (a small count, never the magic).
+  constexpr std::uint32_t kStateMagic = 0xaf143cd8;
+  if (state.size() >= 4 && r.peek<std::uint32_t>() == kStateMagic) r.take(8, "the prefix (magic and seq id)");
+  else if (state.size() >= 4 && r.peek<std::uint32_t>() > 1024)
+    throw std::runtime_error(fmt::format("sequence state: begins with {:#010x}, neither the magic {:#010x} of recent "
+                                         "builds nor a stream count: another state format",
+                                         r.peek<std::uint32_t>(), kStateMagic));
+  std::vector<Cells> sections;
+  do sections.push_back(read_section(r, width, fp16));
+  while (!r.done());
+  return sections;
+}
+
+Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
+                 const std::function<float(std::uint16_t)>& fp16) {
+  std::vector<Cells> sections = read_sequence_sections(state, width, fp16);
+  if (sections.size() != 1)
+    throw std::runtime_error(fmt::format("sequence state: {} caches' cells, expected 1", sections.size()));
+  return std::move(sections.front());
+}
+
+ContextState read_context_state(const std::vector<std::uint8_t>& state, std::size_t width,
+                                const std::function<float(std::uint16_t)>& fp16) {
+  Reader r(state);
+  ContextState out;
+  const auto length = r.get<std::uint32_t>("the architecture's name length");
+  if (length > 64)
+    throw std::runtime_error(fmt::format("context state: an architecture name of {} bytes: another state format", length));
+  const std::uint8_t* name = r.take(length, "the architecture's name");
+  out.arch.assign(reinterpret_cast<const char*>(name), length);
+  while (!r.done()) out.sections.push_back(read_section(r, width, fp16));
+  return out;
 }
 
 }  // namespace kvcheck::llamacpp

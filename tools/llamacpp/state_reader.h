@@ -18,16 +18,42 @@ struct CellLayer {
   // [cell][width / 32]; empty for other types.
   std::vector<std::int8_t> k_codes, v_codes;
   std::vector<float> k_scales, v_scales;
+  // Where this layer's K rows sit in the state read (cell i's at k_at + i * k_row bytes), in
+  // ggml type k_type: for a caller that writes keys back (read_sequence_sections only).
+  std::size_t k_at = 0, k_row = 0;
+  std::int32_t k_type = 0;
 };
 
 struct Cells {
-  std::vector<std::int32_t> positions;  // per cell
-  std::vector<CellLayer> layers;
+  std::vector<std::int32_t> positions;          // per cell
+  std::vector<std::vector<std::int32_t>> seqs;  // per cell: the sequences holding it
+  std::vector<CellLayer> layers;               // the layers of this cache only, in model order
+  // The cells sequence `seq` holds, in the same order (a context's state lists every cell).
+  Cells of_sequence(std::int32_t seq) const;
 };
 
 // width: n_embd_k_gqa = n_embd_v_gqa (Hkv * D); fp16: the library's converter. Throws
 // std::runtime_error naming the first thing that does not fit.
 Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
                  const std::function<float(std::uint16_t)>& fp16);
+
+// A sequence's state of a model with sliding layers (llama.cpp's iSWA cache): two sections
+// after the prefix, the full layers' cells, then the sliding layers' (those its window
+// masks left out); one section for other models.
+std::vector<Cells> read_sequence_sections(const std::vector<std::uint8_t>& state, std::size_t width,
+                                          const std::function<float(std::uint16_t)>& fp16);
+
+// A whole context's state as llama_state_get_data() serializes it: the architecture's name
+// (u32 length, its bytes), then one section per cache, each as a sequence's state without
+// the prefix but with every used cell and all the sequences holding it. A model with
+// sliding-window layers (llama.cpp's iSWA cache) writes two: its full layers' cells, then
+// its sliding layers', each with its own n_layer. Unlike a sequence's state, a context's
+// leaves out no cell its window masks.
+struct ContextState {
+  std::string arch;
+  std::vector<Cells> sections;
+};
+ContextState read_context_state(const std::vector<std::uint8_t>& state, std::size_t width,
+                                const std::function<float(std::uint16_t)>& fp16);
 
 }  // namespace kvcheck::llamacpp

@@ -187,9 +187,11 @@ BugClass classify(const Scenario& s, const StepEvidence& e, const StepContext& c
     return BugClass::prompt_kept_whole;
 
   // A token the next query still sees is gone, and nothing is held in its place: the
-  // root cause, whatever the cache then did to the positions of what it kept.
+  // root cause, whatever the cache then did to the positions of what it kept. (A lost sink
+  // is a sink count, except in a sliding layer under a shift, whose sinks its sink layer
+  // keeps: there its window may have hidden one that a shift brings back, SPEC 10.4.)
   const bool lost_window_token = any(e.slots, [&](const SlotIssue& i) {
-    return i.kind == K::lost && (policy.kind != PolicyKind::sink || i.true_index >= policy.sinks);
+    return i.kind == K::lost && (policy.kind != PolicyKind::sink || policy.swa > 0 || i.true_index >= policy.sinks);
   });
   if (lost_window_token && !any(e.slots, [](const SlotIssue& i) {
         return i.kind == K::extra || i.kind == K::duplicated || (i.kind == K::lost && i.true_index < 0);
