@@ -50,26 +50,37 @@ static inline void tiny_tensor(struct gguf_context *g, struct ggml_context *c, c
   gguf_add_tensor(g, t);
 }
 
+/* The keys every tiny model has, under its architecture's name `arch`: `layers` layers of 2
+ * heads of TINY_HEAD_DIM dims, RoPE base `theta`. */
+static inline void tiny_keys(struct gguf_context *g, const char *arch, uint32_t layers, float theta) {
+  char key[96];
+#define TINY_KEY(kind, name, value)                    \
+  snprintf(key, sizeof key, "%s." name, arch); \
+  gguf_set_val_##kind(g, key, value)
+  gguf_set_val_str(g, "general.architecture", arch);
+  gguf_set_val_str(g, "general.name", "tiny");
+  TINY_KEY(u32, "vocab_size", TINY_VOCAB);
+  TINY_KEY(u32, "context_length", 8192);
+  TINY_KEY(u32, "embedding_length", TINY_EMBD);
+  TINY_KEY(u32, "block_count", layers);
+  TINY_KEY(u32, "feed_forward_length", TINY_FF);
+  TINY_KEY(u32, "attention.head_count", TINY_HEADS);
+  TINY_KEY(u32, "attention.head_count_kv", TINY_HEADS);
+  TINY_KEY(u32, "attention.key_length", TINY_HEAD_DIM);
+  TINY_KEY(u32, "attention.value_length", TINY_HEAD_DIM);
+  TINY_KEY(f32, "attention.layer_norm_rms_epsilon", 1e-5f);
+  TINY_KEY(u32, "rope.dimension_count", TINY_HEAD_DIM);
+  TINY_KEY(f32, "rope.freq_base", theta);
+#undef TINY_KEY
+}
+
 /* One layer, 2 heads of TINY_HEAD_DIM dims, RoPE theta 10000; yarn_factor > 0 adds YaRN scaling
  * (original context 32), as a GGUF converted from a YaRN checkpoint carries it. */
 static inline int tiny_llama_write(const char *path, float yarn_factor) {
   struct ggml_init_params params = {64u << 20, NULL, false};
   struct ggml_context *c = ggml_init(params);
   struct gguf_context *g = gguf_init_empty();
-  gguf_set_val_str(g, "general.architecture", "llama");
-  gguf_set_val_str(g, "general.name", "tiny");
-  gguf_set_val_u32(g, "llama.vocab_size", TINY_VOCAB);
-  gguf_set_val_u32(g, "llama.context_length", 8192);
-  gguf_set_val_u32(g, "llama.embedding_length", TINY_EMBD);
-  gguf_set_val_u32(g, "llama.block_count", 1);
-  gguf_set_val_u32(g, "llama.feed_forward_length", TINY_FF);
-  gguf_set_val_u32(g, "llama.attention.head_count", TINY_HEADS);
-  gguf_set_val_u32(g, "llama.attention.head_count_kv", TINY_HEADS);
-  gguf_set_val_u32(g, "llama.attention.key_length", TINY_HEAD_DIM);
-  gguf_set_val_u32(g, "llama.attention.value_length", TINY_HEAD_DIM);
-  gguf_set_val_f32(g, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
-  gguf_set_val_u32(g, "llama.rope.dimension_count", TINY_HEAD_DIM);
-  gguf_set_val_f32(g, "llama.rope.freq_base", 10000.0f);
+  tiny_keys(g, "llama", 1, 10000.0f);
   if (yarn_factor > 0.0f) {
     gguf_set_val_str(g, "llama.rope.scaling.type", "yarn");
     gguf_set_val_f32(g, "llama.rope.scaling.factor", yarn_factor);
@@ -223,18 +234,24 @@ static inline void tiny_quiet(enum ggml_log_level level, const char *text, void 
   if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
 }
 
-/* llama.cpp's CPU backends from `dir`, and the model written to a fresh temporary folder
- * (llama.cpp's log: errors only). */
-static inline struct llama_model *tiny_load(const char *dir, float yarn_factor, char *folder, char *path) {
+/* llama.cpp's CPU backends from `dir`, and the model `write(path, arg)` writes, written to a
+ * fresh temporary folder (llama.cpp's log: errors only). */
+static inline struct llama_model *tiny_load_model(const char *dir, int (*write)(const char *, float), float arg,
+                                                  char *folder, char *path) {
   llama_log_set(tiny_quiet, NULL);
   ggml_backend_load_all_from_path(dir);
   llama_backend_init();
   strcpy(folder, "/tmp/llamacpp-repro-XXXXXX");
   if (!mkdtemp(folder)) return NULL;
   snprintf(path, 512, "%s/tiny.gguf", folder);
-  if (tiny_llama_write(path, yarn_factor) != 0) return NULL;
+  if (write(path, arg) != 0) return NULL;
   struct llama_model_params mp = llama_model_default_params();
   return llama_model_load_from_file(path, mp);
+}
+
+/* The tiny llama model (tiny_llama_write), loaded as tiny_load_model says. */
+static inline struct llama_model *tiny_load(const char *dir, float yarn_factor, char *folder, char *path) {
+  return tiny_load_model(dir, tiny_llama_write, yarn_factor, folder, path);
 }
 
 /* After 8 tokens: a shift as llama-server makes it (keep 2, discard 2), then one token, in a
