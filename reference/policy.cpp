@@ -97,6 +97,16 @@ QueryView seen_again_view(const Policy& policy, std::int64_t length) {
   return view;
 }
 
+std::int64_t crop_lacks(const Policy& policy, std::int64_t length, std::int64_t cut) {
+  if (cut >= length) return -1;
+  const bool narrowed = policy.swa > 0;
+  const QueryView held = narrowed ? seen_again_view(policy, length) : retained_view(policy, length);
+  for (const VisibleKey& needed : (narrowed ? seen_again_view(policy, cut) : retained_view(policy, cut)).keys)
+    if (std::none_of(held.keys.begin(), held.keys.end(), [&](const VisibleKey& k) { return k.index == needed.index; }))
+      return needed.index;
+  return -1;
+}
+
 std::int64_t block_retained_length(std::int64_t length, std::int64_t capacity, std::int64_t window) {
   if (length <= capacity) return length;
   const std::int64_t evicted_at_once = capacity - window + 1;

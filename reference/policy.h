@@ -46,6 +46,12 @@ QueryView live_view(const Policy& policy, std::int64_t length);
 // falls to C - k at the next shift, so it is seen again iff min(Pq, C - k) - j < W.
 QueryView seen_again_view(const Policy& policy, std::int64_t length);
 
+// SPEC 4's crop refusal for one layer: the first token a row of `length` tokens cut to `cut`
+// needs and the cache may no longer hold, or -1 when none. Needed: the cut row's retained
+// set; held for sure: the row's. Under SPEC 10.4 both are narrowed to what a later query
+// sees (seen_again_view): a cache may have dropped the rest.
+std::int64_t crop_lacks(const Policy& policy, std::int64_t length, std::int64_t cut);
+
 // L(T) of SPEC 3.1: how many of a sliding row's most recent tokens a buffer of `capacity`
 // C >= W slots holds after `length` T tokens when it evicts G = C - W + 1 of its oldest
 // tokens at once (ONNX Runtime's windowed GroupQueryAttention cache): T up to C, then

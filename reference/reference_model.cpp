@@ -357,17 +357,13 @@ void ReferenceModel::crop(std::int64_t length) {
     // The cropped row's last token must still find every key it needs in the cache, in
     // every layer.
     for (std::size_t l = 0; l < layer_policies_.size(); ++l) {
-      const Policy& policy = layer_policies_[l];
-      const QueryView held = retained_view(policy, n);
-      for (const VisibleKey& needed : retained_view(policy, length).keys) {
-        const bool kept = std::any_of(held.keys.begin(), held.keys.end(),
-                                      [&](const VisibleKey& k) { return k.index == needed.index; });
-        if (!kept)
-          throw StepRefused("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
-                                                std::to_string(needed.index) + " of row " + std::to_string(b) +
-                                                (hybrid_ ? " in layer " + std::to_string(l) : std::string()) +
-                                                ", which the cache has already evicted");
-      }
+      const std::int64_t needed = crop_lacks(layer_policies_[l], n, length);
+      if (needed >= 0)
+        throw StepRefused("crop_evicted", "crop to " + std::to_string(length) + " tokens needs token " +
+                                              std::to_string(needed) + " of row " + std::to_string(b) +
+                                              (hybrid_ ? " in layer " + std::to_string(l) : std::string()) +
+                                              (layer_policies_[l].swa > 0 ? ", which the window may have dropped"
+                                                                          : ", which the cache has already evicted"));
       if (!hybrid_) break;  // every layer alike
     }
   }

@@ -30,13 +30,8 @@ class Bits {
 // Would a cache of these layers' policies accept cropping rows of these lengths to `length`?
 bool crop_accepted(const std::vector<Policy>& policies, const std::vector<std::int64_t>& rows, std::int64_t length) {
   for (const Policy& policy : policies)
-    for (std::int64_t n : rows) {
-      if (n <= length) continue;
-      const auto held = reference::retained_view(policy, n).keys;
-      for (const auto& need : reference::retained_view(policy, length).keys)
-        if (std::none_of(held.begin(), held.end(), [&](const auto& k) { return k.index == need.index; }))
-          return false;
-    }
+    for (std::int64_t n : rows)
+      if (reference::crop_lacks(policy, n, length) >= 0) return false;
   return true;
 }
 

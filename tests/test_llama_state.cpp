@@ -92,6 +92,28 @@ TEST(LlamaState, ATruncatedStateNamesWhatIsMissing) {
   }
 }
 
+// A sequence's state holds one section per cache, two at most (full and sliding layers):
+// read_cells takes one, and a third is bytes left over.
+TEST(LlamaState, ASequencesStateHoldsAtMostTwoSections) {
+  const std::vector<std::uint8_t> one = two_cells();  // 96 bytes
+  std::vector<std::uint8_t> two = one, three = one;
+  two.insert(two.end(), one.begin(), one.end());
+  three.insert(three.end(), two.begin(), two.end());
+  EXPECT_EQ(read_sequence_sections(two, 2, no_fp16).size(), 2u);
+  try {
+    read_cells(two, 2, no_fp16);
+    FAIL() << "read_cells took two sections";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("2 caches' cells, expected 1"), std::string::npos) << e.what();
+  }
+  try {
+    read_sequence_sections(three, 2, no_fp16);
+    FAIL() << "read three sections";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("96 bytes left after the cells"), std::string::npos) << e.what();
+  }
+}
+
 // A context's state (llama_state_get_data) of a model with sliding layers: the arch's name,
 // then the full layers' cells (7 of seq 0, 9 shared by seqs 0 and 1), then the sliding
 // layers' (3 of seq 1). Each sequence's cells are picked from every section.

@@ -1,6 +1,7 @@
 // V(t), Pk and Pq of the reference against tables written by hand from SPEC 3.
 #include <gtest/gtest.h>
 
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -136,6 +137,45 @@ TEST(Policy, ASlidingLayerUnderAShiftIsSeenAgainOnlyWithinItsWindow) {
   expect_view(seen_again_view(p, 10), {{8, 4}, {9, 5}}, 6);
   p.swa = 0;  // not under a shift: the live set
   expect_view(seen_again_view(p, 10), {{0, 0}, {1, 1}, {6, 2}, {7, 3}, {8, 4}, {9, 5}}, 6);
+}
+
+// seen_again_view against its definition, by brute force: of a row's first n tokens, the
+// ones some later query t (n <= t <= n + 3C: every phase of the shifts) sees under
+// streaming_view, which applies the window to the shifted positions.
+TEST(Policy, SeenAgainIsWhatSomeLaterQuerySees) {
+  int cases = 0;
+  for (std::int64_t S = 0; S <= 3; ++S)
+    for (std::int64_t C = S + 2; C <= 9; ++C)
+      for (std::int64_t k = 1; k <= C - S; ++k)
+        for (std::int64_t W = 1; W < C; ++W) {
+          Policy p = sink(S, C, k);
+          p.swa = W;
+          for (std::int64_t n = 0; n <= 3 * C; ++n) {
+            std::set<std::int64_t> later, got;
+            for (std::int64_t t = n; t <= n + 3 * C; ++t)
+              for (const VisibleKey& key : streaming_view(p, t).keys)
+                if (key.index < n) later.insert(key.index);
+            for (const VisibleKey& key : seen_again_view(p, n).keys) got.insert(key.index);
+            ASSERT_EQ(got, later) << "S " << S << " C " << C << " k " << k << " W " << W << " n " << n;
+            ++cases;
+          }
+        }
+  EXPECT_GT(cases, 5000);
+}
+
+// SPEC 4's crop refusal, narrowed under SPEC 10.4 (S 2, C 8, k 4): after 7 tokens nothing is
+// evicted, so a sink layer serves a crop to 6; a sliding layer of W 5 may have dropped token
+// 2 (7 - 2 >= 5), which token 6 sees (6 - 2 < 5): refused. After an eviction the sink
+// layer refuses a crop back into what it evicted.
+TEST(Policy, ACropIsRefusedWhenItNeedsWhatTheCacheMayHaveDropped) {
+  Policy p = sink(2, 8, 4);
+  EXPECT_EQ(crop_lacks(p, 7, 6), -1);
+  EXPECT_EQ(crop_lacks(p, 9, 8), 2);  // token 8 evicted 2..5; token 7 needs 2
+  EXPECT_EQ(crop_lacks(p, 7, 7), -1);
+  p.swa = 5;
+  EXPECT_EQ(crop_lacks(p, 7, 6), 2);
+  EXPECT_EQ(crop_lacks(p, 7, 3), 2);   // token 3 sees 0, 1, 2: token 2 again
+  EXPECT_EQ(crop_lacks(p, 7, 2), -1);  // token 2 sees the sinks, which come back after a shift
 }
 
 // SPEC 10.2, C = 4, worked by hand: chunks are 0..3, 4..7, 8..11.

@@ -939,7 +939,7 @@ CLI_CASES = [
      lambda d: ["llamacpp", good_scenario(d), "--type-k", "q9"]),
     ("llamacpp of a missing scenario", 2, "nope.json: cannot open the scenario: No such file",
      lambda d: ["llamacpp", os.path.join(d, "nope.json")]),
-    ("llamacpp of a policy llama.cpp has not", 2, "/policy/type: sliding: the llama arch has no sliding window",
+    ("llamacpp of a policy llama.cpp has not", 2, "/policy/type: sliding for every layer: the llama arch has no sliding window",
      lambda d: ["llamacpp", write(d, "s.json", json.dumps(with_field("/policy", {"type": "sliding", "window": 4})))]),
     ("llamacpp --trace onto a foreign folder", 2, "--trace: refusing to write into a folder that is not",
      lambda d: ["llamacpp", good_scenario(d), "--trace", os.path.dirname(write(d, "mine/notes.txt", "mine"))]),

@@ -510,14 +510,14 @@ int run(const Options& o) {
       for (std::size_t b = 0; b < rows.size() && refused.empty(); ++b) {
         if (rows[b].tokens <= step.length) continue;
         for (int l = 0; l < L && refused.empty(); ++l) {
-          const reference::QueryView held = reference::retained_view(s.policy(l), rows[b].tokens);
-          for (const reference::VisibleKey& needed : reference::retained_view(s.policy(l), step.length).keys)
-            if (std::none_of(held.keys.begin(), held.keys.end(),
-                             [&](const reference::VisibleKey& k) { return k.index == needed.index; }))
-              refused = fmt::format("crop to {} tokens needs token {} of row {}{}, {}", step.length, needed.index, b,
-                                    arch.gemma3 ? fmt::format(" in layer {}", l) : std::string(),
-                                    policy.kind == PolicyKind::sink ? "discarded by a context shift"
-                                                                    : "beyond the sliding window");
+          const Policy& layer = s.policy(l);
+          const std::int64_t needed = reference::crop_lacks(layer, rows[b].tokens, step.length);
+          if (needed >= 0)
+            refused = fmt::format("crop to {} tokens needs token {} of row {}{}, {}", step.length, needed, b,
+                                  arch.gemma3 ? fmt::format(" in layer {}", l) : std::string(),
+                                  layer.swa > 0                    ? "which the sliding cells may have given away"
+                                  : layer.kind == PolicyKind::sink ? "discarded by a context shift"
+                                                                   : "beyond the sliding window");
         }
       }
       if (!refused.empty()) {

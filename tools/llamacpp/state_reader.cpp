@@ -215,7 +215,9 @@ std::vector<Cells> read_sequence_sections(const std::vector<std::uint8_t>& state
                                          r.peek<std::uint32_t>(), kStateMagic));
   std::vector<Cells> sections;
   do sections.push_back(read_section(r, width, fp16));
-  while (!r.done());
+  while (!r.done() && sections.size() < 2);  // at most a full part and a sliding part
+  if (!r.done())
+    throw std::runtime_error(fmt::format("sequence state: {} bytes left after the cells", state.size() - r.at()));
   return sections;
 }
 

@@ -39,7 +39,7 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
 
 // A sequence's state of a model with sliding layers (llama.cpp's iSWA cache): two sections
 // after the prefix, the full layers' cells, then the sliding layers' (those its window
-// masks left out); one section for other models.
+// masks left out); one section for other models. More is an error, as bytes left over.
 std::vector<Cells> read_sequence_sections(const std::vector<std::uint8_t>& state, std::size_t width,
                                           const std::function<float(std::uint16_t)>& fp16);
 

@@ -15,9 +15,11 @@
  * between the two runs (the bug), 0 when they agree. --swa-full runs both with a full-size
  * SWA cache (the same reuse rule: it fails too); --apart gives each sequence a stream of its
  * own (kv_unified off; swa_full on, without which llama.cpp refuses to shift): the control,
- * which exits 0.
+ * which exits 0. --restore runs sequence 1 alone but saves it (llama_state_seq_get_data) and
+ * restores it into a fresh context right before its shift, as llama-server's slot save and
+ * restore do: the state leaves out the cells the window masks, sinks included.
  *
- *   swa_sinks_overwritten LIB_DIR [--swa-full | --apart]   (LIB_DIR: libllama and its CPU backends) */
+ *   swa_sinks_overwritten LIB_DIR [--swa-full | --apart | --restore]   (LIB_DIR: libllama and its CPU backends) */
 #include "repro/tiny_gemma3.h"
 
 enum { SLOT = 8, KEEP = 2, DISCARD = 4, FORWARDS = 5 };
@@ -67,7 +69,7 @@ static int swa_positions(struct llama_context *ctx, struct outcome *o) {
 }
 
 /* Runs the schedule; with_other: sequence 0 beside sequence 1. */
-static int run(struct llama_model *model, int with_other, int swa_full, int apart, struct outcome *o) {
+static int run(struct llama_model *model, int with_other, int swa_full, int apart, int restore, struct outcome *o) {
   struct llama_context_params p = llama_context_default_params();
   p.n_ctx = p.n_batch = p.n_ubatch = 2 * SLOT;
   p.n_seq_max = 2;
@@ -82,6 +84,17 @@ static int run(struct llama_model *model, int with_other, int swa_full, int apar
   const int prompt[2] = {7, 4};
   const int first = with_other ? 0 : 1;
   for (int forward = 0; forward <= FORWARDS; ++forward) {
+    if (restore && held[1] == SLOT) { /* sequence 1 saved and restored before its shift */
+      const size_t size = llama_state_seq_get_size(ctx, 1);
+      uint8_t *state = (uint8_t *)malloc(size);
+      if (!state || llama_state_seq_get_data(ctx, state, size, 1) != size) return -1;
+      llama_free(ctx);
+      ctx = llama_init_from_model(model, p);
+      if (!ctx || llama_state_seq_set_data(ctx, state, size, 1) != size) return -1;
+      free(state);
+      mem = llama_get_memory(ctx);
+      restore = 0;
+    }
     struct llama_batch b = llama_batch_init(16, TINY_EMBD, 1);
     int n = 0, last = -1;
     for (int s = first; s < 2; ++s) {
@@ -121,28 +134,34 @@ static void print_positions(const char *what, const struct outcome *o) {
 
 int main(int argc, char **argv) {
   const int apart = argc == 3 && strcmp(argv[2], "--apart") == 0;
-  if (argc < 2 || argc > 3 || (argc == 3 && !apart && strcmp(argv[2], "--swa-full") != 0)) {
-    fprintf(stderr, "usage: %s LIB_DIR [--swa-full | --apart]\n", argv[0]);
+  const int restore = argc == 3 && strcmp(argv[2], "--restore") == 0;
+  if (argc < 2 || argc > 3 || (argc == 3 && !apart && !restore && strcmp(argv[2], "--swa-full") != 0)) {
+    fprintf(stderr, "usage: %s LIB_DIR [--swa-full | --apart | --restore]\n", argv[0]);
     return 2;
   }
-  const int swa_full = argc == 3;
+  const int swa_full = argc == 3 && !restore;
   char folder[64], path[512];
   struct llama_model *model = tiny_gemma3_load(argv[1], folder, path);
   struct outcome beside, alone;
-  if (!model || run(model, 1, swa_full, apart, &beside) != 0 || run(model, 0, swa_full, apart, &alone) != 0) {
+  if (!model || run(model, !restore, swa_full, apart, restore, &beside) != 0 || run(model, 0, swa_full, apart, 0, &alone) != 0) {
     fprintf(stderr, "could not load or run the tiny model\n");
     return 2;
   }
   printf("llama.cpp %s: gemma3, sliding window %d, swa_full %s, kv_unified %s; slots of %d cells shifted as "
-         "llama-server does (n_keep %d, n_discard %d), prompts of 7 and 4 tokens, %d forwards\n",
-         llama_version(), TINY_G3_WINDOW, swa_full ? "on" : "off", apart ? "off" : "on", SLOT, KEEP, DISCARD, FORWARDS);
+         "llama-server does (n_keep %d, n_discard %d), %s, %d forwards\n",
+         llama_version(), TINY_G3_WINDOW, swa_full ? "on" : "off", apart ? "off" : "on", SLOT, KEEP, DISCARD,
+         restore ? "a prompt of 4 tokens (sequence 1 alone)" : "prompts of 7 and 4 tokens", FORWARDS);
   printf("sequence 1 after its shift, its newest token at position 4 (its window sees positions 0 to 4):\n");
-  print_positions("its cells in the sliding layers' cache, alone             ", &alone);
-  print_positions("its cells in the sliding layers' cache, beside sequence 0 ", &beside);
+  print_positions("its cells in the sliding layers' cache, alone              ", &alone);
+  const char *other = restore ? "saved and restored" : "beside sequence 0";
+  char label[96];
+  snprintf(label, sizeof label, "its cells in the sliding layers' cache, %-19s", other);
+  print_positions(label, &beside);
   double worst = 0.0;
-  printf("  logits of that token, alone:             ");
+  printf("  logits of that token, alone              :");
   for (int i = 0; i < TINY_VOCAB; ++i) printf(" %9.6f", alone.logits[i]);
-  printf("\n  logits of that token, beside sequence 0: ");
+  printf("\n  logits of that token, %-19s", other);
+  printf(":");
   for (int i = 0; i < TINY_VOCAB; ++i) {
     printf(" %9.6f", beside.logits[i]);
     const double d = fabs((double)beside.logits[i] - alone.logits[i]);
@@ -153,9 +172,9 @@ int main(int argc, char **argv) {
                          memcmp(beside.positions, alone.positions, sizeof(int) * (size_t)alone.n_positions) == 0;
   tiny_cleanup(folder, path);
   if (same_cells && worst < 1e-4) {
-    printf("sequence 1 is the same beside sequence 0 as alone\n");
+    printf("sequence 1 is the same %s as alone\n", other);
     return 0;
   }
-  printf("beside sequence 0, sequence 1 lost cells its sliding window sees again after the shift\n");
+  printf("%s, sequence 1 lost cells its sliding window sees again after the shift\n", other);
   return 1;
 }

@@ -654,7 +654,7 @@ class StepChecker::Impl {
             extra.block_count = blocks && !live;
             evidence.slots.push_back(extra);
           }
-        } else if (!live && options_.eviction == Eviction::eager) {
+        } else if (!live && options_.eviction == Eviction::eager && !sets.droppable.count(v.uid)) {
           row.verdict = SlotVerdict::not_retained;
           if (check_set) {
             retained_.fail(
@@ -669,7 +669,10 @@ class StepChecker::Impl {
         } else {
           row.verdict = live ? SlotVerdict::ok : SlotVerdict::dead_held;
         }
-        const bool judged = row.index >= 0 || options_.key_positions == KeyPositions::claimed;
+        // A key no later query sees (SPEC 10.4) is not judged for its rotation: a shift may
+        // leave it as it was.
+        const bool judged = (row.index >= 0 || options_.key_positions == KeyPositions::claimed) &&
+                            !sets.droppable.count(v.uid);
         if (judged && v.uid >= 0 && v.uid < inputs_.uids && v.key != nullptr)
           check_key(rec, view, l, b, static_cast<int>(g), v, row, positions, sets, evidence, state, where);
         if (precision_off && is_fine(row.verdict) && row.verdict != SlotVerdict::dead_held)
@@ -756,7 +759,9 @@ class StepChecker::Impl {
     std::size_t lazy_misfits = 0, eager_misfits = 0;
     const int D = s_.dims.head_dim;
     for (const ViewSlot& v : slots) {
-      if (v.uid < 0 || v.uid >= inputs_.uids || v.key == nullptr || index_of(rec.histories[b], v.uid) < 0) continue;
+      if (v.uid < 0 || v.uid >= inputs_.uids || v.key == nullptr || index_of(rec.histories[b], v.uid) < 0 ||
+          sets.droppable.count(v.uid))
+        continue;
       const auto lazy = sets.lazy_position(v.uid), eager = sets.eager_position(v.uid);
       if (!lazy) continue;
       const float* raw = inputs_.k_at(l, static_cast<std::uint64_t>(v.uid), g);
