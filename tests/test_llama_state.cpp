@@ -138,6 +138,13 @@ TEST(LlamaState, AContextsStateIsItsArchThenOneSectionPerCache) {
   EXPECT_EQ(sliding.layers[0].v, (std::vector<float>{11, 12}));
   EXPECT_TRUE(state.sections[1].of_sequence(0).positions.empty());
   EXPECT_TRUE(state.sections[1].of_sequence(0).layers.empty());
+  s.resize(s.size() - 3);  // the sliding section's V rows cut short: named as the context's
+  try {
+    read_context_state(s, 2, no_fp16);
+    FAIL() << "read a truncated context state";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("context state: the V rows needs 8 bytes"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -380,11 +380,23 @@ int run(const Options& o) {
       std::vector<std::uint8_t> state(api.llama_state_get_size(ctx));
       if (api.llama_state_get_data(ctx, state.data(), state.size()) != state.size())
         throw std::runtime_error("llama_state_get_data wrote another size than llama_state_get_size said");
-      const ContextState context = read_context_state(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32);
+      // The layout of v0.5.0 (the arch's name, then the caches): another build may write more
+      // first, which is the libraries' difference (exit 2), not kvcheck's fault.
+      const auto another_layout = [&](const std::string& why) {
+        const std::string text = fmt::format("the context state (llama_state_get_data) is not laid out as llama.cpp "
+                                             "{}'s, which the gemma3 arch reads: {}", kKnownVersion, why);
+        if (version_of(api) != kKnownVersion) throw ApiRefused(text);
+        throw std::runtime_error(text);
+      };
+      ContextState context;
+      try {
+        context = read_context_state(state, static_cast<std::size_t>(Hkv * D), api.ggml_fp16_to_fp32);
+      } catch (const std::runtime_error& e) {
+        another_layout(e.what());
+      }
       if (context.arch != "gemma3" || context.sections.size() != caches)
-        throw std::runtime_error(fmt::format("the context state is of arch \"{}\" with {} caches, expected gemma3 with "
-                                             "{} (full layers, then sliding): another state format",
-                                             context.arch, context.sections.size(), caches));
+        another_layout(fmt::format("arch \"{}\" with {} caches, expected gemma3 with {} (full layers, then sliding)",
+                                   context.arch, context.sections.size(), caches));
       for (std::size_t c = 0; c < caches; ++c)
         for (std::size_t b = 0; b < B; ++b) held[c].push_back(context.sections[c].of_sequence(static_cast<std::int32_t>(b)));
     } else {

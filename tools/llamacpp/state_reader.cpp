@@ -11,7 +11,9 @@ namespace {
 
 class Reader {
  public:
-  explicit Reader(const std::vector<std::uint8_t>& bytes) : bytes_(bytes) {}
+  // label: what the bytes are, for messages ("sequence state", "context state").
+  Reader(const std::vector<std::uint8_t>& bytes, const char* label) : bytes_(bytes), label_(label) {}
+  const char* label() const { return label_; }
   template <typename T>
   T get(const char* what) {
     need(sizeof(T), what);
@@ -39,10 +41,11 @@ class Reader {
  private:
   void need(std::size_t n, const char* what) const {
     if (n > bytes_.size() - at_)
-      throw std::runtime_error(fmt::format("sequence state: {} needs {} bytes at offset {}, {} left", what, n, at_,
+      throw std::runtime_error(fmt::format("{}: {} needs {} bytes at offset {}, {} left", label_, what, n, at_,
                                            bytes_.size() - at_));
   }
   const std::vector<std::uint8_t>& bytes_;
+  const char* label_;
   std::size_t at_ = 0;
 };
 
@@ -61,7 +64,7 @@ int code_at(const std::uint8_t* block, std::int32_t type, std::size_t i) {
 }
 
 // Bytes of a row of `width` elements of `type`.
-std::size_t row_bytes(std::int32_t type, std::size_t width, const char* what) {
+std::size_t row_bytes(std::int32_t type, std::size_t width, const char* what, const char* label) {
   switch (type) {
     case kF32:
       return 4 * width;
@@ -73,9 +76,9 @@ std::size_t row_bytes(std::int32_t type, std::size_t width, const char* what) {
       if (width % kQ8Block == 0) return width / kQ8Block * (type == kQ8_0 ? kQ8BlockBytes : kQ4BlockBytes);
       break;
   }
-  throw std::runtime_error(fmt::format("sequence state: {} stored as ggml type {}; kvcheck reads f32, f16, bf16, q8_0 "
+  throw std::runtime_error(fmt::format("{}: {} stored as ggml type {}; kvcheck reads f32, f16, bf16, q8_0 "
                                        "and q4_0 cells",
-                                       what, type));
+                                       label, what, type));
 }
 
 // Element i of a row of `type` as float (q8_0 dequantized: d * code; q4_0: d * (code - 8)).
@@ -118,7 +121,7 @@ void keep_codes(const std::uint8_t* row, std::int32_t type, std::size_t width,
 // One cache's cells, from n_stream on, leaving `r` after them.
 Cells read_section(Reader& r, std::size_t width, const std::function<float(std::uint16_t)>& fp16) {
   const auto streams = r.get<std::uint32_t>("n_stream");
-  if (streams != 1) throw std::runtime_error(fmt::format("sequence state: {} streams, expected 1", streams));
+  if (streams != 1) throw std::runtime_error(fmt::format("{}: {} streams, expected 1", r.label(), streams));
   const auto count = r.get<std::uint32_t>("cell_count");
   Cells c;
   for (std::uint32_t i = 0; i < count; ++i) {
@@ -136,9 +139,9 @@ Cells read_section(Reader& r, std::size_t width, const std::function<float(std::
   for (CellLayer& layer : c.layers) {
     const auto type = r.get<std::int32_t>("a K type");
     const auto row = r.get<std::uint64_t>("a K row size");
-    if (row != row_bytes(type, width, "K"))
+    if (row != row_bytes(type, width, "K", r.label()))
       throw std::runtime_error(
-          fmt::format("sequence state: K rows of {} bytes, expected {}", row, row_bytes(type, width, "K")));
+          fmt::format("{}: K rows of {} bytes, expected {}", r.label(), row, row_bytes(type, width, "K", r.label())));
     layer.k_at = r.at(), layer.k_row = row, layer.k_type = type;
     const std::uint8_t* rows = r.take(row * count, "the K rows");
     for (std::uint32_t cell = 0; cell < count; ++cell) {
@@ -151,7 +154,8 @@ Cells read_section(Reader& r, std::size_t width, const std::function<float(std::
     layer.v.assign(count * width, 0.0f);
     if (v_trans == 0) {
       const auto row = r.get<std::uint64_t>("a V row size");
-      if (row != row_bytes(type, width, "V")) throw std::runtime_error("sequence state: V rows of another width");
+      if (row != row_bytes(type, width, "V", r.label()))
+        throw std::runtime_error(fmt::format("{}: V rows of another width", r.label()));
       const std::uint8_t* rows = r.take(row * count, "the V rows");
       for (std::uint32_t cell = 0; cell < count; ++cell) {
         for (std::size_t i = 0; i < width; ++i) layer.v[cell * width + i] = element(rows + cell * row, type, i, fp16);
@@ -160,8 +164,8 @@ Cells read_section(Reader& r, std::size_t width, const std::function<float(std::
     } else {
       const auto size = r.get<std::uint32_t>("a V element size");
       const auto dims = r.get<std::uint32_t>("a V width");
-      if (quantized(type) || size * width != row_bytes(type, width, "V") || dims != width)
-        throw std::runtime_error("sequence state: transposed V of another element size or width");
+      if (quantized(type) || size * width != row_bytes(type, width, "V", r.label()) || dims != width)
+        throw std::runtime_error(fmt::format("{}: transposed V of another element size or width", r.label()));
       const std::uint8_t* data = r.take(static_cast<std::size_t>(size) * dims * count, "the V columns");
       for (std::uint32_t d = 0; d < dims; ++d)
         for (std::uint32_t cell = 0; cell < count; ++cell)
@@ -203,7 +207,7 @@ Cells Cells::of_sequence(std::int32_t seq) const {
 
 std::vector<Cells> read_sequence_sections(const std::vector<std::uint8_t>& state, std::size_t width,
                                           const std::function<float(std::uint16_t)>& fp16) {
-  Reader r(state);
+  Reader r(state, "sequence state");
   // Builds since spring 2026 open a sequence's state with a magic number and its seq id
   // (io_magic in llama.cpp v0.5.0's src/llama-context.cpp; b8390 has none); older ones
   // start at n_stream (a small count, never the magic).
@@ -231,7 +235,7 @@ Cells read_cells(const std::vector<std::uint8_t>& state, std::size_t width,
 
 ContextState read_context_state(const std::vector<std::uint8_t>& state, std::size_t width,
                                 const std::function<float(std::uint16_t)>& fp16) {
-  Reader r(state);
+  Reader r(state, "context state");
   ContextState out;
   const auto length = r.get<std::uint32_t>("the architecture's name length");
   if (length > 64)
