@@ -1,6 +1,7 @@
 #include "reference/reference_model.h"
 
 #include <algorithm>
+#include <set>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -421,10 +422,10 @@ RowRetained retained_of(const Policy& policy, std::span<const std::uint64_t> his
   out.next_query_position = next.query_position;
   for (const VisibleKey& key : next.keys) out.live.push_back({history[key.index] & kUidBits, key.index, key.position});
   if (policy.swa > 0) {
-    const QueryView seen = seen_again_view(policy, length);
+    std::set<std::int64_t> seen;
+    for (const VisibleKey& key : seen_again_view(policy, length).keys) seen.insert(key.index);
     for (const RetainedKey& key : out.keys)
-      if (std::none_of(seen.keys.begin(), seen.keys.end(), [&](const VisibleKey& k) { return k.index == key.index; }))
-        out.droppable.push_back(key.uid);
+      if (!seen.count(key.index)) out.droppable.push_back(key.uid);
   }
   return out;
 }

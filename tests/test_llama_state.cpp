@@ -50,6 +50,18 @@ std::vector<std::uint8_t> two_cells() { return section({{7, {0}}, {9, {0}}}, {1,
 
 float no_fp16(std::uint16_t) { throw std::logic_error("no f16 here"); }
 
+// `read` throws a std::runtime_error whose message holds `text`.
+template <typename Read>
+void expect_error(Read read, const std::string& text) {
+  std::string message = "(nothing thrown)";
+  try {
+    read();
+  } catch (const std::runtime_error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find(text), std::string::npos) << message;
+}
+
 void expect_two_cells(const Cells& c) {
   EXPECT_EQ(c.positions, (std::vector<std::int32_t>{7, 9}));
   ASSERT_EQ(c.layers.size(), 1u);
@@ -72,24 +84,13 @@ TEST(LlamaState, AnotherPrefixIsNotSkippedButNamed) {
   put<std::uint32_t>(s, 0xaf143cd9);
   put<std::int32_t>(s, 0);
   for (std::uint8_t byte : two_cells()) s.push_back(byte);
-  try {
-    read_cells(s, 2, no_fp16);
-    FAIL() << "read a state with an unknown prefix";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("begins with 0xaf143cd9, neither the magic 0xaf143cd8"), std::string::npos)
-        << e.what();
-  }
+  expect_error([&] { read_cells(s, 2, no_fp16); }, "begins with 0xaf143cd9, neither the magic 0xaf143cd8");
 }
 
 TEST(LlamaState, ATruncatedStateNamesWhatIsMissing) {
   std::vector<std::uint8_t> s = two_cells();
   s.resize(s.size() - 3);  // V's rows (2 cells of 8 bytes) start at byte 80 of 96
-  try {
-    read_cells(s, 2, no_fp16);
-    FAIL() << "read a truncated state";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("the V rows needs 16 bytes at offset 80, 13 left"), std::string::npos) << e.what();
-  }
+  expect_error([&] { read_cells(s, 2, no_fp16); }, "the V rows needs 16 bytes at offset 80, 13 left");
 }
 
 // A sequence's state holds one section per cache, two at most (full and sliding layers):
@@ -100,18 +101,8 @@ TEST(LlamaState, ASequencesStateHoldsAtMostTwoSections) {
   two.insert(two.end(), one.begin(), one.end());
   three.insert(three.end(), two.begin(), two.end());
   EXPECT_EQ(read_sequence_sections(two, 2, no_fp16).size(), 2u);
-  try {
-    read_cells(two, 2, no_fp16);
-    FAIL() << "read_cells took two sections";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("2 caches' cells, expected 1"), std::string::npos) << e.what();
-  }
-  try {
-    read_sequence_sections(three, 2, no_fp16);
-    FAIL() << "read three sections";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("96 bytes left after the cells"), std::string::npos) << e.what();
-  }
+  expect_error([&] { read_cells(two, 2, no_fp16); }, "2 caches' cells, expected 1");
+  expect_error([&] { read_sequence_sections(three, 2, no_fp16); }, "96 bytes left after the cells");
 }
 
 // A context's state (llama_state_get_data) of a model with sliding layers: the arch's name,
@@ -139,12 +130,7 @@ TEST(LlamaState, AContextsStateIsItsArchThenOneSectionPerCache) {
   EXPECT_TRUE(state.sections[1].of_sequence(0).positions.empty());
   EXPECT_TRUE(state.sections[1].of_sequence(0).layers.empty());
   s.resize(s.size() - 3);  // the sliding section's V rows cut short: named as the context's
-  try {
-    read_context_state(s, 2, no_fp16);
-    FAIL() << "read a truncated context state";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("context state: the V rows needs 8 bytes"), std::string::npos) << e.what();
-  }
+  expect_error([&] { read_context_state(s, 2, no_fp16); }, "context state: the V rows needs 8 bytes");
 }
 
 }  // namespace

@@ -359,8 +359,6 @@ int run(const Options& o) {
   const auto evicted_at = [&](std::int64_t t) {
     return policy.kind == PolicyKind::sink ? reference::evicted_count(policy, t) : std::int64_t{0};
   };
-  // Every cell of every sequence after step i, and (an append) the rotated queries and the
-  // outputs [L][B][H][n][D] (zero at left padding).
   // llama.cpp's caches (gemma3: the full layers', then the sliding layers'), how many layers
   // each holds, and where layer l lives: (cache, its index there).
   const std::size_t caches = arch.gemma3 ? 2 : 1;
@@ -370,6 +368,8 @@ int run(const Options& o) {
     const std::size_t c = arch.gemma3 && arch.sliding[static_cast<std::size_t>(l)] ? 1 : 0;
     home.emplace_back(c, cache_layers[c]++);
   }
+  // Every cell of every sequence after step i, and (an append) the rotated queries and the
+  // outputs [L][B][H][n][D] (zero at left padding).
   const auto record = [&](std::int64_t n, const std::vector<float>* out, const std::vector<float>* q_rot) {
     const std::size_t i = steps.size();  // the captured scenario's step
     const auto B = rows.size();
@@ -418,23 +418,17 @@ int run(const Options& o) {
                ns = static_cast<std::size_t>(n);
     for (int l = 0; l < L; ++l) {
       const auto [cache, within] = home[static_cast<std::size_t>(l)];
-      std::vector<Cells> cells_of;  // per row: the cache holding layer l, with that layer only
+      const std::vector<Cells>& cells_of = held[cache];  // per row: the cache holding layer l
       std::size_t slots = 0;
-      for (const Cells& row_cells : held[cache]) {
-        Cells one;
-        one.positions = row_cells.positions;
-        if (!row_cells.positions.empty()) one.layers.push_back(row_cells.layers[within]);
-        slots = std::max(slots, one.positions.size());
-        cells_of.push_back(std::move(one));
-      }
+      for (const Cells& row_cells : cells_of) slots = std::max(slots, row_cells.positions.size());
       std::vector<float> keys(B * Hkvs * slots * Ds, 0.0f), values(keys.size(), 0.0f);  // zero: an unused slot
       for (std::size_t b = 0; b < B; ++b)
         for (std::size_t cell = 0; cell < cells_of[b].positions.size(); ++cell)
           for (std::size_t g = 0; g < Hkvs; ++g)
             for (std::size_t d = 0; d < Ds; ++d) {
               const std::size_t src = (cell * Hkvs + g) * Ds + d, dst = ((b * Hkvs + g) * slots + cell) * Ds + d;
-              keys[dst] = cells_of[b].layers[0].k[src];
-              values[dst] = cells_of[b].layers[0].v[src];
+              keys[dst] = cells_of[b].layers[within].k[src];
+              values[dst] = cells_of[b].layers[within].v[src];
             }
       // The scenario declares a Hadamard matrix narrower than the head as "transform_block"
       // (blocks along head_dim); it must be a power of two that divides head_dim.
@@ -462,7 +456,7 @@ int run(const Options& o) {
         std::vector<float> scales(B * Hkvs * slots * G, 0.0f);
         for (std::size_t b = 0; b < B; ++b) {
           if (cells_of[b].layers.empty()) continue;  // no cells
-          const CellLayer& layer_cells = cells_of[b].layers[0];
+          const CellLayer& layer_cells = cells_of[b].layers[within];
           for (std::size_t cell = 0; cell < cells_of[b].positions.size(); ++cell)
             for (std::size_t g = 0; g < Hkvs; ++g) {
               const std::size_t dst = (b * Hkvs + g) * slots + cell;

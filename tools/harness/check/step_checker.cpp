@@ -562,9 +562,11 @@ class StepChecker::Impl {
       for (const ViewSlot& v : heads[g])
         if (v.uid >= 0 && index_of(history, v.uid) >= 0) ++held[v.uid];
       bool dead_held = false, dead_dropped = false;
-      for (const auto& [uid, key] : sets.retained)
-        if (!sets.live.count(uid) && (held.count(uid) || !sets.droppable.count(uid)))
-          (held.count(uid) ? dead_held : dead_dropped) = true;
+      for (const auto& [uid, key] : sets.retained) {
+        if (sets.live.count(uid)) continue;
+        if (held.count(uid)) dead_held = true;
+        else if (!sets.droppable.count(uid)) dead_dropped = true;  // SPEC 10.4's may go: no evidence
+      }
       if (check_set && has_dead) {
         eager_rows_ += dead_dropped && !dead_held;
         lazy_rows_ += dead_held && !dead_dropped;
