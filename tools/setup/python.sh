@@ -7,6 +7,11 @@
 #                      (pip --require-hashes), so two machines hold the same files.
 # PyTorch is always torch.txt, installed first and alone: pinned to the 2.13.0 CPU build,
 # a later package can then never bring a CUDA build (about 3 GB) in its place.
+# PyTorch is installed once, in build/venvs/torch (about 1 GB). A venv whose files start
+# with torch.txt reads it from there through a .pth file behind its own site-packages, so
+# its own packages (numpy 1.26 for transformers 4.42, say) come first and pip, seeing torch
+# installed outside the venv, neither reinstalls nor touches it. Six copies of torch did
+# not fit the disk of a CI machine (pip: "No space left on device" at the seventh venv).
 KVCHECK_VENVS="$KVCHECK_ROOT/build/venvs"
 
 # kvcheck_venv NAME [REQUIREMENTS...]: makes build/venvs/NAME (once, and again when a
@@ -20,6 +25,7 @@ kvcheck_venv() {
     wanted+="$f $(sha256sum <"$KVCHECK_ROOT/tools/setup/requirements/$f" | cut -c1-64); "
   done
   stamp="$venv/kvcheck-requirements"
+  [ "$name" != torch ] && [ "${files[0]}" = torch.txt ] && kvcheck_venv torch
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] && return 0
   command -v /usr/bin/python3 >/dev/null && /usr/bin/python3 -c 'import ensurepip' 2>/dev/null ||
     kvcheck_install_packages python3-venv
@@ -33,10 +39,21 @@ kvcheck_venv() {
     echo "kvcheck: could not make the venv $venv (see above)" >&2
     exit 2
   fi
+  if [ "$name" != torch ] && [ "${files[0]}" = torch.txt ]; then
+    local site torch_site
+    site=("$venv"/lib/python3*/site-packages)
+    torch_site=("$KVCHECK_VENVS"/torch/lib/python3*/site-packages)
+    echo "${torch_site[0]}" >"${site[0]}/kvcheck-torch.pth"
+    # The venv's own setuptools (66) would hide the 84.2.1 that torch requires.
+    "$venv/bin/pip" uninstall --yes --disable-pip-version-check setuptools >>"$log" 2>&1
+    files=("${files[@]:1}")
+  fi
   for f in "${files[@]}"; do
     if ! "$venv/bin/pip" install --no-input --disable-pip-version-check --require-hashes \
         -r "$KVCHECK_ROOT/tools/setup/requirements/$f" >>"$log" 2>&1; then
       grep -v "is ignored: it is neither a file nor a directory" "$log" | tail -n 30 >&2
+      grep -q "No space left on device" "$log" &&
+        echo "kvcheck: the disk holding $KVCHECK_VENVS has $(df -h --output=avail "$KVCHECK_VENVS" | tail -n 1 | tr -d ' ') free; tools/test's venvs take about 3.5 GB in all" >&2
       echo "kvcheck: pip could not install tools/setup/requirements/$f into $venv (log: $log)" >&2
       exit 2
     fi
