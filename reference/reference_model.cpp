@@ -108,7 +108,14 @@ void ReferenceModel::attend_group(int layer, int group, const std::vector<std::u
   const int d = dims_.head_dim;
   const std::size_t n = view.keys.size(), D = static_cast<std::size_t>(d);
   const std::size_t share = kMemoBytes / memos_.size() / (2 * sizeof(double) * D);
-  if (memo.slot_of_uid.size() + n > std::max(n, share)) memo = KeyMemo{};
+  // Room for this view's keys beside the last view's: a full layer's next token sees the
+  // same keys plus one. Cleared, not freed: its memory is reused, not faulted in again.
+  if (memo.slot_of_uid.size() + n > std::max(2 * n, share)) {
+    memo.slot_of_uid.clear();
+    memo.position.clear();
+    memo.keys.clear();
+    memo.values.clear();
+  }
   // Every visible key rotated at its position Pk(t, j), once for the group's query heads
   // (and once for all tokens that see it at that position).
   std::vector<std::size_t>& slots = scratch.slots;

@@ -154,7 +154,7 @@ class ReferenceModel {
   // Consecutive tokens see mostly the same keys at the same positions, so each key of one
   // (layer, kv head) is rotated (and its value widened) once and looked up by uid after,
   // while its position stays. Only a cache of what would be recomputed from the inputs;
-  // every memo together stays under kMemoBytes.
+  // every memo together stays under kMemoBytes, or a memo under twice its largest view.
   struct KeyMemo {
     std::unordered_map<std::uint64_t, std::size_t> slot_of_uid;
     std::vector<std::int64_t> position;  // per slot: the position its key is rotated at

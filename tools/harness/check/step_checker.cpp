@@ -47,8 +47,7 @@ std::int64_t index_of(const RowHistory& history, std::int64_t uid) {
 // most u |v|max (1 + 2 scale |q|max |k|max), where |q| and |k| are the largest vector
 // norms of the inputs. Doubled for the rounding of the output itself and of the
 // attention's own arithmetic; rtol covers an output rounded to the same format.
-Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double roundoff) {
-  if (roundoff <= kFloat32Roundoff || s.tolerance_given) return s.tolerance;  // a scenario may override
+InputMagnitudes input_magnitudes(const InputTable& inputs) {
   const int D = inputs.head_dim;
   auto largest_norm = [D](const std::vector<float>& x) {
     double best = 0.0;
@@ -59,8 +58,15 @@ Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double r
     }
     return best;
   };
-  double vmax = 0.0;
-  for (float v : inputs.v) vmax = std::max(vmax, static_cast<double>(std::abs(v)));
+  InputMagnitudes m;
+  for (float v : inputs.v) m.v_max = std::max(m.v_max, static_cast<double>(std::abs(v)));
+  m.q_norm = largest_norm(inputs.q);
+  m.k_norm = largest_norm(inputs.k);
+  return m;
+}
+
+Tolerance output_tolerance(const Scenario& s, const InputMagnitudes& inputs, double roundoff) {
+  if (roundoff <= kFloat32Roundoff || s.tolerance_given) return s.tolerance;  // a scenario may override
   // Yarn's attention factor m scales rotated q and k, so the scores by up to m^2.
   double m = 1.0;
   for (const Rope& rope : s.ropes) m = std::max(m, reference::rope_magnitude(rope));
@@ -69,9 +75,8 @@ Tolerance output_tolerance(const Scenario& s, const InputTable& inputs, double r
   const double temperature = s.attention.query_temperature
                                  ? reference::query_temperature(*s.attention.query_temperature, largest_position(s))
                                  : 1.0;
-  const double bound = roundoff * vmax *
-                       (1.0 + 2.0 * s.softmax_scale() * m * m * temperature * largest_norm(inputs.q) *
-                                  largest_norm(inputs.k));
+  const double bound = roundoff * inputs.v_max *
+                       (1.0 + 2.0 * s.softmax_scale() * m * m * temperature * inputs.q_norm * inputs.k_norm);
   Tolerance t;
   t.atol = std::max(s.tolerance.atol, 2.0 * bound);
   t.rtol = std::max(s.tolerance.rtol, 2.0 * roundoff);
@@ -451,7 +456,10 @@ class StepChecker::Impl {
     // Quantized: outputs are compared with R_stored, the attention over exactly what the
     // cache must hold, so float32's tolerance, plus what codes a cache may round the other
     // way at a boundary can move.
-    Tolerance tolerance = output_tolerance(s_, inputs_, quant_ ? view.query_roundoff : view.roundoff);
+    const double roundoff = quant_ ? view.query_roundoff : view.roundoff;
+    // The inputs' magnitudes once per run, not a scan of every input at every step.
+    if (roundoff > kFloat32Roundoff && !magnitudes_) magnitudes_ = input_magnitudes(inputs_);
+    Tolerance tolerance = output_tolerance(s_, magnitudes_.value_or(InputMagnitudes{}), roundoff);
     for (SubCheck* c : checks_) c->check(rec, view, evidence);
     uncomputed_ = view.uncomputed;  // as the paged check left it (prefix hits)
     used_tolerance_.atol = std::max(used_tolerance_.atol, tolerance.atol);
@@ -1361,6 +1369,7 @@ class StepChecker::Impl {
 
   const Scenario& s_;
   const InputTable& inputs_;
+  std::optional<InputMagnitudes> magnitudes_;  // of inputs_, when a step first needs them
   const CheckOptions options_;  // a copy: callers build it on the spot
   const std::int64_t max_position_;
   std::vector<RotationCheck> rotations_;      // one per distinct rope

@@ -96,6 +96,11 @@ std::int64_t index_of(const RowHistory& history, std::int64_t uid);
 // Output tolerance for outputs computed from keys and values stored with unit roundoff
 // `roundoff`: the scenario's for float32, derived from the inputs' magnitudes for half
 // precision (see the definition).
-Tolerance output_tolerance(const Scenario& scenario, const InputTable& inputs, double roundoff);
+struct InputMagnitudes {
+  double v_max = 0.0;             // the largest |v| of any element
+  double q_norm = 0.0, k_norm = 0.0;  // the largest 2-norm of a raw query, of a raw key
+};
+InputMagnitudes input_magnitudes(const InputTable& inputs);
+Tolerance output_tolerance(const Scenario& scenario, const InputMagnitudes& inputs, double roundoff);
 
 }  // namespace kvcheck
