@@ -2,6 +2,8 @@
 // README's formula (integer arithmetic mod 2^64, then (h >> 40) / 2^23 - 1).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "tools/harness/scenario/generator.h"
 
 using namespace kvcheck;
@@ -30,4 +32,28 @@ TEST(Generator, TableIsIndexedByLayerUidHeadDim) {
   EXPECT_EQ(t.k_at(1, 5, 1)[3], generated_value(7, 1, 5, Tensor::k, 1, 3));
   EXPECT_EQ(t.q_at(0, 2, 3)[7], generated_value(7, 0, 2, Tensor::q, 3, 7));
   EXPECT_EQ(t.v_at(1, 0, 0)[0], generated_value(7, 1, 0, Tensor::v, 0, 0));
+}
+
+TEST(Generator, LayersFromAnOffsetAreThatSliceOfTheDeeperTable) {
+  Dims deep;
+  deep.layers = 5;
+  deep.heads = 4;
+  deep.kv_heads = 2;
+  deep.head_dim = 6;
+  Dims slice = deep;
+  slice.layers = 2;
+  for (const std::vector<std::uint64_t>& keys : {std::vector<std::uint64_t>{}, std::vector<std::uint64_t>{9, 4, 77}}) {
+    const InputTable whole = generate_inputs(deep, 3, 11, keys);
+    const InputTable part = generate_inputs(slice, 3, 11, keys, 2);  // layers 2 and 3
+    const auto same_layers = [&](const std::vector<float>& a, const std::vector<float>& b, int heads) {
+      const std::size_t per_layer = 3u * static_cast<std::size_t>(heads) * 6;
+      ASSERT_EQ(b.size(), 2 * per_layer);
+      EXPECT_TRUE(std::equal(b.begin(), b.end(), a.begin() + static_cast<std::ptrdiff_t>(2 * per_layer)));
+    };
+    same_layers(whole.q, part.q, 4);
+    same_layers(whole.k, part.k, 2);
+    same_layers(whole.v, part.v, 2);
+    const std::uint64_t uid = keys.empty() ? 2 : keys[2];
+    EXPECT_EQ(part.k_at(1, 2, 1)[5], generated_value(11, 3, uid, Tensor::k, 1, 5));
+  }
 }

@@ -289,6 +289,24 @@ TEST(ScenarioValidation, OnePolicyPerLayer) {
             "s.json: /policy/1/widow: unknown key \"widow\" (expected one of: type, window, shift_with)");
 }
 
+TEST(ScenarioCost, EachLayerOfAHybridIsChargedItsOwnPolicy) {
+  // Hand count, a 10-token prompt, 2 heads, D 4: a sliding W 4 layer's tokens see 1, 2, 3, 4,
+  // 4, 4, 4, 4, 4, 4 keys (34), a full layer's 1..10 (55): (34 + 55) x 2 heads x 4 x 2 =
+  // 1424 multiply-adds. Charging both layers the full layer's 55 would be 1760.
+  const std::string two_layers = R"({"layers": 2, "batch": 1, "heads": 2, "head_dim": 4})";
+  const auto hybrid = parse_scenario(scenario(two_layers, R"([{"type": "sliding", "window": 4}, {"type": "full"}])",
+                                              R"([{"op": "append", "tokens": 10}])"),
+                                     "s.json");
+  EXPECT_EQ(kvcheck::estimate_cost(hybrid).multiply_adds, 1424);
+  // One policy for both layers: 2 x 55 and 2 x 34 keys.
+  const auto full = parse_scenario(scenario(two_layers, R"({"type": "full"})", R"([{"op": "append", "tokens": 10}])"),
+                                   "s.json");
+  EXPECT_EQ(kvcheck::estimate_cost(full).multiply_adds, 1760);
+  const auto sliding = parse_scenario(
+      scenario(two_layers, R"({"type": "sliding", "window": 4})", R"([{"op": "append", "tokens": 10}])"), "s.json");
+  EXPECT_EQ(kvcheck::estimate_cost(sliding).multiply_adds, 1088);
+}
+
 TEST(ScenarioValidation, Float16StorageRefusesInputsBeyondItsRange) {
   // One layer, 2 uids, 1 head, D 2: the key of uid 1 is (70000, 0), past float16's 65504.
   const std::string text = R"({"name": "t", "dimensions": {"layers": 1, "batch": 1, "heads": 1, "head_dim": 2},

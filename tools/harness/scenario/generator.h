@@ -18,8 +18,9 @@ std::uint64_t splitmix64(std::uint64_t z);
 float generated_value(std::uint64_t seed, int layer, std::uint64_t uid, Tensor tensor, int head, int dim);
 
 // Fills q, k, v for uids 0 .. uids-1; with `content_keys` (SPEC 8.1, one per uid) uid u's
-// vectors are generated from content_keys[u] in place of u.
+// vectors are generated from content_keys[u] in place of u. The table's layer l holds the
+// values of layer first_layer + l: a slice of a deeper model's table, bit for bit.
 InputTable generate_inputs(const Dims& dims, std::int64_t uids, std::uint64_t seed,
-                           const std::vector<std::uint64_t>& content_keys = {});
+                           const std::vector<std::uint64_t>& content_keys = {}, int first_layer = 0);
 
 }  // namespace kvcheck

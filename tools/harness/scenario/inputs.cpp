@@ -75,6 +75,15 @@ InputTable load_raw_inputs(const Scenario& s);
 }  // namespace
 
 InputTable load_inputs(const Scenario& s) {
+  // A scenario the parser accepted only in groups of layers (layer_groups.h) is refused
+  // here, before anything is allocated, by every command but `run`, which slices it first.
+  const double floats = input_values(s, s.dims.layers);
+  const ScenarioCost cost = estimate_cost(s);
+  if (floats > 1e9 || cost.bytes > kMemoryBudget)
+    throw InputError(s.file, "/steps",
+                     fmt::format("the scenario needs {:.3g} input values and about {:.1f} GB at once; only `kvcheck "
+                                 "run` checks it, in groups of layers (kvcheck accepts up to 1e9 values and {:.0f} GB)",
+                                 floats, cost.bytes / 1e9, kMemoryBudget / 1e9));
   InputTable t = load_raw_inputs(s);
   if (s.kv_dtype == KvDtype::float16) require_float16_range(s, t);
   return t;
@@ -84,7 +93,8 @@ namespace {
 
 InputTable load_raw_inputs(const Scenario& s) {
   const std::int64_t uids = count_uids(s);
-  if (s.inputs.kind == InputSource::Kind::seed) return generate_inputs(s.dims, uids, s.inputs.seed, s.context_keys);
+  if (s.inputs.kind == InputSource::Kind::seed)
+    return generate_inputs(s.dims, uids, s.inputs.seed, s.context_keys, s.inputs.first_layer);
 
   InputTable t;
   t.layers = s.dims.layers;

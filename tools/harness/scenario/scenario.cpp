@@ -14,6 +14,7 @@
 #include "reference/policy.h"
 #include "reference/quantize.h"
 #include "tools/harness/scenario/content_keys.h"
+#include "tools/harness/scenario/layer_groups.h"
 #include "tools/harness/scenario/parse_sections.h"
 #include "tools/harness/io/json_input.h"
 #include "tools/harness/io/safe_file.h"
@@ -661,6 +662,24 @@ std::vector<Step> parse_steps(const Reader& r, const json& j, int batch, const S
   return steps;
 }
 
+// A scenario runs whole within the memory budget or, where its layers can run apart, in
+// groups of layers (`run`; layer_groups.h); anything larger is refused before it is spent.
+void require_runnable_size(const Reader& r, const Scenario& s) {
+  const double floats = input_values(s, s.dims.layers);
+  const ScenarioCost cost = estimate_cost(s);
+  if (floats <= 1e9 && cost.bytes <= kMemoryBudget) return;
+  if (layer_group_size(s, kMemoryBudget) > 0) return;
+  const std::string apart = why_layers_cannot_run_apart(s);
+  const std::string groups =
+      apart.empty() ? " (even one layer at a time)" : fmt::format(" (its layers cannot run in groups: {})", apart);
+  if (floats > 1e9)
+    r.fail("/steps", fmt::format("the scenario needs {:.3g} input values; kvcheck accepts up to 1e9{}", floats, groups));
+  r.fail("/steps", fmt::format("the scenario needs about {} of memory ({}) and about {:.2g} multiply-adds in the "
+                               "reference (about {} at 1e9 a second); kvcheck accepts up to {}{}",
+                               bytes_text(cost.bytes), cost.breakdown, cost.multiply_adds,
+                               duration_text(cost.multiply_adds / 1e9), bytes_text(kMemoryBudget), groups));
+}
+
 }  // namespace
 
 
@@ -792,17 +811,11 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
                 "cache");
   if (s.paging) require_pool_fits(r, s);
   // The reference keeps every input and output: refuse what would not fit in memory,
-  // before any of it is spent.
-  const double floats =
-      static_cast<double>(count_uids(s)) * s.dims.layers * (s.dims.heads + 2.0 * s.dims.kv_heads) * s.dims.head_dim;
-  if (floats > 1e9)
-    r.fail("/steps", fmt::format("the scenario needs {:.3g} input values; kvcheck accepts up to 1e9", floats));
-  const ScenarioCost cost = estimate_cost(s);
-  if (cost.bytes > kMemoryBudget)
-    r.fail("/steps", fmt::format("the scenario needs about {} of memory ({}) and about {:.2g} multiply-adds in the "
-                                 "reference (about {} at 1e9 a second); kvcheck accepts up to {}",
-                                 bytes_text(cost.bytes), cost.breakdown, cost.multiply_adds,
-                                 duration_text(cost.multiply_adds / 1e9), bytes_text(kMemoryBudget)));
+  // before any of it is spent. A single layer's inputs are checked first, as counting
+  // anything else of a larger scenario could take long.
+  if (input_values(s, 1) > 1e9)
+    r.fail("/steps", fmt::format("the scenario needs {:.3g} input values; kvcheck accepts up to 1e9",
+                                 input_values(s, s.dims.layers)));
   if (j.contains("seed") && j.contains("inputs")) r.fail("/inputs", "give either \"seed\" or \"inputs\", not both");
   if (j.contains("inputs")) {
     parse_inputs(r, j["inputs"], s);
@@ -815,6 +828,7 @@ Scenario parse_scenario(const std::string& text, const std::string& file) {
   }
   if (s.content == Content::prefix && s.inputs.kind != InputSource::Kind::seed)
     r.fail("/content", "content \"prefix\" generates every vector from context keys: give \"seed\", not \"inputs\"");
+  require_runnable_size(r, s);
   assign_content_keys(s);
   return s;
 }

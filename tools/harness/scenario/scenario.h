@@ -67,6 +67,7 @@ struct Tolerance {
 struct InputSource {
   enum class Kind { seed, npy, inline_arrays } kind = Kind::seed;
   std::uint64_t seed = 0;
+  int first_layer = 0;  // seed: layer 0 is this layer of a deeper model (a layer group, layer_groups.h)
   std::string q_path, k_path, v_path;  // npy: resolved paths
   std::vector<float> q, k, v;          // inline: flattened [L, U, H|Hkv, D]
 };
@@ -196,8 +197,13 @@ struct ScenarioCost {
   std::string breakdown, whole_run_breakdown;  // "inputs 1.2 GB, the largest step ..."
 };
 ScenarioCost estimate_cost(const Scenario& scenario);
+// The same for layers [first, first + count) alone, as a scenario of their own would cost.
+ScenarioCost estimate_layers_cost(const Scenario& scenario, int first, int count);
 // InputError when keeping every step of the scenario would pass the memory budget.
 void require_whole_run_fits(const Scenario& scenario);
+
+// The raw q, k and v values `layers` layers of the scenario hold (kvcheck accepts up to 1e9).
+double input_values(const Scenario& scenario, int layers);
 
 // The memory kvcheck allows one scenario's reference run (the machine has 24 GB).
 constexpr double kMemoryBudget = 8e9;

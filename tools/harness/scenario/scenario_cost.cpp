@@ -137,11 +137,11 @@ namespace {
 // head, keys and values) as reference::StoredLayer holds it: what each stands for (doubles),
 // its codes (ints), scales (doubles) and zero points (ints) per group; under scales along the
 // token axis a group is one element, and what it was quantized from is kept too.
-double stored_bytes_per_token(const Scenario& s) {
+double stored_bytes_per_token(const Scenario& s, int first, int count) {
   if (!s.quantized()) return 0.0;
   const double D = s.dims.head_dim;
   double total = 0.0;
-  for (int l = 0; l < s.dims.layers; ++l) {
+  for (int l = first; l < first + count; ++l) {
     const KvQuant& q = s.quant(l);
     double per_head = 0.0;
     for (const auto& t : {q.k, q.v}) {
@@ -155,14 +155,27 @@ double stored_bytes_per_token(const Scenario& s) {
 }
 }  // namespace
 
-ScenarioCost estimate_cost(const Scenario& s) {
+ScenarioCost estimate_cost(const Scenario& s) { return estimate_layers_cost(s, 0, s.dims.layers); }
+
+ScenarioCost estimate_layers_cost(const Scenario& s, int first, int count) {
   const Dims& d = s.dims;
-  const double stored_per_token = stored_bytes_per_token(s);
-  // A hybrid costs at most what its widest layer would cost in every layer.
-  Policy widest = s.policies.front();
-  for (const Policy& p : s.policies)
+  const double stored_per_token = stored_bytes_per_token(s, first, count);
+  // Each layer attends under its own policy (a Gemma 3-like hybrid's sliding layers see a
+  // window, its full layers everything); one view and set per layer beside the widest's.
+  // Layers of one policy are counted together: a scenario has few distinct policies.
+  std::vector<std::pair<Policy, double>> policies;  // each distinct policy and its layers
+  for (int l = first; l < first + count; ++l) {
+    const Policy& p = s.policy(l);
+    auto same = std::find_if(policies.begin(), policies.end(), [&](const auto& e) { return e.first == p; });
+    if (same == policies.end()) policies.emplace_back(p, 1.0);
+    else same->second += 1.0;
+  }
+  Policy widest = policies.front().first;
+  for (const auto& [p, layers] : policies)
     if (visible_keys(p, std::int64_t{1} << 40) > visible_keys(widest, std::int64_t{1} << 40)) widest = p;
-  const double per_token_out = static_cast<double>(d.layers) * d.heads * d.head_dim;
+  const double views_per_key = policies.size() > 1 ? 1.0 : 0.0;  // per layer's key, beside the widest's
+  const double per_token_out = static_cast<double>(count) * d.heads * d.head_dim;
+  const double per_layer_key = static_cast<double>(d.heads) * d.head_dim;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);
   double outputs = 0, views = 0, retained = 0, stored = 0, work = 0, largest_step = 0;
   for (const Step& step : s.steps) {
@@ -170,15 +183,16 @@ ScenarioCost estimate_cost(const Scenario& s) {
     if (step.op == StepOp::append) {
       const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
       const double out = static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
-      double seen_all = 0;
+      double seen_all = 0, seen_layers = 0;
       for (std::size_t b = 0; b < lengths.size(); ++b) {
-        const double seen = visible_keys_sum(widest, lengths[b], lengths[b] + step.tokens[b] - 1);
-        seen_all += seen;
-        work += seen * per_token_out * 2;  // a dot product and a value accumulation per key
+        seen_all += visible_keys_sum(widest, lengths[b], lengths[b] + step.tokens[b] - 1);
+        for (const auto& [p, layers] : policies)
+          seen_layers += layers * visible_keys_sum(p, lengths[b], lengths[b] + step.tokens[b] - 1);
       }
+      work += seen_layers * per_layer_key * 2;  // a dot product and a value accumulation per key
       outputs += out;
       // One (index, position) pair per visible key; a hybrid keeps a view per layer too.
-      views += seen_all * 16 * (s.hybrid() ? d.layers + 1.0 : 1.0);
+      views += (seen_all + views_per_key * seen_layers) * 16;
       // Checking the step holds its outputs and views, and each cache's log of the
       // visible pairs (about 90 bytes a pair, sorted copy included) and float outputs.
       step_bytes = out + seen_all * 16 + seen_all * 90 + out / 2;
@@ -186,8 +200,15 @@ ScenarioCost estimate_cost(const Scenario& s) {
     advance_lengths(step, lengths);
     // Per row and step: the retained and live sets (24 bytes a key), and a history view.
     double sets = 0;
-    for (std::int64_t n : lengths)
-      sets += (48.0 * (n == 0 ? 0.0 : visible_keys(widest, n - 1)) + 24) * (s.hybrid() ? d.layers + 1.0 : 1.0);
+    for (std::int64_t n : lengths) {
+      if (n == 0) {
+        sets += 24 * (1.0 + views_per_key * count);
+        continue;
+      }
+      double layer_keys = 0;
+      for (const auto& [p, layers] : policies) layer_keys += layers * (48.0 * visible_keys(p, n - 1) + 24);
+      sets += 48.0 * visible_keys(widest, n - 1) + 24 + views_per_key * layer_keys;
+    }
     retained += sets;
     // A quantized step's record holds what the reference stores for every retained token.
     double stored_now = 0;
@@ -196,7 +217,7 @@ ScenarioCost estimate_cost(const Scenario& s) {
     largest_step = std::max(largest_step, step_bytes + sets + stored_now);
   }
   ScenarioCost c;
-  const double inputs = static_cast<double>(count_uids(s)) * d.layers * (d.heads + 2.0 * d.kv_heads) * d.head_dim * 4;
+  const double inputs = static_cast<double>(count_uids(s)) * count * (d.heads + 2.0 * d.kv_heads) * d.head_dim * 4;
   const double histories = static_cast<double>(count_uids(s)) * 8 * 2;
   // `run` checks step by step: the inputs (twice: the reference's own checks feed the
   // tokens one by one from a copy) and the largest step. Export, goldens, diagnose and
@@ -229,6 +250,10 @@ std::int64_t longest_row(const Scenario& s) {
     for (std::int64_t n : lengths) longest = std::max(longest, n);
   }
   return longest;
+}
+
+double input_values(const Scenario& s, int layers) {
+  return static_cast<double>(count_uids(s)) * layers * (s.dims.heads + 2.0 * s.dims.kv_heads) * s.dims.head_dim;
 }
 
 std::int64_t count_uids(const Scenario& scenario) {

@@ -1,11 +1,15 @@
 #include "tools/harness/sources/runner.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
 
 #include "tools/harness/sources/in_process_source.h"
 #include "tools/harness/scenario/inputs.h"
+#include "tools/harness/scenario/layer_groups.h"
 #include "tools/harness/io/progress.h"
 #include "tools/harness/check/reference_checks.h"
 #include "tools/harness/run/reference_run.h"
@@ -33,9 +37,11 @@ struct Target {
 
 }  // namespace
 
+namespace {
+
 // The reference makes one step at a time and every check takes it before the next, so
 // memory holds one step's outputs and views, not the whole run's.
-std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& options) {
+std::vector<Outcome> run_whole(const Scenario& scenario, const RunOptions& options) {
   const auto start = Clock::now();
   const InputTable inputs = load_inputs(scenario);
   double reference_seconds = seconds_since(start);
@@ -87,6 +93,41 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
   for (auto& target : targets) {
     outcomes.push_back(target->checker.finish().outcome);
     outcomes.back().seconds = target->seconds;
+  }
+  return outcomes;
+}
+
+}  // namespace
+
+std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& options) {
+  const int layers = scenario.dims.layers;
+  const int size = options.layers_per_group > 0 && why_layers_cannot_run_apart(scenario).empty()
+                       ? std::min(options.layers_per_group, layers)
+                       : layer_group_size(scenario, options.memory_budget);
+  if (size == layers) return run_whole(scenario, options);
+  if (size == 0)  // the parser refuses such a scenario against kMemoryBudget; here a smaller budget
+    throw InputError(scenario.file, "/steps",
+                     fmt::format("the scenario does not fit in {:.3g} bytes, even one layer at a time",
+                                 options.memory_budget));
+  std::vector<Outcome> outcomes;
+  for (int first = 0; first < layers; first += size) {
+    const int count = std::min(size, layers - first);
+    std::vector<Outcome> group = run_whole(layer_group(scenario, first, count), options);
+    for (Outcome& o : group) {
+      for (Check& c : o.checks) c.detail = renumber_layers(c.detail, first);
+      if (FirstDivergence* f = o.first_divergence ? &*o.first_divergence : nullptr) {
+        f->layer += first;
+        for (std::string* text : {&f->verdict, &f->explanation, &f->where, &f->what}) *text = renumber_layers(*text, first);
+      }
+      if (o.target == "reference")
+        o.checks.push_back(
+            {"layer groups", true,
+             fmt::format("layers {}-{} of {} checked as a scenario of their own (the whole needs about {:.1f} GB; "
+                         "groups of {} fit in {:.1f} GB): each layer as in the whole, nothing across groups",
+                         first, first + count - 1, layers, estimate_cost(scenario).bytes / 1e9, size,
+                         options.memory_budget / 1e9)});
+      outcomes.push_back(std::move(o));
+    }
   }
   return outcomes;
 }
