@@ -43,9 +43,10 @@ kvcheck_venv() {
     local site torch_site
     site=("$venv"/lib/python3*/site-packages)
     torch_site=("$KVCHECK_VENVS"/torch/lib/python3*/site-packages)
-    echo "${torch_site[0]}" >"${site[0]}/kvcheck-torch.pth"
-    # The venv's own setuptools (66) would hide the 84.2.1 that torch requires.
+    # The venv's own setuptools (66) would hide the 84.2.1 that torch requires: removed
+    # before the .pth exists, so that pip cannot take torch's copy for the venv's.
     "$venv/bin/pip" uninstall --yes --disable-pip-version-check setuptools >>"$log" 2>&1
+    echo "${torch_site[0]}" >"${site[0]}/kvcheck-torch.pth"
     files=("${files[@]:1}")
   fi
   for f in "${files[@]}"; do
@@ -58,6 +59,13 @@ kvcheck_venv() {
       exit 2
     fi
   done
+  # Every requirement met by what the venv sees, torch's venv included: a pin of the venv's
+  # own must not shadow one torch needs.
+  if ! "$venv/bin/pip" check --disable-pip-version-check >>"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "kvcheck: pip check found broken requirements in $venv (log: $log)" >&2
+    exit 2
+  fi
   printf '%s' "$wanted" >"$stamp"
   echo "kvcheck: venv $name ready in $((SECONDS - start)) s" >&2
 }

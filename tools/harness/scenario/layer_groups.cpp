@@ -31,6 +31,11 @@ std::string why_layers_cannot_run_apart(const Scenario& s) {
   for (const Step& step : s.steps)
     if (step.op == StepOp::crop)
       return fmt::format("step {} crops, and a crop's refusal is every layer's together", step.source_index);
+  // Sizing groups estimates each of them a few times over: bounded, as a hostile file could
+  // make it take long.
+  if (static_cast<double>(s.steps.size()) * s.dims.batch * s.dims.layers > 5e7)
+    return fmt::format("its {} steps x {} rows x {} layers are too many to plan groups of layers", s.steps.size(),
+                       s.dims.batch, s.dims.layers);
   return "";
 }
 

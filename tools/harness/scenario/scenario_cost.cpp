@@ -174,6 +174,11 @@ ScenarioCost estimate_layers_cost(const Scenario& s, int first, int count) {
   for (const auto& [p, layers] : policies)
     if (visible_keys(p, std::int64_t{1} << 40) > visible_keys(widest, std::int64_t{1} << 40)) widest = p;
   const double views_per_key = policies.size() > 1 ? 1.0 : 0.0;  // per layer's key, beside the widest's
+  // Counting each of many distinct policies over many steps and rows would take long (a
+  // hostile file: 1,024 windows, a million steps): every layer is charged the widest then,
+  // which over-estimates.
+  if (static_cast<double>(policies.size()) * static_cast<double>(s.steps.size()) * d.batch > 5e7)
+    policies.assign(1, {widest, static_cast<double>(count)});
   const double per_token_out = static_cast<double>(count) * d.heads * d.head_dim;
   const double per_layer_key = static_cast<double>(d.heads) * d.head_dim;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);

@@ -104,11 +104,9 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
   const int size = options.layers_per_group > 0 && why_layers_cannot_run_apart(scenario).empty()
                        ? std::min(options.layers_per_group, layers)
                        : layer_group_size(scenario, options.memory_budget);
-  if (size == layers) return run_whole(scenario, options);
-  if (size == 0)  // the parser refuses such a scenario against kMemoryBudget; here a smaller budget
-    throw InputError(scenario.file, "/steps",
-                     fmt::format("the scenario does not fit in {:.3g} bytes, even one layer at a time",
-                                 options.memory_budget));
+  // 0: no groups; the parser took the scenario whole (`--kv-quant` may have grown it since).
+  if (size == layers || size == 0) return run_whole(scenario, options);
+  const double whole_bytes = estimate_cost(scenario).bytes;
   std::vector<Outcome> outcomes;
   for (int first = 0; first < layers; first += size) {
     const int count = std::min(size, layers - first);
@@ -124,7 +122,7 @@ std::vector<Outcome> run_scenario(const Scenario& scenario, const RunOptions& op
             {"layer groups", true,
              fmt::format("layers {}-{} of {} checked as a scenario of their own (the whole needs about {:.1f} GB; "
                          "groups of {} fit in {:.1f} GB): each layer as in the whole, nothing across groups",
-                         first, first + count - 1, layers, estimate_cost(scenario).bytes / 1e9, size,
+                         first, first + count - 1, layers, whole_bytes / 1e9, size,
                          options.memory_budget / 1e9)});
       outcomes.push_back(std::move(o));
     }
