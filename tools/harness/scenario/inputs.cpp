@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "tools/harness/scenario/generator.h"
+#include "tools/harness/scenario/layer_groups.h"
 #include "tools/harness/io/npy.h"
 
 namespace kvcheck {
@@ -77,9 +78,11 @@ InputTable load_raw_inputs(const Scenario& s);
 InputTable load_inputs(const Scenario& s) {
   // A scenario the parser accepted only in groups of layers (layer_groups.h) is refused
   // here, before anything is allocated, by every command but `run`, which slices it first.
+  // A scenario the parser took whole and `run --kv-quant` grew past the budget still loads.
   const double floats = input_values(s, s.dims.layers);
   const ScenarioCost cost = estimate_cost(s);
-  if (floats > 1e9 || cost.bytes > kMemoryBudget)
+  const bool whole = floats <= 1e9 && cost.bytes <= kMemoryBudget;
+  if (!whole && layer_group_size(s, kMemoryBudget) > 0)
     throw InputError(s.file, "/steps",
                      fmt::format("the scenario needs {:.3g} input values and about {:.1f} GB at once; only `kvcheck "
                                  "run` checks it, in groups of layers (kvcheck accepts up to 1e9 values and {:.0f} GB)",
