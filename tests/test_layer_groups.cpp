@@ -81,6 +81,32 @@ TEST(LayerGroups, AGroupIsThatSliceOfTheWholeBitForBit) {
   }
 }
 
+// Per-layer sink logits (gpt-oss) and per-layer quantized storage follow their layers into a
+// group: each layer alone gives the whole's outputs and stored values, bit for bit.
+TEST(LayerGroups, PerLayerSinkLogitsAndQuantizedStorageGoWithTheirLayer) {
+  for (const char* name : {"gpt_oss_hybrid_yarn_learned_sinks", "quant_fp8_per_layer_scales"}) {
+    const Scenario s = load_scenario(std::string(KVCHECK_SOURCE_DIR) + "/fixtures/scenarios/" + name + ".json");
+    const ReferenceRun whole = run_reference(s, load_inputs(s));
+    const int L = s.dims.layers;
+    for (int layer = 1; layer < L; ++layer) {
+      const Scenario g = layer_group(s, layer, 1);
+      const ReferenceRun part = run_reference(g, load_inputs(g));
+      ASSERT_EQ(part.steps.size(), whole.steps.size());
+      for (std::size_t i = 0; i < part.steps.size(); ++i) {
+        if (!whole.steps[i].append) continue;
+        ASSERT_TRUE(part.steps[i].append);
+        const reference::AppendResult &w = *whole.steps[i].append, &p = *part.steps[i].append;
+        EXPECT_TRUE(same(w.out, w.out.size() / L * static_cast<std::size_t>(layer), p.out))
+            << name << ", step " << i << ", layer " << layer;
+        if (!w.out_stored.empty()) {
+          EXPECT_TRUE(same(w.out_stored, w.out_stored.size() / L * static_cast<std::size_t>(layer), p.out_stored))
+              << name << ", step " << i << ", layer " << layer;
+        }
+      }
+    }
+  }
+}
+
 TEST(LayerGroups, GroupsAreWholePeriodsOfTheLayerPattern) {
   const Scenario g27 = parse_scenario(gemma3_27b(), "g27.json");  // accepted: it runs in groups
   EXPECT_EQ(layer_period(g27), 6);
@@ -88,15 +114,43 @@ TEST(LayerGroups, GroupsAreWholePeriodsOfTheLayerPattern) {
   // Memory no object, the 1e9 input values bind: 8,224 uids x (32 + 2 x 16) heads x 128 is
   // 6.74e7 values a layer, so 14 layers fit (9.4e8) and 15 do not; 14 rounds down to 12.
   EXPECT_EQ(layer_group_size(g27, 1e13), 12);
-  // Within kvcheck's 8 GB: a full layer alone, by hand, keeps its inputs twice (2 x 8,224 x
-  // 64 x 128 x 4 B = 539 MB) and the prompt's step: outputs 8,192 x 32 x 128 x 8 B = 268 MB
-  // and half again in float, and 8,192 x 8,193 / 2 = 3.36e7 visible keys at 16 + 90 B
-  // (3.56 GB): 4.50 GB, over half the budget, so the layers go one at a time.
-  EXPECT_NEAR(estimate_layers_cost(g27, 5, 1).bytes, 4.50e9, 0.01e9);
-  EXPECT_EQ(layer_group_size(g27, kMemoryBudget), 1);
-  // Half the budget exactly one period's estimate: groups of six (seven layers from 0 hold
-  // one more sliding layer, so they do not fit).
-  EXPECT_EQ(layer_group_size(g27, 2 * estimate_layers_cost(g27, 0, 6).bytes), 6);
+  // A full layer alone, by hand: its inputs twice (2 x 8,224 uids x 64 heads x 128 x 4 B =
+  // 539 MB) and their histories (8,224 x 16 B), the key memos of two reference models (2 x
+  // 16 kv heads x 8,224 keys x (2 x 128 x 8 + 64) B = 556 MB), the prompt's step: outputs
+  // (8,192 x 32 x 128 x 8 B = 268 MB) and 8,192 x 8,193 / 2 = 33,558,528 visible keys at
+  // 16 B (537 MB), the retained set (48 x 8,192 + 24 B), and one cache under test: its log
+  // of those keys at 90 B (3.02 GB), its float outputs (134 MB) and the prompt's keys and
+  // values (8,192 x 16 x 128 x 2 x 4 B = 134 MB). 5,189,378,584 B, of which 3,288,702,976
+  // the cache's.
+  const ScenarioCost full = estimate_layers_cost(g27, 5, 1);
+  EXPECT_EQ(full.bytes, 5189378584.0);
+  EXPECT_EQ(full.cache_bytes, 3288702976.0);
+  // Within kvcheck's 8 GB, with the caches that really serve each group: the full layer
+  // alone, served by three caches (dynamic, static and paged), is 11.77 GB, over; three
+  // layers fit (two sliding layers and the full one are the hybrid's alone), and four
+  // sliding layers (sliding and paged) are over 85% of the budget.
+  const CachesServing serving = [](const Scenario& s, int first, int count) {
+    const Scenario group = layer_group(s, first, count);
+    int n = 0;
+    for (const CacheEntry& c : real_caches()) n += c.serves(group) ? 1 : 0;
+    return n;
+  };
+  EXPECT_EQ(serving(g27, 5, 1), 3);
+  EXPECT_EQ(serving(g27, 3, 3), 1);
+  EXPECT_GT(full.bytes + 2 * full.cache_bytes, kMemoryBudget);
+  EXPECT_EQ(layer_group_size(g27, kMemoryBudget, serving), 3);
+  const ScenarioCost four = estimate_layers_cost(g27, 0, 4);
+  EXPECT_GT(four.bytes + four.cache_bytes, 0.85 * kMemoryBudget);
+  // Where the caches decide: at 8.77 GB, groups of four fit with one cache each (layers 4-7,
+  // the largest, 7.44 GB) but layers 0-3 with their two do not (7.47 GB over 7.45 GB).
+  EXPECT_EQ(layer_group_size(g27, 8.77e9), 4);
+  EXPECT_EQ(layer_group_size(g27, 8.77e9, serving), 3);
+  // With one cache, as the parser counts, a layer alone fits, and so any scenario whose
+  // single layers do is accepted.
+  EXPECT_LE(full.bytes, kMemoryBudget);
+  // 85% of the budget exactly one period's estimate: groups of six (seven layers
+  // from 0 hold one more sliding layer, so they do not fit).
+  EXPECT_EQ(layer_group_size(g27, estimate_layers_cost(g27, 0, 6).bytes / 0.85 + 1), 6);
   // Commands that need the whole table refuse it before allocating 16.7 GB (8,224 uids x 62
   // layers x 64 heads x 128 = 4.18e9 values).
   try {
@@ -124,6 +178,11 @@ TEST(LayerGroups, LayerNumbersInAGroupsReportAreTheWholeScenarios) {
             "step 3, row 0, layer 8: layer 6's key; 5 layers");
   EXPECT_EQ(renumber_layers("layer 11", 0), "layer 11");
   EXPECT_EQ(renumber_layers("no layer here, layer", 6), "no layer here, layer");
+  // Lists after "layers" (quant_checks names a format's layers so), not after "layer".
+  EXPECT_EQ(renumber_layers("q4 in layers 0, 1; q8 in layer 2, 64 heads; layers 0-2 of 3", 6),
+            "q4 in layers 6, 7; q8 in layer 8, 64 heads; layers 6-8 of 3");
+  EXPECT_EQ(renumber_layers("layer 99999999999999999999, layer 2147483647", 6),
+            "layer 99999999999999999999, layer 2147483647");
 }
 
 TEST(LayerGroups, RunInGroupsEveryGroupPassesAndAPlantedBugIsNamedAtItsLayer) {

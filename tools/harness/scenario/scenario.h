@@ -191,7 +191,8 @@ PoolNeed largest_pool_need(const Scenario& scenario, std::int64_t block_size);
 // What a scenario costs the reference, estimated from its steps before anything runs:
 // the memory the run keeps and the multiply-adds of its attention.
 struct ScenarioCost {
-  double bytes = 0;            // `run`, which checks step by step
+  double bytes = 0;            // `run`, which checks step by step, with one cache under test
+  double cache_bytes = 0;      // of which each cache under test (its largest step)
   double whole_run_bytes = 0;  // commands that keep every step (export, goldens, diagnose, verify)
   double multiply_adds = 0;
   std::string breakdown, whole_run_breakdown;  // "inputs 1.2 GB, the largest step ..."

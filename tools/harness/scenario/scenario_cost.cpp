@@ -181,26 +181,36 @@ ScenarioCost estimate_layers_cost(const Scenario& s, int first, int count) {
     policies.assign(1, {widest, static_cast<double>(count)});
   const double per_token_out = static_cast<double>(count) * d.heads * d.head_dim;
   const double per_layer_key = static_cast<double>(d.heads) * d.head_dim;
+  // What a cache stores of one token in all the group's layers (float32 at most: half
+  // formats and codes take less).
+  const double kv_per_token = static_cast<double>(count) * d.kv_heads * d.head_dim * 2 * 4;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(d.batch), 0);
-  double outputs = 0, views = 0, retained = 0, stored = 0, work = 0, largest_step = 0;
+  double outputs = 0, views = 0, retained = 0, stored = 0, work = 0, largest_step = 0, largest_cache = 0;
+  double largest_view = 0;  // keys one query sees, in its widest layer
   for (const Step& step : s.steps) {
-    double step_bytes = 0;
+    double step_bytes = 0, cache_bytes = 0;
     if (step.op == StepOp::append) {
       const std::int64_t n = *std::max_element(step.tokens.begin(), step.tokens.end());
       const double out = static_cast<double>(lengths.size()) * static_cast<double>(n) * per_token_out * 8;
-      double seen_all = 0, seen_layers = 0;
+      double seen_all = 0, seen_layers = 0, seen_first = 0, held = 0;
       for (std::size_t b = 0; b < lengths.size(); ++b) {
         seen_all += visible_keys_sum(widest, lengths[b], lengths[b] + step.tokens[b] - 1);
+        seen_first += visible_keys_sum(s.policy(first), lengths[b], lengths[b] + step.tokens[b] - 1);
         for (const auto& [p, layers] : policies)
           seen_layers += layers * visible_keys_sum(p, lengths[b], lengths[b] + step.tokens[b] - 1);
+        held += (lengths[b] == 0 ? 0.0 : visible_keys(widest, lengths[b] - 1)) + static_cast<double>(step.tokens[b]);
+        largest_view = std::max(largest_view, visible_keys(widest, lengths[b] + step.tokens[b] - 1));
       }
       work += seen_layers * per_layer_key * 2;  // a dot product and a value accumulation per key
       outputs += out;
       // One (index, position) pair per visible key; a hybrid keeps a view per layer too.
       views += (seen_all + views_per_key * seen_layers) * 16;
-      // Checking the step holds its outputs and views, and each cache's log of the
-      // visible pairs (about 90 bytes a pair, sorted copy included) and float outputs.
-      step_bytes = out + seen_all * 16 + seen_all * 90 + out / 2;
+      // The reference's step: its outputs and views.
+      step_bytes = out + (seen_all + views_per_key * seen_layers) * 16;
+      // A cache under test beside it: the kernel's log of the first layer's visible pairs
+      // (about 90 bytes a pair, the checker's sorted copy included), its float outputs, and
+      // the keys and values it holds while the step's queries attend.
+      cache_bytes = seen_first * 90 + out / 2 + held * kv_per_token;
     }
     advance_lengths(step, lengths);
     // Per row and step: the retained and live sets (24 bytes a key), and a history view.
@@ -219,21 +229,40 @@ ScenarioCost estimate_layers_cost(const Scenario& s, int first, int count) {
     double stored_now = 0;
     for (std::int64_t n : lengths) stored_now += stored_per_token * (n == 0 ? 0.0 : visible_keys(widest, n - 1));
     stored += stored_now;
-    largest_step = std::max(largest_step, step_bytes + sets + stored_now);
+    if (step_bytes + sets + stored_now + cache_bytes > largest_step + largest_cache) {
+      largest_step = step_bytes + sets + stored_now;
+      largest_cache = cache_bytes;
+    }
+  }
+  // reference::ReferenceModel's key memos, one per layer and kv head, each under twice the
+  // largest view or its share of 256 MB, and never over the keys there are; a second model
+  // feeds the tokens one by one for the reference's own checks. Per key: its rotated key and
+  // value (doubles) and a map entry.
+  double memos = 0;
+  const double uids = static_cast<double>(count_uids(s));
+  for (const auto& [p, layers] : policies) {
+    const double share = 256.0 * (1 << 20) / (static_cast<double>(count) * d.kv_heads) / (16.0 * d.head_dim);
+    const double keys =
+        std::min(std::max(2 * std::min(largest_view, visible_keys(p, std::int64_t{1} << 40)), share), uids);
+    memos += 2 * layers * d.kv_heads * keys * (16.0 * d.head_dim + 64);
   }
   ScenarioCost c;
   const double inputs = static_cast<double>(count_uids(s)) * count * (d.heads + 2.0 * d.kv_heads) * d.head_dim * 4;
   const double histories = static_cast<double>(count_uids(s)) * 8 * 2;
   // `run` checks step by step: the inputs (twice: the reference's own checks feed the
-  // tokens one by one from a copy) and the largest step. Export, goldens, diagnose and
-  // verify keep every step.
-  c.bytes = 2 * inputs + histories + largest_step;
-  c.whole_run_bytes = outputs + views + retained + stored + inputs + histories;
+  // tokens one by one from a copy), the memos, the largest step, and the caches under test
+  // beside it. Export, goldens, diagnose and verify keep every step, with one model's memos.
+  c.cache_bytes = largest_cache;
+  c.bytes = 2 * inputs + histories + memos + largest_step + largest_cache;
+  c.whole_run_bytes = outputs + views + retained + stored + inputs + histories + memos / 2;
   c.multiply_adds = work;
-  c.breakdown = fmt::format("inputs {}, the largest step {}", bytes_text(2 * inputs), bytes_text(largest_step));
+  c.breakdown = fmt::format("inputs {}, key memos {}, the largest step {} and a cache under test beside it {}",
+                            bytes_text(2 * inputs), bytes_text(memos), bytes_text(largest_step),
+                            bytes_text(largest_cache));
   c.whole_run_breakdown = fmt::format("outputs {}, attention views {}, retained sets {}, inputs {}",
                                       bytes_text(outputs), bytes_text(views), bytes_text(retained), bytes_text(inputs));
   if (stored > 0) c.whole_run_breakdown += fmt::format(", stored quantized KV {}", bytes_text(stored));
+  c.whole_run_breakdown += fmt::format(", key memos {}", bytes_text(memos / 2));
   return c;
 }
 

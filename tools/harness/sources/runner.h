@@ -16,7 +16,8 @@ struct RunOptions {
   bool reference_checks = true;
   std::optional<KvDtype> kv_dtype;  // every scenario's caches store in this format instead
   std::optional<QuantFormat> kv_quant;  // or K and V quantized in this format (SPEC 9)
-  // Over this (estimate_cost's bytes), a scenario runs in groups of layers (layer_groups.h).
+  // Over 85% of this (estimate_cost's, with the caches that serve it), a scenario runs in
+  // groups of layers where its layers can run apart (layer_groups.h).
   double memory_budget = kMemoryBudget;
   int layers_per_group = 0;  // > 0: groups of this many layers, whatever the budget (tests)
 };
