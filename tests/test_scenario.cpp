@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "tools/harness/run/reference_run.h"
 #include "tools/harness/scenario/inputs.h"
 #include "tools/harness/scenario/scenario.h"
 
@@ -305,6 +306,30 @@ TEST(ScenarioCost, EachLayerOfAHybridIsChargedItsOwnPolicy) {
   const auto sliding = parse_scenario(
       scenario(two_layers, R"({"type": "sliding", "window": 4})", R"([{"op": "append", "tokens": 10}])"), "s.json");
   EXPECT_EQ(kvcheck::estimate_cost(sliding).multiply_adds, 1088);
+}
+
+TEST(ScenarioCost, AQuantizedChunkedLayerStoresNoMoreThanTheChunkItCounts) {
+  // estimate_cost counts a chunked layer's stored tokens as its last C (visible_keys): what
+  // it retains and the tail of its ring (SPEC 10.2) must fit in that, at every step.
+  const std::string text = scenario(R"({"layers": 1, "batch": 2, "heads": 2, "kv_heads": 1, "head_dim": 4})",
+                                    R"({"type": "chunked", "chunk": 4})",
+                                    R"([{"op": "append", "tokens": [10, 7]}, {"op": "decode", "steps": 6},
+                                        {"op": "append", "tokens": 3}])",
+                                    R"(, "seed": 5, "kv_quant": {"k": {"format": "int8", "scale": {"granularity": "token"}},
+                                        "v": {"format": "int8", "scale": {"granularity": "token"}}})");
+  const kvcheck::Scenario s = parse_scenario(text, "c.json");
+  const kvcheck::ReferenceRun run = kvcheck::run_reference(s, kvcheck::load_inputs(s));
+  std::size_t rings = 0;
+  for (const kvcheck::StepRecord& rec : run.steps)
+    for (std::size_t row = 0; row < rec.rows(); ++row) {
+      ASSERT_FALSE(rec.stored.empty());
+      const std::size_t retained = rec.stored[0][row].size();
+      const std::size_t ring = rec.stored_ring.empty() ? 0 : rec.stored_ring[0][row].size();
+      EXPECT_EQ(retained, rec.retained_in(0, row).keys.size());
+      EXPECT_LE(retained + ring, 4u) << "row " << row;
+      rings += ring;
+    }
+  EXPECT_GT(rings, 0u);  // the ring did hold a tail
 }
 
 TEST(ScenarioValidation, Float16StorageRefusesInputsBeyondItsRange) {

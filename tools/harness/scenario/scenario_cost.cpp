@@ -226,6 +226,8 @@ ScenarioCost estimate_layers_cost(const Scenario& s, int first, int count) {
     }
     retained += sets;
     // A quantized step's record holds what the reference stores for every retained token.
+    // A chunked layer's retained tokens and the tail of its ring (SPEC 10.2, stored_ring) are
+    // together at most its last C, which visible_keys counts for it.
     double stored_now = 0;
     for (std::int64_t n : lengths) stored_now += stored_per_token * (n == 0 ? 0.0 : visible_keys(widest, n - 1));
     stored += stored_now;
